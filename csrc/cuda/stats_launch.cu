@@ -1,0 +1,104 @@
+// CUDA launchers: pick grid/block, launch on the current stream under a
+// device guard. No allocation, no sync, no host read of device memory, so
+// every launch is CUDA-graph capturable. The device code is in
+// stats_kernel.cuh (also executed on the CPU by tests/cuda_emu).
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "cuda/stats_kernel.cuh"
+#include "hookcap/op_checks.h"
+
+namespace hookcap {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kBlocksPerSm = 4;
+constexpr int kMaxDevices = 64;
+
+// Grid bound: a few resident blocks per SM; the grid-stride loop covers the
+// rest. SM counts are cached per device (attribute query is host-only).
+int64_t max_blocks(int device) {
+  static int sms[kMaxDevices] = {0};
+  if (device < 0 || device >= kMaxDevices) return 1024;
+  if (sms[device] == 0) {
+    int v = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+    sms[device] = std::max(v, 1);
+  }
+  return static_cast<int64_t>(sms[device]) * kBlocksPerSm;
+}
+
+void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
+                     int64_t row, int64_t hist_kind, double hist_lo, double hist_hi,
+                     int64_t hist_bins) {
+  check_accumulate(x_in, ring, state, row);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const int64_t n = x_in.numel();
+  c10::cuda::CUDAGuard guard(x_in.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
+
+  at::Tensor x = x_in;
+  StridedDesc d{};
+  bool flat = is_flat_readable(x);
+  if (!flat && !make_strided_desc(x, d)) {
+    x = x.contiguous();  // rare: > kMaxDims non-mergeable dims
+    flat = true;
+  }
+  const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), row,
+                               ring.size(1), ring.size(2)};
+  // Empty tensors still launch one block so count/calls are recorded on the
+  // device (the host never reads the enabled flag).
+  const int64_t want = (n + kThreads * 4 - 1) / (kThreads * 4);
+  const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(x.device().index())));
+  AT_DISPATCH_FLOATING_TYPES_AND4(
+      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x.scalar_type(),
+      "hookcap_accumulate_cuda", [&] {
+        const scalar_t* p = x.const_data_ptr<scalar_t>();
+        if (flat) {
+          kernels::accumulate_kernel<scalar_t, true>
+              <<<blocks, kThreads, 0, stream>>>(p, n, d, tgt, h);
+        } else {
+          kernels::accumulate_kernel<scalar_t, false>
+              <<<blocks, kThreads, 0, stream>>>(p, n, d, tgt, h);
+        }
+      });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void reset_slot_cuda(at::Tensor& ring, const at::Tensor& state) {
+  check_ring_state(ring, state);
+  c10::cuda::CUDAGuard guard(ring.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  const int64_t total = ring.size(1) * ring.size(2);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 1024));
+  kernels::reset_slot_kernel<<<blocks, kThreads, 0, stream>>>(
+      ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(1), ring.size(2));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void advance_cuda(at::Tensor& ring, at::Tensor& state, int64_t every) {
+  check_ring_state(ring, state);
+  TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
+  c10::cuda::CUDAGuard guard(ring.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  kernels::advance_kernel<<<1, 1024, 0, stream>>>(ring.data_ptr<int64_t>(),
+                                                  state.data_ptr<int64_t>(), ring.size(0),
+                                                  ring.size(1), ring.size(2), every);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
+  m.impl("accumulate", &accumulate_cuda);
+  m.impl("reset_slot", &reset_slot_cuda);
+  m.impl("advance", &advance_cuda);
+}
+
+}  // namespace hookcap

@@ -1,0 +1,108 @@
+// Host-side argument checks and launch descriptors, shared by the CPU, CUDA
+// and Meta implementations so every backend rejects exactly the same input.
+// Only metadata is inspected: no device memory is read (no sync).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+#include "hookcap/state.h"
+#include "hookcap/stats_math.h"
+#include "hookcap/strided.h"
+
+namespace hookcap {
+
+inline void check_ring_state(const at::Tensor& ring, const at::Tensor& state) {
+  TORCH_CHECK(ring.scalar_type() == at::kLong && ring.dim() == 3 && ring.is_contiguous(),
+              "hookcap: ring must be a contiguous int64 tensor [slots, rows, width], got ",
+              ring.scalar_type(), " with shape ", ring.sizes());
+  TORCH_CHECK(ring.size(0) >= 1 && ring.size(2) >= kHeader,
+              "hookcap: ring needs >= 1 slot and width >= ", static_cast<int64_t>(kHeader),
+              ", got shape ", ring.sizes());
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.dim() == 1 &&
+                  state.numel() == kStateSize && state.is_contiguous(),
+              "hookcap: state must be a contiguous int64 tensor of shape [3] "
+              "(step, enabled, slot), got ", state.scalar_type(), " ", state.sizes());
+  TORCH_CHECK(ring.device() == state.device(), "hookcap: ring is on ", ring.device(),
+              " but state is on ", state.device());
+}
+
+inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
+                               int64_t width) {
+  HistSpec h{};
+  h.kind = kind;
+  h.nbins = width - kHeader;
+  if (kind == kHistNone) return h;
+  TORCH_CHECK(kind == kHistLog2 || kind == kHistLinear,
+              "hookcap: hist_kind must be 0 (none), 1 (log2) or 2 (linear), got ", kind);
+  TORCH_CHECK(std::isfinite(lo) && std::isfinite(hi) && lo < hi,
+              "hookcap: histogram needs finite lo < hi, got lo=", lo, " hi=", hi);
+  if (kind == kHistLog2) {
+    TORCH_CHECK(lo == std::floor(lo) && hi == std::floor(hi) && lo >= -1100 && hi <= 1100,
+                "hookcap: log2 histogram exponents must be integers in [-1100, 1100], got lo=",
+                lo, " hi=", hi);
+    h.lo_exp = static_cast<int64_t>(lo);
+    h.hi_exp = static_cast<int64_t>(hi);
+    TORCH_CHECK(h.nbins == h.hi_exp - h.lo_exp + 3, "hookcap: ring width ", width,
+                " does not fit a log2 histogram [", lo, ", ", hi, "): need ",
+                kHeader + h.hi_exp - h.lo_exp + 3);
+  } else {
+    TORCH_CHECK(bins >= 1, "hookcap: linear histogram needs bins >= 1, got ", bins);
+    h.lo = lo;
+    h.hi = hi;
+    h.bins = bins;
+    h.width = (hi - lo) / static_cast<double>(bins);
+    TORCH_CHECK(h.width > 0 && std::isfinite(h.width),
+                "hookcap: linear histogram bin width is not a positive finite number");
+    TORCH_CHECK(h.nbins == bins + 2, "hookcap: ring width ", width,
+                " does not fit a linear histogram of ", bins, " bins: need ",
+                kHeader + bins + 2);
+  }
+  return h;
+}
+
+inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
+                             const at::Tensor& state, int64_t row) {
+  check_ring_state(ring, state);
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()),
+              "hookcap.accumulate: only floating-point tensors are supported "
+              "(float16, bfloat16, float32, float64, float8), got ", x.scalar_type());
+  TORCH_CHECK(x.layout() == at::kStrided,
+              "hookcap.accumulate: only strided (dense-layout) tensors are supported, got ",
+              x.layout());
+  TORCH_CHECK(x.device() == ring.device(), "hookcap.accumulate: x is on ", x.device(),
+              " but the ring is on ", ring.device());
+  TORCH_CHECK(row >= 0 && row < ring.size(1), "hookcap.accumulate: row ", row,
+              " out of range for a ring with ", ring.size(1), " rows");
+}
+
+// Coalesced view of x's (sizes, strides): size-1 dims dropped, mergeable
+// neighbours merged. Returns false if more than kMaxDims dims remain.
+inline bool make_strided_desc(const at::Tensor& x, StridedDesc& d) {
+  d.ndim = 0;
+  for (int64_t k = 0; k < x.dim(); ++k) {
+    const int64_t sz = x.size(k), st = x.stride(k);
+    if (sz == 1) continue;
+    if (d.ndim > 0 && d.strides[d.ndim - 1] == st * sz) {
+      d.sizes[d.ndim - 1] *= sz;
+      d.strides[d.ndim - 1] = st;
+      continue;
+    }
+    if (d.ndim == kMaxDims) return false;
+    d.sizes[d.ndim] = sz;
+    d.strides[d.ndim] = st;
+    ++d.ndim;
+  }
+  return true;
+}
+
+// Dense inputs (contiguous in some dimension order, no overlap) are read as a
+// flat run of numel elements starting at data_ptr: torch strides are never
+// negative, so logical element 0 is the lowest address.
+inline bool is_flat_readable(const at::Tensor& x) {
+  return x.is_non_overlapping_and_dense();
+}
+
+}  // namespace hookcap

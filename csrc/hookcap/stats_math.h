@@ -1,0 +1,241 @@
+// Shared statistics math: the ONLY place where per-element classification,
+// accumulation, merging, ordered-key encoding and histogram bin indices are
+// written. Included by the CPU loop, the CUDA kernel and the CUDA emulation
+// harness (tests/cuda_emu), so all three run exactly the same arithmetic.
+//
+// Everything here is plain C++ plus C10_HOST_DEVICE: no intrinsics, no PTX,
+// no std:: calls that are unavailable in device code.
+#pragma once
+
+#include <c10/macros/Macros.h>
+#include <cstdint>
+#include <cstring>
+
+namespace hookcap {
+
+// ---------------------------------------------------------------------------
+// Ring row layout (int64 columns). Python mirrors this through the
+// hookcap::layout op, so the two can never drift silently.
+// Doubles are stored as their bit pattern; min/max/absmax as ordered keys so
+// that integer atomicMin/atomicMax order them like the doubles they encode.
+// ---------------------------------------------------------------------------
+enum Col : int64_t {
+  kCount = 0,   // numel of every tensor written into the row
+  kNan = 1,
+  kPosInf = 2,
+  kNegInf = 3,
+  kZeros = 4,   // == 0, including -0
+  kShift = 5,   // double bits: shift K (first finite value seen in the slot)
+  kS1 = 6,      // double bits: sum over finite of (x - K)
+  kS2 = 7,      // double bits: sum over finite of (x - K)^2
+  kMin = 8,     // ordered key of min over finite
+  kMax = 9,     // ordered key of max over finite
+  kAbsMax = 10, // ordered key of max |x| over finite
+  kCalls = 11,  // number of accumulate calls merged into the row
+  kStepTag = 12, // step number the slot was reset for
+  kHeader = 16, // columns 13..15 reserved; histogram bins start here
+};
+
+// Shift sentinel: "no shift chosen yet in this slot". A NaN pattern no
+// finite candidate can equal.
+constexpr int64_t kShiftUnset = static_cast<int64_t>(0x7ff8dead0000beefULL);
+
+enum HistKind : int64_t { kHistNone = 0, kHistLog2 = 1, kHistLinear = 2 };
+
+// Histogram spec in the form every kernel consumes.
+struct HistSpec {
+  int64_t kind;    // HistKind
+  int64_t nbins;   // total bins incl. the special ones (ring width - kHeader)
+  int64_t lo_exp;  // log2: lowest exponent bin
+  int64_t hi_exp;  // log2: exponent where overflow starts
+  double lo;       // linear: range start
+  double hi;       // linear: range end
+  int64_t bins;    // linear: equal-width bins between lo and hi
+  double width;    // linear: (hi - lo) / bins
+};
+
+C10_HOST_DEVICE inline int64_t dbits(double v) {
+  int64_t b;
+  memcpy(&b, &v, sizeof(b));
+  return b;
+}
+
+C10_HOST_DEVICE inline double bitsd(int64_t b) {
+  double v;
+  memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+constexpr double kInf = __builtin_huge_val();
+
+// Order-preserving map double -> int64 (for non-NaN values): flip the
+// magnitude bits of negatives so that larger doubles get larger keys.
+C10_HOST_DEVICE inline int64_t order_key(double v) {
+  int64_t b = dbits(v);
+  return b >= 0 ? b : (b ^ INT64_MAX);
+}
+
+C10_HOST_DEVICE inline double order_unkey(int64_t k) {
+  return bitsd(k >= 0 ? k : (k ^ INT64_MAX));
+}
+
+// ---------------------------------------------------------------------------
+// Per-element accumulation. Written over references so the CUDA kernel can
+// pass the fields of one Acc and the CPU loop can pass lane-array elements
+// (which the compiler then vectorises) — one definition for both.
+// ---------------------------------------------------------------------------
+template <typename D, typename C>
+C10_HOST_DEVICE inline void push_value(double v, double shift, D& s1, D& s2,
+                                       D& mn, D& mx, D& amx, C& nnan,
+                                       C& npinf, C& nninf, C& nzero) {
+  const double a = v < 0 ? -v : v;       // |v|; NaN stays NaN
+  const bool fin = a < kInf;             // false for NaN and +-Inf
+  nnan += (v != v);
+  npinf += (v == kInf);
+  nninf += (v == -kInf);
+  nzero += (v == 0.0);
+  const double d = fin ? v - shift : 0.0;
+  s1 += d;
+  s2 += d * d;
+  const double lo = fin ? v : kInf;
+  const double hi = fin ? v : -kInf;
+  mn = lo < mn ? lo : mn;
+  mx = hi > mx ? hi : mx;
+  const double af = fin ? a : 0.0;
+  amx = af > amx ? af : amx;
+}
+
+// Per-thread / per-chunk partial.
+struct Acc {
+  double s1, s2, mn, mx, amx;
+  int64_t nnan, npinf, nninf, nzero;
+};
+
+C10_HOST_DEVICE inline void acc_init(Acc& a) {
+  a.s1 = 0.0;
+  a.s2 = 0.0;
+  a.mn = kInf;
+  a.mx = -kInf;
+  a.amx = -kInf;
+  a.nnan = a.npinf = a.nninf = a.nzero = 0;
+}
+
+C10_HOST_DEVICE inline void acc_push(Acc& a, double v, double shift) {
+  push_value(v, shift, a.s1, a.s2, a.mn, a.mx, a.amx, a.nnan, a.npinf,
+             a.nninf, a.nzero);
+}
+
+// Merge b into a. All partials of one row share the same shift, so shifted
+// sums add directly.
+C10_HOST_DEVICE inline void acc_merge(Acc& a, const Acc& b) {
+  a.s1 += b.s1;
+  a.s2 += b.s2;
+  a.mn = b.mn < a.mn ? b.mn : a.mn;
+  a.mx = b.mx > a.mx ? b.mx : a.mx;
+  a.amx = b.amx > a.amx ? b.amx : a.amx;
+  a.nnan += b.nnan;
+  a.npinf += b.npinf;
+  a.nninf += b.nninf;
+  a.nzero += b.nzero;
+}
+
+// Shift candidate: the first finite value among the first few elements
+// (else 0). Every block of one launch computes the same candidate, so they
+// agree on it without communicating.
+constexpr int kShiftProbe = 8;
+
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Load>
+C10_HOST_DEVICE inline double shift_candidate(Load load, int64_t n) {
+  const int64_t m = n < kShiftProbe ? n : kShiftProbe;
+  for (int64_t i = 0; i < m; ++i) {
+    const double v = load(i);
+    const double a = v < 0 ? -v : v;
+    if (a < kInf) return v;
+  }
+  return 0.0;
+}
+
+// Merge one partial into a ring row. `Atomics` supplies add/min/max on the
+// int64 cells: CUDA atomics on the device, std::atomic_ref on the host.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Atomics>
+C10_HOST_DEVICE inline void row_merge(int64_t* row, const Acc& a) {
+  if (a.nnan) Atomics::add_i64(row + kNan, a.nnan);
+  if (a.npinf) Atomics::add_i64(row + kPosInf, a.npinf);
+  if (a.nninf) Atomics::add_i64(row + kNegInf, a.nninf);
+  if (a.nzero) Atomics::add_i64(row + kZeros, a.nzero);
+  if (a.mn <= a.mx) {  // at least one finite element
+    Atomics::add_f64(row + kS1, a.s1);
+    Atomics::add_f64(row + kS2, a.s2);
+    Atomics::min_i64(row + kMin, order_key(a.mn));
+    Atomics::max_i64(row + kMax, order_key(a.mx));
+    Atomics::max_i64(row + kAbsMax, order_key(a.amx));
+  }
+}
+
+// Value of one cell of a row freshly reset for `step`.
+C10_HOST_DEVICE inline int64_t reset_value(int64_t col, int64_t step) {
+  switch (col) {
+    case kStepTag: return step;
+    case kShift: return kShiftUnset;
+    case kMin: return order_key(kInf);
+    case kMax: return order_key(-kInf);
+    case kAbsMax: return order_key(-kInf);
+    default: return 0;  // counts, histogram, and 0.0 for S1/S2
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Histogram bin index. Returns -1 for values that are not binned (NaN, Inf).
+// ---------------------------------------------------------------------------
+
+// Binary exponent e with 2**e <= |v| < 2**(e+1), for finite non-zero v.
+C10_HOST_DEVICE inline int64_t binary_exponent(double v) {
+  const int64_t b = dbits(v) & INT64_MAX;
+  const int64_t biased = b >> 52;
+  // Double subnormals (only reachable from float64 input): scale by 2**64
+  // so they become normal, then correct.
+  const int64_t sb = dbits(bitsd(b) * 18446744073709551616.0) >> 52;
+  return biased != 0 ? biased - 1023 : sb - 1023 - 64;
+}
+
+C10_HOST_DEVICE inline int64_t log2_bin(double v, int64_t lo_exp,
+                                        int64_t hi_exp) {
+  const double a = v < 0 ? -v : v;
+  if (!(a < kInf)) return -1;
+  if (a == 0.0) return 0;
+  const int64_t e = binary_exponent(a);
+  if (e < lo_exp) return 1;
+  if (e >= hi_exp) return hi_exp - lo_exp + 2;
+  return 2 + (e - lo_exp);
+}
+
+// Edge i of a linear histogram: lo + i*width, the last edge pinned to hi.
+C10_HOST_DEVICE inline double linear_edge(const HistSpec& h, int64_t i) {
+  return i >= h.bins ? h.hi : h.lo + static_cast<double>(i) * h.width;
+}
+
+C10_HOST_DEVICE inline int64_t linear_bin(double v, const HistSpec& h) {
+  const double a = v < 0 ? -v : v;
+  if (!(a < kInf)) return -1;
+  if (v < h.lo) return 0;
+  if (v >= h.hi) return h.bins + 1;
+  int64_t i = static_cast<int64_t>((v - h.lo) / h.width);
+  i = i < 0 ? 0 : (i >= h.bins ? h.bins - 1 : i);
+  // The division can round across an edge; the edges are the contract.
+  if (v < linear_edge(h, i)) --i;
+  else if (v >= linear_edge(h, i + 1)) ++i;
+  return 1 + i;
+}
+
+C10_HOST_DEVICE inline int64_t hist_bin(double v, const HistSpec& h) {
+  return h.kind == kHistLog2 ? log2_bin(v, h.lo_exp, h.hi_exp)
+                             : linear_bin(v, h);
+}
+
+}  // namespace hookcap

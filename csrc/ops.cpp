@@ -1,0 +1,71 @@
+// Operator schemas (the dispatcher contract), the Meta implementation used by
+// FakeTensor / torch.compile, and the layout query Python checks at import.
+#include <Python.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "hookcap/op_checks.h"
+#include "hookcap/state.h"
+#include "hookcap/stats_math.h"
+
+// An importable (empty) Python module, so `import hookcap._C` loads the
+// library and runs the static registrations below.
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace hookcap {
+namespace {
+
+constexpr int64_t kAbiVersion = 1;
+
+// Meta: same checks as the real kernels, no data touched. The ops mutate in
+// place and return nothing, so there is nothing else to fake.
+void accumulate_meta(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state,
+                     int64_t row, int64_t hist_kind, double hist_lo, double hist_hi,
+                     int64_t hist_bins) {
+  check_accumulate(x, ring, state, row);
+  make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+}
+
+void reset_slot_meta(at::Tensor& ring, const at::Tensor& state) { check_ring_state(ring, state); }
+
+void advance_meta(at::Tensor& ring, at::Tensor& state, int64_t every) {
+  check_ring_state(ring, state);
+  TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
+}
+
+std::vector<int64_t> layout() {
+#ifdef HOOKCAP_WITH_CUDA
+  const int64_t cuda = 1;
+#else
+  const int64_t cuda = 0;
+#endif
+  return {kAbiVersion, kHeader,  kCount, kNan, kPosInf, kNegInf,  kZeros,      kShift,
+          kS1,         kS2,      kMin,   kMax, kAbsMax, kCalls,   kStepTag,    kShiftUnset,
+          kStateStep,  kStateEnabled, kStateSlot, kStateSize, cuda};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hookcap, m) {
+  m.def(
+      "accumulate(Tensor x, Tensor(a!) ring, Tensor state, int row, int hist_kind, "
+      "float hist_lo, float hist_hi, int hist_bins) -> ()");
+  m.def("reset_slot(Tensor(a!) ring, Tensor state) -> ()");
+  m.def("advance(Tensor(a!) ring, Tensor(b!) state, int every=1) -> ()");
+  m.def("layout() -> int[]", &layout);
+}
+
+TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
+  m.impl("accumulate", &accumulate_meta);
+  m.impl("reset_slot", &reset_slot_meta);
+  m.impl("advance", &advance_meta);
+}
+
+}  // namespace hookcap

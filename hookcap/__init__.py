@@ -1,0 +1,18 @@
+"""hookcap: low-overhead per-layer activation and gradient telemetry for PyTorch.
+
+Statistics are computed by compiled kernels (CPU, and CUDA when built) in one
+pass over each tensor, on the tensor's own device, into a preallocated ring.
+"""
+
+from ._build import build_info, check_and_load
+
+_BUILD_META = check_and_load()
+
+from . import reference  # noqa: E402
+from ._layout import STAT_NAMES  # noqa: E402
+from .functional import tensor_stats  # noqa: E402
+from .histogram import Histogram  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["Histogram", "STAT_NAMES", "build_info", "reference", "tensor_stats", "__version__"]

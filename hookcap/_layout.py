@@ -1,0 +1,100 @@
+"""Ring row layout and decoding of raw rows into statistics.
+
+The column numbers come from the extension itself (hookcap::layout), so the
+Python decoder cannot drift from the C++ writer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+ABI_VERSION = 1
+
+_raw = list(torch.ops.hookcap.layout())
+(
+    _abi,
+    HEADER,
+    COUNT,
+    NAN,
+    POSINF,
+    NEGINF,
+    ZEROS,
+    SHIFT,
+    S1,
+    S2,
+    MIN,
+    MAX,
+    ABSMAX,
+    CALLS,
+    STEP_TAG,
+    SHIFT_UNSET,
+    STATE_STEP,
+    STATE_ENABLED,
+    STATE_SLOT,
+    STATE_SIZE,
+    _cuda,
+) = _raw
+CUDA_BUILT = bool(_cuda)
+if _abi != ABI_VERSION:
+    raise ImportError(f"hookcap: extension ABI {_abi} does not match the Python package ({ABI_VERSION})")
+
+# Stat names (a public contract), in display order.
+STAT_NAMES = (
+    "count", "nan", "posinf", "neginf", "inf", "zeros", "finite",
+    "sum", "sumsq", "min", "max", "absmax", "mean", "std", "rms", "l2norm", "zero_frac",
+)
+
+
+def _unkey(k: np.ndarray) -> np.ndarray:
+    """Inverse of the C++ order_key: ordered int64 key -> float64."""
+    k = np.asarray(k, dtype=np.int64)
+    bits = np.where(k >= 0, k, k ^ np.int64(0x7FFFFFFFFFFFFFFF))
+    return bits.view(np.float64)
+
+
+def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Raw int64 rows [..., width] -> dict of float64 arrays [...] for every
+    name in STAT_NAMES. Stats over finite elements are NaN where there is none;
+    ``zero_frac`` is NaN for empty tensors."""
+    rows = np.asarray(rows, dtype=np.int64)
+    f64 = lambda col: rows[..., col].copy().view(np.float64)  # noqa: E731
+    count = rows[..., COUNT].astype(np.float64)
+    nan = rows[..., NAN].astype(np.float64)
+    posinf = rows[..., POSINF].astype(np.float64)
+    neginf = rows[..., NEGINF].astype(np.float64)
+    zeros = rows[..., ZEROS].astype(np.float64)
+    inf = posinf + neginf
+    finite = count - nan - inf
+    shift = np.where(rows[..., SHIFT] == SHIFT_UNSET, 0.0, f64(SHIFT))
+    s1, s2 = f64(S1), f64(S2)
+    has = finite > 0
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        nf = np.where(has, finite, 1.0)
+        total = finite * shift + s1
+        sumsq = s2 + 2.0 * shift * s1 + finite * shift * shift
+        dmean = s1 / nf
+        mean = np.where(has, shift + dmean, np.nan)
+        var = np.maximum(s2 / nf - dmean * dmean, 0.0)
+        std = np.where(has, np.sqrt(var), np.nan)
+        rms = np.where(has, np.sqrt(np.maximum(sumsq, 0.0) / nf), np.nan)
+        zero_frac = np.where(count > 0, zeros / np.where(count > 0, count, 1.0), np.nan)
+    return {
+        "count": count,
+        "nan": nan,
+        "posinf": posinf,
+        "neginf": neginf,
+        "inf": inf,
+        "zeros": zeros,
+        "finite": finite,
+        "sum": np.where(has, total, 0.0),
+        "sumsq": np.where(has, sumsq, 0.0),
+        "min": np.where(has, _unkey(rows[..., MIN]), np.nan),
+        "max": np.where(has, _unkey(rows[..., MAX]), np.nan),
+        "absmax": np.where(has, _unkey(rows[..., ABSMAX]), np.nan),
+        "mean": mean,
+        "std": std,
+        "rms": rms,
+        "l2norm": np.sqrt(np.where(has, np.maximum(sumsq, 0.0), 0.0)),
+        "zero_frac": zero_frac,
+    }

@@ -1,0 +1,46 @@
+"""Thin typed wrappers over the dispatcher ops (torch.ops.hookcap.*).
+
+The ops mutate preallocated buffers in place and return nothing, so they need
+no autograd formula and their fake (Meta) implementation is the shared
+argument check in C++.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .histogram import NO_HIST_ARGS, Histogram
+
+_ops = torch.ops.hookcap
+
+
+def accumulate(
+    x: torch.Tensor,
+    ring: torch.Tensor,
+    state: torch.Tensor,
+    row: int,
+    histogram: Histogram | None,
+) -> None:
+    """Merge the statistics of every element of ``x`` into ``ring[state.slot, row]``.
+
+    ``ring``: int64 [slots, rows, width] on x's device; ``state``: int64 [3]
+    (step, enabled, slot) on the same device. Nothing happens when
+    ``state[1] == 0``. One pass, no allocation, no host sync.
+    """
+    args = NO_HIST_ARGS if histogram is None else histogram.op_args()
+    _ops.accumulate(x.detach(), ring, state, row, *args)
+
+
+def reset_slot(ring: torch.Tensor, state: torch.Tensor) -> None:
+    """Initialise every row of slot ``state[2]`` (empty stats, step tag ``state[0]``)."""
+    _ops.reset_slot(ring, state)
+
+
+def advance(ring: torch.Tensor, state: torch.Tensor, every: int = 1) -> None:
+    """Close the step: ``step += 1``; enabled iff ``step % every == 0``; a
+    recorded step takes the next slot, which is reset. All on the device."""
+    _ops.advance(ring, state, every)
+
+
+def layout() -> list[int]:
+    return list(_ops.layout())

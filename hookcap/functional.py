@@ -1,0 +1,42 @@
+"""One-shot statistics of a single tensor through the compiled op."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _layout, _ops
+from .histogram import Histogram
+
+_DEFAULT = Histogram.log2()
+
+
+def new_state(device: torch.device | str) -> torch.Tensor:
+    """A fresh step state int64[3] = (step 0, enabled, slot 0) on ``device``."""
+    return torch.tensor([0, 1, 0], dtype=torch.int64).to(device)
+
+
+def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT) -> dict:
+    """Statistics of every element of ``x`` in one pass on x's device.
+
+    Returns a dict with float64 scalars for ``count``, ``nan``, ``posinf``,
+    ``neginf``, ``inf``, ``zeros``, ``finite`` (element counts), ``sum``,
+    ``sumsq``, ``min``, ``max``, ``absmax``, ``mean``, ``std`` (population),
+    ``rms``, ``l2norm`` (over finite elements, in x's units or their squares),
+    ``zero_frac``; plus ``hist`` (np.int64 counts) and ``bin_edges`` (float64)
+    unless ``histogram=None``. One host transfer of the result row; for a CUDA
+    tensor that transfer synchronises, as any read of a result would.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"tensor_stats: expected a torch.Tensor, got {type(x).__name__}")
+    width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
+    ring = torch.empty((1, 1, width), dtype=torch.int64, device=x.device)
+    state = new_state(x.device)
+    _ops.reset_slot(ring, state)
+    _ops.accumulate(x, ring, state, 0, histogram)
+    row = ring[0, 0].cpu().numpy()
+    out = {k: float(v) for k, v in _layout.decode(row).items()}
+    if histogram is not None:
+        out["hist"] = row[_layout.HEADER:].astype(np.int64)
+        out["bin_edges"] = histogram.bin_edges
+    return out

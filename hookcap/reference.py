@@ -1,0 +1,84 @@
+"""Float64 reference implementation: the test oracle.
+
+Plain NumPy on a float64 copy of the tensor, computed differently from the
+kernels on purpose (two-pass variance, pairwise sums, frexp exponents,
+searchsorted bins), so agreement means something.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .histogram import Histogram, linear_inner_edges
+
+_DEFAULT = Histogram.log2()
+
+
+def to_float64(x: torch.Tensor) -> np.ndarray:
+    """Flat float64 copy of x (exact for every supported dtype)."""
+    if not x.is_floating_point():
+        raise TypeError(f"reference: only floating tensors, got {x.dtype}")
+    return x.detach().to("cpu", torch.float64).reshape(-1).numpy()
+
+
+def hist_counts(f: np.ndarray, histogram: Histogram) -> np.ndarray:
+    """Histogram counts of the finite values ``f`` (float64)."""
+    out = np.zeros(histogram.nbins, dtype=np.int64)
+    if histogram.kind == "log2":
+        a = np.abs(f)
+        out[0] = int((a == 0).sum())
+        nz = a[a != 0]
+        e = np.frexp(nz)[1].astype(np.int64) - 1  # 2**e <= |x| < 2**(e+1)
+        lo, hi = int(histogram.lo), int(histogram.hi)
+        idx = np.where(e < lo, 1, np.where(e >= hi, hi - lo + 2, 2 + (e - lo)))
+        np.add.at(out, idx, 1)
+    else:
+        edges = linear_inner_edges(histogram)
+        idx = np.searchsorted(edges, f, side="right")  # 0: x < lo; bins+1: x >= hi
+        np.add.at(out, idx, 1)
+    return out
+
+
+def stats_from_values(a: np.ndarray, histogram: Histogram | None = _DEFAULT) -> dict:
+    """Reference statistics of a flat float64 array."""
+    a = np.asarray(a, dtype=np.float64).reshape(-1)
+    nan = int(np.isnan(a).sum())
+    posinf = int(np.isposinf(a).sum())
+    neginf = int(np.isneginf(a).sum())
+    f = a[np.isfinite(a)]
+    n = f.size
+    out = {
+        "count": float(a.size),
+        "nan": float(nan),
+        "posinf": float(posinf),
+        "neginf": float(neginf),
+        "inf": float(posinf + neginf),
+        "zeros": float((a == 0).sum()),
+        "finite": float(n),
+        "sum": float(np.sum(f)) if n else 0.0,
+        "sumsq": float(np.sum(f * f)) if n else 0.0,
+    }
+    if n:
+        mean = float(np.mean(f))
+        out.update(
+            min=float(f.min()),
+            max=float(f.max()),
+            absmax=float(np.abs(f).max()),
+            mean=mean,
+            std=float(np.sqrt(np.mean((f - mean) ** 2))),
+            rms=float(np.sqrt(np.mean(f * f))),
+        )
+    else:
+        out.update(min=np.nan, max=np.nan, absmax=np.nan, mean=np.nan, std=np.nan, rms=np.nan)
+    out["l2norm"] = float(np.sqrt(out["sumsq"]))
+    out["zero_frac"] = out["zeros"] / a.size if a.size else np.nan
+    if histogram is not None:
+        out["hist"] = hist_counts(f, histogram)
+        out["bin_edges"] = histogram.bin_edges
+    return out
+
+
+def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT) -> dict:
+    """Same keys and semantics as :func:`hookcap.tensor_stats`, in float64 NumPy."""
+    return stats_from_values(to_float64(x), histogram)

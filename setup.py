@@ -1,0 +1,177 @@
+"""Build hookcap._C: CPU kernels always; CUDA kernels when torch is a CUDA build
+and a matching nvcc is found. A visible GPU is NOT needed to build them.
+
+Environment:
+  HOOKCAP_FORCE_CPU=1    never build CUDA kernels
+  HOOKCAP_FORCE_CUDA=1   fail the build instead of falling back to CPU-only
+  CUDA_HOME / CUDA_PATH  toolkit folder (holds bin/nvcc and lib64/libcudart.so)
+  TORCH_CUDA_ARCH_LIST   target archs; default when no GPU is visible: 8.0;9.0+PTX
+"""
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+
+from setuptools import setup
+
+import torch
+import torch.utils.cpp_extension as cpp_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
+
+
+def _env_flag(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _is_toolkit(path):
+    return bool(path) and os.path.isfile(os.path.join(path, "bin", "nvcc")) and os.path.isfile(
+        os.path.join(path, "include", "cuda_runtime.h")
+    )
+
+
+def _toolkits_named_by_wrapper(nvcc):
+    """An `nvcc` on PATH may be a shell wrapper around the real toolkit's nvcc
+    (as on this project's machines); read the paths it names."""
+    try:
+        with open(nvcc, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return []
+    if not head.startswith(b"#!"):
+        return []
+    found = re.findall(rb"(/[^\s\"']+)/bin/nvcc", head)
+    return [p.decode() for p in found]
+
+
+def find_cuda_home():
+    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        cands += _toolkits_named_by_wrapper(real)
+        cands.append(os.path.dirname(os.path.dirname(real)))
+    cands.append(cpp_ext.CUDA_HOME)
+    cands += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for c in cands:
+        if c and _is_toolkit(c):
+            return c
+    return None
+
+
+def nvcc_version(cuda_home):
+    out = subprocess.run(
+        [os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True
+    ).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def loud(msg):
+    bar = "!" * 78
+    print(f"\n{bar}\nhookcap setup: {msg}\n{bar}\n", file=sys.stderr)
+    warnings.warn(f"hookcap: {msg}")
+
+
+def decide_cuda():
+    """Returns (build_cuda, cuda_home, reason)."""
+    if _env_flag("HOOKCAP_FORCE_CPU"):
+        return False, None, "HOOKCAP_FORCE_CPU=1"
+    force = _env_flag("HOOKCAP_FORCE_CUDA")
+    if torch.version.cuda is None:
+        reason = f"torch {torch.__version__} is not a CUDA build"
+    else:
+        home = find_cuda_home()
+        if home is None:
+            reason = "no CUDA toolkit (nvcc + headers) found; set CUDA_HOME"
+        else:
+            ver = nvcc_version(home)
+            torch_major = int(torch.version.cuda.split(".")[0])
+            if ver is None:
+                reason = f"could not read nvcc's version in {home}"
+            elif ver[0] != torch_major:
+                reason = (
+                    f"nvcc {ver[0]}.{ver[1]} in {home} does not match torch's CUDA "
+                    f"{torch.version.cuda}"
+                )
+            else:
+                return True, home, f"nvcc {ver[0]}.{ver[1]} in {home}"
+    if force:
+        raise RuntimeError(f"HOOKCAP_FORCE_CUDA=1 but CUDA kernels cannot be built: {reason}")
+    return False, None, reason
+
+
+BUILD_CUDA, CUDA_HOME, CUDA_REASON = decide_cuda()
+
+cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno"]
+nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+define_macros = []
+sources = ["csrc/ops.cpp", "csrc/cpu/stats_cpu.cpp"]
+
+if BUILD_CUDA:
+    # torch guessed CUDA_HOME at import; point it at the toolkit we chose.
+    cpp_ext.CUDA_HOME = CUDA_HOME
+    os.environ["CUDA_HOME"] = CUDA_HOME
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        visible = False
+        try:
+            visible = torch.cuda.is_available()
+        except Exception:
+            pass
+        if not visible:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+    sources.append("csrc/cuda/stats_launch.cu")
+    define_macros.append(("HOOKCAP_WITH_CUDA", "1"))
+    Extension = cpp_ext.CUDAExtension
+    ext_kwargs = {"extra_compile_args": {"cxx": cxx_flags, "nvcc": nvcc_flags}}
+else:
+    loud(f"building CPU-ONLY kernels: {CUDA_REASON}")
+    Extension = cpp_ext.CppExtension
+    ext_kwargs = {"extra_compile_args": {"cxx": cxx_flags}}
+
+ext = Extension(
+    name="hookcap._C",
+    sources=sources,
+    include_dirs=[os.path.join(ROOT, "csrc")],
+    define_macros=define_macros,
+    py_limited_api=False,
+    **ext_kwargs,
+)
+
+
+class BuildExt(cpp_ext.BuildExtension):
+    """Records what was built next to the package (read by hookcap.build_info()
+    and checked at import against the running torch)."""
+
+    def run(self):
+        super().run()
+        meta = {
+            "torch_version": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "cuda": BUILD_CUDA,
+            "cuda_reason": CUDA_REASON,
+            "cuda_home": CUDA_HOME,
+            "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST") if BUILD_CUDA else None,
+            "cxx_flags": cxx_flags,
+            "nvcc_flags": nvcc_flags if BUILD_CUDA else None,
+            "cxx_abi": int(torch._C._GLIBCXX_USE_CXX11_ABI),
+        }
+        targets = {os.path.join(ROOT, "hookcap")}
+        if not self.inplace and self.build_lib:
+            targets.add(os.path.join(self.build_lib, "hookcap"))
+        for d in targets:
+            if os.path.isdir(d):
+                with open(os.path.join(d, "_build_meta.json"), "w") as f:
+                    json.dump(meta, f, indent=2)
+
+
+setup(
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
+)
