@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "hookcap/dtype_load.h"
 #include "hookcap/op_checks.h"
@@ -45,63 +46,122 @@ struct HostAtomics {
   }
 };
 
-constexpr int kLanes = 8;        // independent accumulators per chunk
-constexpr int kHistCopies = 4;   // sub-histograms to break store->load chains
-constexpr int64_t kLocalBins = 1024;  // wider histograms count into the ring
+constexpr int kHistCopies = 4;        // sub-histograms break store->load chains (unrolled x4 below)
+constexpr int64_t kLocalBins = 1024;   // wider histograms count into the ring
+constexpr int64_t kBlock = 1024;       // float sums are flushed to double per block
 constexpr int64_t kMinChunk = 32768;
 constexpr int64_t kMaxChunks = 64;
 
-struct Lanes {
-  double s1[kLanes], s2[kLanes], mn[kLanes], mx[kLanes], amx[kLanes];
-  int64_t nnan[kLanes], npinf[kLanes], nninf[kLanes], nzero[kLanes];
-};
-
-// Per-chunk histogram sink: local uint32 counts (kHistCopies interleaved
-// copies) or, for wide histograms, the ring row itself.
+// Per-chunk histogram sink: kHistCopies local copies of (1 + nbins) uint32
+// counts (slot 0 swallows unbinned values), or, for wide histograms, the
+// ring row itself.
 struct HistSink {
   const HistSpec* spec;
-  uint32_t* local;   // kHistCopies * nbins, or nullptr
+  uint32_t* local;
   int64_t* ring_bins;
 };
 
+template <typename T>
+using work_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T>
+HC_ALWAYS_INLINE work_t<T> load_work(const T* p) {
+  if constexpr (std::is_same_v<T, double>) {
+    return *p;
+  } else {
+    return load_float(p);
+  }
+}
+
+// Statistics of one block (n <= kBlock). Fast path: vectorised push_finite in
+// the working precision plus a NaN/Inf probe (v * 0 is NaN iff v is not
+// finite); a block that holds any NaN/Inf is redone with push_value in double.
+// Statistics of one block (n <= kBlock). Fast path: vectorised push_finite in
+// the working precision plus a NaN/Inf probe (v * 0 is NaN iff v is not
+// finite); a block that holds any NaN/Inf is redone with push_value in double.
+// For log2 histograms the bin index is computed in the same vector loop.
 template <typename T, bool kUnit, int kHist>
-HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double shift,
-                                  Lanes& ln, const HistSink& hs) {
+HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double shift,
+                                  Acc& acc, const HistSpec& h, int32_t* idx) {
+  using V = work_t<T>;
   auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      push_value(load_double(at(i + j)), shift, ln.s1[j], ln.s2[j], ln.mn[j], ln.mx[j],
-                 ln.amx[j], ln.nnan[j], ln.npinf[j], ln.nninf[j], ln.nzero[j]);
-    }
-    if (kHist != kHistNone) {
-      for (int j = 0; j < kLanes; ++j) {
-        const double v = load_double(at(i + j));
-        const int64_t b = kHist == kHistLog2 ? log2_bin(v, hs.spec->lo_exp, hs.spec->hi_exp)
-                                             : linear_bin(v, *hs.spec);
-        if (b >= 0) {
-          if (hs.local) {
-            ++hs.local[(j % kHistCopies) * hs.spec->nbins + b];
-          } else {
-            HostAtomics::add_i64(hs.ring_bins + b, 1);
-          }
-        }
-      }
+  const V vshift = static_cast<V>(shift);
+  const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
+  V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
+  V amx = static_cast<V>(-kInf), probe = 0;
+  int32_t nz = 0;
+#pragma omp simd reduction(+ : s1, s2, nz, probe) reduction(min : mn) reduction(max : mx, amx)
+  for (int64_t i = 0; i < n; ++i) {
+    const V v = load_work(at(i));
+    push_finite(v, vshift, s1, s2, mn, mx, amx, nz);
+    probe += v * V(0);
+    if constexpr (kHist == kHistLog2) idx[i] = log2_bin(v, lo, hi) + 1;
+  }
+  if constexpr (kHist == kHistLinear) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      idx[i] = static_cast<int32_t>(linear_bin(load_double(at(i)), h) + 1);
     }
   }
-  for (; i < n; ++i) {
-    const double v = load_double(at(i));
-    push_value(v, shift, ln.s1[0], ln.s2[0], ln.mn[0], ln.mx[0], ln.amx[0], ln.nnan[0],
-               ln.npinf[0], ln.nninf[0], ln.nzero[0]);
-    if (kHist != kHistNone) {
-      const int64_t b = hist_bin(v, *hs.spec);
-      if (b >= 0) {
-        if (hs.local) {
-          ++hs.local[b];
-        } else {
-          HostAtomics::add_i64(hs.ring_bins + b, 1);
-        }
+  if (probe != probe) {
+    for (int64_t i = 0; i < n; ++i) acc_push(acc, load_double(at(i)), shift);
+    return;
+  }
+  double d1 = s1, d2 = s2;
+  // vshift is the shift rounded to V; move the sums onto the exact shift.
+  if (static_cast<double>(vshift) != shift) {
+    shift_rebase(d1, d2, static_cast<double>(n), static_cast<double>(vshift), shift);
+  }
+  const Acc blk{d1, d2, mn, mx, amx, 0, 0, 0, nz};
+  acc_merge(acc, blk);
+}
+
+// Count the block's bin indices (idx = bin + 1; 0 = not binned).
+// `ahead` (may be null) is prefetched one line per 16 elements, spread over
+// the scalar loop so the fill buffers never stall it.
+HC_ALWAYS_INLINE void block_scatter(const int32_t* idx, int64_t n, const HistSink& hs,
+                                    const char* ahead, int64_t ahead_bytes) {
+  if (hs.local) {
+    const int64_t cs = hs.spec->nbins + 1;
+    uint32_t* c0 = hs.local;
+    uint32_t* c1 = c0 + cs;
+    uint32_t* c2 = c1 + cs;
+    uint32_t* c3 = c2 + cs;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      if (ahead && (i & 15) == 0 && i * 4 < ahead_bytes) __builtin_prefetch(ahead + i * 4);
+      ++c0[idx[i]];
+      ++c1[idx[i + 1]];
+      ++c2[idx[i + 2]];
+      ++c3[idx[i + 3]];
+    }
+    for (; i < n; ++i) ++c0[idx[i]];
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      if (idx[i] > 0) HostAtomics::add_i64(hs.ring_bins + idx[i] - 1, 1);
+    }
+  }
+}
+
+template <typename T, bool kUnit, int kHist>
+HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double shift,
+                                  Acc& acc, const HistSink& hs) {
+  int32_t idx[kHist != kHistNone ? kBlock : 1];
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t len = std::min(kBlock, n - b);
+    const T* p = kUnit ? x + b : x + b * stride;
+    if (kHist == kHistNone && kUnit && b + 2 * kBlock <= n) {
+      // Keep more loads in flight than the out-of-order window alone would.
+      const char* q = reinterpret_cast<const char*>(x + b + kBlock);
+      for (int64_t o = 0; o < kBlock * static_cast<int64_t>(sizeof(T)); o += 64) {
+        __builtin_prefetch(q + o);
       }
+    }
+    block_stats<T, kUnit, kHist>(p, stride, len, shift, acc, *hs.spec, idx);
+    if constexpr (kHist != kHistNone) {
+      const bool pf = kUnit && b + 2 * kBlock <= n;
+      block_scatter(idx, len, hs, pf ? reinterpret_cast<const char*>(x + b + kBlock) : nullptr,
+                    kBlock * static_cast<int64_t>(sizeof(T)));
     }
   }
 }
@@ -110,13 +170,13 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
 // coalesced dimension (dense inputs are a single run).
 template <typename T, int kHist>
 HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int64_t begin,
-                                int64_t end, double shift, Lanes& ln, const HistSink& hs) {
+                                int64_t end, double shift, Acc& acc, const HistSink& hs) {
   if (flat || d.ndim <= 1) {
     const int64_t st = flat ? 1 : (d.ndim == 1 ? d.strides[0] : 0);
     if (st == 1) {
-      run_segment<T, true, kHist>(x + begin, 1, end - begin, shift, ln, hs);
+      run_segment<T, true, kHist>(x + begin, 1, end - begin, shift, acc, hs);
     } else {
-      run_segment<T, false, kHist>(x + begin * st, st, end - begin, shift, ln, hs);
+      run_segment<T, false, kHist>(x + begin * st, st, end - begin, shift, acc, hs);
     }
     return;
   }
@@ -128,9 +188,9 @@ HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int
     const int64_t len = std::min(inner - in0, end - i);
     const T* p = x + strided_offset(d, i);
     if (ist == 1) {
-      run_segment<T, true, kHist>(p, 1, len, shift, ln, hs);
+      run_segment<T, true, kHist>(p, 1, len, shift, acc, hs);
     } else {
-      run_segment<T, false, kHist>(p, ist, len, shift, ln, hs);
+      run_segment<T, false, kHist>(p, ist, len, shift, acc, hs);
     }
     i += len;
   }
@@ -139,21 +199,8 @@ HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int
 template <typename T, int kHist>
 HC_ALWAYS_INLINE void chunk_impl(const T* x, bool flat, const StridedDesc& d, int64_t begin,
                                  int64_t end, double shift, Acc& out, const HistSink& hs) {
-  Lanes ln;
-  for (int j = 0; j < kLanes; ++j) {
-    ln.s1[j] = ln.s2[j] = 0.0;
-    ln.mn[j] = kInf;
-    ln.mx[j] = -kInf;
-    ln.amx[j] = -kInf;
-    ln.nnan[j] = ln.npinf[j] = ln.nninf[j] = ln.nzero[j] = 0;
-  }
-  run_range<T, kHist>(x, flat, d, begin, end, shift, ln, hs);
   acc_init(out);
-  for (int j = 0; j < kLanes; ++j) {
-    const Acc lane{ln.s1[j], ln.s2[j], ln.mn[j], ln.mx[j], ln.amx[j],
-                   ln.nnan[j], ln.npinf[j], ln.nninf[j], ln.nzero[j]};
-    acc_merge(out, lane);
-  }
+  run_range<T, kHist>(x, flat, d, begin, end, shift, out, hs);
 }
 
 // The same chunk loop, compiled for AVX2+FMA and for the baseline ISA.
@@ -201,9 +248,9 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   Acc partial[kMaxChunks];
 
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-    uint32_t local[kHistCopies * kLocalBins];
+    uint32_t local[kHistCopies * (kLocalBins + 1)];
     for (int64_t c = c0; c < c1; ++c) {
-      if (local_hist) std::memset(local, 0, sizeof(uint32_t) * kHistCopies * h.nbins);
+      if (local_hist) std::memset(local, 0, sizeof(uint32_t) * kHistCopies * (h.nbins + 1));
       const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader};
       const int64_t b = c * chunk, e = std::min(n, b + chunk);
       if (avx2) {
@@ -214,7 +261,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
       if (local_hist) {
         for (int64_t k = 0; k < h.nbins; ++k) {
           int64_t cnt = 0;
-          for (int r = 0; r < kHistCopies; ++r) cnt += local[r * h.nbins + k];
+          for (int r = 0; r < kHistCopies; ++r) cnt += local[r * (h.nbins + 1) + 1 + k];
           if (cnt) HostAtomics::add_i64(row + kHeader + k, cnt);
         }
       }

@@ -12,13 +12,20 @@
 namespace hookcap {
 
 template <typename T>
-C10_HOST_DEVICE inline double load_double(const T* p) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE double load_double(const T* p) {
   return static_cast<double>(static_cast<float>(*p));
 }
 
 template <>
-C10_HOST_DEVICE inline double load_double<double>(const double* p) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE double load_double<double>(const double* p) {
   return *p;
+}
+
+// Load in the CPU fast path's working precision: float for every type of
+// 32 bits or fewer (exact), double for double.
+template <typename T>
+C10_HOST_DEVICE C10_ALWAYS_INLINE float load_float(const T* p) {
+  return static_cast<float>(*p);
 }
 
 }  // namespace hookcap

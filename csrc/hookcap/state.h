@@ -17,7 +17,7 @@ struct StepState {
 // Close the current step and open the next: the step counter always
 // advances; only every `every`-th step is recorded, and each recorded step
 // takes the next ring slot.
-C10_HOST_DEVICE inline StepState next_state(const int64_t* s, int64_t every,
+C10_HOST_DEVICE C10_ALWAYS_INLINE StepState next_state(const int64_t* s, int64_t every,
                                             int64_t slots) {
   StepState n;
   n.step = s[kStateStep] + 1;

@@ -54,13 +54,13 @@ struct HistSpec {
   double width;    // linear: (hi - lo) / bins
 };
 
-C10_HOST_DEVICE inline int64_t dbits(double v) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t dbits(double v) {
   int64_t b;
   memcpy(&b, &v, sizeof(b));
   return b;
 }
 
-C10_HOST_DEVICE inline double bitsd(int64_t b) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE double bitsd(int64_t b) {
   double v;
   memcpy(&v, &b, sizeof(v));
   return v;
@@ -70,39 +70,55 @@ constexpr double kInf = __builtin_huge_val();
 
 // Order-preserving map double -> int64 (for non-NaN values): flip the
 // magnitude bits of negatives so that larger doubles get larger keys.
-C10_HOST_DEVICE inline int64_t order_key(double v) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t order_key(double v) {
   int64_t b = dbits(v);
   return b >= 0 ? b : (b ^ INT64_MAX);
 }
 
-C10_HOST_DEVICE inline double order_unkey(int64_t k) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE double order_unkey(int64_t k) {
   return bitsd(k >= 0 ? k : (k ^ INT64_MAX));
 }
 
 // ---------------------------------------------------------------------------
-// Per-element accumulation. Written over references so the CUDA kernel can
-// pass the fields of one Acc and the CPU loop can pass lane-array elements
-// (which the compiler then vectorises) — one definition for both.
+// Per-element accumulation, written over references so the CUDA kernel can
+// pass the fields of one Acc and the CPU loop can pass its own (vectorised)
+// accumulators: one definition for both.
 // ---------------------------------------------------------------------------
+// Fast path for values known to be finite: no classification, no selects.
+// V is the working precision (float for <= 32-bit inputs on the CPU fast
+// path, double otherwise); callers flush V sums into double partials often.
+template <typename V, typename C>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_finite(V v, V shift, V& s1, V& s2, V& mn,
+                                                   V& mx, V& amx, C& nzero) {
+  const V d = v - shift;
+  s1 += d;
+  s2 += d * d;
+  mn = v < mn ? v : mn;
+  mx = v > mx ? v : mx;
+  const V a = v < 0 ? -v : v;
+  amx = a > amx ? a : amx;
+  nzero += (v == V(0));
+}
+
+// Any value: classify NaN/+Inf/-Inf, then accumulate finite values.
 template <typename D, typename C>
-C10_HOST_DEVICE inline void push_value(double v, double shift, D& s1, D& s2,
-                                       D& mn, D& mx, D& amx, C& nnan,
-                                       C& npinf, C& nninf, C& nzero) {
-  const double a = v < 0 ? -v : v;       // |v|; NaN stays NaN
-  const bool fin = a < kInf;             // false for NaN and +-Inf
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_value(double v, double shift, D& s1, D& s2,
+                                                  D& mn, D& mx, D& amx, C& nnan,
+                                                  C& npinf, C& nninf, C& nzero) {
   nnan += (v != v);
   npinf += (v == kInf);
   nninf += (v == -kInf);
-  nzero += (v == 0.0);
-  const double d = fin ? v - shift : 0.0;
-  s1 += d;
-  s2 += d * d;
-  const double lo = fin ? v : kInf;
-  const double hi = fin ? v : -kInf;
-  mn = lo < mn ? lo : mn;
-  mx = hi > mx ? hi : mx;
-  const double af = fin ? a : 0.0;
-  amx = af > amx ? af : amx;
+  const double a = v < 0 ? -v : v;  // NaN stays NaN
+  if (a < kInf) push_finite<double>(v, shift, s1, s2, mn, mx, amx, nzero);
+}
+
+// Re-express shifted sums of m values from shift `from` to shift `to`:
+// sum(x - to) = s1 + m*(from - to); sum((x - to)^2) = s2 + 2*(from - to)*s1 + m*(from - to)^2.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void shift_rebase(double& s1, double& s2, double m,
+                                                    double from, double to) {
+  const double t = from - to;
+  s2 += 2.0 * t * s1 + m * t * t;
+  s1 += m * t;
 }
 
 // Per-thread / per-chunk partial.
@@ -111,7 +127,7 @@ struct Acc {
   int64_t nnan, npinf, nninf, nzero;
 };
 
-C10_HOST_DEVICE inline void acc_init(Acc& a) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_init(Acc& a) {
   a.s1 = 0.0;
   a.s2 = 0.0;
   a.mn = kInf;
@@ -120,14 +136,14 @@ C10_HOST_DEVICE inline void acc_init(Acc& a) {
   a.nnan = a.npinf = a.nninf = a.nzero = 0;
 }
 
-C10_HOST_DEVICE inline void acc_push(Acc& a, double v, double shift) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_push(Acc& a, double v, double shift) {
   push_value(v, shift, a.s1, a.s2, a.mn, a.mx, a.amx, a.nnan, a.npinf,
              a.nninf, a.nzero);
 }
 
 // Merge b into a. All partials of one row share the same shift, so shifted
 // sums add directly.
-C10_HOST_DEVICE inline void acc_merge(Acc& a, const Acc& b) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_merge(Acc& a, const Acc& b) {
   a.s1 += b.s1;
   a.s2 += b.s2;
   a.mn = b.mn < a.mn ? b.mn : a.mn;
@@ -148,7 +164,7 @@ constexpr int kShiftProbe = 8;
 #pragma nv_exec_check_disable
 #endif
 template <typename Load>
-C10_HOST_DEVICE inline double shift_candidate(Load load, int64_t n) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE double shift_candidate(Load load, int64_t n) {
   const int64_t m = n < kShiftProbe ? n : kShiftProbe;
   for (int64_t i = 0; i < m; ++i) {
     const double v = load(i);
@@ -164,7 +180,7 @@ C10_HOST_DEVICE inline double shift_candidate(Load load, int64_t n) {
 #pragma nv_exec_check_disable
 #endif
 template <typename Atomics>
-C10_HOST_DEVICE inline void row_merge(int64_t* row, const Acc& a) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge(int64_t* row, const Acc& a) {
   if (a.nnan) Atomics::add_i64(row + kNan, a.nnan);
   if (a.npinf) Atomics::add_i64(row + kPosInf, a.npinf);
   if (a.nninf) Atomics::add_i64(row + kNegInf, a.nninf);
@@ -179,7 +195,7 @@ C10_HOST_DEVICE inline void row_merge(int64_t* row, const Acc& a) {
 }
 
 // Value of one cell of a row freshly reset for `step`.
-C10_HOST_DEVICE inline int64_t reset_value(int64_t col, int64_t step) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t reset_value(int64_t col, int64_t step) {
   switch (col) {
     case kStepTag: return step;
     case kShift: return kShiftUnset;
@@ -194,33 +210,61 @@ C10_HOST_DEVICE inline int64_t reset_value(int64_t col, int64_t step) {
 // Histogram bin index. Returns -1 for values that are not binned (NaN, Inf).
 // ---------------------------------------------------------------------------
 
-// Binary exponent e with 2**e <= |v| < 2**(e+1), for finite non-zero v.
-C10_HOST_DEVICE inline int64_t binary_exponent(double v) {
-  const int64_t b = dbits(v) & INT64_MAX;
-  const int64_t biased = b >> 52;
-  // Double subnormals (only reachable from float64 input): scale by 2**64
-  // so they become normal, then correct.
-  const int64_t sb = dbits(bitsd(b) * 18446744073709551616.0) >> 52;
-  return biased != 0 ? biased - 1023 : sb - 1023 - 64;
+// IEEE layout of the working types, for exponent extraction from the bits.
+template <typename V> struct FloatBits;
+template <> struct FloatBits<double> {
+  using I = int64_t;
+  static constexpr int kMant = 52, kBias = 1023, kSubScaleExp = 64;
+  static constexpr I kAbsMask = INT64_MAX;
+  static constexpr double kSubScale = 18446744073709551616.0;  // 2**64
+};
+template <> struct FloatBits<float> {
+  using I = int32_t;
+  static constexpr int kMant = 23, kBias = 127, kSubScaleExp = 32;
+  static constexpr I kAbsMask = INT32_MAX;
+  static constexpr float kSubScale = 4294967296.0f;  // 2**32
+};
+
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE typename FloatBits<V>::I vbits(V v) {
+  typename FloatBits<V>::I b;
+  memcpy(&b, &v, sizeof(b));
+  return b;
 }
 
-C10_HOST_DEVICE inline int64_t log2_bin(double v, int64_t lo_exp,
-                                        int64_t hi_exp) {
-  const double a = v < 0 ? -v : v;
-  if (!(a < kInf)) return -1;
-  if (a == 0.0) return 0;
-  const int64_t e = binary_exponent(a);
-  if (e < lo_exp) return 1;
-  if (e >= hi_exp) return hi_exp - lo_exp + 2;
-  return 2 + (e - lo_exp);
+// Binary exponent e with 2**e <= |v| < 2**(e+1), for finite non-zero v.
+// Subnormals are scaled up into the normal range first, so they land in
+// their true exponent bin.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t binary_exponent(V v) {
+  using B = FloatBits<V>;
+  const auto b = vbits(v) & B::kAbsMask;
+  const int32_t biased = static_cast<int32_t>(b >> B::kMant);
+  V scaled = v * B::kSubScale;
+  const int32_t sb = static_cast<int32_t>((vbits(scaled) & B::kAbsMask) >> B::kMant);
+  return biased != 0 ? biased - B::kBias : sb - B::kBias - B::kSubScaleExp;
+}
+
+// Works in V = float for inputs of 32 bits or fewer, V = double otherwise:
+// both give the same bin for the same value.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t log2_bin(V v, int32_t lo_exp, int32_t hi_exp) {
+  const V a = v < 0 ? -v : v;
+  const int32_t e = binary_exponent(a);
+  // 1 = underflow (e < lo), hi - lo + 2 = overflow (e >= hi), else 2 + e - lo.
+  int32_t bin = 2 + (e - lo_exp);
+  bin = bin < 1 ? 1 : bin;
+  bin = bin > hi_exp - lo_exp + 2 ? hi_exp - lo_exp + 2 : bin;
+  // NaN and Inf (a < inf is false) are not binned; zeros go to bin 0.
+  return a < static_cast<V>(kInf) ? (a == V(0) ? 0 : bin) : -1;
 }
 
 // Edge i of a linear histogram: lo + i*width, the last edge pinned to hi.
-C10_HOST_DEVICE inline double linear_edge(const HistSpec& h, int64_t i) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE double linear_edge(const HistSpec& h, int64_t i) {
   return i >= h.bins ? h.hi : h.lo + static_cast<double>(i) * h.width;
 }
 
-C10_HOST_DEVICE inline int64_t linear_bin(double v, const HistSpec& h) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t linear_bin(double v, const HistSpec& h) {
   const double a = v < 0 ? -v : v;
   if (!(a < kInf)) return -1;
   if (v < h.lo) return 0;
@@ -233,8 +277,9 @@ C10_HOST_DEVICE inline int64_t linear_bin(double v, const HistSpec& h) {
   return 1 + i;
 }
 
-C10_HOST_DEVICE inline int64_t hist_bin(double v, const HistSpec& h) {
-  return h.kind == kHistLog2 ? log2_bin(v, h.lo_exp, h.hi_exp)
+C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t hist_bin(double v, const HistSpec& h) {
+  return h.kind == kHistLog2 ? log2_bin(v, static_cast<int32_t>(h.lo_exp),
+                                        static_cast<int32_t>(h.hi_exp))
                              : linear_bin(v, h);
 }
 

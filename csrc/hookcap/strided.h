@@ -18,7 +18,7 @@ struct StridedDesc {
 };
 
 // Storage offset (in elements) of row-major logical index i.
-C10_HOST_DEVICE inline int64_t strided_offset(const StridedDesc& d, int64_t i) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t strided_offset(const StridedDesc& d, int64_t i) {
   int64_t off = 0;
   for (int64_t k = d.ndim - 1; k >= 0; --k) {
     const int64_t q = i / d.sizes[k];
