@@ -112,8 +112,12 @@ BUILD_CUDA, CUDA_HOME, CUDA_REASON = decide_cuda()
 # -fno-trapping-math lets GCC if-convert (and so vectorise) the branch-free
 # per-element update; we never rely on FP exceptions. -fopenmp makes
 # at::parallel_for actually parallel (torch's own libgomp is reused).
-cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
-nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+# No FMA contraction on either side: histogram edges (lo + i * width) must
+# round the same on the CPU, the GPU and in the float64 reference.
+cxx_flags = [
+    "-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp",
+]
+nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--fmad=false"]
 define_macros = []
 sources = ["csrc/ops.cpp", "csrc/cpu/stats_cpu.cpp"]
 
