@@ -47,7 +47,7 @@ std::vector<int64_t> layout() {
   const int64_t cuda = 0;
 #endif
   return {kAbiVersion, kHeader,  kCount, kNan, kPosInf, kNegInf,  kZeros,      kShift,
-          kS1,         kS2,      kMin,   kMax, kAbsMax, kCalls,   kStepTag,    kShiftUnset,
+          kS1,         kS2,      kMin,   kMax, kAbsMax, kCalls,   kStepTag,    kSum, kSumSq, kShiftUnset,
           kStateStep,  kStateEnabled, kStateSlot, kStateSize, cuda};
 }
 

@@ -28,6 +28,8 @@ _raw = list(torch.ops.hookcap.layout())
     ABSMAX,
     CALLS,
     STEP_TAG,
+    SUM,
+    SUMSQ,
     SHIFT_UNSET,
     STATE_STEP,
     STATE_ENABLED,
@@ -66,15 +68,15 @@ def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
     zeros = rows[..., ZEROS].astype(np.float64)
     inf = posinf + neginf
     finite = count - nan - inf
-    shift = np.where(rows[..., SHIFT] == SHIFT_UNSET, 0.0, f64(SHIFT))
+    total, sumsq = f64(SUM), f64(SUMSQ)
+    # S1, S2 are moments about the slot's shift K (close to the mean), so the
+    # variance does not cancel even when |mean| >> std.
     s1, s2 = f64(S1), f64(S2)
     has = finite > 0
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         nf = np.where(has, finite, 1.0)
-        total = finite * shift + s1
-        sumsq = s2 + 2.0 * shift * s1 + finite * shift * shift
+        mean = np.where(has, total / nf, np.nan)
         dmean = s1 / nf
-        mean = np.where(has, shift + dmean, np.nan)
         var = np.maximum(s2 / nf - dmean * dmean, 0.0)
         std = np.where(has, np.sqrt(var), np.nan)
         rms = np.where(has, np.sqrt(np.maximum(sumsq, 0.0) / nf), np.nan)

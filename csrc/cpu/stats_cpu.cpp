@@ -73,27 +73,56 @@ HC_ALWAYS_INLINE work_t<T> load_work(const T* p) {
   }
 }
 
-// Statistics of one block (n <= kBlock). Fast path: vectorised push_finite in
-// the working precision plus a NaN/Inf probe (v * 0 is NaN iff v is not
-// finite); a block that holds any NaN/Inf is redone with push_value in double.
-// Statistics of one block (n <= kBlock). Fast path: vectorised push_finite in
-// the working precision plus a NaN/Inf probe (v * 0 is NaN iff v is not
-// finite); a block that holds any NaN/Inf is redone with push_value in double.
-// For log2 histograms the bin index is computed in the same vector loop.
+// Whether a block's float sums can be trusted: no overflow, and no squares
+// lost to float underflow (|d| < 2**-63 gives subnormal squares) unless the
+// block is constant. Tiny gradients and huge activations take the double
+// path instead, so they never come out silently wrong.
+template <typename V>
+HC_ALWAYS_INLINE bool float_sums_ok(V sum, V sumsq, V s2, V mn, V mx) {
+  if constexpr (std::is_same_v<V, double>) {
+    return true;
+  } else {
+    const V big = 3.0e38f;
+    const V tiny = 7.9e-31f;  // ~2**-100
+    const V asum = sum < 0 ? -sum : sum;
+    const bool constant = mn == mx;
+    return asum <= big && sumsq <= big && s2 <= big && (sumsq >= tiny || (mn == 0 && mx == 0)) &&
+           (s2 >= tiny || constant);
+  }
+}
+
+// Shifted sums of a block are well conditioned when the shift lies within
+// two standard deviations of the block mean: (s1/n)^2 <= 4 * var.
+template <typename V>
+HC_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
+  const V m = s1 / static_cast<V>(n);
+  const V var = s2 / static_cast<V>(n) - m * m;
+  return m * m <= V(4) * var;
+}
+
+// Statistics of one block (n <= kBlock) in the working precision V, shifted
+// by `center` (the previous block's mean: data drifts slowly, so one pass is
+// usually enough). A block whose mean is far from the center is re-shifted
+// by its own mean in a second pass over L1-resident data. A block holding
+// NaN/Inf (v * 0 is NaN iff v is not finite) or values outside float's safe
+// range is redone with push_value in double. For log2 histograms the bin
+// index is computed in the same vector loop.
 template <typename T, bool kUnit, int kHist>
 HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double shift,
-                                  Acc& acc, const HistSpec& h, int32_t* idx) {
+                                  work_t<T>& center, Acc& acc, const HistSpec& h,
+                                  int32_t* idx) {
   using V = work_t<T>;
   auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
-  const V vshift = static_cast<V>(shift);
   const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
-  V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
-  V amx = static_cast<V>(-kInf), probe = 0;
+  V c = center;
+  V sum = 0, sumsq = 0, s1 = 0, s2 = 0, probe = 0;
+  V mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf), amx = static_cast<V>(-kInf);
   int32_t nz = 0;
-#pragma omp simd reduction(+ : s1, s2, nz, probe) reduction(min : mn) reduction(max : mx, amx)
+#pragma omp simd reduction(+ : sum, sumsq, s1, s2, nz, probe) reduction(min : mn) \
+    reduction(max : mx, amx)
   for (int64_t i = 0; i < n; ++i) {
     const V v = load_work(at(i));
-    push_finite(v, vshift, s1, s2, mn, mx, amx, nz);
+    push_finite(v, c, sum, sumsq, s1, s2, mn, mx, amx, nz);
     probe += v * V(0);
     if constexpr (kHist == kHistLog2) idx[i] = log2_bin(v, lo, hi) + 1;
   }
@@ -103,16 +132,21 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
       idx[i] = static_cast<int32_t>(linear_bin(load_double(at(i)), h) + 1);
     }
   }
-  if (probe != probe) {
+  if (probe == probe && !shift_well_conditioned(s1, s2, n)) {
+    c = sum / static_cast<V>(n);
+    s1 = 0;
+    s2 = 0;
+#pragma omp simd reduction(+ : s1, s2)
+    for (int64_t i = 0; i < n; ++i) push_shifted(load_work(at(i)), c, s1, s2);
+  }
+  if (probe != probe || !float_sums_ok(sum, sumsq, s2, mn, mx)) {
     for (int64_t i = 0; i < n; ++i) acc_push(acc, load_double(at(i)), shift);
     return;
   }
+  center = c;
   double d1 = s1, d2 = s2;
-  // vshift is the shift rounded to V; move the sums onto the exact shift.
-  if (static_cast<double>(vshift) != shift) {
-    shift_rebase(d1, d2, static_cast<double>(n), static_cast<double>(vshift), shift);
-  }
-  const Acc blk{d1, d2, mn, mx, amx, 0, 0, 0, nz};
+  shift_rebase(d1, d2, static_cast<double>(n), static_cast<double>(c), shift);
+  const Acc blk{sum, sumsq, d1, d2, mn, mx, amx, 0, 0, 0, nz};
   acc_merge(acc, blk);
 }
 
@@ -147,6 +181,7 @@ template <typename T, bool kUnit, int kHist>
 HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double shift,
                                   Acc& acc, const HistSink& hs) {
   int32_t idx[kHist != kHistNone ? kBlock : 1];
+  work_t<T> center = static_cast<work_t<T>>(shift);
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
     const T* p = kUnit ? x + b : x + b * stride;
@@ -157,7 +192,7 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
         __builtin_prefetch(q + o);
       }
     }
-    block_stats<T, kUnit, kHist>(p, stride, len, shift, acc, *hs.spec, idx);
+    block_stats<T, kUnit, kHist>(p, stride, len, shift, center, acc, *hs.spec, idx);
     if constexpr (kHist != kHistNone) {
       const bool pf = kUnit && b + 2 * kBlock <= n;
       block_scatter(idx, len, hs, pf ? reinterpret_cast<const char*>(x + b + kBlock) : nullptr,

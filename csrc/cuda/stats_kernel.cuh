@@ -51,6 +51,8 @@ __device__ __forceinline__ T shfl_down(T v, int delta) {
 __device__ __forceinline__ void warp_reduce(Acc& a) {
   for (int d = kWarpSize / 2; d > 0; d /= 2) {
     Acc o;
+    o.sum = shfl_down(a.sum, d);
+    o.sumsq = shfl_down(a.sumsq, d);
     o.s1 = shfl_down(a.s1, d);
     o.s2 = shfl_down(a.s2, d);
     o.mn = shfl_down(a.mn, d);

@@ -25,15 +25,17 @@ enum Col : int64_t {
   kPosInf = 2,
   kNegInf = 3,
   kZeros = 4,   // == 0, including -0
-  kShift = 5,   // double bits: shift K (first finite value seen in the slot)
+  kShift = 5,   // double bits: shift K (a central value of the slot's first write)
   kS1 = 6,      // double bits: sum over finite of (x - K)
-  kS2 = 7,      // double bits: sum over finite of (x - K)^2
+  kS2 = 7,      // double bits: sum over finite of (x - K)^2   (for std, no cancellation)
   kMin = 8,     // ordered key of min over finite
   kMax = 9,     // ordered key of max over finite
   kAbsMax = 10, // ordered key of max |x| over finite
   kCalls = 11,  // number of accumulate calls merged into the row
   kStepTag = 12, // step number the slot was reset for
-  kHeader = 16, // columns 13..15 reserved; histogram bins start here
+  kSum = 13,    // double bits: sum over finite of x
+  kSumSq = 14,  // double bits: sum over finite of x^2
+  kHeader = 16, // column 15 reserved; histogram bins start here
 };
 
 // Shift sentinel: "no shift chosen yet in this slot". A NaN pattern no
@@ -84,15 +86,23 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE double order_unkey(int64_t k) {
 // pass the fields of one Acc and the CPU loop can pass its own (vectorised)
 // accumulators: one definition for both.
 // ---------------------------------------------------------------------------
-// Fast path for values known to be finite: no classification, no selects.
-// V is the working precision (float for <= 32-bit inputs on the CPU fast
-// path, double otherwise); callers flush V sums into double partials often.
-template <typename V, typename C>
-C10_HOST_DEVICE C10_ALWAYS_INLINE void push_finite(V v, V shift, V& s1, V& s2, V& mn,
-                                                   V& mx, V& amx, C& nzero) {
+// Shifted moments of one value: the part of the update that keeps std free of
+// cancellation when |mean| >> std.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_shifted(V v, V shift, V& s1, V& s2) {
   const V d = v - shift;
   s1 += d;
   s2 += d * d;
+}
+
+// Update for a value known to be finite. V is the working precision (float
+// in the CPU fast path for inputs of 32 bits or fewer, double elsewhere).
+template <typename V, typename C>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_finite(V v, V shift, V& sum, V& sumsq, V& s1,
+                                                   V& s2, V& mn, V& mx, V& amx, C& nzero) {
+  sum += v;
+  sumsq += v * v;
+  push_shifted(v, shift, s1, s2);
   mn = v < mn ? v : mn;
   mx = v > mx ? v : mx;
   const V a = v < 0 ? -v : v;
@@ -102,14 +112,14 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void push_finite(V v, V shift, V& s1, V& s2, V
 
 // Any value: classify NaN/+Inf/-Inf, then accumulate finite values.
 template <typename D, typename C>
-C10_HOST_DEVICE C10_ALWAYS_INLINE void push_value(double v, double shift, D& s1, D& s2,
-                                                  D& mn, D& mx, D& amx, C& nnan,
-                                                  C& npinf, C& nninf, C& nzero) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_value(double v, double shift, D& sum, D& sumsq,
+                                                  D& s1, D& s2, D& mn, D& mx, D& amx,
+                                                  C& nnan, C& npinf, C& nninf, C& nzero) {
   nnan += (v != v);
   npinf += (v == kInf);
   nninf += (v == -kInf);
   const double a = v < 0 ? -v : v;  // NaN stays NaN
-  if (a < kInf) push_finite<double>(v, shift, s1, s2, mn, mx, amx, nzero);
+  if (a < kInf) push_finite<double>(v, shift, sum, sumsq, s1, s2, mn, mx, amx, nzero);
 }
 
 // Re-express shifted sums of m values from shift `from` to shift `to`:
@@ -123,11 +133,13 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void shift_rebase(double& s1, double& s2, doub
 
 // Per-thread / per-chunk partial.
 struct Acc {
-  double s1, s2, mn, mx, amx;
+  double sum, sumsq, s1, s2, mn, mx, amx;
   int64_t nnan, npinf, nninf, nzero;
 };
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_init(Acc& a) {
+  a.sum = 0.0;
+  a.sumsq = 0.0;
   a.s1 = 0.0;
   a.s2 = 0.0;
   a.mn = kInf;
@@ -137,13 +149,15 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_init(Acc& a) {
 }
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_push(Acc& a, double v, double shift) {
-  push_value(v, shift, a.s1, a.s2, a.mn, a.mx, a.amx, a.nnan, a.npinf,
+  push_value(v, shift, a.sum, a.sumsq, a.s1, a.s2, a.mn, a.mx, a.amx, a.nnan, a.npinf,
              a.nninf, a.nzero);
 }
 
 // Merge b into a. All partials of one row share the same shift, so shifted
 // sums add directly.
 C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_merge(Acc& a, const Acc& b) {
+  a.sum += b.sum;
+  a.sumsq += b.sumsq;
   a.s1 += b.s1;
   a.s2 += b.s2;
   a.mn = b.mn < a.mn ? b.mn : a.mn;
@@ -155,9 +169,10 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_merge(Acc& a, const Acc& b) {
   a.nzero += b.nzero;
 }
 
-// Shift candidate: the first finite value among the first few elements
-// (else 0). Every block of one launch computes the same candidate, so they
-// agree on it without communicating.
+// Shift candidate: the median of the finite values among the first few
+// elements (else 0) — a central value, so one outlier at the front cannot
+// become the shift. Every block of a launch computes the same candidate, so
+// they agree without communicating.
 constexpr int kShiftProbe = 8;
 
 #if defined(__CUDACC__)
@@ -165,17 +180,20 @@ constexpr int kShiftProbe = 8;
 #endif
 template <typename Load>
 C10_HOST_DEVICE C10_ALWAYS_INLINE double shift_candidate(Load load, int64_t n) {
-  const int64_t m = n < kShiftProbe ? n : kShiftProbe;
-  for (int64_t i = 0; i < m; ++i) {
+  double vals[kShiftProbe];
+  int m = 0;
+  const int64_t probe = n < kShiftProbe ? n : kShiftProbe;
+  for (int64_t i = 0; i < probe; ++i) {
     const double v = load(i);
     const double a = v < 0 ? -v : v;
-    if (a < kInf) return v;
+    if (!(a < kInf)) continue;
+    int j = m++;
+    for (; j > 0 && vals[j - 1] > v; --j) vals[j] = vals[j - 1];  // insertion sort
+    vals[j] = v;
   }
-  return 0.0;
+  return m == 0 ? 0.0 : vals[(m - 1) / 2];
 }
 
-// Merge one partial into a ring row. `Atomics` supplies add/min/max on the
-// int64 cells: CUDA atomics on the device, std::atomic_ref on the host.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -186,6 +204,8 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge(int64_t* row, const Acc& a) {
   if (a.nninf) Atomics::add_i64(row + kNegInf, a.nninf);
   if (a.nzero) Atomics::add_i64(row + kZeros, a.nzero);
   if (a.mn <= a.mx) {  // at least one finite element
+    Atomics::add_f64(row + kSum, a.sum);
+    Atomics::add_f64(row + kSumSq, a.sumsq);
     Atomics::add_f64(row + kS1, a.s1);
     Atomics::add_f64(row + kS2, a.s2);
     Atomics::min_i64(row + kMin, order_key(a.mn));
