@@ -30,7 +30,7 @@ void accumulate_meta(const at::Tensor& x, at::Tensor& ring, const at::Tensor& st
                      int64_t row, int64_t hist_kind, double hist_lo, double hist_hi,
                      int64_t hist_bins) {
   check_accumulate(x, ring, state, row);
-  make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
 }
 
 void reset_slot_meta(at::Tensor& ring, const at::Tensor& state) { check_ring_state(ring, state); }

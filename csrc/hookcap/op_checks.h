@@ -1,9 +1,12 @@
 // Host-side argument checks and launch descriptors, shared by the CPU, CUDA
 // and Meta implementations so every backend rejects exactly the same input.
-// Only metadata is inspected: no device memory is read (no sync).
+// Only metadata is inspected: no device memory is read (no sync). Sizes are
+// read as SymInts so the same checks run on FakeTensors with dynamic shapes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymBool.h>
+#include <c10/core/SymInt.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
@@ -17,24 +20,28 @@ namespace hookcap {
 inline void check_ring_state(const at::Tensor& ring, const at::Tensor& state) {
   TORCH_CHECK(ring.scalar_type() == at::kLong && ring.dim() == 3 && ring.is_contiguous(),
               "hookcap: ring must be a contiguous int64 tensor [slots, rows, width], got ",
-              ring.scalar_type(), " with shape ", ring.sizes());
-  TORCH_CHECK(ring.size(0) >= 1 && ring.size(2) >= kHeader,
-              "hookcap: ring needs >= 1 slot and width >= ", static_cast<int64_t>(kHeader),
-              ", got shape ", ring.sizes());
-  TORCH_CHECK(state.scalar_type() == at::kLong && state.dim() == 1 &&
-                  state.numel() == kStateSize && state.is_contiguous(),
+              ring.scalar_type(), " with shape ", ring.sym_sizes());
+  TORCH_SYM_CHECK(ring.sym_size(0).sym_ge(1), "hookcap: ring needs >= 1 slot, got shape ",
+                  ring.sym_sizes());
+  TORCH_SYM_CHECK(ring.sym_size(2).sym_ge(static_cast<int64_t>(kHeader)),
+                  "hookcap: ring width must be >= ", static_cast<int64_t>(kHeader), ", got shape ",
+                  ring.sym_sizes());
+  TORCH_CHECK(state.scalar_type() == at::kLong && state.dim() == 1 && state.is_contiguous(),
               "hookcap: state must be a contiguous int64 tensor of shape [3] "
-              "(step, enabled, slot), got ", state.scalar_type(), " ", state.sizes());
+              "(step, enabled, slot), got ", state.scalar_type(), " ", state.sym_sizes());
+  TORCH_SYM_CHECK(state.sym_size(0).sym_eq(static_cast<int64_t>(kStateSize)),
+                  "hookcap: state must be a contiguous int64 tensor of shape [3] "
+                  "(step, enabled, slot), got shape ", state.sym_sizes());
   TORCH_CHECK(ring.device() == state.device(), "hookcap: ring is on ", ring.device(),
               " but state is on ", state.device());
 }
 
-inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
-                               int64_t width) {
-  HistSpec h{};
-  h.kind = kind;
-  h.nbins = width - kHeader;
-  if (kind == kHistNone) return h;
+// Validates the histogram arguments against the ring width; returns the
+// number of histogram bins they imply.
+inline int64_t check_hist(int64_t kind, double lo, double hi, int64_t bins,
+                          const c10::SymInt& width) {
+  int64_t nbins = 0;
+  if (kind == kHistNone) return nbins;
   TORCH_CHECK(kind == kHistLog2 || kind == kHistLinear,
               "hookcap: hist_kind must be 0 (none), 1 (log2) or 2 (linear), got ", kind);
   TORCH_CHECK(std::isfinite(lo) && std::isfinite(hi) && lo < hi,
@@ -43,22 +50,38 @@ inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
     TORCH_CHECK(lo == std::floor(lo) && hi == std::floor(hi) && lo >= -1100 && hi <= 1100,
                 "hookcap: log2 histogram exponents must be integers in [-1100, 1100], got lo=",
                 lo, " hi=", hi);
-    h.lo_exp = static_cast<int64_t>(lo);
-    h.hi_exp = static_cast<int64_t>(hi);
-    TORCH_CHECK(h.nbins == h.hi_exp - h.lo_exp + 3, "hookcap: ring width ", width,
-                " does not fit a log2 histogram [", lo, ", ", hi, "): need ",
-                kHeader + h.hi_exp - h.lo_exp + 3);
+    nbins = static_cast<int64_t>(hi) - static_cast<int64_t>(lo) + 3;
+    TORCH_SYM_CHECK(width.sym_eq(kHeader + nbins), "hookcap: ring width ", width,
+                    " does not fit a log2 histogram [", lo, ", ", hi, "): need ",
+                    kHeader + nbins);
   } else {
     TORCH_CHECK(bins >= 1, "hookcap: linear histogram needs bins >= 1, got ", bins);
+    const double w = (hi - lo) / static_cast<double>(bins);
+    TORCH_CHECK(w > 0 && std::isfinite(w),
+                "hookcap: linear histogram bin width is not a positive finite number");
+    nbins = bins + 2;
+    TORCH_SYM_CHECK(width.sym_eq(kHeader + nbins), "hookcap: ring width ", width,
+                    " does not fit a linear histogram of ", bins, " bins: need ",
+                    kHeader + nbins);
+  }
+  return nbins;
+}
+
+// Launch form of the histogram arguments (concrete sizes only).
+inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
+                               int64_t width) {
+  HistSpec h{};
+  h.kind = kind;
+  h.nbins = width - kHeader;
+  check_hist(kind, lo, hi, bins, c10::SymInt(width));
+  if (kind == kHistLog2) {
+    h.lo_exp = static_cast<int64_t>(lo);
+    h.hi_exp = static_cast<int64_t>(hi);
+  } else if (kind == kHistLinear) {
     h.lo = lo;
     h.hi = hi;
     h.bins = bins;
     h.width = (hi - lo) / static_cast<double>(bins);
-    TORCH_CHECK(h.width > 0 && std::isfinite(h.width),
-                "hookcap: linear histogram bin width is not a positive finite number");
-    TORCH_CHECK(h.nbins == bins + 2, "hookcap: ring width ", width,
-                " does not fit a linear histogram of ", bins, " bins: need ",
-                kHeader + bins + 2);
   }
   return h;
 }
@@ -74,8 +97,9 @@ inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
               x.layout());
   TORCH_CHECK(x.device() == ring.device(), "hookcap.accumulate: x is on ", x.device(),
               " but the ring is on ", ring.device());
-  TORCH_CHECK(row >= 0 && row < ring.size(1), "hookcap.accumulate: row ", row,
-              " out of range for a ring with ", ring.size(1), " rows");
+  TORCH_CHECK(row >= 0, "hookcap.accumulate: row must be >= 0, got ", row);
+  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row), "hookcap.accumulate: row ", row,
+                  " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
 // Coalesced view of x's (sizes, strides): size-1 dims dropped, mergeable

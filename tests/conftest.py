@@ -1,0 +1,62 @@
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import hookcap
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    max_examples=int(os.environ.get("HOOKCAP_HYPOTHESIS_EXAMPLES", "60")),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("default")
+
+EXACT = ("count", "nan", "posinf", "neginf", "inf", "zeros", "finite", "min", "max", "absmax")
+
+
+def assert_stats_match(got, ref, *, rtol_sum=1e-5, rtol_std=1e-4, abs_sum=None):
+    """Compare hookcap stats with the float64 reference.
+
+    Counts and extrema must match exactly, histograms bin for bin. ``sum`` and
+    ``mean`` are judged against ``abs_sum`` (sum of |x|) when given, since a
+    sum that cancels to ~0 can only be as exact as the size of its terms.
+    """
+    for k in EXACT:
+        g, r = got[k], ref[k]
+        assert (np.isnan(g) and np.isnan(r)) or g == r, f"{k}: got {g!r}, reference {r!r}"
+    n = max(ref["finite"], 1.0)
+    amax = 0.0 if np.isnan(ref["absmax"]) else ref["absmax"]
+    tols = {
+        "sum": rtol_sum * (abs(ref["sum"]) if abs_sum is None else abs_sum),
+        "mean": rtol_sum * (abs(ref["mean"]) if abs_sum is None else abs_sum / n),
+        "sumsq": rtol_sum * ref["sumsq"],
+        "l2norm": rtol_sum * ref["l2norm"],
+        "rms": rtol_sum * (0.0 if np.isnan(ref["rms"]) else ref["rms"]),
+        "std": rtol_std * (0.0 if np.isnan(ref["std"]) else ref["std"]) + 1e-7 * amax,
+    }
+    for k, tol in tols.items():
+        g, r = got[k], ref[k]
+        if np.isnan(r):
+            assert np.isnan(g), f"{k}: got {g!r}, reference NaN"
+            continue
+        assert abs(g - r) <= tol, f"{k}: got {g!r}, reference {r!r} (tol {tol:g})"
+    if np.isnan(ref["zero_frac"]):
+        assert np.isnan(got["zero_frac"])
+    else:
+        assert got["zero_frac"] == ref["zero_frac"]
+    if "hist" in ref:
+        np.testing.assert_array_equal(got["hist"], ref["hist"])
+        assert got["hist"].sum() == ref["finite"]
+        np.testing.assert_array_equal(got["bin_edges"], ref["bin_edges"])
+
+
+def abs_sum(x: torch.Tensor) -> float:
+    """sum |x| over the finite elements: the scale of sum's rounding error."""
+    a = x.detach().to(torch.float64).reshape(-1)
+    return float(a[torch.isfinite(a)].abs().sum())
+
+

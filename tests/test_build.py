@@ -1,0 +1,39 @@
+"""Build metadata, the torch-version guard and registered dispatch keys."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import hookcap
+from hookcap import _build
+
+
+def test_build_info_keys():
+    info = hookcap.build_info()
+    for k in ("torch_version", "torch_cuda", "cuda", "arch_list", "cxx_flags", "nvcc_flags", "cpu_isa"):
+        assert k in info
+    assert info["torch_version"] == torch.__version__
+    assert isinstance(info["cuda"], bool)
+
+
+def test_import_against_other_torch_names_both_versions(monkeypatch):
+    monkeypatch.setattr(_build, "_read_meta", lambda: {"torch_version": "1.0.0"})
+    with pytest.raises(ImportError, match=r"built for torch 1\.0\.0 but torch .* is installed") as e:
+        _build.check_and_load()
+    assert torch.__version__ in str(e.value)
+
+
+def test_missing_build_is_a_clear_import_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(_build, "_META_PATH", str(tmp_path / "nope.json"))
+    with pytest.raises(ImportError, match="not built"):
+        _build.check_and_load()
+
+
+@pytest.mark.parametrize("op", ["accumulate", "reset_slot", "advance"])
+def test_dispatch_keys_registered(op):
+    dump = torch._C._dispatch_dump(f"hookcap::{op}")
+    assert "CPU:" in dump and "Meta:" in dump
+    if hookcap.build_info()["cuda"]:
+        assert "CUDA:" in dump

@@ -1,0 +1,123 @@
+"""CUDA kernels against the CPU op on the same inputs. Needs a GPU: every test
+here is skipped, visibly, when none is visible (the kernels are still compiled
+in CI and their source is executed by tests/test_cuda_emu.py)."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import abs_sum, assert_stats_match
+
+import hookcap
+from hookcap import Histogram, _layout, _ops
+from hookcap.functional import new_state
+
+HAVE_GPU = torch.cuda.is_available() and hookcap.build_info()["cuda"]
+pytestmark = pytest.mark.skipif(
+    not HAVE_GPU,
+    reason="no CUDA device visible (or CUDA kernels not built): CUDA-vs-CPU comparison not run",
+)
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def specials(n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 3
+    idx = torch.randperm(n, generator=g)
+    k = max(n // 40, 1)
+    x[idx[:k]] = float("nan")
+    x[idx[k:2 * k]] = float("inf")
+    x[idx[2 * k:3 * k]] = float("-inf")
+    x[idx[3 * k:4 * k]] = -0.0
+    x[idx[4 * k:5 * k]] = torch.finfo(dtype).tiny / 4
+    return x.to(dtype)
+
+
+def compare(x_cpu, h):
+    got = hookcap.tensor_stats(x_cpu.cuda(), h)
+    cpu = hookcap.tensor_stats(x_cpu, h)
+    ref = hookcap.reference.tensor_stats(x_cpu, h)
+    assert_stats_match(got, ref, abs_sum=abs_sum(x_cpu))
+    if h is not None:
+        np.testing.assert_array_equal(got["hist"], cpu["hist"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [Histogram.log2(), Histogram.linear(-2, 3, 11), Histogram.linear(-2, 3, 5000),
+                               None])
+@pytest.mark.parametrize("n", [1, 5, 1023, 1_000_003])
+def test_cuda_matches_cpu(dtype, h, n):
+    compare(specials(n, dtype, n), h)
+
+
+def test_cuda_strided_and_misaligned():
+    x = specials(300 * 70, torch.float32, 1).reshape(300, 70)
+    compare(x.t()[3:, ::2].contiguous().t(), Histogram.log2())  # permuted dense
+    for view in (x[::3, 5:41], x.t()[7:, ::2], x[:, 1], x.reshape(-1)[3:], x[:1].expand(50, 70)):
+        got = hookcap.tensor_stats(x.cuda().as_strided(view.size(), view.stride(), view.storage_offset()))
+        ref = hookcap.reference.tensor_stats(view)
+        assert_stats_match(got, ref, abs_sum=abs_sum(view))
+
+
+def test_cuda_ring_merge_slots_and_advance():
+    h = Histogram.log2()
+    width = _layout.HEADER + h.nbins
+    ring = torch.zeros((3, 2, width), dtype=torch.int64, device="cuda")
+    st = new_state("cuda")
+    _ops.reset_slot(ring, st)
+    parts = [torch.randn(5000) + 100, torch.randn(77, 3).t(), torch.tensor([float("nan"), 0.0])]
+    for p in parts:
+        _ops.accumulate(p.cuda(), ring, st, 1, h)
+    _ops.advance(ring, st, 1)
+    _ops.accumulate(torch.ones(10, device="cuda"), ring, st, 0, h)
+    raw = ring.cpu().numpy()
+    assert st.cpu().tolist() == [1, 1, 1]
+    flat = torch.cat([p.reshape(-1).double() for p in parts])
+    ref = hookcap.reference.stats_from_values(flat.numpy(), h)
+    got = {k: float(v) for k, v in _layout.decode(raw[0, 1]).items()}
+    got["hist"], got["bin_edges"] = raw[0, 1, _layout.HEADER:], h.bin_edges
+    assert_stats_match(got, ref, abs_sum=abs_sum(flat))
+    assert _layout.decode(raw[1, 0])["count"] == 10
+
+
+def test_cuda_ops_do_not_sync_or_allocate():
+    h = Histogram.log2()
+    x = torch.randn(1 << 20, device="cuda")
+    ring = torch.zeros((2, 1, _layout.HEADER + h.nbins), dtype=torch.int64, device="cuda")
+    st = new_state("cuda")
+    _ops.reset_slot(ring, st)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            _ops.accumulate(x, ring, st, 0, h)
+            _ops.accumulate(x.t() if x.dim() > 1 else x[1:], ring, st, 0, h)
+            _ops.advance(ring, st, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+def test_cuda_graph_replay_uses_device_slot():
+    h = Histogram.log2()
+    ring = torch.zeros((4, 1, _layout.HEADER + h.nbins), dtype=torch.int64, device="cuda")
+    st = new_state("cuda")
+    _ops.reset_slot(ring, st)
+    x = torch.randn(4096, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _ops.accumulate(x, ring, st, 0, h)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    _ops.reset_slot(ring, st)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        _ops.accumulate(x, ring, st, 0, h)
+        _ops.advance(ring, st, 1)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    counts = [_layout.decode(ring[i, 0].cpu().numpy())["count"] for i in range(4)]
+    # Capture itself does not run the kernels; three replays fill slots 0, 1, 2.
+    assert counts[:3] == [4096.0] * 3 and st.cpu().tolist()[0] == 3

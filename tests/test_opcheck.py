@@ -1,0 +1,64 @@
+"""Dispatcher contract: schemas, Meta/fake kernels and torch.library.opcheck."""
+
+import pytest
+import torch
+
+import hookcap  # noqa: F401  (registers torch.ops.hookcap)
+from hookcap import Histogram, _layout
+from hookcap.functional import new_state
+
+H = Histogram.log2()
+
+
+def ring_for(h, slots=2, rows=3):
+    width = _layout.HEADER + (h.nbins if h else 0)
+    ring = torch.zeros((slots, rows, width), dtype=torch.int64)
+    torch.ops.hookcap.reset_slot(ring, new_state("cpu"))
+    return ring
+
+
+CASES = [
+    (torch.randn(100), H),
+    (torch.randn(7, 9).t(), Histogram.linear(-1, 1, 5)),
+    (torch.randn(4, 4, dtype=torch.float64)[:, 1], None),
+    (torch.randn(33).to(torch.bfloat16), H),
+    (torch.empty(0), H),
+]
+
+
+@pytest.mark.parametrize("x,h", CASES)
+def test_opcheck_accumulate(x, h):
+    ring = ring_for(h)
+    args = (x, ring, new_state("cpu"), 1) + (h.op_args() if h else (0, 0.0, 0.0, 0))
+    torch.library.opcheck(torch.ops.hookcap.accumulate.default, args)
+
+
+def test_opcheck_reset_and_advance():
+    ring = ring_for(H)
+    torch.library.opcheck(torch.ops.hookcap.reset_slot.default, (ring, new_state("cpu")))
+    torch.library.opcheck(torch.ops.hookcap.advance.default, (ring, new_state("cpu"), 3))
+
+
+def test_schemas_declare_mutation():
+    assert "Tensor(a!) ring" in str(torch.ops.hookcap.accumulate.default._schema)
+    assert "Tensor(b!) state" in str(torch.ops.hookcap.advance.default._schema)
+
+
+def test_meta_kernel_checks_arguments_without_data():
+    x = torch.empty(10, device="meta")
+    ring = torch.empty((1, 1, _layout.HEADER), dtype=torch.int64, device="meta")
+    state = torch.empty(3, dtype=torch.int64, device="meta")
+    torch.ops.hookcap.accumulate(x, ring, state, 0, 0, 0.0, 0.0, 0)
+    with pytest.raises(RuntimeError, match="only floating-point"):
+        torch.ops.hookcap.accumulate(x.int(), ring, state, 0, 0, 0.0, 0.0, 0)
+
+
+def test_fake_tensor_mode_runs_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(10)
+        ring = torch.zeros((2, 1, _layout.HEADER + H.nbins), dtype=torch.int64)
+        st = torch.zeros(3, dtype=torch.int64)
+        torch.ops.hookcap.accumulate(x, ring, st, 0, *H.op_args())
+        torch.ops.hookcap.advance(ring, st, 1)

@@ -1,0 +1,176 @@
+"""Ring semantics of the ops: merging repeated writes, device-side slot
+selection, the enabled flag, reset and advance; thread-count determinism."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import abs_sum, assert_stats_match
+
+import hookcap
+from hookcap import Histogram, _layout, _ops
+from hookcap.functional import new_state
+
+H = Histogram.log2()
+
+
+def make_ring(slots, rows, histogram=H):
+    width = _layout.HEADER + (histogram.nbins if histogram else 0)
+    ring = torch.full((slots, rows, width), -7, dtype=torch.int64)  # garbage until reset
+    return ring
+
+
+def row_stats(ring, slot, row, histogram=H):
+    raw = ring[slot, row].numpy()
+    out = {k: float(v) for k, v in _layout.decode(raw).items()}
+    if histogram is not None:
+        out["hist"] = raw[_layout.HEADER:].copy()
+        out["bin_edges"] = histogram.bin_edges
+    return out
+
+
+def test_repeated_writes_merge_like_concatenation():
+    ring = make_ring(1, 2)
+    st = new_state("cpu")
+    _ops.reset_slot(ring, st)
+    parts = [torch.randn(1000) * 3 + 1, torch.randn(17, 5).t(), torch.tensor([float("nan"), 0.0, -1e-3]),
+             torch.randn(40000, dtype=torch.float64).to(torch.bfloat16)]
+    for p in parts:
+        _ops.accumulate(p, ring, st, 1, H)
+    flat = torch.cat([p.reshape(-1).double() for p in parts])
+    ref = hookcap.reference.stats_from_values(flat.numpy(), H)
+    assert_stats_match(row_stats(ring, 0, 1), ref, abs_sum=abs_sum(flat))
+    assert ring[0, 1, _layout.CALLS] == len(parts)
+    # Row 0 untouched: still empty.
+    assert row_stats(ring, 0, 0)["count"] == 0
+
+
+def test_merge_keeps_std_when_means_differ_between_writes():
+    ring = make_ring(1, 1, None)
+    st = new_state("cpu")
+    _ops.reset_slot(ring, st)
+    a = torch.randn(100_000) + 1000.0
+    b = torch.randn(100_000) * 2 - 500.0
+    _ops.accumulate(a, ring, st, 0, None)
+    _ops.accumulate(b, ring, st, 0, None)
+    flat = torch.cat([a, b]).double()
+    ref = hookcap.reference.stats_from_values(flat.numpy(), None)
+    assert_stats_match(row_stats(ring, 0, 0, None), ref, rtol_std=1e-7)
+
+
+def test_slot_comes_from_device_state():
+    ring = make_ring(4, 1)
+    for slot in range(4):
+        _ops.reset_slot(ring, torch.tensor([0, 1, slot]))
+    st = torch.tensor([5, 1, 2])
+    _ops.accumulate(torch.ones(10), ring, st, 0, H)
+    counts = [row_stats(ring, s, 0)["count"] for s in range(4)]
+    assert counts == [0, 0, 10, 0]
+
+
+def test_disabled_state_writes_nothing():
+    ring = make_ring(1, 1)
+    st = new_state("cpu")
+    _ops.reset_slot(ring, st)
+    before = ring.clone()
+    st[1] = 0
+    _ops.accumulate(torch.randn(100), ring, st, 0, H)
+    assert torch.equal(ring, before)
+
+
+def test_reset_initialises_every_cell():
+    ring = make_ring(3, 2)
+    st = torch.tensor([9, 1, 1])
+    _ops.reset_slot(ring, st)
+    assert (ring[0] == -7).all() and (ring[2] == -7).all()
+    s = row_stats(ring, 1, 0)
+    assert s["count"] == 0 and s["hist"].sum() == 0
+    assert ring[1, 0, _layout.STEP_TAG] == 9 and ring[1, 1, _layout.SHIFT] == _layout.SHIFT_UNSET
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_advance_cadence_and_slots(every):
+    slots = 4
+    ring = make_ring(slots, 1)
+    st = new_state("cpu")
+    _ops.reset_slot(ring, st)
+    recorded = []
+    for step in range(13):
+        assert int(st[0]) == step
+        enabled = bool(st[1])
+        assert enabled == (step % every == 0)
+        _ops.accumulate(torch.full((step + 1,), float(step)), ring, st, 0, H)
+        if enabled:
+            recorded.append(step)
+            slot = int(st[2])
+            assert slot == (len(recorded) - 1) % slots
+            s = row_stats(ring, slot, 0)
+            assert s["count"] == step + 1 and s["max"] == step
+            assert ring[slot, 0, _layout.STEP_TAG] == step
+        _ops.advance(ring, st, every)
+    assert recorded == [s for s in range(13) if s % every == 0]
+
+
+def test_advance_rejects_bad_every():
+    ring = make_ring(2, 1)
+    with pytest.raises(RuntimeError, match="every must be >= 1"):
+        _ops.advance(ring, new_state("cpu"), 0)
+
+
+_DETERMINISM = """
+import sys, torch, hookcap
+torch.set_num_threads(int(sys.argv[1]))
+g = torch.Generator().manual_seed(3)
+x = torch.randn(3_000_001, generator=g) * 5 + 2
+s = hookcap.tensor_stats(x)
+print(repr((s["sum"], s["sumsq"], s["std"], s["hist"].tolist())))
+"""
+
+
+def test_results_bitwise_identical_for_any_thread_count():
+    outs = [
+        subprocess.run([sys.executable, "-c", _DETERMINISM, str(t)], capture_output=True, text=True,
+                       check=True).stdout
+        for t in (1, 2)
+    ]
+    assert outs[0] == outs[1] and outs[0]
+
+
+_BASELINE = """
+import torch, hookcap, numpy as np, json
+g = torch.Generator().manual_seed(4)
+x = torch.randn(200_003, generator=g, dtype=torch.float64)
+x[::97] = float("nan"); x[::101] = 0.0
+for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+    y = x.to(dt)
+    for h in (hookcap.Histogram.log2(), hookcap.Histogram.linear(-2, 2, 9)):
+        got, ref = hookcap.tensor_stats(y, h), hookcap.reference.tensor_stats(y, h)
+        assert (got["hist"] == ref["hist"]).all()
+        for k in ("count", "nan", "zeros", "min", "max", "absmax"):
+            assert got[k] == ref[k], (k, got[k], ref[k])
+        for k in ("sumsq", "std"):
+            assert abs(got[k] / ref[k] - 1) < 1e-5, (k, got[k], ref[k])
+print(hookcap.build_info()["cpu_isa"])
+"""
+
+
+def test_baseline_isa_path_matches_reference():
+    """The non-AVX2 build of the CPU loop (chosen on old CPUs) is correct too."""
+    env = dict(__import__("os").environ, HOOKCAP_CPU_ISA="baseline")
+    out = subprocess.run([sys.executable, "-c", _BASELINE], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "baseline"
+
+
+def test_tensor_stats_row_matches_ring_decode():
+    x = torch.randn(999)
+    s = hookcap.tensor_stats(x)
+    ring = make_ring(1, 1)
+    st = new_state("cpu")
+    _ops.reset_slot(ring, st)
+    _ops.accumulate(x, ring, st, 0, H)
+    r = row_stats(ring, 0, 0)
+    for k in _layout.STAT_NAMES:
+        assert s[k] == r[k] or (np.isnan(s[k]) and np.isnan(r[k])), k

@@ -1,0 +1,253 @@
+"""Accuracy and semantics of the fused stats op on the CPU, against the float64
+reference (hookcap.reference), for every dtype, layout and special value."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import abs_sum, assert_stats_match
+
+import hookcap
+from hookcap import Histogram, _layout, _ops
+from hookcap.functional import new_state
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+HISTS = [Histogram.log2(), Histogram.linear(-3.0, 5.0, 17), None]
+
+
+def specials(n, dtype, seed=0):
+    """Random values with NaN, +-Inf, zeros, -0 and subnormals mixed in."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 4
+    tiny = torch.finfo(dtype).tiny
+    idx = torch.randperm(n, generator=g)
+    k = max(n // 50, 1)
+    x[idx[0 * k:1 * k]] = float("nan")
+    x[idx[1 * k:2 * k]] = float("inf")
+    x[idx[2 * k:3 * k]] = float("-inf")
+    x[idx[3 * k:4 * k]] = 0.0
+    x[idx[4 * k:5 * k]] = -0.0
+    x[idx[5 * k:6 * k]] = tiny / 4  # subnormal in dtype
+    x[idx[6 * k:7 * k]] = -tiny / 2
+    return x.to(dtype)
+
+
+def check(x, histogram=Histogram.log2(), **kw):
+    got = hookcap.tensor_stats(x, histogram)
+    ref = hookcap.reference.tensor_stats(x, histogram)
+    assert_stats_match(got, ref, abs_sum=abs_sum(x), **kw)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("histogram", HISTS, ids=["log2", "linear", "nohist"])
+@pytest.mark.parametrize("n", [1, 7, 1000, 100_003])
+def test_specials_all_dtypes(dtype, histogram, n):
+    check(specials(n, dtype, seed=n), histogram)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8(dtype):
+    x = (torch.randn(5000) * 8).to(dtype)
+    got = check(x, Histogram.log2(-20, 20))
+    assert got["count"] == 5000
+
+
+def test_counts_exact_values():
+    x = torch.tensor([1.0, -2.0, 0.0, -0.0, float("nan"), float("inf"), float("-inf"), 3.0])
+    s = hookcap.tensor_stats(x)
+    assert (s["count"], s["nan"], s["posinf"], s["neginf"], s["zeros"]) == (8, 1, 1, 1, 2)
+    assert (s["inf"], s["finite"]) == (2, 5)
+    assert (s["sum"], s["sumsq"], s["min"], s["max"], s["absmax"]) == (2.0, 14.0, -2.0, 3.0, 3.0)
+    assert s["mean"] == pytest.approx(0.4)
+    assert s["std"] == pytest.approx(np.std([1.0, -2.0, 0.0, 0.0, 3.0]))
+    assert s["rms"] == pytest.approx(math.sqrt(14.0 / 5))
+    assert s["l2norm"] == pytest.approx(math.sqrt(14.0))
+    assert s["zero_frac"] == 2 / 8
+
+
+def test_empty_tensor_records_count_zero():
+    s = hookcap.tensor_stats(torch.empty(0, 3))
+    assert s["count"] == 0 and s["finite"] == 0 and s["nan"] == 0 and s["zeros"] == 0
+    assert s["sum"] == 0 and s["sumsq"] == 0 and s["hist"].sum() == 0
+    for k in ("min", "max", "absmax", "mean", "std", "rms", "zero_frac"):
+        assert math.isnan(s[k]), k
+
+
+def test_no_finite_element_gives_nan():
+    s = hookcap.tensor_stats(torch.tensor([float("nan"), float("inf")]))
+    assert s["count"] == 2 and s["finite"] == 0
+    for k in ("min", "max", "absmax", "mean", "std", "rms"):
+        assert math.isnan(s[k]), k
+    assert s["l2norm"] == 0 and s["hist"].sum() == 0
+
+
+def test_zero_dim():
+    check(torch.tensor(-2.5))
+
+
+def test_accuracy_1e7_float32():
+    """Contract: sum/sumsq/l2norm rel err <= 1e-5 on 1e7 float32 elements;
+    std rel err <= 1e-4 even when |mean| = 1000 * std."""
+    g = torch.Generator().manual_seed(1)
+    for mean, std in ((0.5, 1.0), (1000.0, 1.0), (-3e4, 30.0)):
+        x = torch.randn(10_000_000, generator=g) * std + mean
+        got = hookcap.tensor_stats(x, None)
+        ref = hookcap.reference.tensor_stats(x, None)
+        for k in ("sum", "sumsq", "l2norm"):
+            assert abs(got[k] / ref[k] - 1) <= 1e-5, (mean, k, got[k], ref[k])
+        assert abs(got["std"] / ref["std"] - 1) <= 1e-4, (mean, got["std"], ref["std"])
+        assert got["min"] == ref["min"] and got["max"] == ref["max"]
+
+
+def test_outlier_first_element_does_not_spoil_std():
+    x = torch.randn(1_000_000, dtype=torch.float32)
+    x[0] = 1e6
+    x[1] = -1e6
+    check(x, None, rtol_std=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-20, 1e25, 1e37])
+def test_float32_extreme_ranges_take_exact_path(scale):
+    """float32 data whose squares under/overflow float still gets exact-range sums."""
+    x = (torch.randn(50_000, dtype=torch.float64) * scale).float()
+    got = check(x, None)
+    assert math.isfinite(got["sumsq"]) and got["sumsq"] > 0
+
+
+def test_huge_float64_sumsq_overflows_like_reference():
+    x = torch.tensor([1e200, -1e200, 1.0], dtype=torch.float64)
+    got = hookcap.tensor_stats(x)
+    assert got["sumsq"] == math.inf and got["absmax"] == 1e200
+
+
+# -- layouts ----------------------------------------------------------------
+
+def test_transposed_and_permuted_dense():
+    x = torch.randn(37, 53, 11)
+    check(x.permute(2, 0, 1))
+    check(x.transpose(0, 2))
+
+
+def test_channels_last():
+    x = torch.randn(4, 8, 9, 7).to(memory_format=torch.channels_last)
+    check(x)
+
+
+def test_sliced_and_strided():
+    x = specials(64 * 50, torch.float32).reshape(64, 50)
+    check(x[::3, 5:41])
+    check(x.t()[7:, ::2])
+    check(x[:, 1])  # column: stride 50
+
+
+def test_expanded_counts_repeats():
+    base = torch.tensor([1.0, float("nan"), -2.0])
+    x = base.expand(1000, 3)
+    s = check(x)
+    assert s["count"] == 3000 and s["nan"] == 1000
+
+
+def test_misaligned_starts():
+    x = specials(10_007, torch.float32)
+    for off in range(1, 9):
+        check(x[off:])
+    h = specials(10_007, torch.float16)
+    for off in range(1, 9):
+        check(h[off:])
+
+
+def test_many_dims_fallback():
+    x = torch.randn([2] * 14)
+    # A non-dense view that no merge can reduce to <= 12 dims.
+    y = x[(slice(None, 1),) + (slice(None),) * 13].transpose(1, 13)[..., :1]
+    check(y)
+
+
+# -- histograms ---------------------------------------------------------------
+
+def test_log2_layout_contract():
+    lo, hi = -4, 3
+    h = Histogram.log2(lo, hi)
+    assert h.nbins == hi - lo + 3
+    x = torch.tensor([0.0, -0.0, 2.0**-5, 2.0**-4, -2.0**-4 * 1.5, 0.75, 1.0, 2.0**2 * 1.9, 8.0, -1e10,
+                      float("nan"), float("inf")], dtype=torch.float64)
+    s = hookcap.tensor_stats(x, h)
+    expected = np.zeros(h.nbins, dtype=np.int64)
+    expected[0] = 2  # exact zeros
+    expected[1] = 1  # 2**-5 < 2**lo
+    expected[2 + (-4 - lo)] = 2  # 2**-4 and 1.5 * 2**-4
+    expected[2 + (-1 - lo)] = 1  # 0.75
+    expected[2 + (0 - lo)] = 1  # 1.0
+    expected[2 + (2 - lo)] = 1  # 7.6
+    expected[-1] = 2  # 8 = 2**hi and 1e10: overflow
+    np.testing.assert_array_equal(s["hist"], expected)
+    edges = s["bin_edges"]
+    assert len(edges) == h.nbins + 1 and edges[2] == 2.0**lo and edges[-2] == 2.0**hi
+
+
+def test_log2_subnormals_land_in_true_exponent_bin():
+    h = Histogram.log2(-1080, 0)
+    x = torch.tensor([2.0**-1074, 3 * 2.0**-1070, 2.0**-1022], dtype=torch.float64)
+    s = hookcap.tensor_stats(x, h)
+    for e in (-1074, -1069, -1022):
+        assert s["hist"][2 + e + 1080] == 1, e
+    f = torch.tensor([2.0**-149, 2.0**-130 * 1.5], dtype=torch.float32)
+    s = hookcap.tensor_stats(f, Histogram.log2(-160, 0))
+    assert s["hist"][2 + (-149 + 160)] == 1 and s["hist"][2 + (-130 + 160)] == 1
+
+
+def test_linear_edges_exact():
+    h = Histogram.linear(-2.0, 2.0, 10)
+    edges = hookcap.histogram.linear_inner_edges(h)
+    x = torch.tensor(np.concatenate([edges, np.nextafter(edges, -np.inf), [-5.0, 7.0]]))
+    s = check(x, h)
+    assert s["hist"][0] == 1 + 1 + 0  # -5 and nextafter(-2, -inf); -2 itself is in bin 1
+    assert s["hist"][-1] == 2  # 2.0 and 7.0
+
+
+def test_wide_linear_histogram():
+    check(specials(20_000, torch.float32), Histogram.linear(-4, 4, 3000))
+
+
+def test_histogram_arguments_validated():
+    with pytest.raises(ValueError, match="lo < hi"):
+        Histogram.log2(3, 3)
+    with pytest.raises(ValueError, match="integers"):
+        Histogram.log2(0.5, 3)
+    with pytest.raises(ValueError, match="bins"):
+        Histogram.linear(0, 1, 0)
+    with pytest.raises(ValueError, match="finite"):
+        Histogram.linear(0, float("inf"), 3)
+
+
+# -- bad input ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint8])
+def test_non_float_dtype_clear_error(dtype):
+    x = torch.zeros(4, dtype=dtype)
+    with pytest.raises(RuntimeError, match="only floating-point tensors"):
+        hookcap.tensor_stats(x)
+
+
+def test_op_rejects_bad_ring_and_row():
+    x = torch.randn(10)
+    st = new_state("cpu")
+    with pytest.raises(RuntimeError, match="int64"):
+        _ops.accumulate(x, torch.zeros(1, 1, 200), st, 0, None)
+    ring = torch.zeros(2, 3, _layout.HEADER, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _ops.accumulate(x, ring, st, 3, None)
+    with pytest.raises(RuntimeError, match="does not fit a log2"):
+        _ops.accumulate(x, ring, st, 0, Histogram.log2())
+    with pytest.raises(RuntimeError, match="shape \\[3\\]"):
+        _ops.accumulate(x, ring, torch.zeros(2, dtype=torch.int64), 0, None)
+
+
+def test_requires_grad_input_and_inference_tensor():
+    x = torch.randn(100, requires_grad=True)
+    check(x)
+    with torch.inference_mode():
+        y = torch.randn(100)
+    check(y)
