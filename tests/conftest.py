@@ -43,6 +43,9 @@ def assert_stats_match(got, ref, *, rtol_sum=1e-5, rtol_std=1e-4, abs_sum=None):
         if np.isnan(r):
             assert np.isnan(g), f"{k}: got {g!r}, reference NaN"
             continue
+        if np.isinf(r) or np.isinf(g):
+            assert g == r, f"{k}: got {g!r}, reference {r!r}"
+            continue
         assert abs(g - r) <= tol, f"{k}: got {g!r}, reference {r!r} (tol {tol:g})"
     if np.isnan(ref["zero_frac"]):
         assert np.isnan(got["zero_frac"])
