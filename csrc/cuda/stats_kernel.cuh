@@ -2,6 +2,8 @@
 // the real build (stats_launch.cu) and by g++ through tests/cuda_emu for the
 // CPU emulation harness, so it must stay plain CUDA C++: no inline PTX, no
 // CUB, only the intrinsics the harness provides.
+// HOOKCAP_EMU_BREAK_* are defined only by test-only builds of that harness
+// (proof that it catches a missing barrier / a wrong index); nvcc never sees them.
 #pragma once
 
 #include "hookcap/dtype_load.h"
@@ -159,7 +161,11 @@ __global__ void __launch_bounds__(kMaxBlock)
 #pragma unroll
       for (int k = 0; k < kN; ++k) visit(load_double(&pack.v[k]));
     }
+#ifndef HOOKCAP_EMU_BREAK_INDEX  // fault injection for tests/cuda_emu only
     for (int64_t i = head + nvec * kN + gtid; i < n; i += gstride) {
+#else
+    for (int64_t i = nvec * kN + gtid; i < n; i += gstride) {
+#endif
       visit(load_double(x + i));
     }
   } else {
@@ -171,7 +177,9 @@ __global__ void __launch_bounds__(kMaxBlock)
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
   if (lane == 0) s_warp[warp] = acc;
+#ifndef HOOKCAP_EMU_BREAK_SYNC  // fault injection for tests/cuda_emu only
   __syncthreads();
+#endif
   if (warp == 0) {
     const int nwarps = blockDim.x / kWarpSize;
     if (lane < nwarps) {
