@@ -35,6 +35,10 @@ void accumulate_meta(const at::Tensor& x, at::Tensor& ring, const at::Tensor& st
 
 void reset_slot_meta(at::Tensor& ring, const at::Tensor& state) { check_ring_state(ring, state); }
 
+void reset_rows_meta(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
+  check_reset_rows(ring, state, begin, end);
+}
+
 void advance_meta(at::Tensor& ring, at::Tensor& state, int64_t every) {
   check_ring_state(ring, state);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
@@ -58,6 +62,7 @@ TORCH_LIBRARY(hookcap, m) {
       "accumulate(Tensor x, Tensor(a!) ring, Tensor state, int row, int hist_kind, "
       "float hist_lo, float hist_hi, int hist_bins) -> ()");
   m.def("reset_slot(Tensor(a!) ring, Tensor state) -> ()");
+  m.def("reset_rows(Tensor(a!) ring, Tensor state, int begin, int end) -> ()");
   m.def("advance(Tensor(a!) ring, Tensor(b!) state, int every=1) -> ()");
   m.def("layout() -> int[]", &layout);
 }
@@ -65,7 +70,16 @@ TORCH_LIBRARY(hookcap, m) {
 TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("accumulate", &accumulate_meta);
   m.impl("reset_slot", &reset_slot_meta);
+  m.impl("reset_rows", &reset_rows_meta);
   m.impl("advance", &advance_meta);
+}
+
+// The ops only read their tensor inputs and write telemetry buffers: they are
+// not part of any autograd graph, so skip autograd bookkeeping entirely.
+TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
+  for (const char* op : {"accumulate", "reset_slot", "reset_rows", "advance"}) {
+    m.impl(op, torch::CppFunction::makeFallthrough());
+  }
 }
 
 }  // namespace hookcap

@@ -28,12 +28,18 @@ def accumulate(
     ``state[1] == 0``. One pass, no allocation, no host sync.
     """
     args = NO_HIST_ARGS if histogram is None else histogram.op_args()
-    _ops.accumulate(x.detach(), ring, state, row, *args)
+    _ops.accumulate(x, ring, state, row, *args)
 
 
 def reset_slot(ring: torch.Tensor, state: torch.Tensor) -> None:
     """Initialise every row of slot ``state[2]`` (empty stats, step tag ``state[0]``)."""
     _ops.reset_slot(ring, state)
+
+
+def reset_rows(ring: torch.Tensor, state: torch.Tensor, begin: int, end: int) -> None:
+    """Initialise rows ``[begin, end)`` of slot ``state[2]`` (new metrics, or a
+    row whose value is about to be replaced)."""
+    _ops.reset_rows(ring, state, begin, end)
 
 
 def advance(ring: torch.Tensor, state: torch.Tensor, every: int = 1) -> None:

@@ -19,6 +19,7 @@ def ring_for(h, slots=2, rows=3):
 
 CASES = [
     (torch.randn(100), H),
+    (torch.randn(10, requires_grad=True), H),
     (torch.randn(7, 9).t(), Histogram.linear(-1, 1, 5)),
     (torch.randn(4, 4, dtype=torch.float64)[:, 1], None),
     (torch.randn(33).to(torch.bfloat16), H),
@@ -36,6 +37,7 @@ def test_opcheck_accumulate(x, h):
 def test_opcheck_reset_and_advance():
     ring = ring_for(H)
     torch.library.opcheck(torch.ops.hookcap.reset_slot.default, (ring, new_state("cpu")))
+    torch.library.opcheck(torch.ops.hookcap.reset_rows.default, (ring, new_state("cpu"), 1, 3))
     torch.library.opcheck(torch.ops.hookcap.advance.default, (ring, new_state("cpu"), 3))
 
 

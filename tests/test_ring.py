@@ -174,3 +174,17 @@ def test_tensor_stats_row_matches_ring_decode():
     r = row_stats(ring, 0, 0)
     for k in _layout.STAT_NAMES:
         assert s[k] == r[k] or (np.isnan(s[k]) and np.isnan(r[k])), k
+
+
+def test_reset_rows_replaces_one_row_only():
+    ring = make_ring(2, 3)
+    st = new_state("cpu")
+    _ops.reset_slot(ring, st)
+    for r in range(3):
+        _ops.accumulate(torch.full((r + 2,), 1.0), ring, st, r, H)
+    _ops.reset_rows(ring, st, 1, 2)
+    _ops.accumulate(torch.full((7,), -1.0), ring, st, 1, H)
+    counts = [row_stats(ring, 0, r)["count"] for r in range(3)]
+    assert counts == [2, 7, 4] and row_stats(ring, 0, 1)["max"] == -1.0
+    with pytest.raises(RuntimeError, match="out of range"):
+        _ops.reset_rows(ring, st, 0, 4)

@@ -361,6 +361,16 @@ void reset_slot_cpu(at::Tensor& ring, const at::Tensor& state) {
              ring.size(2), st[kStateStep]);
 }
 
+void reset_rows_cpu(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
+  check_reset_rows(ring, state, begin, end);
+  const int64_t* st = state.data_ptr<int64_t>();
+  const int64_t slot = st[kStateSlot];
+  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
+              " out of range for ", ring.size(0), " slots");
+  reset_rows(ring.data_ptr<int64_t>() + (slot * ring.size(1) + begin) * ring.size(2),
+             end - begin, ring.size(2), st[kStateStep]);
+}
+
 void advance_cpu(at::Tensor& ring, at::Tensor& state, int64_t every) {
   check_ring_state(ring, state);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
@@ -380,6 +390,7 @@ void advance_cpu(at::Tensor& ring, at::Tensor& state, int64_t every) {
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("accumulate", &accumulate_cpu);
   m.impl("reset_slot", &reset_slot_cpu);
+  m.impl("reset_rows", &reset_rows_cpu);
   m.impl("advance", &advance_cpu);
 }
 

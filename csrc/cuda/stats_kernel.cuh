@@ -233,5 +233,20 @@ __global__ void advance_kernel(int64_t* ring, int64_t* state, int64_t slots,
   }
 }
 
+// Reset rows [begin, end) of the slot the state points at: new metrics'
+// rows after the ring grew, or one row whose value is replaced.
+__global__ void reset_rows_kernel(int64_t* ring, const int64_t* state, int64_t rows,
+                                  int64_t width, int64_t begin, int64_t end) {
+  const int64_t slot = state[kStateSlot];
+  const int64_t step = state[kStateStep];
+  int64_t* base = ring + (slot * rows + begin) * width;
+  const int64_t total = (end - begin) * width;
+  const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       i < total; i += gstride) {
+    base[i] = reset_value(i % width, step);
+  }
+}
+
 }  // namespace kernels
 }  // namespace hookcap

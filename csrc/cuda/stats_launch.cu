@@ -82,6 +82,19 @@ void reset_slot_cuda(at::Tensor& ring, const at::Tensor& state) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void reset_rows_cuda(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
+  check_reset_rows(ring, state, begin, end);
+  if (begin == end) return;
+  c10::cuda::CUDAGuard guard(ring.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  const int64_t total = (end - begin) * ring.size(2);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 1024));
+  kernels::reset_rows_kernel<<<blocks, kThreads, 0, stream>>>(
+      ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(1), ring.size(2), begin,
+      end);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void advance_cuda(at::Tensor& ring, at::Tensor& state, int64_t every) {
   check_ring_state(ring, state);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
@@ -98,6 +111,7 @@ void advance_cuda(at::Tensor& ring, at::Tensor& state, int64_t every) {
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate", &accumulate_cuda);
   m.impl("reset_slot", &reset_slot_cuda);
+  m.impl("reset_rows", &reset_rows_cuda);
   m.impl("advance", &advance_cuda);
 }
 

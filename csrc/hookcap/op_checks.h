@@ -36,6 +36,15 @@ inline void check_ring_state(const at::Tensor& ring, const at::Tensor& state) {
               " but state is on ", state.device());
 }
 
+inline void check_reset_rows(const at::Tensor& ring, const at::Tensor& state, int64_t begin,
+                             int64_t end) {
+  check_ring_state(ring, state);
+  TORCH_CHECK(begin >= 0 && begin <= end, "hookcap.reset_rows: need 0 <= begin <= end, got ",
+              begin, ", ", end);
+  TORCH_SYM_CHECK(ring.sym_size(1).sym_ge(end), "hookcap.reset_rows: end ", end,
+                  " out of range for a ring with ", ring.sym_size(1), " rows");
+}
+
 // Validates the histogram arguments against the ring width; returns the
 // number of histogram bins they imply.
 inline int64_t check_hist(int64_t kind, double lo, double hi, int64_t bins,
