@@ -12,7 +12,19 @@ from . import reference  # noqa: E402
 from ._layout import STAT_NAMES  # noqa: E402
 from .functional import tensor_stats  # noqa: E402
 from .histogram import Histogram  # noqa: E402
+from .history import History  # noqa: E402
+from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["Histogram", "STAT_NAMES", "build_info", "reference", "tensor_stats", "__version__"]
+__all__ = [
+    "CAPTURE_KINDS",
+    "Histogram",
+    "History",
+    "Monitor",
+    "STAT_NAMES",
+    "build_info",
+    "reference",
+    "tensor_stats",
+    "__version__",
+]

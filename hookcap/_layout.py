@@ -100,3 +100,35 @@ def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
         "l2norm": np.sqrt(np.where(has, np.maximum(sumsq, 0.0), 0.0)),
         "zero_frac": zero_frac,
     }
+
+
+_ADD_COLS = (COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS)
+
+
+def merge_rows(rows: np.ndarray) -> np.ndarray:
+    """Merge raw rows [k, width] of one metric (written on different devices or
+    ranks) into one row, exactly as repeated writes into one row would:
+    counts, sums and histograms add, extrema combine, and the shifted moments
+    are re-expressed about one common shift before they add."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.shape[0] == 1:
+        return rows[0].copy()
+    out = rows[0].copy()
+    out[list(_ADD_COLS)] = rows[:, list(_ADD_COLS)].sum(axis=0)
+    out[HEADER:] = rows[:, HEADER:].sum(axis=0)
+    f = rows[:, [SUM, SUMSQ, S1, S2, SHIFT]].copy().view(np.float64)
+    out[[SUM, SUMSQ]] = np.array([f[:, 0].sum(), f[:, 1].sum()]).view(np.int64)
+    out[MIN] = rows[:, MIN].min()
+    out[MAX] = rows[:, MAX].max()
+    out[ABSMAX] = rows[:, ABSMAX].max()
+    out[STEP_TAG] = rows[:, STEP_TAG].max()
+    is_set = rows[:, SHIFT] != SHIFT_UNSET
+    if not is_set.any():
+        return out
+    k = f[np.argmax(is_set), 4]
+    finite = (rows[:, COUNT] - rows[:, NAN] - rows[:, POSINF] - rows[:, NEGINF]).astype(np.float64)
+    t = np.where(is_set, f[:, 4] - k, 0.0)  # sum(x - k) = s1 + m*t; sum((x-k)^2) = s2 + 2t*s1 + m*t^2
+    s1 = (f[:, 2] + finite * t).sum()
+    s2 = (f[:, 3] + 2.0 * t * f[:, 2] + finite * t * t).sum()
+    out[[SHIFT, S1, S2]] = np.array([k, s1, s2]).view(np.int64)
+    return out

@@ -1,0 +1,123 @@
+"""Per-device ring of stats rows and its drain to the host.
+
+One ``DeviceRing`` per device where captured tensors live. The ring holds a
+few step slots; each metric owns one row. ``finish`` hands the slot of the
+step that just ended to the host (CPU: a memcpy; CUDA: an async copy to pinned
+memory on a side stream, polled by event), ``advance`` moves to the next step
+on the device. Nothing here reads device memory on the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _ops
+from .functional import new_state
+
+log = logging.getLogger("hookcap")
+
+
+def next_host_state(step: int, slot: int, every: int, slots: int) -> tuple[int, bool, int]:
+    """Host mirror of the device's next_state (csrc/hookcap/state.h)."""
+    step += 1
+    enabled = step % every == 0
+    return step, enabled, (slot + 1) % slots if enabled else slot
+
+
+@dataclass
+class _Pending:
+    step: int
+    slot: int
+    nrows: int
+    host: np.ndarray | None  # CPU: filled at finish
+    pinned: torch.Tensor | None = None  # CUDA: copy target
+    event: torch.cuda.Event | None = None
+    source: torch.Tensor | None = None  # keeps the ring alive until the copy is done
+
+
+class DeviceRing:
+    def __init__(self, device: torch.device, slots: int, width: int, rows: int = 64):
+        self.device = device
+        self.slots = slots
+        self.width = width
+        self.is_cuda = device.type == "cuda"
+        self.ring = torch.empty((slots, rows, width), dtype=torch.int64, device=device)
+        self.state = new_state(device)
+        self.nrows = 0
+        self.metric_of_row: list[int] = []  # global metric index per row
+        self.pending: deque[_Pending] = deque()
+        self._side = torch.cuda.Stream(device) if self.is_cuda else None
+        self._pinned: dict[int, torch.Tensor] = {}
+        _ops.reset_slot(self.ring, self.state)
+
+    # -- rows -----------------------------------------------------------------
+    def add_row(self, metric: int) -> int:
+        """A new row for a metric (grows the ring outside the steady state)."""
+        rows = self.ring.shape[1]
+        if self.nrows == rows:
+            grown = torch.empty((self.slots, rows * 2, self.width), dtype=torch.int64,
+                                device=self.device)
+            grown[:, :rows].copy_(self.ring)
+            self.ring = grown
+            self._pinned.clear()
+            _ops.reset_rows(self.ring, self.state, rows, rows * 2)
+        self.metric_of_row.append(metric)
+        self.nrows += 1
+        return self.nrows - 1
+
+    # -- drain ------------------------------------------------------------------
+    def finish(self, step: int, slot: int) -> bool:
+        """Queue slot ``slot`` (holding step ``step``) for the host. Returns False
+        if the step had to be dropped (its pinned buffer is still unread)."""
+        n = self.nrows
+        if not self.is_cuda:
+            self.pending.append(_Pending(step, slot, n, self.ring[slot, :n].numpy().copy()))
+            return True
+        if any(p.slot == slot for p in self.pending):
+            return False  # host is a whole ring behind: drop rather than wait
+        pinned = self._pinned.get(slot)
+        if pinned is None or pinned.shape[0] < self.ring.shape[1]:
+            pinned = torch.empty((self.ring.shape[1], self.width), dtype=torch.int64, pin_memory=True)
+            self._pinned[slot] = pinned
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            pinned[:n].copy_(self.ring[slot, :n], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+        self.pending.append(_Pending(step, slot, n, None, pinned, ev, self.ring))
+        return True
+
+    def ready(self, wait: bool = False):
+        """Yield (step, rows int64 [nrows, width]) of drained slots, oldest first."""
+        while self.pending:
+            p = self.pending[0]
+            if p.event is not None:
+                if not (wait or p.event.query()):
+                    return
+                p.event.synchronize()
+                p.host = p.pinned[: p.nrows].numpy().copy()
+            self.pending.popleft()
+            yield p.step, p.host
+
+    def drop_unread(self, slot: int) -> int | None:
+        """CPU: the slot is about to be reused while still unread — drop it.
+        Returns the dropped step, if any."""
+        for i, p in enumerate(self.pending):
+            if p.slot == slot and p.event is None:
+                del self.pending[i]
+                return p.step
+        return None
+
+    def advance(self, every: int) -> None:
+        if self.is_cuda:
+            # The reset of a reused slot must not overtake its copy to the host.
+            main = torch.cuda.current_stream(self.device)
+            for p in self.pending:
+                main.wait_event(p.event)
+        _ops.advance(self.ring, self.state, every)

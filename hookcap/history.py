@@ -1,0 +1,141 @@
+"""Host-side history of recorded steps."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _layout
+from .histogram import Histogram
+
+
+@dataclass
+class StepRecord:
+    """One recorded step: header columns of every metric written in it, and
+    its histogram counts trimmed to the band of bins that are non-zero."""
+
+    step: int
+    metrics: np.ndarray  # int64 [k] global metric indices
+    header: np.ndarray  # int64 [k, HEADER]
+    hist_lo: int  # first stored bin
+    hist: np.ndarray  # int64 [k, nb]
+    order: np.ndarray  # int64 [k'] metric indices in execution order this step
+
+
+def make_record(step: int, metrics: np.ndarray, rows: np.ndarray, order) -> StepRecord:
+    """Build a record from raw ring rows [k, width] (rows never written this
+    step, calls == 0, are left out)."""
+    written = rows[:, _layout.CALLS] > 0
+    metrics, rows = metrics[written], rows[written]
+    hist = rows[:, _layout.HEADER:]
+    nz = np.flatnonzero(hist.any(axis=0)) if hist.size else np.empty(0, dtype=np.int64)
+    lo, hi = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
+    return StepRecord(step, metrics, rows[:, : _layout.HEADER].copy(), lo, hist[:, lo:hi].copy(),
+                      np.asarray(order, dtype=np.int64))
+
+
+class HostStore:
+    """Bounded store of the newest ``capacity`` recorded steps."""
+
+    def __init__(self, capacity: int):
+        self.records: deque[StepRecord] = deque(maxlen=capacity)
+
+    def add(self, rec: StepRecord) -> None:
+        self.records.append(rec)
+
+
+class History:
+    """Recorded statistics: ``h.steps`` (np.int64 [S], recorded steps only),
+    ``h.names`` (list[str] [M], first-execution order), ``h[stat]`` -> np.float64
+    [S, M] with NaN where a metric was not recorded, ``h.histogram(name)`` ->
+    np.int64 [S, B], ``h.bin_edges``, ``h.last(n)``, ``h.meta(name)``,
+    ``h.to_pandas()``."""
+
+    def __init__(self, records, names, metas, histogram: Histogram | None):
+        self._records = list(records)
+        self.names: list[str] = list(names)
+        self._metas = dict(metas)
+        self._histogram = histogram
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.steps = np.array([r.step for r in self._records], dtype=np.int64)
+        S, M = len(self._records), len(self.names)
+        header = np.zeros((S, M, _layout.HEADER), dtype=np.int64)
+        for s, r in enumerate(self._records):
+            header[s, r.metrics] = r.header
+        self._recorded = header[..., _layout.CALLS] > 0
+        self._stats = _layout.decode(header)
+        for v in self._stats.values():
+            v[~self._recorded] = np.nan
+
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        return _layout.STAT_NAMES
+
+    @property
+    def bin_edges(self) -> np.ndarray | None:
+        return None if self._histogram is None else self._histogram.bin_edges
+
+    @property
+    def histogram_spec(self) -> Histogram | None:
+        return self._histogram
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, stat: str) -> bool:
+        return stat in self._stats
+
+    def __getitem__(self, stat: str) -> np.ndarray:
+        try:
+            return self._stats[stat]
+        except KeyError:
+            raise KeyError(f"unknown stat {stat!r}; available: {', '.join(self._stats)}") from None
+
+    def column(self, name: str) -> int:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"unknown metric {name!r}") from None
+
+    def histogram(self, name: str) -> np.ndarray:
+        """np.int64 [S, B] histogram counts of one metric (zeros where not recorded)."""
+        if self._histogram is None:
+            raise ValueError("this history was recorded with histogram=None")
+        m = self.column(name)
+        out = np.zeros((len(self._records), self._histogram.nbins), dtype=np.int64)
+        for s, r in enumerate(self._records):
+            hit = np.flatnonzero(r.metrics == m)
+            if hit.size:
+                out[s, r.hist_lo:r.hist_lo + r.hist.shape[1]] = r.hist[hit[0]]
+        return out
+
+    def order(self, step: int) -> list[str]:
+        """Metric names in the order they were first written during ``step``."""
+        for r in self._records:
+            if r.step == step:
+                return [self.names[i] for i in r.order]
+        raise KeyError(f"step {step} is not in this history")
+
+    def last(self, n: int) -> History:
+        """A History of the newest ``n`` recorded steps."""
+        return History(self._records[-n:] if n > 0 else [], self.names, self._metas, self._histogram)
+
+    def meta(self, name: str) -> dict:
+        """``module_type``, ``kind``, ``shape``, ``dtype`` as first seen."""
+        self.column(name)
+        return dict(self._metas[name])
+
+    def to_pandas(self):
+        """Long format: one row per (step, metric) that was recorded."""
+        import pandas as pd
+
+        s_idx, m_idx = np.nonzero(self._recorded)
+        data = {"step": self.steps[s_idx], "name": np.array(self.names, dtype=object)[m_idx]}
+        for k, v in self._stats.items():
+            data[k] = v[s_idx, m_idx]
+        return pd.DataFrame(data)
+
+    def __repr__(self) -> str:
+        return f"History(steps={len(self)}, metrics={len(self.names)})"

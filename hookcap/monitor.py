@@ -1,0 +1,453 @@
+"""Monitor: attach to any model, record per-layer stats every step."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _layout
+from ._ring import DeviceRing, next_host_state
+from ._tree import floating_tensors
+from .histogram import Histogram
+from .history import History, HostStore, make_record
+
+log = logging.getLogger("hookcap")
+
+CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad")
+_DEFAULT_HIST = Histogram.log2()
+_SLOTS = 4
+ROOT_NAME = "model"
+
+
+def _in_backward() -> bool:
+    # Forward hooks that fire inside the autograd engine are activation-
+    # checkpoint recomputation: already recorded in the forward pass.
+    return torch._C._current_graph_task_id() != -1
+
+
+def _validate(capture, histogram, capacity, every, modules):
+    if isinstance(capture, str):
+        capture = (capture,)
+    capture = tuple(capture)
+    bad = [c for c in capture if c not in CAPTURE_KINDS]
+    if bad or not capture:
+        raise ValueError(f"capture: unknown kind(s) {bad or capture!r}; allowed: {', '.join(CAPTURE_KINDS)}")
+    if histogram is not None and not isinstance(histogram, Histogram):
+        raise ValueError(
+            "histogram: expected hookcap.Histogram.log2(...), Histogram.linear(...) or None, "
+            f"got {type(histogram).__name__}"
+        )
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity: must be an int >= 1 (steps kept on the host), got {capacity!r}")
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every: must be an int >= 1 (record every N-th step), got {every!r}")
+    if modules is not None and not (
+        isinstance(modules, str) or callable(modules) or isinstance(modules, (list, tuple))
+    ):
+        raise ValueError(
+            "modules: expected None, a glob or list of globs over qualified names, a tuple of "
+            f"nn.Module types, or callable(name, module) -> bool; got {type(modules).__name__}"
+        )
+    return capture
+
+
+def _module_filter(modules) -> Callable[[str, nn.Module], bool]:
+    if modules is None:
+        return lambda name, m: next(m.children(), None) is None  # leaf modules
+    if isinstance(modules, str):
+        modules = [modules]
+    if isinstance(modules, (list, tuple)) and modules and all(isinstance(t, type) for t in modules):
+        types = tuple(modules)
+        return lambda name, m: isinstance(m, types)
+    if isinstance(modules, (list, tuple)):
+        if not all(isinstance(g, str) for g in modules):
+            raise ValueError("modules: a list must hold only glob strings or only nn.Module types")
+        globs = list(modules)
+        return lambda name, m: any(fnmatch.fnmatchcase(name, g) for g in globs)
+    return modules
+
+
+def _skip(*args):
+    return None
+
+
+class Monitor:
+    """Records per-layer statistics of a model into a device ring, every step.
+
+    Args:
+        model: the module to watch (its qualified names name the metrics; the
+            root is ``"model"``).
+        modules: ``None`` (every leaf module), a glob or list of globs over
+            qualified names (fnmatch), a tuple of ``nn.Module`` types, or
+            ``callable(name, module) -> bool``.
+        capture: any of ``"input"`` (forward pre-hook, so in-place ops inside the
+            module cannot alter it), ``"output"``, ``"grad_input"`` (full backward
+            hook), ``"grad_output"`` (gradient w.r.t. the module's outputs),
+            ``"param"`` (values at ``step()``), ``"param_grad"`` (final
+            accumulated gradient of each step).
+        histogram: ``Histogram.log2()`` (default), ``Histogram.linear(...)`` or None.
+        capacity: recorded steps kept on the host (oldest dropped first).
+        every: record every N-th step; other steps launch nothing.
+        optimizer: if given, ``step()`` runs after each ``optimizer.step()``.
+
+    Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
+    tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
+    ``"logits"``), and ``f"{param_qualname}/param"`` / ``"/param_grad"``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules=None,
+        capture=("output", "grad_output"),
+        histogram: Histogram | None = _DEFAULT_HIST,
+        capacity: int = 1024,
+        every: int = 1,
+        optimizer: torch.optim.Optimizer | None = None,
+    ):
+        if model is not None and not isinstance(model, nn.Module):
+            raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
+        self.capture = _validate(capture, histogram, capacity, every, modules)
+        self.model = model
+        self.histogram = histogram
+        self.capacity = capacity
+        self.every = every
+        self.optimizer = optimizer
+        self._filter = _module_filter(modules)
+        self._all_params = modules is None
+        self._hargs = (0, 0.0, 0.0, 0) if histogram is None else histogram.op_args()
+        self._width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
+        self._lock = threading.Lock()
+        self._handles: list = []
+        self._attached = False
+        self._global = False
+        self.dropped_steps = 0
+        self._warned_drop = False
+        self._reader_stalled = False  # test hook: pretend the host reader is stuck
+        self._reset_recording_state()
+
+    # -- recording state ------------------------------------------------------
+    def _reset_recording_state(self):
+        self._rings: dict[torch.device, DeviceRing] = {}
+        self._names: list[str] = []
+        self._metric_index: dict[str, int] = {}
+        self._metas: dict[str, dict] = {}
+        self._rows: dict[tuple, tuple[DeviceRing, int]] = {}
+        self._store = HostStore(self.capacity)
+        self._step = 0
+        self._slot = 0
+        self._enabled = True
+        self._order: dict[int, None] = {}
+        self._replace_rows: set[tuple[int, int]] = set()
+        self._expect: dict[int, set[int]] = {}
+        self._partial: dict[int, list] = {}
+
+    @property
+    def current_step(self) -> int:
+        """The step being recorded now (steps start at 0)."""
+        return self._step
+
+    # -- attach / detach --------------------------------------------------------
+    def __enter__(self) -> Monitor:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def attach(self) -> Monitor:
+        """Register the hooks. Idempotent."""
+        if self._attached:
+            return self
+        self._attached = True
+        if self._global:
+            self._attach_global()
+            return self
+        for qual, mod in self.model.named_modules():
+            name = qual or ROOT_NAME
+            if self._filter(name, mod):
+                self._hook_module(name, mod)
+        if "param" in self.capture or "param_grad" in self.capture:
+            self._params = [(n, p) for n, p in self._watched_params() if p.is_floating_point()]
+        if "param_grad" in self.capture:
+            for pname, p in self._params:
+                if p.requires_grad:
+                    self._handles.append(
+                        p.register_post_accumulate_grad_hook(self._param_grad_hook(pname)))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_post_hook(lambda *a, **k: self.step()))
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook this Monitor added."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._attached = False
+
+    def _watched_params(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """All parameters when ``modules`` is None, else those owned directly by
+        the selected modules."""
+        if self._all_params:
+            yield from self.model.named_parameters()
+            return
+        seen = set()
+        for qual, mod in self.model.named_modules():
+            if not self._filter(qual or ROOT_NAME, mod):
+                continue
+            for pn, p in mod.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{qual}.{pn}" if qual else pn), p
+
+    def _hook_module(self, name: str, mod: nn.Module) -> None:
+        mtype = type(mod).__name__
+        add = self._handles.append
+        if "input" in self.capture:
+            add(mod.register_forward_pre_hook(self._input_hook(name, mtype), with_kwargs=True))
+        if "output" in self.capture or "grad_output" in self.capture:
+            add(mod.register_forward_hook(self._output_hook(name, mtype)))
+        if "grad_input" in self.capture:
+            add(mod.register_full_backward_hook(self._grad_input_hook(name, mtype)))
+
+    # -- hooks (hot path) -------------------------------------------------------
+    def _input_hook(self, name, mtype):
+        def hook(mod, args, kwargs):
+            if self._enabled and self._attached and not _in_backward():
+                obj = args[0] if len(args) == 1 and not kwargs else (args if not kwargs else {**dict(enumerate(args)), **kwargs})
+                for path, t in floating_tensors(obj):
+                    self._write(name, "input", path, t, mtype)
+            return None
+
+        return hook
+
+    def _output_hook(self, name, mtype):
+        want_out = "output" in self.capture
+        want_grad = "grad_output" in self.capture
+
+        def hook(mod, args, output):
+            if not (self._enabled and self._attached) or _in_backward():
+                return None
+            for path, t in floating_tensors(output):
+                if want_out:
+                    self._write(name, "output", path, t, mtype)
+                if want_grad and t.requires_grad:
+                    t.register_hook(self._grad_tensor_hook(name, path, mtype))
+            return None
+
+        return hook
+
+    def _grad_tensor_hook(self, name, path, mtype):
+        # Gradient w.r.t. one module output. A tensor hook rather than a full
+        # backward hook: it changes nothing in the graph, so in-place ops after
+        # the module (ReLU(inplace=True)) keep working.
+        def hook(grad):
+            if self._enabled and self._attached and grad is not None:
+                self._write(name, "grad_output", path, grad, mtype)
+            return None
+
+        return hook
+
+    def _grad_input_hook(self, name, mtype):
+        def hook(mod, grad_input, grad_output):
+            if self._enabled and self._attached:
+                obj = grad_input[0] if len(grad_input) == 1 else grad_input
+                for path, t in floating_tensors(obj):
+                    self._write(name, "grad_input", path, t, mtype)
+            return None
+
+        return hook
+
+    def _param_grad_hook(self, pname):
+        def hook(p):
+            if self._enabled and self._attached and p.grad is not None:
+                # Fires after every accumulation: the row is replaced so the
+                # step keeps the final accumulated gradient, once.
+                self._write(pname, "param_grad", "", p.grad, "Parameter", replace=True)
+
+        return hook
+
+    def _write(self, name, kind, path, t, mtype, replace=False):
+        key = (name, kind, path, t.device)
+        hit = self._rows.get(key)
+        if hit is None:
+            hit = self._register(name, kind, path, t, mtype)
+        ring, row = hit
+        if replace:
+            rk = (id(ring), row)
+            if rk in self._replace_rows:
+                torch.ops.hookcap.reset_rows(ring.ring, ring.state, row, row + 1)
+            else:
+                self._replace_rows.add(rk)
+        torch.ops.hookcap.accumulate(t, ring.ring, ring.state, row, *self._hargs)
+        m = ring.metric_of_row[row]
+        if m not in self._order:
+            self._order[m] = None
+
+    def _register(self, name, kind, path, t, mtype):
+        metric = f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
+        with self._lock:
+            key = (name, kind, path, t.device)
+            if key in self._rows:
+                return self._rows[key]
+            idx = self._metric_index.get(metric)
+            if idx is None:
+                idx = len(self._names)
+                self._names.append(metric)
+                self._metric_index[metric] = idx
+                self._metas[metric] = {
+                    "module_type": mtype,
+                    "kind": kind,
+                    "shape": tuple(t.shape),
+                    "dtype": str(t.dtype),
+                }
+            ring = self._rings.get(t.device)
+            if ring is None:
+                ring = DeviceRing(t.device, _SLOTS, self._width)
+                self._sync_ring_state(ring)
+                self._rings[t.device] = ring
+            hit = (ring, ring.add_row(idx))
+            self._rows[key] = hit
+            return hit
+
+    def _sync_ring_state(self, ring: DeviceRing) -> None:
+        # A ring created mid-run starts at the Monitor's current step.
+        ring.state.copy_(torch.tensor([self._step, int(self._enabled), self._slot]))
+        torch.ops.hookcap.reset_slot(ring.ring, ring.state)
+
+    # -- steps ------------------------------------------------------------------
+    def step(self) -> None:
+        """Close the current step and open the next. No host sync on CUDA."""
+        if self._enabled:
+            if "param" in self.capture and self._attached:
+                with torch.no_grad():
+                    for pname, p in getattr(self, "_params", ()):
+                        self._write(pname, "param", "", p.detach(), "Parameter")
+            self._finish_step()
+        self._collect(wait=False)
+        step, enabled, slot = next_host_state(self._step, self._slot, self.every, _SLOTS)
+        if enabled:
+            for ring in self._rings.values():
+                if not ring.is_cuda:
+                    dropped = ring.drop_unread(slot)
+                    if dropped is not None:
+                        self._drop(dropped)
+        for ring in self._rings.values():
+            ring.advance(self.every)
+        self._step, self._enabled, self._slot = step, enabled, slot
+        self._order = {}
+        self._replace_rows.clear()
+
+    def _finish_step(self) -> None:
+        expect = set()
+        for ring in self._rings.values():
+            if ring.finish(self._step, self._slot):
+                expect.add(id(ring))
+            else:
+                self._drop(self._step)
+                return
+        self._expect[self._step] = expect
+        self._partial[self._step] = [np.fromiter(self._order, dtype=np.int64, count=len(self._order))]
+
+    def _drop(self, step: int) -> None:
+        self.dropped_steps += 1
+        self._expect.pop(step, None)
+        self._partial.pop(step, None)
+        if not self._warned_drop:
+            self._warned_drop = True
+            log.warning("hookcap: the host fell behind; step %d was dropped (counted in "
+                        "Monitor.dropped_steps; logged once)", step)
+
+    def _collect(self, wait: bool) -> None:
+        if self._reader_stalled and not wait:
+            return
+        for ring in self._rings.values():
+            for step, rows in ring.ready(wait=wait):
+                parts = self._partial.get(step)
+                if parts is None:
+                    continue  # dropped
+                parts.append((np.asarray(ring.metric_of_row[: rows.shape[0]], dtype=np.int64), rows))
+                self._expect[step].discard(id(ring))
+                if not self._expect[step]:
+                    self._complete(step)
+
+    def _complete(self, step: int) -> None:
+        order, *chunks = self._partial.pop(step)
+        del self._expect[step]
+        metrics = np.concatenate([m for m, _ in chunks]) if chunks else np.empty(0, np.int64)
+        rows = np.concatenate([r for _, r in chunks]) if chunks else np.empty((0, self._width), np.int64)
+        if len(np.unique(metrics)) != len(metrics):  # one metric on several devices
+            uniq = np.unique(metrics)
+            rows = np.stack([_layout.merge_rows(rows[metrics == m]) for m in uniq])
+            metrics = uniq
+        self._store.add(make_record(step, metrics, rows, order))
+
+    def history(self) -> History:
+        """Every retained recorded step (waits for in-flight copies: the explicit read)."""
+        self._collect(wait=True)
+        return History(self._store.records, self._names, self._metas, self.histogram)
+
+    @property
+    def names(self) -> list[str]:
+        """Metric names discovered so far, in first-execution order."""
+        return list(self._names)
+
+    # -- global capture -----------------------------------------------------------
+    @classmethod
+    def everything(cls, models: nn.Module | Iterable[nn.Module] | None = None, **kwargs) -> Monitor:
+        """A Monitor of every module that runs in the process (global module
+        hooks). Modules of ``models`` are named by their qualified names; any
+        other module is named ``f"{ClassName}#{k}"`` in first-seen order."""
+        kwargs.setdefault("modules", lambda name, mod: True)
+        mon = cls(None, **kwargs)
+        mon._global = True
+        if isinstance(models, nn.Module):
+            models = [models]
+        mon._global_names = weakref.WeakKeyDictionary()
+        for model in models or ():
+            for qual, mod in model.named_modules():
+                mon._global_names[mod] = qual or ROOT_NAME
+        mon._class_counts: dict[str, int] = {}
+        return mon
+
+    def _global_name(self, mod: nn.Module) -> str:
+        name = self._global_names.get(mod)
+        if name is None:
+            cname = type(mod).__name__
+            k = self._class_counts.get(cname, 0)
+            self._class_counts[cname] = k + 1
+            name = f"{cname}#{k}"
+            self._global_names[mod] = name
+        return name
+
+    def _attach_global(self) -> None:
+        from torch.nn.modules import module as mm
+
+        def named(factory):
+            cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+            def dispatch(mod, *args):
+                fn = cache.get(mod)
+                if fn is None:
+                    name = self._global_name(mod)
+                    fn = factory(name, type(mod).__name__) if self._filter(name, mod) else _skip
+                    cache[mod] = fn
+                return fn(mod, *args)
+
+            return dispatch
+
+        if "input" in self.capture:
+            self._handles.append(mm.register_module_forward_pre_hook(
+                named(lambda n, t: (lambda mod, args: self._input_hook(n, t)(mod, args, {})))))
+        if "output" in self.capture or "grad_output" in self.capture:
+            self._handles.append(mm.register_module_forward_hook(named(self._output_hook)))
+        if "grad_input" in self.capture:
+            self._handles.append(mm.register_module_full_backward_hook(named(self._grad_input_hook)))
+
