@@ -88,8 +88,9 @@ class Monitor:
             qualified names (fnmatch), a tuple of ``nn.Module`` types, or
             ``callable(name, module) -> bool``.
         capture: any of ``"input"`` (forward pre-hook, so in-place ops inside the
-            module cannot alter it), ``"output"``, ``"grad_input"`` (full backward
-            hook), ``"grad_output"`` (gradient w.r.t. the module's outputs),
+            module cannot alter it), ``"output"``, ``"grad_input"`` (the gradient
+            the module sends to each floating input that requires grad),
+            ``"grad_output"`` (gradient w.r.t. the module's outputs),
             ``"param"`` (values at ``step()``), ``"param_grad"`` (final
             accumulated gradient of each step).
         histogram: ``Histogram.log2()`` (default), ``Histogram.linear(...)`` or None.
@@ -215,7 +216,7 @@ class Monitor:
         if "output" in self.capture or "grad_output" in self.capture:
             add(mod.register_forward_hook(self._output_hook(name, mtype)))
         if "grad_input" in self.capture:
-            add(mod.register_full_backward_hook(self._grad_input_hook(name, mtype)))
+            add(mod.register_forward_pre_hook(self._grad_input_hook(name, mtype), with_kwargs=True))
 
     # -- hooks (hot path) -------------------------------------------------------
     def _input_hook(self, name, mtype):
@@ -233,10 +234,15 @@ class Monitor:
         want_grad = "grad_output" in self.capture
 
         def hook(mod, args, output):
-            if not (self._enabled and self._attached) or _in_backward():
+            if not (self._enabled and self._attached):
                 return None
+            # Checkpoint recomputation: the values were recorded in the forward
+            # pass; only reentrant checkpointing, whose first forward ran
+            # without grad, needs the gradient hooks registered now (hooks on
+            # a non-reentrant recomputation's discarded graph never fire).
+            recompute = _in_backward()
             for path, t in floating_tensors(output):
-                if want_out:
+                if want_out and not recompute:
                     self._write(name, "output", path, t, mtype)
                 if want_grad and t.requires_grad:
                     t.register_hook(self._grad_tensor_hook(name, path, mtype))
@@ -244,24 +250,41 @@ class Monitor:
 
         return hook
 
-    def _grad_tensor_hook(self, name, path, mtype):
-        # Gradient w.r.t. one module output. A tensor hook rather than a full
-        # backward hook: it changes nothing in the graph, so in-place ops after
-        # the module (ReLU(inplace=True)) keep working.
+    def _grad_tensor_hook(self, name, path, mtype, kind="grad_output"):
+        # Gradient w.r.t. one module output (or input alias). A tensor hook
+        # rather than a full backward hook: it changes nothing in the graph, so
+        # in-place ops after the module (ReLU(inplace=True)) keep working.
         def hook(grad):
             if self._enabled and self._attached and grad is not None:
-                self._write(name, "grad_output", path, grad, mtype)
+                self._write(name, kind, path, grad, mtype)
             return None
 
         return hook
 
     def _grad_input_hook(self, name, mtype):
-        def hook(mod, grad_input, grad_output):
-            if self._enabled and self._attached:
-                obj = grad_input[0] if len(grad_input) == 1 else grad_input
-                for path, t in floating_tensors(obj):
-                    self._write(name, "grad_input", path, t, mtype)
-            return None
+        # The module receives a view-alias of each input that requires grad;
+        # the alias's gradient is exactly what this module sends back to that
+        # input. (Full backward hooks wrap outputs in a custom Function and make
+        # any later in-place op, e.g. ReLU(inplace=True), raise.) Values are
+        # unchanged: an alias is the same memory.
+        def alias(path, t):
+            a = t.view_as(t)
+            a.register_hook(self._grad_tensor_hook(name, path, mtype, kind="grad_input"))
+            return a
+
+        def hook(mod, args, kwargs):
+            if not (self._enabled and self._attached and torch.is_grad_enabled()):
+                return None
+            single = len(args) == 1 and not kwargs
+
+            def wrap(path, v):
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
+                    return alias(path, v)
+                return v
+
+            new_args = tuple(wrap("" if single else str(i), v) for i, v in enumerate(args))
+            new_kwargs = {k: wrap(k, v) for k, v in kwargs.items()}
+            return new_args, new_kwargs
 
         return hook
 
@@ -449,5 +472,14 @@ class Monitor:
         if "output" in self.capture or "grad_output" in self.capture:
             self._handles.append(mm.register_module_forward_hook(named(self._output_hook)))
         if "grad_input" in self.capture:
-            self._handles.append(mm.register_module_full_backward_hook(named(self._grad_input_hook)))
+            def args_only(n, t):
+                hook = self._grad_input_hook(n, t)
+
+                def pre(mod, args):
+                    res = hook(mod, args, {})
+                    return None if res is None else res[0]
+
+                return pre
+
+            self._handles.append(mm.register_module_forward_pre_hook(named(args_only)))
 
