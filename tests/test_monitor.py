@@ -409,7 +409,7 @@ def test_grad_input_equals_full_backward_hook_and_survives_inplace():
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
     seen = {}
     handle = model[2].register_full_backward_hook(
-        lambda m, gi, go: seen.setdefault("gi", gi[0].double().numpy().copy()))
+        lambda m, gi, go: seen.update(gi=gi[0].double().numpy().copy()))
     x = torch.randn(5, 4)
     with Monitor(model, capture="grad_input") as mon:
         model(x).pow(2).sum().backward()
