@@ -13,6 +13,7 @@ from ._layout import STAT_NAMES  # noqa: E402
 from .functional import tensor_stats  # noqa: E402
 from .histogram import Histogram  # noqa: E402
 from .history import History  # noqa: E402
+from .io import load  # noqa: E402
 from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "Monitor",
     "STAT_NAMES",
     "build_info",
+    "load",
     "reference",
     "tensor_stats",
     "__version__",

@@ -137,5 +137,27 @@ class History:
             data[k] = v[s_idx, m_idx]
         return pd.DataFrame(data)
 
+    def save(self, path, extra: dict | None = None) -> str:
+        """Write this history to one ``.npz`` file; read it back with ``hookcap.load``."""
+        from .io import save
+
+        return save(self, path, extra)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, History):
+            return NotImplemented
+        return (
+            self.names == other.names
+            and np.array_equal(self.steps, other.steps)
+            and self._metas == other._metas
+            and self._histogram == other._histogram
+            and all(np.array_equal(self[k], other[k], equal_nan=True) for k in self._stats)
+            and all(np.array_equal(self.histogram(n), other.histogram(n)) for n in self.names
+                    if self._histogram is not None)
+            and all(np.array_equal(a.order, b.order) for a, b in zip(self._records, other._records))
+        )
+
+    __hash__ = None
+
     def __repr__(self) -> str:
         return f"History(steps={len(self)}, metrics={len(self.names)})"

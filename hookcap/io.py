@@ -1,0 +1,87 @@
+"""Saving and loading a History: one self-describing, versioned ``.npz`` file
+(arrays + a JSON header)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from . import _layout
+from .histogram import Histogram
+from .history import History, StepRecord
+
+FORMAT = "hookcap-history"
+VERSION = 1
+
+
+def save(history: History, path: str | os.PathLike, extra: dict | None = None) -> str:
+    """Write ``history`` to ``path`` (``.npz`` is appended if missing). ``extra``
+    (JSON-serialisable) is stored in the header. Returns the path written."""
+    path = os.fspath(path)
+    if not path.endswith(".npz"):
+        path += ".npz"
+    recs = history._records
+    h = history.histogram_spec
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "layout_header": _layout.HEADER,
+        "names": history.names,
+        "metas": {n: history.meta(n) for n in history.names},
+        "histogram": None if h is None else {"kind": h.kind, "lo": h.lo, "hi": h.hi, "bins": h.bins},
+        "extra": extra or {},
+    }
+    arrays = {
+        "steps": np.array([r.step for r in recs], dtype=np.int64),
+        "n_metrics": np.array([len(r.metrics) for r in recs], dtype=np.int64),
+        "metrics": _cat([r.metrics for r in recs], (0,)),
+        "rows": _cat([r.header for r in recs], (0, _layout.HEADER)),
+        "hist_lo": np.array([r.hist_lo for r in recs], dtype=np.int64),
+        "hist_width": np.array([r.hist.shape[1] for r in recs], dtype=np.int64),
+        "hist": _cat([r.hist.reshape(-1) for r in recs], (0,)),
+        "n_order": np.array([len(r.order) for r in recs], dtype=np.int64),
+        "order": _cat([r.order for r in recs], (0,)),
+    }
+    for k, v in header["metas"].items():
+        v["shape"] = list(v["shape"])
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, meta_json=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
+    os.replace(tmp, path)
+    return path
+
+
+def _cat(parts, empty_shape):
+    return np.concatenate(parts) if parts else np.empty(empty_shape, dtype=np.int64)
+
+
+def load(path: str | os.PathLike) -> History:
+    """Read a History written by :func:`save` (or ``Monitor.dump``)."""
+    with np.load(os.fspath(path)) as z:
+        if "meta_json" not in z.files:
+            raise ValueError(f"{path}: not a hookcap history file")
+        header = json.loads(bytes(z["meta_json"]).decode())
+        if header.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a hookcap history file")
+        if header["version"] > VERSION:
+            raise ValueError(f"{path}: format version {header['version']} is newer than this hookcap "
+                             f"({VERSION}); upgrade hookcap")
+        a = {k: z[k] for k in z.files if k != "meta_json"}
+    recs = []
+    mi = hi = oi = 0
+    for s, step in enumerate(a["steps"]):
+        k, w, no = int(a["n_metrics"][s]), int(a["hist_width"][s]), int(a["n_order"][s])
+        recs.append(StepRecord(
+            int(step), a["metrics"][mi:mi + k], a["rows"][mi:mi + k], int(a["hist_lo"][s]),
+            a["hist"][hi:hi + k * w].reshape(k, w), a["order"][oi:oi + no]))
+        mi, hi, oi = mi + k, hi + k * w, oi + no
+    spec = header["histogram"]
+    hist = None
+    if spec is not None:
+        hist = Histogram.log2(int(spec["lo"]), int(spec["hi"])) if spec["kind"] == "log2" else \
+            Histogram.linear(spec["lo"], spec["hi"], spec["bins"])
+    metas = {n: {**m, "shape": tuple(m["shape"])} for n, m in header["metas"].items()}
+    h = History(recs, header["names"], metas, hist)
+    h.extra = header.get("extra", {})
+    return h
