@@ -12,6 +12,9 @@ from . import reference  # noqa: E402
 from ._layout import STAT_NAMES  # noqa: E402
 from .functional import tensor_stats  # noqa: E402
 from .histogram import Histogram  # noqa: E402
+from . import sinks  # noqa: E402
+from .anomaly import Anomaly, AnomalyError, Dead, NonFinite, Spike, Underflow  # noqa: E402
+from .drained import DrainedStep  # noqa: E402
 from .history import History  # noqa: E402
 from .io import load  # noqa: E402
 from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
@@ -19,7 +22,15 @@ from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "Anomaly",
+    "AnomalyError",
     "CAPTURE_KINDS",
+    "Dead",
+    "DrainedStep",
+    "NonFinite",
+    "Spike",
+    "Underflow",
+    "sinks",
     "Histogram",
     "History",
     "Monitor",

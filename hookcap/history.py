@@ -21,10 +21,13 @@ class StepRecord:
     header: np.ndarray  # int64 [k, HEADER]
     hist_lo: int  # first stored bin
     hist: np.ndarray  # int64 [k, nb]
-    order: np.ndarray  # int64 [k'] metric indices in execution order this step
+    order: np.ndarray  # int64 [k'] metric indices in first-execution order this step
+    calls: np.ndarray  # int64 [c] metric index of every call, in execution order
+    calls_nonfinite: np.ndarray  # bool [c] whether that call saw NaN/Inf
 
 
-def make_record(step: int, metrics: np.ndarray, rows: np.ndarray, order) -> StepRecord:
+def make_record(step: int, metrics: np.ndarray, rows: np.ndarray, order, calls=None,
+                calls_nonfinite=None) -> StepRecord:
     """Build a record from raw ring rows [k, width] (rows never written this
     step, calls == 0, are left out)."""
     written = rows[:, _layout.CALLS] > 0
@@ -32,8 +35,12 @@ def make_record(step: int, metrics: np.ndarray, rows: np.ndarray, order) -> Step
     hist = rows[:, _layout.HEADER:]
     nz = np.flatnonzero(hist.any(axis=0)) if hist.size else np.empty(0, dtype=np.int64)
     lo, hi = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
+    order = np.asarray(order, dtype=np.int64)
+    calls = order if calls is None else np.asarray(calls, dtype=np.int64)
+    if calls_nonfinite is None:
+        calls_nonfinite = np.zeros(len(calls), dtype=bool)
     return StepRecord(step, metrics, rows[:, : _layout.HEADER].copy(), lo, hist[:, lo:hi].copy(),
-                      np.asarray(order, dtype=np.int64))
+                      order, calls, np.asarray(calls_nonfinite, dtype=bool))
 
 
 class HostStore:
@@ -58,6 +65,8 @@ class History:
         self.names: list[str] = list(names)
         self._metas = dict(metas)
         self._histogram = histogram
+        self.anomalies: list = []  # hookcap.Anomaly list (from Monitor.history / load)
+        self.extra: dict = {}
         self._index = {n: i for i, n in enumerate(self.names)}
         self.steps = np.array([r.step for r in self._records], dtype=np.int64)
         S, M = len(self._records), len(self.names)
@@ -154,7 +163,9 @@ class History:
             and all(np.array_equal(self[k], other[k], equal_nan=True) for k in self._stats)
             and all(np.array_equal(self.histogram(n), other.histogram(n)) for n in self.names
                     if self._histogram is not None)
-            and all(np.array_equal(a.order, b.order) for a, b in zip(self._records, other._records))
+            and all(np.array_equal(a.order, b.order) and np.array_equal(a.calls, b.calls)
+                    and np.array_equal(a.calls_nonfinite, b.calls_nonfinite)
+                    for a, b in zip(self._records, other._records))
         )
 
     __hash__ = None

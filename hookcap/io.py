@@ -43,6 +43,9 @@ def save(history: History, path: str | os.PathLike, extra: dict | None = None) -
         "hist": _cat([r.hist.reshape(-1) for r in recs], (0,)),
         "n_order": np.array([len(r.order) for r in recs], dtype=np.int64),
         "order": _cat([r.order for r in recs], (0,)),
+        "n_calls": np.array([len(r.calls) for r in recs], dtype=np.int64),
+        "calls": _cat([r.calls for r in recs], (0,)),
+        "calls_nonfinite": _cat([r.calls_nonfinite.astype(np.int64) for r in recs], (0,)),
     }
     for k, v in header["metas"].items():
         v["shape"] = list(v["shape"])
@@ -69,13 +72,15 @@ def load(path: str | os.PathLike) -> History:
                              f"({VERSION}); upgrade hookcap")
         a = {k: z[k] for k in z.files if k != "meta_json"}
     recs = []
-    mi = hi = oi = 0
+    mi = hi = oi = ci = 0
     for s, step in enumerate(a["steps"]):
         k, w, no = int(a["n_metrics"][s]), int(a["hist_width"][s]), int(a["n_order"][s])
+        nc = int(a["n_calls"][s])
         recs.append(StepRecord(
             int(step), a["metrics"][mi:mi + k], a["rows"][mi:mi + k], int(a["hist_lo"][s]),
-            a["hist"][hi:hi + k * w].reshape(k, w), a["order"][oi:oi + no]))
-        mi, hi, oi = mi + k, hi + k * w, oi + no
+            a["hist"][hi:hi + k * w].reshape(k, w), a["order"][oi:oi + no], a["calls"][ci:ci + nc],
+            a["calls_nonfinite"][ci:ci + nc].astype(bool)))
+        mi, hi, oi, ci = mi + k, hi + k * w, oi + no, ci + nc
     spec = header["histogram"]
     hist = None
     if spec is not None:
@@ -84,4 +89,7 @@ def load(path: str | os.PathLike) -> History:
     metas = {n: {**m, "shape": tuple(m["shape"])} for n, m in header["metas"].items()}
     h = History(recs, header["names"], metas, hist)
     h.extra = header.get("extra", {})
+    from .anomaly import Anomaly
+
+    h.anomalies = [Anomaly.from_dict(d) for d in h.extra.get("anomalies", [])]
     return h

@@ -14,6 +14,8 @@ from torch import nn
 
 from . import _layout
 from ._ring import DeviceRing, next_host_state
+from .anomaly import Anomaly, AnomalyError, NonFinite, Underflow, as_anomalies
+from .drained import DrainedStep
 from ._tree import floating_tensors
 from .histogram import Histogram
 from .history import History, HostStore, make_record
@@ -97,6 +99,15 @@ class Monitor:
         capacity: recorded steps kept on the host (oldest dropped first).
         every: record every N-th step; other steps launch nothing.
         optimizer: if given, ``step()`` runs after each ``optimizer.step()``.
+        detectors: callables run on every drained step (default
+            ``[hookcap.NonFinite()]``; ``[]`` for none).
+        on_anomaly: ``"warn"`` (one log warning per metric and kind), ``"raise"``
+            (``hookcap.AnomalyError`` from ``step()``: on CPU at the ``step()`` that
+            closes the anomalous step; on CUDA at a later ``step()``, at most the
+            ring depth (4 recorded steps) later), ``None``, or ``callable(Anomaly)``.
+        sinks: consumers of drained steps (``hookcap.sinks.*``).
+        dump_on_anomaly: path (or existing directory) for an automatic
+            ``dump()`` at the first anomaly.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -112,6 +123,10 @@ class Monitor:
         capacity: int = 1024,
         every: int = 1,
         optimizer: torch.optim.Optimizer | None = None,
+        detectors=None,
+        on_anomaly="warn",
+        sinks=None,
+        dump_on_anomaly=None,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -132,6 +147,22 @@ class Monitor:
         self.dropped_steps = 0
         self._warned_drop = False
         self._reader_stalled = False  # test hook: pretend the host reader is stuck
+        self.detectors = [NonFinite()] if detectors is None else list(detectors)
+        for d in self.detectors:
+            if not callable(d):
+                raise ValueError(f"detectors: {d!r} is not callable")
+            if isinstance(d, Underflow):
+                d.check_histogram(histogram)
+        if not (on_anomaly in ("warn", "raise", None) or callable(on_anomaly)):
+            raise ValueError(f"on_anomaly: expected 'warn', 'raise', None or a callable, got {on_anomaly!r}")
+        self.on_anomaly = on_anomaly
+        self.sinks = list(sinks or [])
+        self.failed_sinks: list = []
+        self.dump_on_anomaly = dump_on_anomaly
+        self.anomalies: list[Anomaly] = []
+        self._warned: set[tuple[str, str]] = set()
+        self._raise: Anomaly | None = None
+        self._dumped = False
         self._reset_recording_state()
 
     # -- recording state ------------------------------------------------------
@@ -145,7 +176,8 @@ class Monitor:
         self._step = 0
         self._slot = 0
         self._enabled = True
-        self._order: dict[int, None] = {}
+        self._order: dict[tuple[int, int], None] = {}  # (ring id, row) in first-write order
+        self._calls: dict[tuple[str, str], int] = {}
         self._replace_rows: set[tuple[int, int]] = set()
         self._expect: dict[int, set[int]] = {}
         self._partial: dict[int, list] = {}
@@ -222,9 +254,13 @@ class Monitor:
     def _input_hook(self, name, mtype):
         def hook(mod, args, kwargs):
             if self._enabled and self._attached and not _in_backward():
-                obj = args[0] if len(args) == 1 and not kwargs else (args if not kwargs else {**dict(enumerate(args)), **kwargs})
+                if len(args) == 1 and not kwargs:
+                    obj = args[0]
+                else:
+                    obj = {**dict(enumerate(args)), **kwargs} if kwargs else args
+                ci = self._call_index(name, "input")
                 for path, t in floating_tensors(obj):
-                    self._write(name, "input", path, t, mtype)
+                    self._write(name, "input", path, t, mtype, ci)
             return None
 
         return hook
@@ -241,22 +277,23 @@ class Monitor:
             # without grad, needs the gradient hooks registered now (hooks on
             # a non-reentrant recomputation's discarded graph never fire).
             recompute = _in_backward()
+            ci = self._call_index(name, "output")
             for path, t in floating_tensors(output):
                 if want_out and not recompute:
-                    self._write(name, "output", path, t, mtype)
+                    self._write(name, "output", path, t, mtype, ci)
                 if want_grad and t.requires_grad:
-                    t.register_hook(self._grad_tensor_hook(name, path, mtype))
+                    t.register_hook(self._grad_tensor_hook(name, path, mtype, ci))
             return None
 
         return hook
 
-    def _grad_tensor_hook(self, name, path, mtype, kind="grad_output"):
+    def _grad_tensor_hook(self, name, path, mtype, ci, kind="grad_output"):
         # Gradient w.r.t. one module output (or input alias). A tensor hook
         # rather than a full backward hook: it changes nothing in the graph, so
         # in-place ops after the module (ReLU(inplace=True)) keep working.
         def hook(grad):
             if self._enabled and self._attached and grad is not None:
-                self._write(name, kind, path, grad, mtype)
+                self._write(name, kind, path, grad, mtype, ci)
             return None
 
         return hook
@@ -267,19 +304,20 @@ class Monitor:
         # input. (Full backward hooks wrap outputs in a custom Function and make
         # any later in-place op, e.g. ReLU(inplace=True), raise.) Values are
         # unchanged: an alias is the same memory.
-        def alias(path, t):
+        def alias(path, t, ci):
             a = t.view_as(t)
-            a.register_hook(self._grad_tensor_hook(name, path, mtype, kind="grad_input"))
+            a.register_hook(self._grad_tensor_hook(name, path, mtype, ci, kind="grad_input"))
             return a
 
         def hook(mod, args, kwargs):
             if not (self._enabled and self._attached and torch.is_grad_enabled()):
                 return None
             single = len(args) == 1 and not kwargs
+            ci = self._call_index(name, "grad_input")
 
             def wrap(path, v):
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
-                    return alias(path, v)
+                    return alias(path, v, ci)
                 return v
 
             new_args = tuple(wrap("" if single else str(i), v) for i, v in enumerate(args))
@@ -293,15 +331,23 @@ class Monitor:
             if self._enabled and self._attached and p.grad is not None:
                 # Fires after every accumulation: the row is replaced so the
                 # step keeps the final accumulated gradient, once.
-                self._write(pname, "param_grad", "", p.grad, "Parameter", replace=True)
+                self._write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True)
 
         return hook
 
-    def _write(self, name, kind, path, t, mtype, replace=False):
-        key = (name, kind, path, t.device)
+    def _call_index(self, name: str, kind: str) -> int:
+        # Each call of a module in a step writes its own row (merged by name
+        # on the host), so a NaN from the 2nd call of a reused module is
+        # placed at that call's position in the execution order.
+        ci = self._calls.get((name, kind), 0)
+        self._calls[(name, kind)] = ci + 1
+        return ci
+
+    def _write(self, name, kind, path, t, mtype, ci, replace=False):
+        key = (name, kind, path, t.device, ci)
         hit = self._rows.get(key)
         if hit is None:
-            hit = self._register(name, kind, path, t, mtype)
+            hit = self._register(key, t, mtype)
         ring, row = hit
         if replace:
             rk = (id(ring), row)
@@ -310,14 +356,14 @@ class Monitor:
             else:
                 self._replace_rows.add(rk)
         torch.ops.hookcap.accumulate(t, ring.ring, ring.state, row, *self._hargs)
-        m = ring.metric_of_row[row]
-        if m not in self._order:
-            self._order[m] = None
+        ok = (id(ring), row)
+        if ok not in self._order:
+            self._order[ok] = None
 
-    def _register(self, name, kind, path, t, mtype):
+    def _register(self, key, t, mtype):
+        name, kind, path = key[:3]
         metric = f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
         with self._lock:
-            key = (name, kind, path, t.device)
             if key in self._rows:
                 return self._rows[key]
             idx = self._metric_index.get(metric)
@@ -352,7 +398,7 @@ class Monitor:
             if "param" in self.capture and self._attached:
                 with torch.no_grad():
                     for pname, p in getattr(self, "_params", ()):
-                        self._write(pname, "param", "", p.detach(), "Parameter")
+                        self._write(pname, "param", "", p.detach(), "Parameter", 0)
             self._finish_step()
         self._collect(wait=False)
         step, enabled, slot = next_host_state(self._step, self._slot, self.every, _SLOTS)
@@ -366,7 +412,11 @@ class Monitor:
             ring.advance(self.every)
         self._step, self._enabled, self._slot = step, enabled, slot
         self._order = {}
+        self._calls = {}
         self._replace_rows.clear()
+        if self._raise is not None:
+            a, self._raise = self._raise, None
+            raise AnomalyError(a)
 
     def _finish_step(self) -> None:
         expect = set()
@@ -377,7 +427,7 @@ class Monitor:
                 self._drop(self._step)
                 return
         self._expect[self._step] = expect
-        self._partial[self._step] = [np.fromiter(self._order, dtype=np.int64, count=len(self._order))]
+        self._partial[self._step] = [list(self._order)]
 
     def _drop(self, step: int) -> None:
         self.dropped_steps += 1
@@ -396,7 +446,7 @@ class Monitor:
                 parts = self._partial.get(step)
                 if parts is None:
                     continue  # dropped
-                parts.append((np.asarray(ring.metric_of_row[: rows.shape[0]], dtype=np.int64), rows))
+                parts.append((id(ring), np.asarray(ring.metric_of_row[: rows.shape[0]], dtype=np.int64), rows))
                 self._expect[step].discard(id(ring))
                 if not self._expect[step]:
                     self._complete(step)
@@ -404,18 +454,80 @@ class Monitor:
     def _complete(self, step: int) -> None:
         order, *chunks = self._partial.pop(step)
         del self._expect[step]
-        metrics = np.concatenate([m for m, _ in chunks]) if chunks else np.empty(0, np.int64)
-        rows = np.concatenate([r for _, r in chunks]) if chunks else np.empty((0, self._width), np.int64)
-        if len(np.unique(metrics)) != len(metrics):  # one metric on several devices
+        by_ring = {rid: rows for rid, _, rows in chunks}
+        metrics = np.concatenate([m for _, m, _ in chunks]) if chunks else np.empty(0, np.int64)
+        rows = np.concatenate([r for _, _, r in chunks]) if chunks else np.empty((0, self._width), np.int64)
+        # Execution order, one entry per call-row, and which calls saw NaN/Inf.
+        metric_of = {rid: m for rid, m, _ in chunks}
+        calls = np.array([metric_of[rid][row] for rid, row in order], dtype=np.int64)
+        bad_cols = [_layout.NAN, _layout.POSINF, _layout.NEGINF]
+        calls_bad = np.array([by_ring[rid][row, bad_cols].sum() > 0 for rid, row in order], dtype=bool)
+        if len(np.unique(metrics)) != len(metrics):  # several calls or devices per metric
             uniq = np.unique(metrics)
             rows = np.stack([_layout.merge_rows(rows[metrics == m]) for m in uniq])
             metrics = uniq
-        self._store.add(make_record(step, metrics, rows, order))
+        _, first = np.unique(calls, return_index=True)
+        order = calls[np.sort(first)]
+        rec = make_record(step, metrics, rows, order, calls, calls_bad)
+        self._store.add(rec)
+        if self.detectors or self.sinks:
+            drained = DrainedStep(rec, self._names, self._metas, self.histogram)
+            for det in self.detectors:
+                for a in as_anomalies(det(drained)):
+                    self._anomaly(a)
+            for sink in list(self.sinks):
+                try:
+                    if sink.wants(drained) if hasattr(sink, "wants") else True:
+                        sink.write(drained)
+                except Exception as e:  # a sink must never stop training
+                    self.sinks.remove(sink)
+                    self.failed_sinks.append((sink, e))
+                    log.error("hookcap: sink %r failed and was disabled: %s: %s (the history "
+                              "keeps every step)", sink, type(e).__name__, e)
+
+    def _anomaly(self, a: Anomaly) -> None:
+        self.anomalies.append(a)
+        if self.dump_on_anomaly is not None and not self._dumped:
+            self._dumped = True
+            try:
+                self.dump(self._dump_path(a))
+            except Exception as e:
+                log.error("hookcap: dump_on_anomaly failed: %s: %s", type(e).__name__, e)
+        if self.on_anomaly == "warn":
+            if (a.name, a.kind) not in self._warned:
+                self._warned.add((a.name, a.kind))
+                log.warning("hookcap anomaly (%s): %s", a.kind, a.message)
+        elif self.on_anomaly == "raise":
+            if self._raise is None:
+                self._raise = a
+        elif callable(self.on_anomaly):
+            self.on_anomaly(a)
+
+    def _dump_path(self, a: Anomaly) -> str:
+        import os
+
+        p = os.fspath(self.dump_on_anomaly)
+        if os.path.isdir(p) or p.endswith(os.sep):
+            os.makedirs(p, exist_ok=True)
+            return os.path.join(p, f"hookcap-anomaly-step{a.step}.npz")
+        return p
+
+    def dump(self, path) -> str:
+        """Write every retained step of every metric, the metadata, execution
+        order and anomalies to one file (read back with ``hookcap.load``)."""
+        return self.history().save(path, extra={
+            "anomalies": [a.to_dict() for a in self.anomalies],
+            "dropped_steps": self.dropped_steps,
+            "capture": list(self.capture),
+            "every": self.every,
+        })
 
     def history(self) -> History:
         """Every retained recorded step (waits for in-flight copies: the explicit read)."""
         self._collect(wait=True)
-        return History(self._store.records, self._names, self._metas, self.histogram)
+        h = History(self._store.records, self._names, self._metas, self.histogram)
+        h.anomalies = list(self.anomalies)
+        return h
 
     @property
     def names(self) -> list[str]:

@@ -1,0 +1,181 @@
+"""Anomaly detectors. They run on drained steps on the host, never in a hook.
+
+A detector is any callable ``detector(step: DrainedStep)`` returning None, one
+:class:`Anomaly` or an iterable of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .drained import DrainedStep
+
+
+@dataclass
+class Anomaly:
+    """One finding: at ``step``, metric ``name`` showed ``kind``
+    (``"nonfinite"``, ``"spike"``, ``"underflow"``, ``"dead"`` or a custom string);
+    ``stats`` are that metric's stats at that step."""
+
+    step: int
+    name: str
+    kind: str
+    message: str
+    stats: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "name": self.name, "kind": self.kind, "message": self.message,
+                "stats": {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                          for k, v in self.stats.items()}}
+
+    @staticmethod
+    def from_dict(d: dict) -> Anomaly:
+        stats = {k: (math.nan if v is None else v) for k, v in d.get("stats", {}).items()}
+        return Anomaly(d["step"], d["name"], d["kind"], d["message"], stats)
+
+
+class AnomalyError(RuntimeError):
+    """Raised by ``Monitor.step()`` when ``on_anomaly="raise"``; ``.anomaly`` holds it."""
+
+    def __init__(self, anomaly: Anomaly):
+        super().__init__(anomaly.message)
+        self.anomaly = anomaly
+
+
+class NonFinite:
+    """NaN or +-Inf values. Reports the FIRST metric in execution order that
+    holds any (forward kinds in hook order, then backward kinds in backward
+    order), i.e. where the non-finite values appeared, not where they spread."""
+
+    def __call__(self, step: DrainedStep):
+        bad = np.flatnonzero((step.stats["nan"] + step.stats["inf"]) > 0)
+        if bad.size == 0:
+            return None
+        # Per-call order first: a module called twice is placed where the
+        # call that produced the NaN ran, not where its first call ran.
+        hit = np.flatnonzero(step.calls_nonfinite)
+        first = step.calls[hit[0]] if hit.size else step.names[bad[0]]
+        s = step.stats_of(first)
+        more = f"; {bad.size - 1} later metric(s) affected" if bad.size > 1 else ""
+        return Anomaly(step.step, first, "nonfinite",
+                       f"step {step.step}: first non-finite values in {first} "
+                       f"({int(s['nan'])} NaN, {int(s['posinf'])} +Inf, {int(s['neginf'])} -Inf of "
+                       f"{int(s['count'])}){more}", s)
+
+
+class Spike:
+    """A metric's ``stat`` jumps more than ``z`` robust standard deviations
+    (1.4826 x median absolute deviation) above the median of its last
+    ``window`` recorded values; silent for the first ``warmup`` values."""
+
+    def __init__(self, stat: str = "l2norm", z: float = 6.0, window: int = 100, warmup: int = 20):
+        from ._layout import STAT_NAMES
+
+        if stat not in STAT_NAMES:
+            raise ValueError(f"Spike: stat must be one of {', '.join(STAT_NAMES)}, got {stat!r}")
+        if z <= 0 or window < 2 or warmup < 1 or warmup > window:
+            raise ValueError("Spike: need z > 0, window >= 2 and 1 <= warmup <= window")
+        self.stat, self.z, self.window, self.warmup = stat, z, window, warmup
+        self._hist: dict[str, deque] = {}
+
+    def __call__(self, step: DrainedStep):
+        out = []
+        vals = step.stats[self.stat]
+        for i, name in enumerate(step.names):
+            v = float(vals[i])
+            if not math.isfinite(v):
+                continue
+            h = self._hist.get(name)
+            if h is None:
+                h = self._hist[name] = deque(maxlen=self.window)
+            if len(h) >= self.warmup:
+                arr = np.fromiter(h, dtype=np.float64)
+                med = float(np.median(arr))
+                scale = 1.4826 * float(np.median(np.abs(arr - med)))
+                # A perfectly flat history has MAD 0: judge against a tiny relative floor.
+                scale = max(scale, 1e-6 * abs(med), 1e-30)
+                if v > med + self.z * scale:
+                    out.append(Anomaly(step.step, name, "spike",
+                                       f"step {step.step}: {name} {self.stat} = {v:.4g}, "
+                                       f"{(v - med) / scale:.1f} robust std above its median "
+                                       f"{med:.4g}", step.stats_of(name)))
+            h.append(v)
+        return out
+
+
+class Underflow:
+    """More than ``frac`` of a metric's finite non-zero values have magnitude
+    below ``below`` (read from the log2 histogram: bins wholly below it)."""
+
+    def __init__(self, frac: float = 0.5, below: float = 2.0**-14):
+        if not 0 < frac <= 1 or not below > 0:
+            raise ValueError("Underflow: need 0 < frac <= 1 and below > 0")
+        self.frac, self.below = frac, below
+        self._mask = None
+
+    def check_histogram(self, histogram) -> None:
+        if histogram is None or histogram.kind != "log2":
+            raise ValueError("Underflow needs the Monitor's histogram to be Histogram.log2(...)")
+
+    def __call__(self, step: DrainedStep):
+        spec = step.histogram_spec
+        self.check_histogram(spec)
+        if self._mask is None:
+            edges = spec.bin_edges  # bin i covers [edges[i], edges[i+1])
+            self._mask = edges[1:] <= self.below
+            self._mask[0] = False  # exact zeros are not "non-zero values"
+        out = []
+        nonzero = step.stats["finite"] - step.stats["zeros"]
+        for i, name in enumerate(step.names):
+            if nonzero[i] <= 0:
+                continue
+            small = step.histogram(name)[self._mask].sum()
+            share = small / nonzero[i]
+            if share > self.frac:
+                out.append(Anomaly(step.step, name, "underflow",
+                                   f"step {step.step}: {share:.0%} of {name}'s non-zero values are "
+                                   f"below {self.below:.3g}", step.stats_of(name)))
+        return out
+
+
+class Dead:
+    """A metric stays at ``zero_frac >= zero_frac`` for ``steps`` consecutive
+    recorded steps (e.g. dead ReLUs). Fires once per run of such steps."""
+
+    def __init__(self, zero_frac: float = 0.99, steps: int = 50):
+        if not 0 < zero_frac <= 1 or steps < 1:
+            raise ValueError("Dead: need 0 < zero_frac <= 1 and steps >= 1")
+        self.zero_frac, self.steps = zero_frac, steps
+        self._run: dict[str, int] = {}
+
+    def __call__(self, step: DrainedStep):
+        out = []
+        zf = step.stats["zero_frac"]
+        for i, name in enumerate(step.names):
+            if zf[i] >= self.zero_frac:
+                n = self._run.get(name, 0) + 1
+                self._run[name] = n
+                if n == self.steps:
+                    out.append(Anomaly(step.step, name, "dead",
+                                       f"step {step.step}: {name} has been >= {self.zero_frac:.0%} "
+                                       f"zeros for {n} recorded steps", step.stats_of(name)))
+            else:
+                self._run[name] = 0
+        return out
+
+
+def as_anomalies(result) -> list[Anomaly]:
+    """Normalise a detector's return value."""
+    if result is None:
+        return []
+    if isinstance(result, Anomaly):
+        return [result]
+    out = list(result)
+    for a in out:
+        if not isinstance(a, Anomaly):
+            raise TypeError(f"a detector returned {type(a).__name__}, expected hookcap.Anomaly")
+    return out

@@ -1,0 +1,73 @@
+"""One recorded step as detectors and sinks see it, on the host."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _layout
+from .histogram import Histogram
+from .history import StepRecord
+
+
+class DrainedStep:
+    """The statistics of every metric written in one recorded step.
+
+    Attributes:
+        step: the step number.
+        calls / calls_nonfinite: metric name of every module call in execution
+            order, and whether that call saw NaN/Inf (finer than ``names``).
+        names: metric names written in this step, in first-execution order
+            (forward kinds in hook order, then backward kinds in backward order,
+            then ``param`` kinds recorded at ``step()``).
+        stats: stat name -> np.float64 [len(names)] (every name of
+            ``hookcap.STAT_NAMES``), aligned with ``names``.
+        histogram_spec: the Monitor's Histogram (or None).
+        metas: metric name -> ``{"module_type", "kind", "shape", "dtype"}``.
+    """
+
+    def __init__(self, rec: StepRecord, all_names: list[str], metas: dict,
+                 histogram: Histogram | None):
+        self.step = rec.step
+        # Execution order first; metrics written but missing from the order
+        # (none in practice) keep their row order after it.
+        pos = {int(m): i for i, m in enumerate(rec.metrics)}
+        ordered = [int(m) for m in rec.order if int(m) in pos]
+        seen = set(ordered)
+        ordered += [int(m) for m in rec.metrics if int(m) not in seen]
+        rows = np.array([pos[m] for m in ordered], dtype=np.int64)
+        self._rows = rows
+        self._rec = rec
+        self.names = [all_names[m] for m in ordered]
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.stats = _layout.decode(rec.header[rows]) if len(rows) else _layout.decode(
+            np.zeros((0, _layout.HEADER), dtype=np.int64))
+        self.histogram_spec = histogram
+        self.metas = metas
+        # Per call of each module, in execution order (a module called twice
+        # appears twice): which metric, and whether that call saw NaN/Inf.
+        self.calls = [all_names[m] for m in rec.calls]
+        self.calls_nonfinite = rec.calls_nonfinite
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def stats_of(self, name: str) -> dict[str, float]:
+        """All stats of one metric as plain floats."""
+        i = self._index[name]
+        return {k: float(v[i]) for k, v in self.stats.items()}
+
+    def histogram(self, name: str) -> np.ndarray:
+        """np.int64 [nbins] counts of one metric."""
+        if self.histogram_spec is None:
+            raise ValueError("recorded with histogram=None")
+        r = self._rows[self._index[name]]
+        out = np.zeros(self.histogram_spec.nbins, dtype=np.int64)
+        lo, h = self._rec.hist_lo, self._rec.hist
+        out[lo:lo + h.shape[1]] = h[r]
+        return out
+
+    def __repr__(self) -> str:
+        return f"DrainedStep(step={self.step}, metrics={len(self)})"

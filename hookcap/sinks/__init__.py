@@ -1,0 +1,55 @@
+"""Sinks: consumers of drained steps, run in the drain (never in a hook).
+
+A sink is any object with ``write(step: hookcap.drained.DrainedStep)`` and
+``close()``; subclass :class:`Sink` for the ``stats=`` and ``every=`` options.
+A sink that raises is reported once and disabled by the Monitor; training,
+the other sinks and the history go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from .._layout import STAT_NAMES
+from ..drained import DrainedStep
+
+
+class Sink:
+    """Base class. ``stats``: stat names to write (default: all);
+    ``every``: write only steps whose number is a multiple of ``every``."""
+
+    def __init__(self, stats: Iterable[str] | None = None, every: int = 1):
+        stats = tuple(STAT_NAMES if stats is None else stats)
+        bad = [s for s in stats if s not in STAT_NAMES]
+        if bad:
+            raise ValueError(f"stats: unknown stat(s) {bad}; allowed: {', '.join(STAT_NAMES)}")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every: must be an int >= 1, got {every!r}")
+        self.stats = stats
+        self.every = every
+
+    def wants(self, step: DrainedStep) -> bool:
+        return step.step % self.every == 0
+
+    def write(self, step: DrainedStep) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.flush()
+
+
+class Callback(Sink):
+    """Calls ``fn(step: DrainedStep)`` for every written step."""
+
+    def __init__(self, fn: Callable[[DrainedStep], None], stats=None, every: int = 1):
+        super().__init__(stats, every)
+        self.fn = fn
+
+    def write(self, step: DrainedStep) -> None:
+        self.fn(step)
+
+
+__all__ = ["Callback", "Sink"]
