@@ -1,0 +1,253 @@
+// Python bindings of the CUDA emulation harness, built by tests/test_cuda_emu.py
+// with torch.utils.cpp_extension.load. accumulate/reset_slot/reset_rows/advance mirror
+// the launchers in csrc/cuda/stats_launch.cu (same checks, HistSpec and
+// StridedDesc from op_checks.h, same dense/strided choice) but run on CPU
+// tensors with the grid and block the caller passes. The probe kernels at the
+// end test the harness itself.
+#include <torch/extension.h>
+
+#include "hookcap/op_checks.h"
+#include "emu_runner.h"
+
+namespace {
+
+using namespace hookcap;
+
+dim3 dim(int64_t v, const char* what) {
+  TORCH_CHECK(v >= 1 && v <= INT32_MAX, "emu: ", what, " must be >= 1, got ", v);
+  return dim3(static_cast<unsigned>(v));
+}
+
+void check_cpu(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu(), "emu: tensors must be on the CPU, got ", t.device());
+}
+
+// Returns whether the dense kernel ran (the launcher's choice).
+bool accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
+                int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins,
+                int64_t grid, int64_t block) {
+  check_accumulate(x_in, ring, state, row);
+  check_cpu(x_in);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const int64_t n = x_in.numel();
+  at::Tensor x = x_in;
+  StridedDesc d{};
+  bool flat = is_flat_readable(x);
+  if (!flat && !make_strided_desc(x, d)) {
+    x = x.contiguous();
+    flat = true;
+  }
+  const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), row,
+                               ring.size(1), ring.size(2)};
+  const dim3 g = dim(grid, "grid"), b = dim(block, "block");
+  AT_DISPATCH_FLOATING_TYPES_AND4(
+      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x.scalar_type(),
+      "hookcap_emu_accumulate", [&] {
+        const scalar_t* p = x.const_data_ptr<scalar_t>();
+        py::gil_scoped_release nogil;
+        hookcap_emu::accumulate<scalar_t>(p, n, flat, d, tgt, h, g, b);
+      });
+  return flat;
+}
+
+void reset_slot(at::Tensor& ring, const at::Tensor& state, int64_t grid, int64_t block) {
+  check_ring_state(ring, state);
+  check_cpu(ring);
+  const dim3 g = dim(grid, "grid"), b = dim(block, "block");
+  py::gil_scoped_release nogil;
+  hookcap_emu::reset_slot(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
+                          ring.size(1), ring.size(2), g, b);
+}
+
+void reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end,
+                int64_t grid, int64_t block) {
+  check_reset_rows(ring, state, begin, end);
+  check_cpu(ring);
+  if (begin == end) return;  // as the launcher: no launch
+  const dim3 g = dim(grid, "grid"), b = dim(block, "block");
+  py::gil_scoped_release nogil;
+  hookcap_emu::reset_rows(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(1),
+                          ring.size(2), begin, end, g, b);
+}
+
+void advance(at::Tensor& ring, at::Tensor& state, int64_t every, int64_t block) {
+  check_ring_state(ring, state);
+  check_cpu(ring);
+  TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
+  const dim3 b = dim(block, "block");
+  py::gil_scoped_release nogil;
+  hookcap_emu::advance(ring.data_ptr<int64_t>(), state.data_ptr<int64_t>(), ring.size(0),
+                       ring.size(1), ring.size(2), every, b);
+}
+
+// order: 0 forward, 1 reverse, 2 shuffled by seed; schedule: 0 concurrent,
+// 1 warp-serial, 2 warp-serial reversed (see cuda_emu.h).
+void configure(int64_t order, uint64_t seed, int64_t schedule) {
+  TORCH_CHECK(order >= 0 && order <= 2, "emu: block order must be 0, 1 or 2");
+  TORCH_CHECK(schedule >= 0 && schedule <= 2, "emu: schedule must be 0, 1 or 2");
+  emu::set_config(emu::Config{static_cast<emu::BlockOrder>(order), seed,
+                              static_cast<emu::Schedule>(schedule)});
+}
+
+py::dict stats() {
+  const emu::Stats s = emu::stats();
+  py::dict d;
+  d["launches"] = s.launches;
+  d["blocks"] = s.blocks;
+  d["threads"] = s.threads;
+  d["barrier_phases"] = s.barrier_phases;
+  d["warp_phases"] = s.warp_phases;
+  return d;
+}
+
+// ---------------------------------------------------------------------------
+// Probe kernels: the harness's own semantics, checked from Python against the
+// CUDA definitions.
+// ---------------------------------------------------------------------------
+constexpr int kProbeCols = 10;
+
+__global__ void warp_probe_kernel(long long* out) {
+  const unsigned t = threadIdx.x;
+  const unsigned lane = t % 32;
+  const long long v = 1000 + t;
+  long long* o = out + static_cast<int64_t>(t) * kProbeCols;
+  o[0] = __shfl_down_sync(0xffffffffu, v, 5);
+  o[1] = __shfl_up_sync(0xffffffffu, v, 3);
+  o[2] = __shfl_xor_sync(0xffffffffu, v, 9);
+  o[3] = __shfl_sync(0xffffffffu, v, 7);
+  o[4] = __shfl_down_sync(0xffffffffu, v, 2, 8);
+  o[5] = __shfl_xor_sync(0xffffffffu, v, 4, 4);
+  o[6] = __ballot_sync(0xffffffffu, lane % 3 == 0);
+  o[7] = __all_sync(0xffffffffu, lane < 32) + 2 * __all_sync(0xffffffffu, lane < 31) +
+         4 * __any_sync(0xffffffffu, lane == 30) + 8 * __any_sync(0xffffffffu, lane > 40);
+  o[8] = static_cast<long long>(2.0 * __shfl_xor_sync(0xffffffffu, t + 0.25, 1));
+  o[9] = __shfl_down_sync(0xffffffffu, static_cast<int>(t), 16) +
+         static_cast<long long>(__shfl_up_sync(0xffffffffu, static_cast<unsigned>(t), 1)) * 10000;
+}
+
+// Every thread of every block hits the same shared and global cells.
+__global__ void atomic_probe_kernel(unsigned long long* g_sum, long long* g_min, long long* g_max,
+                                    double* g_dsum, unsigned long long* g_first,
+                                    unsigned* out_shared) {
+  __shared__ unsigned s_count;
+  __shared__ unsigned long long s_sum;
+  if (threadIdx.x == 0) {
+    s_count = 0;
+    s_sum = 0;
+  }
+  __syncthreads();
+  const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  atomicAdd(&s_count, 1u);
+  atomicAdd(&s_sum, static_cast<unsigned long long>(gid));
+  atomicAdd(g_sum, static_cast<unsigned long long>(gid));
+  atomicMin(g_min, 5 - gid);
+  atomicMax(g_max, gid * 3);
+  atomicAdd(g_dsum, 0.5);
+  atomicCAS(g_first, ~0ull, static_cast<unsigned long long>(gid));
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    out_shared[2 * blockIdx.x] = s_count;
+    out_shared[2 * blockIdx.x + 1] = static_cast<unsigned>(s_sum);
+  }
+}
+
+__global__ void divergent_sync_kernel() {
+  if (threadIdx.x < 32) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+}
+
+__global__ void deadlock_kernel() {
+  if (threadIdx.x % 32 != 0) (void)__shfl_down_sync(0xffffffffu, 1, 1);
+  __syncthreads();
+}
+
+__global__ void partial_mask_kernel() {
+  if (threadIdx.x % 32 < 16) (void)__shfl_down_sync(0x0000ffffu, 1, 1);
+  __syncthreads();
+}
+
+__global__ void not_in_mask_kernel() { (void)__shfl_down_sync(0x0000ffffu, 1, 1); }
+
+// Lanes that exit drop out of warp primitives and barriers, as on the GPU.
+__global__ void exited_lanes_kernel(int* out) {
+  if (threadIdx.x % 32 >= 16) return;
+  const int v = __shfl_down_sync(0x0000ffffu, static_cast<int>(threadIdx.x), 1, 16);
+  __syncthreads();
+  out[threadIdx.x] = v;
+}
+
+__global__ void trap_kernel() {
+  if (threadIdx.x == 7) __trap();
+  __syncthreads();
+}
+
+at::Tensor probe_warp(int64_t block) {
+  auto out = at::full({block, kProbeCols}, -1, at::kLong);
+  emu::launch(warp_probe_kernel, dim3(1), dim(block, "block"), 0,
+              reinterpret_cast<long long*>(out.data_ptr<int64_t>()));
+  return out;
+}
+
+// -> (sum, min, max, dsum, first, per-block [count, sum mod 2**32]).
+py::tuple probe_atomics(int64_t grid, int64_t block) {
+  unsigned long long sum = 0, first = ~0ull;
+  long long mn = INT64_MAX, mx = INT64_MIN;
+  double dsum = 0;
+  auto shared = at::zeros({grid, 2}, at::kLong);
+  std::vector<unsigned> sh(2 * grid);
+  {
+    py::gil_scoped_release nogil;
+    emu::launch(atomic_probe_kernel, dim(grid, "grid"), dim(block, "block"), 0, &sum, &mn, &mx,
+                &dsum, &first, sh.data());
+  }
+  for (int64_t i = 0; i < 2 * grid; ++i) shared.view(-1)[i] = static_cast<int64_t>(sh[i]);
+  return py::make_tuple(sum, mn, mx, dsum, first, shared);
+}
+
+void probe_fault(const std::string& kind, int64_t block) {
+  py::gil_scoped_release nogil;
+  const dim3 b = dim(block, "block");
+  if (kind == "divergent") {
+    emu::launch(divergent_sync_kernel, dim3(1), b, 0);
+  } else if (kind == "deadlock") {
+    emu::launch(deadlock_kernel, dim3(1), b, 0);
+  } else if (kind == "partial_mask") {
+    emu::launch(partial_mask_kernel, dim3(1), b, 0);
+  } else if (kind == "not_in_mask") {
+    emu::launch(not_in_mask_kernel, dim3(1), b, 0);
+  } else if (kind == "trap") {
+    emu::launch(trap_kernel, dim3(1), b, 0);
+  } else if (kind == "dynamic_shared") {
+    emu::launch(trap_kernel, dim3(1), b, 16);
+  } else {
+    throw std::invalid_argument("unknown probe: " + kind);
+  }
+}
+
+at::Tensor probe_exited_lanes(int64_t block) {
+  auto out = at::full({block}, -1, at::kInt);
+  py::gil_scoped_release nogil;
+  emu::launch(exited_lanes_kernel, dim3(1), dim(block, "block"), 0, out.data_ptr<int>());
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hookcap CUDA kernels executed on the CPU by tests/cuda_emu (test-only)";
+  m.def("accumulate", &accumulate, "accumulate_kernel on CPU tensors; returns True if dense");
+  m.def("reset_slot", &reset_slot);
+  m.def("reset_rows", &reset_rows);
+  m.def("advance", &advance);
+  m.def("configure", &configure, py::arg("order") = 0, py::arg("seed") = 0,
+        py::arg("schedule") = 0);
+  m.def("stats", &stats);
+  m.def("probe_warp", &probe_warp);
+  m.def("probe_atomics", &probe_atomics);
+  m.def("probe_fault", &probe_fault);
+  m.def("probe_exited_lanes", &probe_exited_lanes);
+  py::register_exception<emu::KernelFault>(m, "KernelFault", PyExc_RuntimeError);
+}

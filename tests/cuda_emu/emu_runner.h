@@ -1,0 +1,45 @@
+// The real CUDA kernels (csrc/cuda/stats_kernel.cuh) compiled as host code on
+// top of cuda_emu.h, with thin launch wrappers. Shared by the Python harness
+// (emu_ops.cpp) and the standalone TSan / fault-injection driver
+// (emu_selftest.cpp). No torch here: the driver must not need libtorch.
+#pragma once
+
+#include "cuda_emu.h"
+// The kernels, unchanged: what CI runs is what nvcc builds.
+#include "cuda/stats_kernel.cuh"
+
+namespace hookcap_emu {
+
+using hookcap::HistSpec;
+using hookcap::StridedDesc;
+using hookcap::kernels::RowTarget;
+
+template <typename T>
+void accumulate(const T* x, int64_t n, bool dense, const StridedDesc& d, const RowTarget& tgt,
+                const HistSpec& h, dim3 grid, dim3 block) {
+  if (dense) {
+    emu::launch(hookcap::kernels::accumulate_kernel<T, true>, grid, block, 0, x, n, d, tgt, h);
+  } else {
+    emu::launch(hookcap::kernels::accumulate_kernel<T, false>, grid, block, 0, x, n, d, tgt, h);
+  }
+}
+
+inline void reset_slot(int64_t* ring, const int64_t* state, int64_t rows, int64_t width,
+                       dim3 grid, dim3 block) {
+  emu::launch(hookcap::kernels::reset_slot_kernel, grid, block, 0, ring, state, rows, width);
+}
+
+inline void reset_rows(int64_t* ring, const int64_t* state, int64_t rows, int64_t width,
+                       int64_t begin, int64_t end, dim3 grid, dim3 block) {
+  emu::launch(hookcap::kernels::reset_rows_kernel, grid, block, 0, ring, state, rows, width,
+              begin, end);
+}
+
+// The launcher always uses one block (the kernel requires it).
+inline void advance(int64_t* ring, int64_t* state, int64_t slots, int64_t rows, int64_t width,
+                    int64_t every, dim3 block) {
+  emu::launch(hookcap::kernels::advance_kernel, dim3(1), block, 0, ring, state, slots, rows,
+              width, every);
+}
+
+}  // namespace hookcap_emu

@@ -1,0 +1,578 @@
+"""The CUDA kernels' own source (csrc/cuda/stats_kernel.cuh), executed on the
+CPU by the thread-level emulation in tests/cuda_emu, against the float64
+reference and the CPU op. Runs on every CI machine: no GPU needed.
+
+Also: the harness's own semantics (warp primitives, atomics, fault detection),
+a ThreadSanitizer run of the kernels, and proof that a test-only build with a
+barrier or an index removed is caught.
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.cpp_extension as cpp_ext
+from conftest import abs_sum, assert_stats_match
+
+import hookcap
+from hookcap import Histogram, _layout
+from hookcap.histogram import NO_HIST_ARGS
+
+ROOT = Path(__file__).resolve().parent.parent
+EMU = ROOT / "tests" / "cuda_emu"
+BUILD = EMU / "build"  # ignored by git (build/)
+CXX = os.environ.get("CXX", "c++")
+# Same FP contract as the real builds (no FMA contraction: linear bin edges).
+CFLAGS = ["-O1", "-std=c++20", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
+LOG2 = Histogram.log2()
+THREADS = 256  # the launcher's block size
+OPS = torch.ops.hookcap
+
+
+def _sources():
+    return sorted([*EMU.glob("*.h"), *EMU.glob("*.cpp"), *(ROOT / "csrc" / "cuda").glob("*.cuh"),
+                   *(ROOT / "csrc" / "hookcap").glob("*.h")])
+
+
+@pytest.fixture(scope="session")
+def emu():
+    """The kernels + harness as a Python module (built once; ninja keeps it)."""
+    BUILD.joinpath("py").mkdir(parents=True, exist_ok=True)
+    return cpp_ext.load(
+        name="hookcap_cuda_emu",
+        sources=[str(EMU / "emu_ops.cpp")],
+        extra_include_paths=[str(ROOT / "csrc"), str(EMU)],
+        extra_cflags=CFLAGS,
+        build_directory=str(BUILD / "py"),
+        verbose=False,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _forward_order(request):
+    if "emu" in request.fixturenames:
+        request.getfixturevalue("emu").configure()
+    yield
+
+
+# ---------------------------------------------------------------------------
+# Inputs and result decoding
+# ---------------------------------------------------------------------------
+def sample(n, dtype, seed, max_exp=None):
+    """Log-uniform magnitudes over much of dtype's range, both signs, plus NaN,
+    +-Inf, +-0 and subnormals at random positions."""
+    g = torch.Generator().manual_seed(seed)
+    fi = torch.finfo(dtype)
+    hi = min(np.log2(fi.max) - 1, 120.0) if max_exp is None else max_exp
+    lo = max(np.log2(fi.smallest_normal), -120.0)
+    e = torch.empty(n, dtype=torch.float64).uniform_(lo, hi, generator=g)
+    sign = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
+    x = sign * torch.exp2(e)
+    kind = torch.randint(0, 24, (n,), generator=g)
+    x[kind == 0] = float("nan")
+    x[kind == 1] = float("inf")
+    x[kind == 2] = float("-inf")
+    x[kind == 3] = 0.0
+    x[kind == 4] = -0.0
+    sub = kind == 5
+    x[sub] = fi.smallest_normal * torch.rand(int(sub.sum()), generator=g, dtype=torch.float64)
+    return x.to(dtype)
+
+
+def hist_args(h):
+    return NO_HIST_ARGS if h is None else h.op_args()
+
+
+def width(h):
+    return _layout.HEADER + (h.nbins if h is not None else 0)
+
+
+def new_ring(slots, rows, h):
+    ring = torch.full((slots, rows, width(h)), -7, dtype=torch.int64)
+    for s in range(slots):
+        OPS.reset_slot(ring, torch.tensor([0, 1, s]))
+    return ring
+
+
+def row_stats(raw, h):
+    raw = np.asarray(raw)
+    out = {k: float(v) for k, v in _layout.decode(raw).items()}
+    if h is not None:
+        out["hist"] = raw[_layout.HEADER:].copy()
+        out["bin_edges"] = h.bin_edges
+    return out
+
+
+def emu_accumulate(emu, x, ring, state, row, h, grid, block):
+    return emu.accumulate(x, ring, state, row, *hist_args(h), grid, block)
+
+
+def run_emu(emu, x, h, grid, block):
+    ring = new_ring(1, 1, h)
+    emu_accumulate(emu, x, ring, torch.tensor([0, 1, 0]), 0, h, grid, block)
+    return ring[0, 0].numpy()
+
+
+def run_cpu(x, h):
+    ring = new_ring(1, 1, h)
+    OPS.accumulate(x, ring, torch.tensor([0, 1, 0]), 0, *hist_args(h))
+    return ring[0, 0].numpy()
+
+
+SUM_COLS = [_layout.S1, _layout.S2, _layout.SUM, _layout.SUMSQ]
+# Equal bit for bit on CPU and GPU; the shift too (same probe, first writer wins).
+EXACT_COLS = ["COUNT", "NAN", "POSINF", "NEGINF", "ZEROS", "SHIFT", "MIN", "MAX", "ABSMAX",
+              "CALLS", "STEP_TAG"]
+
+
+def check(raw, x, h, *, cpu_raw=None, values=None):
+    """Emulated row vs the float64 reference (and the CPU op's row if given).
+    The kernel sums in double, so sums must be within 1e-12 of sum|x|."""
+    values = x if values is None else values
+    ref = hookcap.reference.tensor_stats(values, h)
+    assert_stats_match(row_stats(raw, h), ref, rtol_sum=1e-12, rtol_std=1e-9,
+                       abs_sum=abs_sum(values))
+    if cpu_raw is None:
+        return
+    for c in EXACT_COLS:
+        col = getattr(_layout, c)
+        assert raw[col] == cpu_raw[col], f"{c}: emulated {raw[col]}, CPU {cpu_raw[col]}"
+    np.testing.assert_array_equal(raw[_layout.HEADER:], cpu_raw[_layout.HEADER:])
+    # The CPU path sums float inputs in float blocks; float64 in double.
+    rtol = 1e-9 if values.dtype == torch.float64 else 1e-5
+    got, cpu = row_stats(raw, None), row_stats(cpu_raw, None)
+    a = abs_sum(values)
+    assert abs(got["sum"] - cpu["sum"]) <= rtol * a + 1e-300
+    assert abs(got["sumsq"] - cpu["sumsq"]) <= rtol * cpu["sumsq"] + 1e-300
+
+
+def launcher_grid(n, sms=132):
+    """stats_launch.cu: blocks = max(1, min(ceil(n / 1024), 4 * SMs))."""
+    return max(1, min(-(-n // (THREADS * 4)), 4 * sms))
+
+
+# ---------------------------------------------------------------------------
+# The harness itself
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [64, 96])
+def test_warp_primitives_follow_cuda_definitions(emu, block):
+    out = emu.probe_warp(block).numpy()
+    for t in range(block):
+        lane, base = t % 32, t - t % 32
+        v = lambda lane_: 1000 + base + lane_  # noqa: E731
+        seg8 = lane - lane % 8
+        want = [
+            v(lane + 5) if lane + 5 < 32 else v(lane),  # shfl_down 5
+            v(lane - 3) if lane >= 3 else v(lane),  # shfl_up 3
+            v(lane ^ 9),  # shfl_xor 9
+            v(7),  # shfl 7
+            v(lane + 2) if lane + 2 < seg8 + 8 else v(lane),  # shfl_down 2, width 8
+            v(lane),  # shfl_xor 4, width 4: partner outside the segment
+            sum(1 << k for k in range(32) if k % 3 == 0),  # ballot
+            1 + 4,  # all(true), not all(lane<31), any(lane==30), not any(lane>40)
+            int(2 * (base + (lane ^ 1) + 0.25)),  # double through shfl_xor
+            (base + lane + 16 if lane < 16 else t) + 10000 * (t - 1 if lane >= 1 else t),
+        ]
+        assert list(out[t]) == want, f"thread {t}"
+
+
+def test_atomics_on_shared_and_global_memory(emu):
+    grid, block = 3, 128
+    s, mn, mx, dsum, first, shared = emu.probe_atomics(grid, block)
+    total = grid * block
+    assert s == total * (total - 1) // 2
+    assert mn == 5 - (total - 1) and mx == 3 * (total - 1)
+    assert dsum == 0.5 * total
+    assert 0 <= first < total
+    for b in range(grid):
+        gids = range(b * block, (b + 1) * block)
+        assert shared[b].tolist() == [block, sum(gids) % 2**32]
+
+
+def test_exited_lanes_drop_out_of_warp_primitives_and_barriers(emu):
+    out = emu.probe_exited_lanes(64).numpy()
+    for t in range(64):
+        lane = t % 32
+        want = -1 if lane >= 16 else (t + 1 if lane < 15 else t)
+        assert out[t] == want
+
+
+@pytest.mark.parametrize("kind,error,message", [
+    ("divergent", RuntimeError, "divergent __syncthreads"),
+    ("deadlock", RuntimeError, "deadlock"),
+    ("partial_mask", RuntimeError, "deadlock.*0x0000ffff"),
+    ("not_in_mask", RuntimeError, "is not in its mask"),
+    ("trap", RuntimeError, "__trap"),
+    ("dynamic_shared", ValueError, "dynamic shared memory"),  # a launch error
+])
+@pytest.mark.parametrize("schedule", [0, 1])
+def test_harness_reports_kernel_faults(emu, kind, error, message, schedule):
+    emu.configure(schedule=schedule)
+    with pytest.raises(error, match=message):
+        emu.probe_fault(kind, 64)
+    # ...and the next launch runs normally.
+    x = sample(300, torch.float32, 1)
+    check(run_emu(emu, x, LOG2, 2, 64), x, LOG2)
+
+
+def test_launch_runs_exactly_the_requested_grid(emu):
+    before = emu.stats()
+    run_emu(emu, sample(100, torch.float32, 2), LOG2, 7, 64)
+    after = emu.stats()
+    assert after["launches"] - before["launches"] == 1
+    assert after["blocks"] - before["blocks"] == 7
+    assert after["threads"] - before["threads"] == 7 * 64
+    assert after["barrier_phases"] - before["barrier_phases"] == 7 * 2
+
+
+# ---------------------------------------------------------------------------
+# accumulate_kernel
+# ---------------------------------------------------------------------------
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,offset,grid,block", [
+    (4099, 1, None, THREADS),  # the launcher's grid; starts off the 16-byte boundary
+    (1001, 3, 2, 64),
+    (37, 0, 5, 32),  # more blocks than elements
+    (1500, 1, 1, 96),
+])
+def test_dense_matches_reference_and_cpu(emu, dtype, n, offset, grid, block):
+    x = sample(n + offset, dtype, n + offset)[offset:]
+    grid = launcher_grid(n) if grid is None else grid
+    for h in (LOG2, Histogram.linear(-3.0, 5.0, 13)):
+        ring = new_ring(1, 1, h)
+        assert emu_accumulate(emu, x, ring, torch.tensor([0, 1, 0]), 0, h, grid, block)  # dense
+        check(ring[0, 0].numpy(), x, h, cpu_raw=run_cpu(x, h))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grid_bound_makes_threads_loop(emu, dtype):
+    """n beyond the grid bound (here a 2-SM GPU: 8 blocks): every thread
+    walks the grid-stride loop several times."""
+    n = 20011
+    grid = launcher_grid(n, sms=2)
+    assert grid == 8 and n > 2 * grid * THREADS * 4
+    x = sample(n + 1, dtype, 18)[1:]
+    check(run_emu(emu, x, LOG2, grid, THREADS), x, LOG2, cpu_raw=run_cpu(x, LOG2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8(emu, dtype):
+    x = sample(777, torch.float32, 5, max_exp=8).to(dtype)[1:]
+    check(run_emu(emu, x, LOG2, 2, 128), x, LOG2, cpu_raw=run_cpu(x, LOG2))
+
+
+def test_block_of_1024_threads(emu):
+    x = sample(3000, torch.float32, 6)[1:]
+    check(run_emu(emu, x, LOG2, 2, 1024), x, LOG2, cpu_raw=run_cpu(x, LOG2))
+
+
+@pytest.mark.parametrize("h", [
+    Histogram.log2(-10, 10),  # underflow and overflow bins in use
+    Histogram.linear(-1e3, 1e3, 40),
+    Histogram.linear(-2.0, 3.0, 2046),  # 2048 bins in all: the largest shared histogram
+    Histogram.linear(-2.0, 3.0, 2047),  # 2049: global atomics, no shared histogram
+    Histogram.linear(-2.0, 3.0, 5000),
+    None,
+])
+def test_histogram_kinds(emu, h):
+    x = sample(2500, torch.float32, 7, max_exp=12)
+    check(run_emu(emu, x, h, 3, THREADS), x, h, cpu_raw=run_cpu(x, h))
+
+
+def test_linear_histogram_values_on_edges(emu):
+    h = Histogram.linear(-1.0, 1.0, 2500)
+    edges = torch.from_numpy(h.bin_edges[1:-1])
+    x = torch.cat([edges, torch.nextafter(edges, torch.tensor(-np.inf, dtype=torch.float64))])
+    check(run_emu(emu, x, h, 2, 128), x, h, cpu_raw=run_cpu(x, h))
+
+
+def test_strided_inputs_take_the_strided_kernel(emu):
+    base = sample(90 * 70, torch.float32, 8).reshape(90, 70)
+    views = [
+        base.t()[3:, ::2],  # transposed, then sliced
+        base[::3, 5:41],
+        base[:, 1],
+        base[:1].expand(50, 70),  # stride 0
+        torch.tensor(-3.5).expand(40, 30),  # every stride 0
+        base.reshape(-1)[1:][::7].reshape(-1, 1).expand(-1, 3),
+    ]
+    for i, v in enumerate(views):
+        ring = new_ring(1, 1, LOG2)
+        dense = emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, LOG2, 2 + i % 2, 64)
+        assert not dense, f"view {i} should not be dense"
+        check(ring[0, 0].numpy(), v, LOG2, cpu_raw=run_cpu(v, LOG2))
+    perm = base.t().contiguous().t()[:, :]  # dense, not contiguous: read flat
+    assert emu_accumulate(emu, perm, new_ring(1, 1, LOG2), torch.tensor([0, 1, 0]), 0, LOG2, 2, 64)
+    check(run_emu(emu, perm, LOG2, 2, 64), perm, LOG2, cpu_raw=run_cpu(perm, LOG2))
+
+
+def test_empty_and_tiny_tensors(emu):
+    for x in (torch.empty(0), torch.tensor(2.5), torch.tensor([float("nan")]),
+              torch.tensor([-0.0, 0.0]), torch.tensor([float("inf"), 1e-40])):
+        raw = run_emu(emu, x, LOG2, 2, 64)
+        np.testing.assert_array_equal(raw, run_cpu(x, LOG2))  # every column, shift included
+        check(raw, x, LOG2)
+
+
+def test_repeated_writes_merge(emu):
+    h = Histogram.log2(-30, 30)
+    parts = [sample(2000, torch.float32, 9, max_exp=25)[1:] + 100.0,
+             sample(300, torch.float64, 10, max_exp=20),
+             sample(999, torch.bfloat16, 11, max_exp=25), torch.tensor([float("nan"), -0.0])]
+    ring, cpu = new_ring(1, 2, h), new_ring(1, 2, h)
+    st = torch.tensor([0, 1, 0])
+    for i, p in enumerate(parts):
+        emu_accumulate(emu, p, ring, st, 1, h, 1 + i, 64 * (1 + i % 2))
+        OPS.accumulate(p, cpu, st, 1, *hist_args(h))
+    flat = torch.cat([p.reshape(-1).double() for p in parts])
+    check(ring[0, 1].numpy(), None, h, cpu_raw=cpu[0, 1].numpy(), values=flat)
+    assert ring[0, 1, _layout.CALLS] == len(parts)
+    np.testing.assert_array_equal(ring[0, 0].numpy(), new_ring(1, 1, h)[0, 0].numpy())
+
+
+def test_std_when_mean_dwarfs_spread(emu):
+    """|mean| = 1e4 std: the shifted moments (S1, S2 about the slot's shift)
+    must keep std accurate, across blocks and across a second write."""
+    g = torch.Generator().manual_seed(12)
+    a = torch.randn(3000, generator=g, dtype=torch.float64) + 1e4
+    b = torch.randn(2000, generator=g, dtype=torch.float64) * 0.5 + 1e4 - 3
+    ring = new_ring(1, 1, None)
+    st = torch.tensor([0, 1, 0])
+    emu_accumulate(emu, a, ring, st, 0, None, 3, 128)
+    emu_accumulate(emu, b, ring, st, 0, None, 4, 64)
+    flat = torch.cat([a, b])
+    got = row_stats(ring[0, 0].numpy(), None)
+    ref = hookcap.reference.tensor_stats(flat, None)
+    assert abs(got["std"] - ref["std"]) <= 1e-9 * ref["std"]
+    check(ring[0, 0].numpy(), None, None, values=flat)
+
+
+@pytest.mark.parametrize("order,seed", [(1, 0), (2, 1), (2, 2)])
+def test_result_does_not_depend_on_block_order(emu, order, seed):
+    x = sample(6000, torch.float64, 13)[1:]
+    forward = run_emu(emu, x, LOG2, 6, 64)
+    emu.configure(order, seed)
+    other = run_emu(emu, x, LOG2, 6, 64)
+    # Every column but the double sums is exact, the shift included: every
+    # block computes the same candidate, whichever wins the CAS.
+    keep = np.ones(len(forward), bool)
+    keep[SUM_COLS] = False
+    np.testing.assert_array_equal(other[keep], forward[keep])
+    check(other, x, LOG2)
+
+
+@pytest.mark.parametrize("schedule", [1, 2])
+def test_warp_serial_schedules(emu, schedule):
+    """One warp at a time between barriers, warp 0 first or last: the
+    deterministic worst case for shared-memory hand-offs."""
+    emu.configure(order=2, seed=schedule, schedule=schedule)
+    x = sample(5001, torch.float32, 16)[1:]
+    for h in (LOG2, Histogram.linear(-2.0, 3.0, 3000)):
+        check(run_emu(emu, x, h, 3, THREADS), x, h, cpu_raw=run_cpu(x, h))
+    v = sample(60 * 50, torch.float16, 17).reshape(60, 50).t()[2:, ::3]
+    check(run_emu(emu, v, LOG2, 2, 96), v, LOG2, cpu_raw=run_cpu(v, LOG2))
+    ring, cpu = new_ring(2, 1, LOG2), new_ring(2, 1, LOG2)
+    st, cst = torch.tensor([0, 1, 0]), torch.tensor([0, 1, 0])
+    emu.advance(ring, st, 1, 1024)
+    OPS.advance(cpu, cst, 1)
+    assert torch.equal(ring, cpu) and torch.equal(st, cst)
+
+
+def test_slot_selection_and_enabled_flag(emu):
+    h = LOG2
+    ring = new_ring(3, 2, h)
+    x = sample(500, torch.float32, 14)
+    before = ring.clone()
+    emu_accumulate(emu, x, ring, torch.tensor([7, 1, 2]), 1, h, 2, 64)
+    changed = (ring != before).any(dim=2)
+    assert changed.nonzero().tolist() == [[2, 1]]  # only slot 2, row 1
+    check(ring[2, 1].numpy(), x, h)
+    before = ring.clone()
+    emu_accumulate(emu, x, ring, torch.tensor([7, 0, 2]), 1, h, 2, 64)  # disabled step
+    assert torch.equal(ring, before)
+
+
+# ---------------------------------------------------------------------------
+# reset_slot_kernel, advance_kernel
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("grid,block", [(1, 32), (3, 64), (40, 256)])
+def test_reset_slot_matches_cpu(emu, grid, block):
+    h = Histogram.linear(0, 1, 50)
+    ring = torch.randint(-2**62, 2**62, (3, 5, width(h)), dtype=torch.int64)
+    cpu = ring.clone()
+    st = torch.tensor([11, 1, 1])
+    emu.reset_slot(ring, st, grid, block)
+    OPS.reset_slot(cpu, st)
+    assert torch.equal(ring, cpu)
+    assert ring[1, :, _layout.STEP_TAG].tolist() == [11] * 5
+
+
+@pytest.mark.parametrize("begin,end,grid,block", [(1, 3, 1, 32), (0, 5, 2, 64), (4, 5, 9, 256)])
+def test_reset_rows_matches_cpu(emu, begin, end, grid, block):
+    h = Histogram.log2(-8, 8)
+    ring = torch.randint(-2**62, 2**62, (2, 5, width(h)), dtype=torch.int64)
+    before, cpu = ring.clone(), ring.clone()
+    st = torch.tensor([4, 1, 1])
+    emu.reset_rows(ring, st, begin, end, grid, block)
+    OPS.reset_rows(cpu, st, begin, end)
+    assert torch.equal(ring, cpu)
+    changed = (ring != before).any(dim=2)
+    assert changed.nonzero().tolist() == [[1, r] for r in range(begin, end)]
+    assert ring[1, begin:end, _layout.STEP_TAG].tolist() == [4] * (end - begin)
+
+
+@pytest.mark.parametrize("every,block", [(1, 1024), (3, 1024), (3, 64)])
+def test_advance_matches_cpu(emu, every, block):
+    h = Histogram.log2(-4, 4)
+    ring = new_ring(3, 4, h)
+    cpu = ring.clone()
+    st, cst = torch.tensor([0, 1, 0]), torch.tensor([0, 1, 0])
+    x = sample(200, torch.float32, 15)
+    seen_off = False
+    for step in range(1, 8):
+        emu_accumulate(emu, x, ring, st, step % 4, h, 1, 64)
+        OPS.accumulate(x, cpu, cst, step % 4, *hist_args(h))
+        emu.advance(ring, st, every, block)
+        OPS.advance(cpu, cst, every)
+        assert st.tolist() == cst.tolist() == [step, int(step % every == 0), (step // every) % 3]
+        seen_off |= st[1].item() == 0
+        # Identical but for the double sums of the written rows (summation order).
+        keep = torch.ones(ring.shape[2], dtype=torch.bool)
+        keep[SUM_COLS] = False
+        assert torch.equal(ring[..., keep], cpu[..., keep]), f"step {step}"
+        for s in range(3):
+            check(ring[s, step % 4].numpy(), None, h, cpu_raw=cpu[s, step % 4].numpy(),
+                  values=x if ring[s, step % 4, _layout.COUNT] else x[:0])
+    assert seen_off == (every > 1)
+
+
+# ---------------------------------------------------------------------------
+# ThreadSanitizer and fault injection: the standalone driver (no libtorch)
+# ---------------------------------------------------------------------------
+TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1 exitcode=66 second_deadlock_stack=1"}
+VARIANTS = {
+    "plain": [],
+    "break_index": ["-DHOOKCAP_EMU_BREAK_INDEX"],
+    "break_sync": ["-DHOOKCAP_EMU_BREAK_SYNC"],
+    "tsan": ["-fsanitize=thread"],
+    "tsan_break_sync": ["-fsanitize=thread", "-DHOOKCAP_EMU_BREAK_SYNC"],
+}
+
+
+def _compile(out, flags, src):
+    cmd = [CXX, *CFLAGS, "-g", "-pthread", f"-I{ROOT / 'csrc'}", f"-I{EMU}",
+           f"-I{cpp_ext.include_paths()[0]}", *flags, str(src), "-o", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="session")
+def tsan_ok(tmp_path_factory):
+    """None if TSan builds and reports a planted race here, else why not."""
+    if shutil.which(CXX) is None:
+        return f"no C++ compiler ({CXX})"
+    d = tmp_path_factory.mktemp("tsan_probe")
+    src = d / "race.cpp"
+    src.write_text("#include <thread>\nint x;\nint main() { std::thread a([] { ++x; }), "
+                   "b([] { ++x; }); a.join(); b.join(); }\n")
+    p = _compile(d / "race", ["-fsanitize=thread"], src)
+    out = p.communicate()[0]
+    if p.returncode != 0:
+        return f"cannot build with -fsanitize=thread: {out.strip()[-300:]}"
+    r = subprocess.run([str(d / "race")], capture_output=True, text=True,
+                       env={**os.environ, **TSAN_ENV})
+    if r.returncode != 66 or "data race" not in r.stderr:
+        return f"TSan does not run here (rc {r.returncode}): {r.stderr.strip()[-300:]}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def selftest(tsan_ok):
+    """Driver executables per variant, built in parallel, cached by content."""
+    h = hashlib.sha256()
+    for f in _sources():
+        h.update(f.name.encode() + f.read_bytes())
+    h.update(" ".join([CXX, *CFLAGS, torch.__version__]).encode())
+    key = h.hexdigest()[:16]
+    BUILD.mkdir(parents=True, exist_ok=True)
+    exes, procs = {}, {}
+    for name, flags in VARIANTS.items():
+        if "-fsanitize=thread" in flags and tsan_ok is not None:
+            continue
+        exe = BUILD / f"selftest-{name}-{key}"
+        exes[name] = exe
+        for old in BUILD.glob(f"selftest-{name}-*"):  # builds of older sources
+            if old != exe:
+                old.unlink(missing_ok=True)
+        if not exe.exists():
+            tmp = exe.with_name(exe.name + f".tmp{os.getpid()}")
+            procs[name] = (tmp, _compile(tmp, flags, EMU / "emu_selftest.cpp"))
+    for name, (tmp, p) in procs.items():
+        out = p.communicate()[0]
+        assert p.returncode == 0, f"building the {name} driver failed:\n{out}"
+        os.replace(tmp, exes[name])
+    return exes
+
+
+def _run(exe, *args):
+    return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **TSAN_ENV}, timeout=300)
+
+
+@pytest.mark.parametrize("order,schedule", [(0, 0), (1, 0), (2, 0), (2, 1), (2, 2)])
+def test_driver_passes(selftest, order, schedule):
+    r = _run(selftest["plain"], order, schedule)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok: 0 mismatches" in r.stdout
+
+
+@pytest.mark.parametrize("schedule", [0, 1])
+def test_kernels_are_race_free_under_tsan(selftest, tsan_ok, schedule):
+    """Concurrent schedule: the kernels' barriers and atomics; warp-serial:
+    the harness's own hand-over machinery."""
+    if tsan_ok is not None:
+        pytest.skip(f"ThreadSanitizer unavailable: {tsan_ok}")
+    r = _run(selftest["tsan"], 2, schedule)
+    assert "ThreadSanitizer" not in r.stderr, r.stderr[-4000:]
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "ok: 0 mismatches" in r.stdout
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_tsan_catches_a_removed_syncthreads(selftest, tsan_ok, order):
+    """Test-only build without the barrier before the warp-partials reduction:
+    TSan must report the shared-memory race, whatever the schedule (the race
+    is a missing happens-before edge, not a timing accident)."""
+    if tsan_ok is not None:
+        pytest.skip(f"ThreadSanitizer unavailable: {tsan_ok}")
+    r = _run(selftest["tsan_break_sync"], order, 0)
+    assert r.returncode == 66, r.stdout + r.stderr[-4000:]
+    assert "WARNING: ThreadSanitizer: data race" in r.stderr
+    assert "stats_kernel.cuh" in r.stderr
+
+
+@pytest.mark.parametrize("schedule", [1, 2])
+def test_results_catch_a_removed_syncthreads(selftest, schedule):
+    """The same broken build without TSan: under a warp-serial schedule, warp 0
+    reads the other warps' partials before they are written (or, reversed, the
+    first warp flushes the shared histogram before the others have counted),
+    so the results are wrong, and wrong identically every run."""
+    runs = [_run(selftest["break_sync"], 2, schedule) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "MISMATCH" in r.stdout
+    assert runs[0].stdout == runs[1].stdout
+
+
+def test_results_catch_a_broken_index(selftest):
+    """Test-only build whose vector-tail loop forgets the misaligned head."""
+    r = _run(selftest["break_index"], 0, 0)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "MISMATCH" in r.stdout
