@@ -80,6 +80,9 @@ def _skip(*args):
     return None
 
 
+_SKIPPED = object()  # row-cache marker: this (metric, device, call) is not recorded
+
+
 class Monitor:
     """Records per-layer statistics of a model into a device ring, every step.
 
@@ -161,6 +164,7 @@ class Monitor:
         self.dump_on_anomaly = dump_on_anomaly
         self.anomalies: list[Anomaly] = []
         self._warned: set[tuple[str, str]] = set()
+        self._warned_skips: set = set()
         self._raise: Anomaly | None = None
         self._dumped = False
         self._reset_recording_state()
@@ -219,11 +223,20 @@ class Monitor:
         return self
 
     def detach(self) -> None:
-        """Remove every hook this Monitor added."""
+        """Remove every hook this Monitor added and close the sinks (the
+        history stays readable)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        was = self._attached
         self._attached = False
+        if was and self.sinks:
+            self._collect(wait=True)
+            for sink in list(self.sinks):
+                try:
+                    sink.close()
+                except Exception as e:
+                    log.error("hookcap: closing sink %r failed: %s: %s", sink, type(e).__name__, e)
 
     def _watched_params(self) -> Iterable[tuple[str, nn.Parameter]]:
         """All parameters when ``modules`` is None, else those owned directly by
@@ -344,10 +357,16 @@ class Monitor:
         return ci
 
     def _write(self, name, kind, path, t, mtype, ci, replace=False):
+        if type(t) is not torch.Tensor:
+            t = self._plain(t)
+            if t is None:
+                return
         key = (name, kind, path, t.device, ci)
         hit = self._rows.get(key)
         if hit is None:
             hit = self._register(key, t, mtype)
+        if hit is _SKIPPED:
+            return
         ring, row = hit
         if replace:
             rk = (id(ring), row)
@@ -355,14 +374,52 @@ class Monitor:
                 torch.ops.hookcap.reset_rows(ring.ring, ring.state, row, row + 1)
             else:
                 self._replace_rows.add(rk)
-        torch.ops.hookcap.accumulate(t, ring.ring, ring.state, row, *self._hargs)
+        try:
+            torch.ops.hookcap.accumulate(t, ring.ring, ring.state, row, *self._hargs)
+        except Exception as e:  # telemetry must never take the run down
+            self._rows[key] = _SKIPPED
+            self._warn_once(key[:3], f"hookcap: {key[0]}/{key[1]} is no longer recorded: "
+                                     f"{type(e).__name__}: {e}")
+            return
         ok = (id(ring), row)
         if ok not in self._order:
             self._order[ok] = None
 
+    def _warn_once(self, what, message: str) -> None:
+        if what not in self._warned_skips:
+            self._warned_skips.add(what)
+            log.warning(message)
+
+    def _plain(self, t):
+        """A plain strided tensor to record for ``t``, or None to skip it."""
+        if isinstance(t, nn.Parameter):
+            return t.detach()
+        to_local = getattr(t, "to_local", None)
+        if callable(to_local):  # DTensor: record this rank's local shard
+            return to_local()
+        return t
+
+    def _skip_reason(self, t) -> str | None:
+        if t.layout != torch.strided:
+            return f"layout {t.layout} is not supported"
+        if t.is_quantized:
+            return "quantized tensors are not supported"
+        if t.is_nested:
+            return "nested tensors are not supported"
+        if t.device.type == "meta":
+            return "meta tensors hold no values"
+        if type(t) is not torch.Tensor:
+            return f"tensor subclass {type(t).__name__} is not supported"
+        return None
+
     def _register(self, key, t, mtype):
         name, kind, path = key[:3]
         metric = f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
+        reason = self._skip_reason(t)
+        if reason is not None:
+            self._rows[key] = _SKIPPED
+            self._warn_once((name, kind, path), f"hookcap: not recording {metric}: {reason}")
+            return _SKIPPED
         with self._lock:
             if key in self._rows:
                 return self._rows[key]
