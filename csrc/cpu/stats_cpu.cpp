@@ -51,6 +51,12 @@ constexpr int64_t kLocalBins = 1024;   // wider histograms count into the ring
 constexpr int64_t kBlock = 1024;       // float sums are flushed to double per block
 constexpr int64_t kMinChunk = 32768;
 constexpr int64_t kMaxChunks = 64;
+// CPU-only variant of the log2 histogram for float-sized inputs when every
+// float subnormal falls in the underflow bin (lo >= -126): the hot loop only
+// counts the 8-bit exponent field; a 256-entry table built from the shared
+// log2_bin maps those counts to bins once per chunk.
+constexpr int kHistLog2Exp = 3;
+constexpr int64_t kExpBins = 256;
 
 // Per-chunk histogram sink: kHistCopies local copies of (1 + nbins) uint32
 // counts (slot 0 swallows unbinned values), or, for wide histograms, the
@@ -59,6 +65,7 @@ struct HistSink {
   const HistSpec* spec;
   uint32_t* local;
   int64_t* ring_bins;
+  int64_t copy_stride;  // entries per local copy
 };
 
 template <typename T>
@@ -125,6 +132,7 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
     push_finite(v, c, sum, sumsq, s1, s2, mn, mx, amx, nz);
     probe += v * V(0);
     if constexpr (kHist == kHistLog2) idx[i] = log2_bin(v, lo, hi) + 1;
+    if constexpr (kHist == kHistLog2Exp) idx[i] = (vbits(v) >> 23) & 0xff;
   }
   if constexpr (kHist == kHistLinear) {
 #pragma omp simd
@@ -156,7 +164,7 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
 HC_ALWAYS_INLINE void block_scatter(const int32_t* idx, int64_t n, const HistSink& hs,
                                     const char* ahead, int64_t ahead_bytes) {
   if (hs.local) {
-    const int64_t cs = hs.spec->nbins + 1;
+    const int64_t cs = hs.copy_stride;
     uint32_t* c0 = hs.local;
     uint32_t* c1 = c0 + cs;
     uint32_t* c2 = c1 + cs;
@@ -278,25 +286,49 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
 
   const int64_t chunk = std::max(kMinChunk, (n + kMaxChunks - 1) / kMaxChunks);
   const int64_t nchunks = (n + chunk - 1) / chunk;
-  const bool local_hist = kHist != kHistNone && h.nbins <= kLocalBins;
+  constexpr bool kExp = kHist == kHistLog2Exp;
+  const bool local_hist = kHist != kHistNone && (kExp || h.nbins <= kLocalBins);
+  const int64_t cs = kExp ? kExpBins : h.nbins + 1;
+  int32_t exp_bin[kExpBins];  // exponent field -> bin (kExp only)
+  if constexpr (kExp) {
+    const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
+    for (int e = 1; e < 255; ++e) exp_bin[e] = log2_bin(std::ldexp(1.0f, e - 127), lo, hi);
+  }
   const bool avx2 = use_avx2();
   Acc partial[kMaxChunks];
 
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     uint32_t local[kHistCopies * (kLocalBins + 1)];
+    static_assert(kLocalBins + 1 >= kExpBins, "local copies must hold the exponent histogram");
     for (int64_t c = c0; c < c1; ++c) {
-      if (local_hist) std::memset(local, 0, sizeof(uint32_t) * kHistCopies * (h.nbins + 1));
-      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader};
+      if (local_hist) std::memset(local, 0, sizeof(uint32_t) * kHistCopies * cs);
+      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs};
       const int64_t b = c * chunk, e = std::min(n, b + chunk);
       if (avx2) {
         chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], hs);
       } else {
         chunk_base<T, kHist>(x, flat, d, b, e, shift, partial[c], hs);
       }
-      if (local_hist) {
+      if (!local_hist) continue;
+      auto total_of = [&](int64_t k) {
+        int64_t cnt = 0;
+        for (int r = 0; r < kHistCopies; ++r) cnt += local[r * cs + k];
+        return cnt;
+      };
+      if constexpr (kExp) {
+        // Exponent field 0 holds zeros (counted exactly by the stats) and
+        // float subnormals (underflow when lo >= -126); 255 is NaN/Inf.
+        const int64_t zeros = partial[c].nzero;
+        if (zeros) HostAtomics::add_i64(row + kHeader + 0, zeros);
+        const int64_t sub = total_of(0) - zeros;
+        if (sub) HostAtomics::add_i64(row + kHeader + 1, sub);
+        for (int k = 1; k < 255; ++k) {
+          const int64_t cnt = total_of(k);
+          if (cnt) HostAtomics::add_i64(row + kHeader + exp_bin[k], cnt);
+        }
+      } else {
         for (int64_t k = 0; k < h.nbins; ++k) {
-          int64_t cnt = 0;
-          for (int r = 0; r < kHistCopies; ++r) cnt += local[r * (h.nbins + 1) + 1 + k];
+          const int64_t cnt = total_of(1 + k);
           if (cnt) HostAtomics::add_i64(row + kHeader + k, cnt);
         }
       }
@@ -337,9 +369,16 @@ void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& 
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x.scalar_type(),
       "hookcap_accumulate_cpu", [&] {
         const scalar_t* p = x.const_data_ptr<scalar_t>();
+        constexpr bool kFloatWork = !std::is_same_v<scalar_t, double>;
         switch (h.kind) {
           case kHistNone: accumulate_typed<scalar_t, kHistNone>(p, flat, d, n, row, h); break;
-          case kHistLog2: accumulate_typed<scalar_t, kHistLog2>(p, flat, d, n, row, h); break;
+          case kHistLog2:
+            if (kFloatWork && h.lo_exp >= -126) {
+              accumulate_typed<scalar_t, kFloatWork ? kHistLog2Exp : kHistLog2>(p, flat, d, n, row, h);
+            } else {
+              accumulate_typed<scalar_t, kHistLog2>(p, flat, d, n, row, h);
+            }
+            break;
           default: accumulate_typed<scalar_t, kHistLinear>(p, flat, d, n, row, h); break;
         }
       });
