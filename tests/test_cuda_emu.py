@@ -400,8 +400,23 @@ def test_slot_selection_and_enabled_flag(emu):
     assert torch.equal(ring, before)
 
 
+@pytest.mark.parametrize("slot", [-1, 3, 1 << 40])
+def test_out_of_range_slot_writes_nothing(emu, slot):
+    # The host never reads the device state, so the kernels themselves must
+    # refuse a corrupt slot instead of writing out of bounds.
+    h = LOG2
+    ring = new_ring(3, 2, h)
+    before = ring.clone()
+    st = torch.tensor([4, 1, slot])
+    emu_accumulate(emu, sample(300, torch.float32, 3), ring, st, 0, h, 2, 64)
+    emu.reset_slot(ring, st, 2, 64)
+    emu.reset_rows(ring, st, 0, 1, 1, 32)
+    emu.advance(ring, st, 1, 64)
+    assert torch.equal(ring, before) and st.tolist() == [4, 1, slot]
+
+
 # ---------------------------------------------------------------------------
-# reset_slot_kernel, advance_kernel
+# reset_rows_kernel (whole slot), advance_kernel
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("grid,block", [(1, 32), (3, 64), (40, 256)])
 def test_reset_slot_matches_cpu(emu, grid, block):

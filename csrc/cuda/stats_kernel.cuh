@@ -43,6 +43,7 @@ struct RowTarget {
   int64_t row;
   int64_t rows;
   int64_t width;
+  int64_t slots;
 };
 
 template <typename T>
@@ -89,6 +90,7 @@ __global__ void __launch_bounds__(kMaxBlock)
 
   if (tgt.state[kStateEnabled] == 0) return;  // off-step: uniform early exit
   const int64_t slot = tgt.state[kStateSlot];
+  if (slot < 0 || slot >= tgt.slots) return;  // corrupt state: never write out of bounds
   int64_t* row = tgt.ring + (slot * tgt.rows + tgt.row) * tgt.width;
   int64_t* hrow = row + kHeader;
 
@@ -198,25 +200,12 @@ __global__ void __launch_bounds__(kMaxBlock)
   }
 }
 
-// Reset every row of the slot the state points at (for its step).
-__global__ void reset_slot_kernel(int64_t* ring, const int64_t* state,
-                                  int64_t rows, int64_t width) {
-  const int64_t slot = state[kStateSlot];
-  const int64_t step = state[kStateStep];
-  int64_t* base = ring + slot * rows * width;
-  const int64_t total = rows * width;
-  const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < total; i += gstride) {
-    base[i] = reset_value(i % width, step);
-  }
-}
-
 // Advance the state by one step and reset the new slot if the step is
 // recorded. Launched with ONE block: the state is read by every thread
 // before thread 0 writes it back after the barrier.
 __global__ void advance_kernel(int64_t* ring, int64_t* state, int64_t slots,
                                int64_t rows, int64_t width, int64_t every) {
+  if (state[kStateSlot] < 0 || state[kStateSlot] >= slots) return;  // corrupt state
   const StepState next = next_state(state, every, slots);
   if (next.enabled) {
     int64_t* base = ring + next.slot * rows * width;
@@ -233,11 +222,13 @@ __global__ void advance_kernel(int64_t* ring, int64_t* state, int64_t slots,
   }
 }
 
-// Reset rows [begin, end) of the slot the state points at: new metrics'
-// rows after the ring grew, or one row whose value is replaced.
-__global__ void reset_rows_kernel(int64_t* ring, const int64_t* state, int64_t rows,
-                                  int64_t width, int64_t begin, int64_t end) {
+// Reset rows [begin, end) of the slot the state points at (for its step):
+// the whole slot, new metrics' rows after the ring grew, or one row whose
+// value is replaced.
+__global__ void reset_rows_kernel(int64_t* ring, const int64_t* state, int64_t slots,
+                                  int64_t rows, int64_t width, int64_t begin, int64_t end) {
   const int64_t slot = state[kStateSlot];
+  if (slot < 0 || slot >= slots) return;  // corrupt state: never write out of bounds
   const int64_t step = state[kStateStep];
   int64_t* base = ring + (slot * rows + begin) * width;
   const int64_t total = (end - begin) * width;

@@ -51,7 +51,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
     flat = true;
   }
   const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), row,
-                               ring.size(1), ring.size(2)};
+                               ring.size(1), ring.size(2), ring.size(0)};
   // Empty tensors still launch one block so count/calls are recorded on the
   // device (the host never reads the enabled flag).
   const int64_t want = (n + kThreads * 4 - 1) / (kThreads * 4);
@@ -71,28 +71,26 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void reset_slot_cuda(at::Tensor& ring, const at::Tensor& state) {
-  check_ring_state(ring, state);
-  c10::cuda::CUDAGuard guard(ring.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  const int64_t total = ring.size(1) * ring.size(2);
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 1024));
-  kernels::reset_slot_kernel<<<blocks, kThreads, 0, stream>>>(
-      ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(1), ring.size(2));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void reset_rows_cuda(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
-  check_reset_rows(ring, state, begin, end);
+void launch_reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
   if (begin == end) return;
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
   const int64_t total = (end - begin) * ring.size(2);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 1024));
   kernels::reset_rows_kernel<<<blocks, kThreads, 0, stream>>>(
-      ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(1), ring.size(2), begin,
-      end);
+      ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
+      ring.size(2), begin, end);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void reset_slot_cuda(at::Tensor& ring, const at::Tensor& state) {
+  check_ring_state(ring, state);
+  launch_reset_rows(ring, state, 0, ring.size(1));
+}
+
+void reset_rows_cuda(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
+  check_reset_rows(ring, state, begin, end);
+  launch_reset_rows(ring, state, begin, end);
 }
 
 void advance_cuda(at::Tensor& ring, at::Tensor& state, int64_t every) {

@@ -38,7 +38,7 @@ bool accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& stat
     flat = true;
   }
   const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), row,
-                               ring.size(1), ring.size(2)};
+                               ring.size(1), ring.size(2), ring.size(0)};
   const dim3 g = dim(grid, "grid"), b = dim(block, "block");
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x.scalar_type(),
@@ -56,7 +56,7 @@ void reset_slot(at::Tensor& ring, const at::Tensor& state, int64_t grid, int64_t
   const dim3 g = dim(grid, "grid"), b = dim(block, "block");
   py::gil_scoped_release nogil;
   hookcap_emu::reset_slot(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
-                          ring.size(1), ring.size(2), g, b);
+                          ring.size(0), ring.size(1), ring.size(2), g, b);
 }
 
 void reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end,
@@ -66,8 +66,8 @@ void reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_
   if (begin == end) return;  // as the launcher: no launch
   const dim3 g = dim(grid, "grid"), b = dim(block, "block");
   py::gil_scoped_release nogil;
-  hookcap_emu::reset_rows(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(1),
-                          ring.size(2), begin, end, g, b);
+  hookcap_emu::reset_rows(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0),
+                          ring.size(1), ring.size(2), begin, end, g, b);
 }
 
 void advance(at::Tensor& ring, at::Tensor& state, int64_t every, int64_t block) {

@@ -24,15 +24,16 @@ void accumulate(const T* x, int64_t n, bool dense, const StridedDesc& d, const R
   }
 }
 
-inline void reset_slot(int64_t* ring, const int64_t* state, int64_t rows, int64_t width,
-                       dim3 grid, dim3 block) {
-  emu::launch(hookcap::kernels::reset_slot_kernel, grid, block, 0, ring, state, rows, width);
+// reset_slot launches reset_rows_kernel over every row, as the launcher does.
+inline void reset_rows(int64_t* ring, const int64_t* state, int64_t slots, int64_t rows,
+                       int64_t width, int64_t begin, int64_t end, dim3 grid, dim3 block) {
+  emu::launch(hookcap::kernels::reset_rows_kernel, grid, block, 0, ring, state, slots, rows,
+              width, begin, end);
 }
 
-inline void reset_rows(int64_t* ring, const int64_t* state, int64_t rows, int64_t width,
-                       int64_t begin, int64_t end, dim3 grid, dim3 block) {
-  emu::launch(hookcap::kernels::reset_rows_kernel, grid, block, 0, ring, state, rows, width,
-              begin, end);
+inline void reset_slot(int64_t* ring, const int64_t* state, int64_t slots, int64_t rows,
+                       int64_t width, dim3 grid, dim3 block) {
+  reset_rows(ring, state, slots, rows, width, 0, rows, grid, block);
 }
 
 // The launcher always uses one block (the kernel requires it).

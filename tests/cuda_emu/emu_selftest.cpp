@@ -170,9 +170,9 @@ struct Ring {
   int64_t state[3] = {0, 1, 0};
   Ring(int64_t s, int64_t r, int64_t w) : slots(s), rows(r), width(w), data(s * r * w, 0x5a5a) {}
   int64_t* row(int64_t slot, int64_t r) { return data.data() + (slot * rows + r) * width; }
-  kernels::RowTarget target(int64_t r) { return {data.data(), state, r, rows, width}; }
+  kernels::RowTarget target(int64_t r) { return {data.data(), state, r, rows, width, slots}; }
   void reset(dim3 grid, dim3 block) {
-    hookcap_emu::reset_slot(data.data(), state, rows, width, grid, block);
+    hookcap_emu::reset_slot(data.data(), state, slots, rows, width, grid, block);
   }
 };
 
@@ -268,7 +268,8 @@ void scenario_state() {
   check_reset("advance every=3", ring, 2, 6);
   // reset_rows: row 1 of slot 2 only.
   std::fill(ring.data.begin(), ring.data.end(), 77);
-  hookcap_emu::reset_rows(ring.data.data(), ring.state, 2, ring.width, 1, 2, dim3(2), dim3(32));
+  hookcap_emu::reset_rows(ring.data.data(), ring.state, ring.slots, 2, ring.width, 1, 2, dim3(2),
+                          dim3(32));
   check_reset("reset_rows", ring, 2, 6, 1, 2);
   CHECK(std::count(ring.data.begin(), ring.data.end(), 77) ==
             static_cast<long>(ring.data.size()) - ring.width,
