@@ -1,0 +1,403 @@
+"""End-to-end training-step overhead of hookcap and of the tools people use today.
+
+All configurations run in ONE process, interleaved round by round (each round
+runs a few steps of every configuration in turn), and the table reports the
+median step time after warm-up, its ratio to the no-telemetry baseline and the
+overhead in %. Machines here are noisy: compare ratios, not absolute times.
+
+Workloads (random init, synthetic data):
+  gpt2: transformers GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048,
+        n_positions=256), batch 8 x 128 tokens, SGD, full step.
+  cnn:  torchvision resnet18(weights=None) on 8x3x64x64 (built-in TinyResNet if
+        torchvision is missing), SGD, full step.
+
+Usage:
+  python benchmarks/bench_overhead.py [--workloads gpt2,cnn] [--rounds 6] [--threads 2]
+                                      [--device cpu|cuda] [--json benchmarks/results/overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+import hookcap
+
+# -- workloads -----------------------------------------------------------------
+
+
+def gpt2_workload(device):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=256,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).to(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(2048, (8, 128), generator=g).to(device)
+
+    def loss_fn():
+        return model(x, labels=x).loss
+
+    return model, loss_fn
+
+
+def cnn_workload(device):
+    torch.manual_seed(0)
+    try:
+        from torchvision.models import resnet18
+
+        model, name = resnet18(weights=None), "resnet18"
+    except ImportError:
+        from hookcap.models import TinyResNet
+
+        model, name = TinyResNet(), "TinyResNet (torchvision missing)"
+    model = model.to(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 3, 64, 64, generator=g).to(device)
+    y = torch.randint(10, (8,), generator=g).to(device)
+
+    def loss_fn():
+        return nn.functional.cross_entropy(model(x), y)
+
+    loss_fn.model_name = name
+    return model, loss_fn
+
+
+WORKLOADS = {"gpt2": gpt2_workload, "cnn": cnn_workload}
+
+# -- telemetry configurations ----------------------------------------------------
+
+
+class Config:
+    """attach(model) before a config's steps, detach() after; after_step()
+    is called at the end of each training step; wrap() around forward+backward."""
+
+    note = ""
+
+    def __init__(self, name):
+        self.name = name
+
+    def attach(self, model):
+        pass
+
+    def detach(self):
+        pass
+
+    def after_step(self):
+        pass
+
+    def wrap(self):
+        return contextlib.nullcontext()
+
+
+class Baseline(Config):
+    pass
+
+
+class Hookcap(Config):
+    def __init__(self, name, **kw):
+        super().__init__(name)
+        self.kw = kw
+        self.mon = None
+
+    def attach(self, model):
+        if self.mon is None:
+            self.mon = hookcap.Monitor(model, capture=("output", "grad_output"), **self.kw)
+        self.mon.attach()
+
+    def detach(self):
+        self.mon.detach()
+
+    def after_step(self):
+        self.mon.step()
+
+
+class HFDebug(Config):
+    note = "transformers.debug_utils.DebugUnderflowOverflow"
+
+    def attach(self, model):
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        self.model = model
+        self.dbg = DebugUnderflowOverflow(model)
+
+    def detach(self):
+        # It keeps no handles: remove the forward hooks bound to it.
+        for m in self.model.modules():
+            for k, h in list(m._forward_hooks.items()):
+                if getattr(h, "__self__", None) is self.dbg:
+                    del m._forward_hooks[k]
+
+
+class DetectAnomaly(Config):
+    note = "torch.autograd.detect_anomaly() around forward+backward"
+
+    def wrap(self):
+        return torch.autograd.detect_anomaly(check_nan=True)
+
+
+class WandbWatch(Config):
+    note = "wandb.watch(model, log='all', log_freq=1), offline"
+
+    def attach(self, model):
+        import wandb
+
+        if wandb.run is None:
+            os.environ.setdefault("WANDB_SILENT", "true")
+            wandb.init(mode="offline", dir=os.environ.get("TMPDIR", "/tmp"), project="hookcap-bench")
+        self.model = model
+        wandb.watch(model, log="all", log_freq=1)
+
+    def detach(self):
+        import wandb
+
+        wandb.unwatch(self.model)
+
+    def after_step(self):
+        import wandb
+
+        wandb.log({})
+
+
+class ItemStats(Config):
+    """Re-implements the approach of Composer's ActivationMonitor-style
+    callbacks: one torch op per statistic and .item() on each (not the package)."""
+
+    note = "re-implementation: torch op + .item() per stat (Composer ActivationMonitor style)"
+
+    def attach(self, model):
+        self.handles = []
+        self.log = {}
+
+        def record(name, t):
+            t = t.detach().float()
+            self.log[name] = (t.mean().item(), t.std().item() if t.numel() > 1 else 0.0, t.max().item(),
+                              t.min().item(), t.norm().item(), t.isnan().any().item())
+
+        def fwd(name):
+            def hook(mod, args, out):
+                if isinstance(out, torch.Tensor) and out.is_floating_point():
+                    record(name + "/out", out)
+                    if out.requires_grad:
+                        out.register_hook(lambda g: record(name + "/grad", g))
+            return hook
+
+        for name, mod in model.named_modules():
+            if next(mod.children(), None) is None:
+                self.handles.append(mod.register_forward_hook(fwd(name)))
+
+    def detach(self):
+        for h in self.handles:
+            h.remove()
+
+
+def configs(skip):
+    out = [
+        Baseline("no telemetry"),
+        Hookcap("hookcap every=1 log2 hist"),
+        Hookcap("hookcap every=10", every=10),
+        Hookcap("hookcap histogram=None", histogram=None),
+        HFDebug("HF DebugUnderflowOverflow"),
+        DetectAnomaly("detect_anomaly"),
+        WandbWatch("wandb.watch(log=all)"),
+        ItemStats("torch-op stats + .item()"),
+    ]
+    avail = []
+    for c in out:
+        try:
+            if isinstance(c, HFDebug):
+                import transformers.debug_utils  # noqa: F401
+            if isinstance(c, WandbWatch):
+                import wandb  # noqa: F401
+        except ImportError as e:
+            skip[c.name] = f"not installed ({e.name})"
+            continue
+        avail.append(c)
+    return avail
+
+
+# -- measurement -----------------------------------------------------------------
+
+
+def timer(device):
+    if device.type == "cuda":
+        def run(fn):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        return run
+
+    def run(fn):
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    return run
+
+
+def measure(workload, device, rounds, steps_per_round, warm_rounds):
+    model, loss_fn = WORKLOADS[workload](device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    skip = {}
+    cfgs = configs(skip)
+    times = {c.name: [] for c in cfgs}
+    clock = timer(device)
+    for r in range(rounds + warm_rounds):
+        for c in cfgs:
+            c.attach(model)
+
+            def step():
+                with c.wrap():
+                    loss_fn().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                c.after_step()
+
+            for s in range(steps_per_round):
+                t = clock(step)
+                if r >= warm_rounds and s > 0:  # first step after attach is warm-up
+                    times[c.name].append(t)
+            c.detach()
+    base = statistics.median(times["no telemetry"])
+    base_mean = statistics.fmean(times["no telemetry"])
+    rows = []
+    for c in cfgs:
+        med = statistics.median(times[c.name])
+        mean = statistics.fmean(times[c.name])
+        rows.append({"config": c.name, "median_ms": med * 1e3, "ratio": med / base,
+                     "overhead_pct": 100 * (med / base - 1), "mean_ms": mean * 1e3,
+                     "mean_overhead_pct": 100 * (mean / base_mean - 1),
+                     "samples": len(times[c.name]), "note": c.note})
+    for name, why in skip.items():
+        rows.append({"config": name, "skipped": why})
+    extra = {"model": getattr(loss_fn, "model_name", workload)}
+    if device.type == "cuda":
+        extra["sync_check"] = sync_check(model, loss_fn, opt)
+    return rows, extra
+
+
+def sync_check(model, loss_fn, opt):
+    """One hookcap step under set_sync_debug_mode('error'): raises on any host sync."""
+    mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
+    for _ in range(3):  # discover metrics, grow the ring, fill the drain
+        loss_fn().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mon.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss_fn().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mon.step()
+        result = "no host sync in a steady-state hookcap step"
+    except RuntimeError as e:
+        result = f"SYNC DETECTED: {e}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        mon.detach()
+    return result
+
+
+def per_hook_cost(device, n_modules=200, reps=40):
+    """Host µs per hook, hook call to return, on a tiny tensor: a chain of
+    identity modules with and without a Monitor (output + grad_output hooks)."""
+
+    class Id(nn.Module):
+        def forward(self, x):
+            return x * 1.0
+
+    model = nn.Sequential(*[Id() for _ in range(n_modules)]).to(device)
+    x = torch.randn(4, device=device)
+
+    def fwd():
+        model(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def median_time():
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fwd()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    out = {}
+    base = median_time()
+    for label, kw in (("log2 hist", {}), ("no hist", {"histogram": None})):
+        mon = hookcap.Monitor(model, capture="output", **kw).attach()
+        fwd()
+        mon.step()
+        t = median_time()
+        mon.detach()
+        out[label] = (t - base) / n_modules * 1e6
+    return out
+
+
+def table(rows, title):
+    lines = [title, f"{'config':30s} {'median ms':>10s} {'ratio':>7s} {'overhead':>9s} "
+                    f"{'mean ovh':>9s}  note", "-" * 110]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['config']:30s} {'skipped: ' + r['skipped']}")
+            continue
+        lines.append(f"{r['config']:30s} {r['median_ms']:10.1f} {r['ratio']:7.3f} "
+                     f"{r['overhead_pct']:+8.1f}% {r['mean_overhead_pct']:+8.1f}%  {r['note']}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="gpt2,cnn")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps-per-round", type=int, default=3)
+    p.add_argument("--warm-rounds", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device is available")
+    torch.set_num_threads(args.threads)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    result = {"machine": {"cpu": cpu, "threads": args.threads, "torch": torch.__version__,
+                          "device": str(device), "build": hookcap.build_info()}, "workloads": {}}
+    print(f"# {cpu}, {args.threads} threads, torch {torch.__version__}, device {device}")
+    for w in args.workloads.split(","):
+        rows, extra = measure(w, device, args.rounds, args.steps_per_round, args.warm_rounds)
+        result["workloads"][w] = {"rows": rows, **extra}
+        print(table(rows, f"\n## {w} ({extra['model']})"))
+        if "sync_check" in extra:
+            print(f"sync check: {extra['sync_check']}")
+    hooks = per_hook_cost(device)
+    result["per_hook_us"] = hooks
+    print("\n## per-hook host cost (tiny tensor, hook call to return)")
+    for k, v in hooks.items():
+        print(f"{k:12s} {v:6.2f} µs")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
