@@ -18,6 +18,7 @@ from .drained import DrainedStep  # noqa: E402
 from .history import History  # noqa: E402
 from .io import load  # noqa: E402
 from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
+from .summary import ModelSummary, summary  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -33,11 +34,13 @@ __all__ = [
     "sinks",
     "Histogram",
     "History",
+    "ModelSummary",
     "Monitor",
     "STAT_NAMES",
     "build_info",
     "load",
     "reference",
+    "summary",
     "tensor_stats",
     "__version__",
 ]

@@ -1,4 +1,5 @@
-"""Command line: ``python -m hookcap demo [--steps N] [--device D] [--every K] [--out DIR]``."""
+"""Command line: ``python -m hookcap demo [--steps N] [--device D] [--every K] [--out DIR]``
+and ``python -m hookcap report PATH [--stat S] [--metric NAME] [--out DIR]``."""
 
 from __future__ import annotations
 
@@ -73,6 +74,13 @@ def demo(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = h.save(os.path.join(args.out, "history.npz"))
     print(f"\nhistory written to {path} (read it with hookcap.load)")
+    try:
+        from hookcap.report import report
+
+        files = report(path, out=args.out)
+        print(f"report written to {files['index']}")
+    except ImportError as e:  # matplotlib is an optional extra
+        print(f"no report: {e}")
     return 0
 
 
@@ -84,10 +92,28 @@ def main(argv=None) -> int:
     d.add_argument("--device", default="cpu")
     d.add_argument("--every", type=int, default=1)
     d.add_argument("--out", default="hookcap-demo")
+    r = sub.add_parser("report", help="PNG plots + index.html from a dump (.npz) or a JSONL sink file")
+    r.add_argument("path", help="a dump written by Monitor.dump / History.save, or a hookcap JSONL file")
+    r.add_argument("--stat", default="l2norm", help="stat of the heatmap (default l2norm)")
+    r.add_argument("--metric", default=None, help="metric of the histogram plot (default: largest stat)")
+    r.add_argument("--out", default=None, help="output folder (default: PATH without extension + '-report')")
     args = p.parse_args(argv)
     np.set_printoptions(precision=4)
     if args.cmd == "demo":
         return demo(args)
+    if args.cmd == "report":
+        from hookcap.report import report
+
+        try:
+            files = report(args.path, out=args.out, stat=args.stat, metric=args.metric)
+        except (ImportError, ValueError, OSError) as e:
+            print(f"hookcap report: {e}", file=sys.stderr)
+            return 1
+        for k in ("heatmap", "nonfinite", "histogram"):
+            if files[k]:
+                print(f"wrote {files[k]}")
+        print(f"wrote {files['index']}")
+        return 0
     return 2
 
 

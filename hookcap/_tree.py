@@ -19,7 +19,9 @@ def floating_tensors(obj, path: str = "", depth: int = 0) -> Iterator[tuple[str,
     skipped; generators are never consumed.
     """
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
+        # Quantized tensors hold real values too: yield them so the Monitor
+        # can say (once) that it does not record them.
+        if obj.is_floating_point() or obj.is_quantized:
             yield path, obj
         return
     if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -80,6 +81,11 @@ def _skip(*args):
     return None
 
 
+def _example_names(model: nn.Module, k: int = 4) -> str:
+    names = [q or ROOT_NAME for q, _ in model.named_modules()][:k]
+    return ", ".join(repr(n) for n in names)
+
+
 _SKIPPED = object()  # row-cache marker: this (metric, device, call) is not recorded
 
 
@@ -111,6 +117,9 @@ class Monitor:
         sinks: consumers of drained steps (``hookcap.sinks.*``).
         dump_on_anomaly: path (or existing directory) for an automatic
             ``dump()`` at the first anomaly.
+        dump_on_exit: path for a ``dump()`` when the process exits (atexit) or
+            receives SIGTERM/SIGINT (the previous handler is chained, so the
+            program's own handling, e.g. KeyboardInterrupt, still happens).
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -130,6 +139,7 @@ class Monitor:
         on_anomaly="warn",
         sinks=None,
         dump_on_anomaly=None,
+        dump_on_exit=None,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -140,6 +150,7 @@ class Monitor:
         self.every = every
         self.optimizer = optimizer
         self._filter = _module_filter(modules)
+        self._modules_arg = modules
         self._all_params = modules is None
         self._hargs = (0, 0.0, 0.0, 0) if histogram is None else histogram.op_args()
         self._width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
@@ -167,6 +178,8 @@ class Monitor:
         self._warned_skips: set = set()
         self._raise: Anomaly | None = None
         self._dumped = False
+        self.dump_on_exit = dump_on_exit
+        self._exit_hooked = False
         self._reset_recording_state()
 
     # -- recording state ------------------------------------------------------
@@ -204,13 +217,21 @@ class Monitor:
         if self._attached:
             return self
         self._attached = True
+        if self.dump_on_exit is not None:
+            self._hook_exit()
         if self._global:
             self._attach_global()
             return self
+        matched = 0
         for qual, mod in self.model.named_modules():
             name = qual or ROOT_NAME
             if self._filter(name, mod):
                 self._hook_module(name, mod)
+                matched += 1
+        if matched == 0 and not self._all_params:
+            self._attached = False
+            raise ValueError(f"modules: {self._modules_arg!r} matched no module of the model "
+                             f"(qualified names look like {_example_names(self.model)})")
         if "param" in self.capture or "param_grad" in self.capture:
             self._params = [(n, p) for n, p in self._watched_params() if p.is_floating_point()]
         if "param_grad" in self.capture:
@@ -541,6 +562,44 @@ class Monitor:
                     self.failed_sinks.append((sink, e))
                     log.error("hookcap: sink %r failed and was disabled: %s: %s (the history "
                               "keeps every step)", sink, type(e).__name__, e)
+
+    def _hook_exit(self) -> None:
+        """Dump at interpreter exit and on SIGTERM/SIGINT, chaining any
+        existing handler. Registered once per Monitor."""
+        if self._exit_hooked:
+            return
+        self._exit_hooked = True
+        import atexit
+        import signal
+
+        ref = weakref.ref(self)
+
+        def dump_now():
+            mon = ref()
+            if mon is not None and not mon._exit_dumped:
+                mon._exit_dumped = True
+                try:
+                    mon.dump(mon.dump_on_exit)
+                except Exception as e:
+                    log.error("hookcap: dump_on_exit failed: %s: %s", type(e).__name__, e)
+
+        self._exit_dumped = False
+        atexit.register(dump_now)
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            prev = signal.getsignal(sig)
+
+            def handler(signum, frame, prev=prev):
+                dump_now()
+                if callable(prev):
+                    return prev(signum, frame)
+                if prev == signal.SIG_DFL:
+                    signal.signal(signum, signal.SIG_DFL)
+                    os.kill(os.getpid(), signum)
+                return None
+
+            signal.signal(sig, handler)
 
     def _anomaly(self, a: Anomaly) -> None:
         self.anomalies.append(a)

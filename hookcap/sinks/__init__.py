@@ -4,6 +4,10 @@ A sink is any object with ``write(step: hookcap.drained.DrainedStep)`` and
 ``close()``; subclass :class:`Sink` for the ``stats=`` and ``every=`` options.
 A sink that raises is reported once and disabled by the Monitor; training,
 the other sinks and the history go on.
+
+Built in: :class:`JSONL`, :class:`CSV`, :class:`TensorBoard` (needs
+``tensorboard``), :class:`WandB` (needs ``wandb``), :class:`Callback`. The
+optional packages are imported when such a sink is created, not here.
 """
 
 from __future__ import annotations
@@ -52,4 +56,9 @@ class Callback(Sink):
         self.fn(step)
 
 
-__all__ = ["Callback", "Sink"]
+from .jsonl import JSONL  # noqa: E402  (the submodules subclass Sink)
+from .csv import CSV  # noqa: E402
+from .tensorboard import TensorBoard  # noqa: E402
+from .wandb import WandB  # noqa: E402
+
+__all__ = ["CSV", "Callback", "JSONL", "Sink", "TensorBoard", "WandB"]

@@ -1,0 +1,393 @@
+"""``python -m hookcap report PATH``: PNG plots and an ``index.html`` from a
+dump (``.npz``, ``hookcap.load``) or a JSONL file written by
+``hookcap.sinks.JSONL``. Needs matplotlib (``pip install 'hookcap[plot]'``).
+
+Plots (matplotlib, Agg canvas; the caller's pyplot backend is not touched):
+
+- ``heatmap.png``: one stat (default ``l2norm``), metrics x recorded steps, log
+  colour scale (symmetric log when the stat takes negative values).
+- ``nonfinite.png``: NaN + Inf count per metric and step, with the first
+  offender marked (the first ``"nonfinite"`` anomaly of a dump; otherwise the
+  first metric in execution order holding NaN/Inf at the earliest such step).
+- ``histogram.png``: the chosen metric's histogram over time (share of its
+  finite values per bin, log colour scale); default metric: the one with the
+  largest value of the stat. Only when the file has histograms.
+- ``index.html``: shows them, with the file, steps, metrics and anomalies.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._layout import STAT_NAMES
+from .histogram import Histogram
+
+
+@dataclass
+class RunData:
+    """What the report needs, read from a dump or a JSONL file."""
+
+    source: str
+    steps: np.ndarray  # int64 [S]
+    names: list[str]  # [M], first-execution order
+    stats: dict[str, np.ndarray]  # stat -> float64 [S, M], NaN where not recorded
+    orders: dict[int, list[str]]  # step -> metric names in execution order
+    hist_spec: Histogram | None = None
+    anomalies: list = field(default_factory=list)  # hookcap.Anomaly (dumps only)
+    _hist: object = None  # History, or dict name -> int64 [S, B]
+
+    def has_histograms(self) -> bool:
+        if self.hist_spec is None:
+            return False
+        return not isinstance(self._hist, dict) or bool(self._hist)
+
+    def histogram(self, name: str) -> np.ndarray:
+        if isinstance(self._hist, dict):
+            if name in self._hist:
+                return self._hist[name]
+            return np.zeros((len(self.steps), self.hist_spec.nbins), dtype=np.int64)
+        return self._hist.histogram(name)
+
+
+def from_history(h, source: str = "<History>") -> RunData:
+    orders = {int(r.step): [h.names[i] for i in r.order] for r in h._records}  # h.order(s), in one pass
+    return RunData(source, h.steps.copy(), list(h.names), {s: h[s] for s in STAT_NAMES},
+                   orders, h.histogram_spec, list(h.anomalies), h)
+
+
+def read_jsonl(path) -> RunData:
+    """A JSONL file of ``hookcap.sinks.JSONL`` -> RunData (lines of one step
+    are in execution order; ``null`` is NaN)."""
+    path = os.fspath(path)
+    rows, spec = [], None
+    with open(path, encoding="utf-8") as f:
+        for ln, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                rows.append(d)
+                int(d["step"]), str(d["name"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{ln}: not a hookcap JSONL line ({e})") from None
+            if spec is None and d.get("hist_spec"):
+                s = d["hist_spec"]
+                spec = Histogram.log2(int(s["lo"]), int(s["hi"])) if s["kind"] == "log2" else \
+                    Histogram.linear(s["lo"], s["hi"], s["bins"])
+    if not rows:
+        raise ValueError(f"{path}: no data lines")
+    steps = sorted({int(d["step"]) for d in rows})
+    names, orders = [], {}
+    for d in rows:
+        if d["name"] not in orders.setdefault(int(d["step"]), []):
+            orders[int(d["step"])].append(d["name"])
+        if d["name"] not in names:
+            names.append(d["name"])
+    si = {s: i for i, s in enumerate(steps)}
+    mi = {n: i for i, n in enumerate(names)}
+    present = [s for s in STAT_NAMES if any(s in d for d in rows)]
+    stats = {s: np.full((len(steps), len(names)), np.nan) for s in present}
+    hist: dict[str, np.ndarray] = {}
+    for d in rows:
+        i, j = si[int(d["step"])], mi[d["name"]]
+        for s in present:
+            v = d.get(s)
+            if v is not None:
+                stats[s][i, j] = float(v)
+        if spec is not None and d.get("hist") is not None:
+            a = hist.setdefault(d["name"], np.zeros((len(steps), spec.nbins), dtype=np.int64))
+            a[i] = np.asarray(d["hist"], dtype=np.int64)
+    return RunData(path, np.array(steps, dtype=np.int64), names, stats, orders, spec, [], hist)
+
+
+def load_run(source) -> RunData:
+    """A History, a dump path (``.npz``) or a JSONL path -> RunData."""
+    from .history import History
+
+    if isinstance(source, History):
+        return from_history(source)
+    path = os.fspath(source)
+    if path.endswith(".npz"):
+        from .io import load
+
+        return from_history(load(path), path)
+    return read_jsonl(path)
+
+
+def first_nonfinite(run: RunData):
+    """(step, metric name, how found) of the first NaN/Inf, or None."""
+    for a in run.anomalies:
+        if a.kind == "nonfinite":
+            return int(a.step), a.name, "anomaly"
+    bad = _nonfinite_counts(run)
+    if bad is None:
+        return None
+    rows = np.flatnonzero(np.nansum(bad, axis=1) > 0)
+    if rows.size == 0:
+        return None
+    s = int(run.steps[rows[0]])
+    for name in run.orders.get(s, run.names):
+        if bad[rows[0], run.names.index(name)] > 0:
+            return s, name, "order"
+    return None
+
+
+def _nonfinite_counts(run: RunData):
+    st = run.stats
+    if "nan" in st and "inf" in st:
+        return st["nan"] + st["inf"]
+    if "nan" in st and "posinf" in st and "neginf" in st:
+        return st["nan"] + st["posinf"] + st["neginf"]
+    return None
+
+
+def _import_mpl():
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("hookcap report needs matplotlib: pip install matplotlib  "
+                          "(or pip install 'hookcap[plot]')") from e
+    return Figure
+
+
+def _figure(Figure, rows: int, cols: int):
+    height = min(max(2.5 + 0.16 * rows, 3.5), 40.0)
+    width = min(max(6.0 + 0.03 * cols, 10.0), 24.0)
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def _label_axes(ax, run: RunData, labels: list[str]):
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    steps = run.steps
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(
+        lambda x, _: str(int(steps[int(round(x))])) if 0 <= round(x) < len(steps) else ""))
+    ax.set_xlabel("step")
+    k = max(1, math.ceil(len(labels) / 150))  # at most ~150 readable labels
+    ax.set_yticks(range(0, len(labels), k))
+    ax.set_yticklabels(labels[::k], fontsize=7 if len(labels) > 30 else 8)
+
+
+def _norm(values: np.ndarray):
+    """Log colour scale; symmetric log when there are negative values."""
+    from matplotlib.colors import LogNorm, Normalize, SymLogNorm
+
+    fin = values[np.isfinite(values)]
+    if fin.size == 0:
+        return Normalize(0, 1), "no finite values"
+    if (fin < 0).any():
+        nz = np.abs(fin[fin != 0])
+        lin = float(np.percentile(nz, 10)) if nz.size else 1.0
+        m = float(np.abs(fin).max()) or 1.0
+        return SymLogNorm(linthresh=lin, vmin=-m, vmax=m, base=10), "symmetric log scale"
+    pos = fin[fin > 0]
+    if pos.size == 0:
+        return Normalize(0, 1), "all values are 0"
+    lo, hi = float(pos.min()), float(pos.max())
+    return LogNorm(vmin=lo, vmax=hi if hi > lo else lo * 10), "log scale"
+
+
+def plot_heatmap(run: RunData, stat: str, path: str) -> str:
+    Figure = _import_mpl()
+    import matplotlib
+
+    v = run.stats[stat].T  # [M, S]
+    norm, how = _norm(v)
+    diverging = isinstance(norm, matplotlib.colors.SymLogNorm)  # signed stat: 0 in the middle
+    cmap = matplotlib.colormaps["RdBu_r" if diverging else "viridis"].with_extremes(bad="#d0d0d0", under="white")
+    shown = v.copy()
+    if isinstance(norm, matplotlib.colors.LogNorm):
+        shown[shown <= 0] = norm.vmin / 2  # zeros drawn in the 'under' colour, not as missing
+    fig = _figure(Figure, len(run.names), len(run.steps))
+    ax = fig.add_subplot()
+    im = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", cmap=cmap, norm=norm)
+    fig.colorbar(im, ax=ax, extend="min" if isinstance(norm, matplotlib.colors.LogNorm) else "neither",
+                 label=stat)
+    _label_axes(ax, run, run.names)
+    ax.set_title(f"{stat} per metric and step ({how}; grey: not recorded"
+                 f"{', white: 0' if isinstance(norm, matplotlib.colors.LogNorm) else ''})")
+    fig.savefig(path)
+    return path
+
+
+def plot_nonfinite(run: RunData, path: str, first) -> str | None:
+    """Markers rather than an image: a single NaN step among thousands must
+    not vanish when columns are downsampled to pixels."""
+    Figure = _import_mpl()
+    import matplotlib
+    from matplotlib.colors import ListedColormap, LogNorm
+
+    bad = _nonfinite_counts(run)
+    if bad is None:
+        return None
+    v = np.where(np.isnan(bad), 0.0, bad)  # [S, M]
+    fig = _figure(Figure, len(run.names), len(run.steps))
+    ax = fig.add_subplot()
+    si, mi = np.nonzero(v > 0)
+    if si.size:
+        # Reds without its near-white end, so a count of 1 is visible.
+        cmap = ListedColormap(matplotlib.colormaps["Reds"](np.linspace(0.35, 1.0, 256)))
+        hi = float(v.max())
+        sc = ax.scatter(run.steps[si], mi, c=v[si, mi], cmap=cmap, norm=LogNorm(vmin=1, vmax=max(hi, 2.0)),
+                        marker="s", s=30, linewidths=0)
+        fig.colorbar(sc, ax=ax, label="NaN + Inf count")
+        title = "NaN + Inf per metric and step"
+    else:
+        title = "no NaN/Inf in any recorded step"
+    if first is not None:
+        s, name, _ = first
+        title += f" - first: {name} at step {s}"
+        if name in run.names:
+            y = run.names.index(name)
+            ax.plot([s], [y], marker="o", markersize=16, markerfacecolor="none",
+                    markeredgecolor="#0060ff", markeredgewidth=2.5)
+            ax.annotate(f"first: {name} @ step {s}", (s, y), xytext=(14, -14),
+                        textcoords="offset points", color="#0060ff", fontsize=9, fontweight="bold")
+    if len(run.steps):
+        pad = max(0.5, 0.01 * float(run.steps[-1] - run.steps[0]))
+        ax.set_xlim(float(run.steps[0]) - pad, float(run.steps[-1]) + pad)
+    ax.set_ylim(len(run.names) - 0.5, -0.5)
+    ax.grid(True, axis="y", color="#eeeeee", linewidth=0.5)
+    ax.set_axisbelow(True)
+    k = max(1, math.ceil(len(run.names) / 150))
+    ax.set_yticks(range(0, len(run.names), k))
+    ax.set_yticklabels(run.names[::k], fontsize=7 if len(run.names) > 30 else 8)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    fig.savefig(path)
+    return path
+
+
+def bin_labels(spec: Histogram) -> list[str]:
+    """A short label per bin (log2: of |x|)."""
+    if spec.kind == "log2":
+        lo, hi = int(spec.lo), int(spec.hi)
+        return ["0", f"<2^{lo}"] + [f"2^{e}" for e in range(lo, hi)] + [f">=2^{hi}"]
+    e = spec.bin_edges
+    return [f"<{e[1]:.3g}"] + [f"{e[i]:.3g}" for i in range(1, len(e) - 2)] + [f">={e[-2]:.3g}"]
+
+
+def default_metric(run: RunData, stat: str) -> str:
+    v = run.stats[stat]
+    with np.errstate(all="ignore"):
+        peak = np.where(np.isfinite(v), v, -np.inf).max(axis=0) if v.size else np.array([])
+    return run.names[int(np.argmax(peak))] if peak.size and np.isfinite(peak).any() else run.names[0]
+
+
+def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
+    if not run.has_histograms():
+        return None
+    Figure = _import_mpl()
+    import matplotlib
+    from matplotlib.colors import LogNorm
+
+    counts = run.histogram(metric).astype(np.float64)  # [S, B]
+    used = np.flatnonzero(counts.sum(axis=0))
+    if used.size == 0:
+        return None
+    a, b = int(used[0]), int(used[-1]) + 1
+    tot = counts.sum(axis=1, keepdims=True)
+    share = np.divide(counts, tot, out=np.zeros_like(counts), where=tot > 0)[:, a:b].T  # [B', S]
+    labels = bin_labels(run.hist_spec)[a:b]
+    fig = _figure(Figure, len(labels), len(run.steps))
+    ax = fig.add_subplot()
+    cmap = matplotlib.colormaps["magma"].with_extremes(bad="white")
+    pos = share[share > 0]
+    im = ax.imshow(np.ma.masked_less_equal(share, 0), aspect="auto", origin="lower",
+                   cmap=cmap, norm=LogNorm(vmin=max(float(pos.min()), 1e-9), vmax=1.0))
+    fig.colorbar(im, ax=ax, label="share of finite values")
+    _label_axes(ax, run, labels)
+    what = "log2 bins of |x|" if run.hist_spec.kind == "log2" else "linear bins"
+    ax.set_ylabel("bin (lower edge)")
+    ax.set_title(f"{metric}: histogram over time ({what}; white: empty)")
+    fig.savefig(path)
+    return path
+
+
+def report(source, out=None, stat: str = "l2norm", metric: str | None = None) -> dict:
+    """Write the plots and ``index.html`` for ``source`` (a History, a dump
+    ``.npz`` or a JSONL file) into ``out`` (default: ``<source>-report`` next
+    to the file). Returns ``{"index", "heatmap", "nonfinite", "histogram"}``
+    -> path written (None for a plot the data cannot make)."""
+    _import_mpl()
+    run = load_run(source)
+    if stat not in run.stats:
+        raise ValueError(f"--stat {stat!r}: not in {run.source}; available: {', '.join(run.stats)}")
+    if metric is not None and metric not in run.names:
+        raise ValueError(f"--metric {metric!r}: not in {run.source}; e.g. {', '.join(run.names[:5])}")
+    if out is None:
+        if not isinstance(source, (str, os.PathLike)):
+            raise ValueError("report: out= is needed when the source is not a file")
+        out = os.path.splitext(os.fspath(source))[0] + "-report"
+    os.makedirs(out, exist_ok=True)
+    first = first_nonfinite(run)
+    metric = metric or default_metric(run, stat)
+    files = {
+        "heatmap": plot_heatmap(run, stat, os.path.join(out, "heatmap.png")),
+        "nonfinite": plot_nonfinite(run, os.path.join(out, "nonfinite.png"), first),
+        "histogram": plot_histogram(run, metric, os.path.join(out, "histogram.png")),
+    }
+    files["index"] = _write_index(run, out, stat, metric, first, files)
+    return files
+
+
+def _write_index(run: RunData, out: str, stat: str, metric: str, first, files: dict) -> str:
+    e = html.escape
+    steps = run.steps
+    span = f"{len(steps)} recorded steps ({int(steps[0])}..{int(steps[-1])})" if len(steps) else "no steps"
+    items = []
+    if run.anomalies:
+        for a in run.anomalies[:200]:
+            items.append(f"<li>step {a.step} <b>{e(a.kind)}</b> <code>{e(a.name)}</code>: {e(a.message)}</li>")
+        if len(run.anomalies) > 200:
+            items.append(f"<li>... {len(run.anomalies) - 200} more</li>")
+    elif first is not None:
+        items.append(f"<li>step {first[0]} <b>nonfinite</b> <code>{e(first[1])}</code>: first metric in "
+                     "execution order with NaN/Inf (from the data; the file holds no anomaly list)</li>")
+    anomalies = "<ul>" + "".join(items) + "</ul>" if items else "<p>none</p>"
+    sections = []
+    captions = {
+        "heatmap": f"{stat} per metric (rows, first-execution order) and step (columns)",
+        "nonfinite": "NaN + Inf counts; the circle marks the first offender",
+        "histogram": f"histogram of <code>{e(metric)}</code> over time",
+    }
+    missing = {
+        "nonfinite": "no non-finite timeline: the file has no nan/inf columns",
+        "histogram": f"no histogram plot: {e(run.source)} holds no histograms for this metric",
+    }
+    for key in ("heatmap", "nonfinite", "histogram"):
+        if files.get(key):
+            name = os.path.basename(files[key])
+            sections.append(f'<h2>{captions[key]}</h2>\n<img src="{e(name)}" alt="{key}">')
+        else:
+            sections.append(f"<p><i>{missing[key]}</i></p>")
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>hookcap report: {e(os.path.basename(run.source))}</title>
+<style>body{{font-family:sans-serif;margin:2em}} img{{max-width:100%;border:1px solid #ccc}}
+code{{background:#f3f3f3}}</style></head>
+<body>
+<h1>hookcap report</h1>
+<p><b>file</b>: <code>{e(run.source)}</code><br>
+<b>steps</b>: {span}<br>
+<b>metrics</b>: {len(run.names)}<br>
+<b>stat</b>: {e(stat)}</p>
+<h2>anomalies</h2>
+{anomalies}
+{chr(10).join(sections)}
+</body></html>
+"""
+    path = os.path.join(out, "index.html")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return path
+
+
+__all__ = ["RunData", "bin_labels", "first_nonfinite", "load_run", "read_jsonl", "report"]

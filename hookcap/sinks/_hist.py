@@ -1,0 +1,46 @@
+"""Finite bin edges for hookcap histograms, for tools that need them
+(TensorBoard, W&B, plots). Shared so every consumer draws the same buckets."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..histogram import Histogram
+
+
+def finite_edges(spec: Histogram) -> np.ndarray:
+    """float64 [nbins + 1], strictly increasing and finite; bin i is
+    ``[edges[i], edges[i+1])`` as in ``spec.bin_edges``, except for the
+    open-ended bins, which get one bin's width:
+
+    - log2 (bins of ``|x|``): the exact-zero bin becomes ``[-2**lo, 0]`` (the
+      only bin left of 0; it holds exact zeros only), underflow ``[0, 2**lo)``,
+      the overflow bin ``[2**hi, 2**(hi+1))`` (one octave).
+    - linear: underflow ``[lo - w, lo)``, overflow ``[hi, hi + w)`` with ``w`` the
+      bin width.
+    """
+    e = np.array(spec.bin_edges, dtype=np.float64)
+    if spec.kind == "log2":
+        e[0] = -np.ldexp(1.0, int(spec.lo))
+        e[-1] = 2.0 * e[-2]
+    else:
+        w = (spec.hi - spec.lo) / spec.bins
+        e[0] = spec.lo - w
+        e[-1] = spec.hi + w
+    return strictly_increasing(e)
+
+
+def strictly_increasing(e: np.ndarray) -> np.ndarray:
+    """Nudge equal neighbours (float rounding of huge linear ranges) apart by
+    one ulp so consumers that demand increasing limits accept them."""
+    e = np.array(e, dtype=np.float64)
+    for i in range(1, len(e)):
+        if not e[i] > e[i - 1]:
+            e[i] = np.nextafter(e[i - 1], np.inf)
+    return e
+
+
+def band(counts: np.ndarray) -> tuple[int, int]:
+    """[first, last + 1) of the non-zero bins; (0, 0) when all are zero."""
+    nz = np.flatnonzero(counts)
+    return (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
