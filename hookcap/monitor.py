@@ -87,6 +87,42 @@ def _example_names(model: nn.Module, k: int = 4) -> str:
 
 
 _SKIPPED = object()  # row-cache marker: this (metric, device, call) is not recorded
+_MONITORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Monitor
+
+
+@torch._dynamo.assume_constant_result
+def _compiled_row(mon_id: int, name: str, kind: str, path: str, device: str, shape: tuple,
+                  dtype: str, mtype: str) -> tuple:
+    """(ring index, row) of a metric, registering it. Run by dynamo at trace
+    time only; its result is a constant of the compiled graph."""
+    mon = _MONITORS.get(mon_id)
+    if mon is None:
+        return (0, -1)
+    ring, row = mon._register_row((name, kind, path, torch.device(device), 0), torch.device(device),
+                                  shape, dtype, mtype)
+    return (mon._ring_list.index(ring), row)
+
+
+def _input_obj(args, kwargs):
+    """What "input" records: the single positional argument itself, else the
+    positional arguments (paths 0, 1, ...) and keyword arguments (by name)."""
+    if len(args) == 1 and not kwargs:
+        return args[0]
+    return {**dict(enumerate(args)), **kwargs} if kwargs else args
+
+
+def _compiled_tensors(obj, path=""):
+    """floating_tensors for traced code: tensors, tuples/lists, dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)] if obj.is_floating_point() else []
+    out = []
+    if isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            out += _compiled_tensors(v, f"{path}.{i}" if path else str(i))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _compiled_tensors(v, f"{path}.{k}" if path else str(k))
+    return out
 
 
 class Monitor:
@@ -181,10 +217,12 @@ class Monitor:
         self.dump_on_exit = dump_on_exit
         self._exit_hooked = False
         self._reset_recording_state()
+        _MONITORS[id(self)] = self
 
     # -- recording state ------------------------------------------------------
     def _reset_recording_state(self):
         self._rings: dict[torch.device, DeviceRing] = {}
+        self._ring_list: list[DeviceRing] = []  # the same rings, indexable from compiled code
         self._names: list[str] = []
         self._metric_index: dict[str, int] = {}
         self._metas: dict[str, dict] = {}
@@ -287,13 +325,12 @@ class Monitor:
     # -- hooks (hot path) -------------------------------------------------------
     def _input_hook(self, name, mtype):
         def hook(mod, args, kwargs):
+            if torch.compiler.is_compiling():
+                self._compiled_write_all(name, "input", _input_obj(args, kwargs), mtype)
+                return None
             if self._enabled and self._attached and not _in_backward():
-                if len(args) == 1 and not kwargs:
-                    obj = args[0]
-                else:
-                    obj = {**dict(enumerate(args)), **kwargs} if kwargs else args
                 ci = self._call_index(name, "input")
-                for path, t in floating_tensors(obj):
+                for path, t in floating_tensors(_input_obj(args, kwargs)):
                     self._write(name, "input", path, t, mtype, ci)
             return None
 
@@ -304,6 +341,10 @@ class Monitor:
         want_grad = "grad_output" in self.capture
 
         def hook(mod, args, output):
+            if torch.compiler.is_compiling():
+                if want_out:
+                    self._compiled_write_all(name, "output", output, mtype)
+                return None
             if not (self._enabled and self._attached):
                 return None
             # Checkpoint recomputation: the values were recorded in the forward
@@ -344,7 +385,8 @@ class Monitor:
             return a
 
         def hook(mod, args, kwargs):
-            if not (self._enabled and self._attached and torch.is_grad_enabled()):
+            if torch.compiler.is_compiling() or not (
+                    self._enabled and self._attached and torch.is_grad_enabled()):
                 return None
             single = len(args) == 1 and not kwargs
             ci = self._call_index(name, "grad_input")
@@ -368,6 +410,22 @@ class Monitor:
                 self._write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True)
 
         return hook
+
+    # -- torch.compile path ------------------------------------------------------
+    # Inside a compiled region the hook body is traced into the graph, so it
+    # must be traceable: no host-side cadence check (the kernels read the
+    # device's enabled flag, so `every` causes no recompiles), no per-step
+    # Python bookkeeping, and rows are registered by a function that dynamo
+    # runs once at trace time (assume_constant_result) with the row index
+    # baked into the graph. Gradient kinds registered from forward hooks
+    # (grad_output, grad_input) are not recorded inside compiled regions.
+    def _compiled_write_all(self, name, kind, obj, mtype):
+        for path, t in _compiled_tensors(obj):
+            ring_i, row = _compiled_row(id(self), name, kind, path, str(t.device), tuple(t.shape),
+                                        str(t.dtype), mtype)
+            if row >= 0:
+                ring = self._ring_list[ring_i]
+                torch.ops.hookcap.accumulate(t, ring.ring, ring.state, row, *self._hargs)
 
     def _call_index(self, name: str, kind: str) -> int:
         # Each call of a module in a step writes its own row (merged by name
@@ -435,12 +493,17 @@ class Monitor:
 
     def _register(self, key, t, mtype):
         name, kind, path = key[:3]
-        metric = f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
         reason = self._skip_reason(t)
         if reason is not None:
             self._rows[key] = _SKIPPED
+            metric = f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
             self._warn_once((name, kind, path), f"hookcap: not recording {metric}: {reason}")
             return _SKIPPED
+        return self._register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype)
+
+    def _register_row(self, key, device, shape, dtype, mtype):
+        name, kind, path = key[:3]
+        metric = f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
         with self._lock:
             if key in self._rows:
                 return self._rows[key]
@@ -452,14 +515,15 @@ class Monitor:
                 self._metas[metric] = {
                     "module_type": mtype,
                     "kind": kind,
-                    "shape": tuple(t.shape),
-                    "dtype": str(t.dtype),
+                    "shape": shape,
+                    "dtype": dtype,
                 }
-            ring = self._rings.get(t.device)
+            ring = self._rings.get(device)
             if ring is None:
-                ring = DeviceRing(t.device, _SLOTS, self._width)
+                ring = DeviceRing(device, _SLOTS, self._width)
                 self._sync_ring_state(ring)
-                self._rings[t.device] = ring
+                self._rings[device] = ring
+                self._ring_list.append(ring)
             hit = (ring, ring.add_row(idx))
             self._rows[key] = hit
             return hit
