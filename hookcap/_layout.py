@@ -48,6 +48,12 @@ STAT_NAMES = (
 )
 
 
+def order_key(v) -> np.ndarray:
+    """float64 -> ordered int64 key (numpy twin of the C++ order_key)."""
+    bits = np.asarray(v, dtype=np.float64).view(np.int64)
+    return np.where(bits >= 0, bits, bits ^ np.int64(0x7FFFFFFFFFFFFFFF))
+
+
 def _unkey(k: np.ndarray) -> np.ndarray:
     """Inverse of the C++ order_key: ordered int64 key -> float64."""
     k = np.asarray(k, dtype=np.int64)

@@ -702,11 +702,20 @@ class Monitor:
             "every": self.every,
         })
 
-    def history(self) -> History:
-        """Every retained recorded step (waits for in-flight copies: the explicit read)."""
+    def history(self, all_ranks: bool = False, group=None) -> History:
+        """Every retained recorded step (waits for in-flight copies: the explicit read).
+
+        ``all_ranks=True`` is a collective (every rank of ``group`` calls it):
+        the result merges all ranks' statistics (counts, sums and histograms
+        summed, extrema combined) with one packed MIN and one packed SUM
+        all-reduce; metric rows agree even when a rank lacks a metric."""
         self._collect(wait=True)
         h = History(self._store.records, self._names, self._metas, self.histogram)
         h.anomalies = list(self.anomalies)
+        if all_ranks:
+            from .distributed import merge_across_ranks
+
+            h = merge_across_ranks(h, group)
         return h
 
     @property

@@ -202,7 +202,8 @@ def plot_heatmap(run: RunData, stat: str, path: str) -> str:
     v = run.stats[stat].T  # [M, S]
     norm, how = _norm(v)
     diverging = isinstance(norm, matplotlib.colors.SymLogNorm)  # signed stat: 0 in the middle
-    cmap = matplotlib.colormaps["RdBu_r" if diverging else "viridis"].with_extremes(bad="#d0d0d0", under="white")
+    cmap = matplotlib.colormaps["RdBu_r" if diverging else "viridis"]
+    cmap = cmap.with_extremes(bad="#d0d0d0", under="white")
     shown = v.copy()
     if isinstance(norm, matplotlib.colors.LogNorm):
         shown[shown <= 0] = norm.vmin / 2  # zeros drawn in the 'under' colour, not as missing
@@ -346,7 +347,8 @@ def _write_index(run: RunData, out: str, stat: str, metric: str, first, files: d
     items = []
     if run.anomalies:
         for a in run.anomalies[:200]:
-            items.append(f"<li>step {a.step} <b>{e(a.kind)}</b> <code>{e(a.name)}</code>: {e(a.message)}</li>")
+            items.append(f"<li>step {a.step} <b>{e(a.kind)}</b> <code>{e(a.name)}</code>: "
+                         f"{e(a.message)}</li>")
         if len(run.anomalies) > 200:
             items.append(f"<li>... {len(run.anomalies) - 200} more</li>")
     elif first is not None:

@@ -79,9 +79,10 @@ class ModelSummary(list):
         if self.backward:
             cols += ["grad std", "grad absmax", "grad nan/inf"]
         lines = []
-        for r in self:
-            first = r.get("_first", True)
-            label = "  " * r["depth"] + (r["name"] if first else "") + (f" .{r['output']}" if r["output"] else "")
+        for k, r in enumerate(self):
+            first = k == 0 or self[k - 1]["name"] != r["name"]  # a module's further outputs: no repeat
+            label = "  " * r["depth"] + (r["name"] if first else "")
+            label += f" .{r['output']}" if r["output"] else ""
             if first and r["calls"] > 1:
                 label += f" (x{r['calls']})"
             shape = ("x".join(map(str, r["shape"])) or "scalar") if r["shape"] is not None else "-"
@@ -95,7 +96,8 @@ class ModelSummary(list):
         left = 4  # text columns left-aligned, numbers right-aligned
 
         def fmt(c):
-            return "  ".join(v.ljust(w) if i < left else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths)))
+            return "  ".join(v.ljust(w) if i < left else v.rjust(w)
+                             for i, (v, w) in enumerate(zip(c, widths)))
 
         out = [fmt(cols), fmt(["-" * w for w in widths])] + [fmt(c) for c in lines]
         out.append(f"total params: {self.total_params:,} (trainable: {self.trainable_params:,}); "
@@ -107,7 +109,7 @@ class ModelSummary(list):
     def to_pandas(self):
         import pandas as pd
 
-        return pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("_")} for r in self])
+        return pd.DataFrame(list(self))
 
     def __str__(self) -> str:
         return self.table()
@@ -242,10 +244,9 @@ def _rows(h, names, entered, outputs, backward, with_hist) -> ModelSummary:
         base = {"name": name, "type": type(mod).__name__, "depth": depth, "calls": calls,
                 "params": sum(p.numel() for p in mod.parameters(recurse=False))}
         outs = outputs.get(name) or [("", None, None, False)]  # returned no tensor
-        for k, (path, shape, dtype, floating) in enumerate(outs):
+        for path, shape, dtype, floating in outs:
             metric = (f"{name}/output.{path}" if path else f"{name}/output") if floating else None
-            row = {**base, "output": path, "metric": metric, "shape": shape, "dtype": dtype,
-                   "_first": k == 0}
+            row = {**base, "output": path, "metric": metric, "shape": shape, "dtype": dtype}
             row.update(stats_of(metric) if metric else {s: math.nan for s in STAT_NAMES})
             if backward:
                 g = f"{name}/grad_output.{path}" if path else f"{name}/grad_output"

@@ -55,8 +55,18 @@ class _TextFileSink(Sink):
         if self._f is None:
             self._f = self._open()
             text = self._preamble() + text
-        self._f.write(text)
-        self._f.flush()
+        try:
+            self._f.write(text)
+            pass
+        except BaseException:
+            # A failed write (disk full, ...) disables the sink in the Monitor,
+            # which then never calls close(): release the file now.
+            f, self._f = self._f, None
+            try:
+                f.close()
+            except OSError:
+                pass
+            raise
 
     def _preamble(self) -> str:
         return ""

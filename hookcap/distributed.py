@@ -1,0 +1,118 @@
+"""Merging histories across ranks (torch.distributed): counts, sums and
+histograms add, extrema combine, moments are re-expressed about one common
+shift — the same merge as repeated writes into one ring row, done with one
+packed MIN all-reduce and one packed SUM all-reduce (plus one small object
+all-gather to agree on metric names and steps)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _layout
+from .history import History, make_record
+
+_I64_MAX = np.iinfo(np.int64).max
+_SUM_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS, _layout.CALLS]
+_F64_COLS = [_layout.SUM, _layout.SUMSQ, _layout.S1, _layout.S2]
+
+
+def _dense(h: History, names: list[str], steps: list[int]):
+    """Raw int64 rows [S, M, width] of ``h`` aligned to (steps, names); cells a
+    rank never wrote hold the values of a freshly reset row."""
+    nb = h.histogram_spec.nbins if h.histogram_spec is not None else 0
+    S, M = len(steps), len(names)
+    rows = np.zeros((S, M, _layout.HEADER + nb), dtype=np.int64)
+    rows[..., _layout.SHIFT] = _layout.SHIFT_UNSET
+    rows[..., _layout.MIN] = _layout.order_key(np.inf)
+    rows[..., _layout.MAX] = _layout.order_key(-np.inf)
+    rows[..., _layout.ABSMAX] = _layout.order_key(-np.inf)
+    col = np.array([names.index(n) for n in h.names], dtype=np.int64)
+    srow = {s: i for i, s in enumerate(steps)}
+    for r in h._records:
+        i = srow[r.step]
+        m = col[r.metrics]
+        rows[i, m, : _layout.HEADER] = r.header
+        rows[i, m, _layout.HEADER + r.hist_lo: _layout.HEADER + r.hist_lo + r.hist.shape[1]] = r.hist
+    return rows
+
+
+def merge_across_ranks(h: History, group=None) -> History:
+    """Collective: every rank of ``group`` must call it. Returns the History
+    of all ranks' data merged (identical on every rank). Metric rows agree
+    across ranks even when a rank lacks a metric; execution order and per-call
+    data are rank 0's."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    info = {"names": list(h.names), "steps": h.steps.tolist(),
+            "metas": {n: h.meta(n) for n in h.names}, "hist": repr(h.histogram_spec)}
+    infos = [None] * world
+    dist.all_gather_object(infos, info, group=group)
+    if len({i["hist"] for i in infos}) != 1:
+        raise ValueError("merge_across_ranks: ranks recorded with different histogram specs")
+    names: list[str] = []
+    metas: dict = {}
+    for i in infos:
+        for n in i["names"]:
+            if n not in metas:
+                names.append(n)
+                metas[n] = i["metas"][n]
+    steps = sorted({s for i in infos for s in i["steps"]})
+    rows = _dense(h, names, steps)
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    # 1) one MIN all-reduce: min key, -max key, -absmax key, and a common shift
+    #    (the smallest set shift key; every rank's shift is a central value of
+    #    its own data, so any of them keeps the merged variance well conditioned).
+    shift_key = np.where(rows[..., _layout.SHIFT] == _layout.SHIFT_UNSET, _I64_MAX,
+                         _layout.order_key(rows[..., _layout.SHIFT].view(np.float64)))
+    mins = np.stack([rows[..., _layout.MIN], -rows[..., _layout.MAX], -rows[..., _layout.ABSMAX],
+                     shift_key], axis=-1)
+    t = torch.from_numpy(np.ascontiguousarray(mins)).to(device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    mins = t.cpu().numpy()
+    has_shift = mins[..., 3] != _I64_MAX
+    common = np.where(has_shift, _layout._unkey(np.where(has_shift, mins[..., 3], 0)), 0.0)
+
+    # 2) one SUM all-reduce (float64: counts are exact below 2**53): counts,
+    #    sums, moments re-expressed about the common shift, histogram bins.
+    f = rows[..., [_layout.SUM, _layout.SUMSQ, _layout.S1, _layout.S2, _layout.SHIFT]].copy().view(np.float64)
+    finite = (rows[..., _layout.COUNT] - rows[..., _layout.NAN] - rows[..., _layout.POSINF]
+              - rows[..., _layout.NEGINF]).astype(np.float64)
+    local_set = rows[..., _layout.SHIFT] != _layout.SHIFT_UNSET
+    d = np.where(local_set, f[..., 4] - common, 0.0)
+    s1 = f[..., 2] + finite * d
+    s2 = f[..., 3] + 2.0 * d * f[..., 2] + finite * d * d
+    sums = np.concatenate([rows[..., _SUM_COLS].astype(np.float64), f[..., 0:1], f[..., 1:2],
+                           s1[..., None], s2[..., None], rows[..., _layout.HEADER:].astype(np.float64)],
+                          axis=-1)
+    t = torch.from_numpy(np.ascontiguousarray(sums)).to(device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    sums = t.cpu().numpy()
+
+    out = np.zeros_like(rows)
+    out[..., _SUM_COLS] = np.rint(sums[..., : len(_SUM_COLS)]).astype(np.int64)
+    k = len(_SUM_COLS)
+    out[..., _F64_COLS] = np.ascontiguousarray(sums[..., k:k + 4]).view(np.int64)
+    out[..., _layout.HEADER:] = np.rint(sums[..., k + 4:]).astype(np.int64)
+    out[..., _layout.MIN] = mins[..., 0]
+    out[..., _layout.MAX] = -mins[..., 1]
+    out[..., _layout.ABSMAX] = -mins[..., 2]
+    out[..., _layout.SHIFT] = np.where(has_shift, common.view(np.int64), _layout.SHIFT_UNSET)
+
+    # Execution order of each step from this rank's records (rank 0's on rank 0).
+    orders = {r.step: r for r in h._records}
+    col = {n: i for i, n in enumerate(names)}
+    remap = np.array([col[n] for n in h.names], dtype=np.int64)
+    recs = []
+    for i, step in enumerate(steps):
+        mine = orders.get(step)
+        order = remap[mine.order] if mine is not None else np.empty(0, np.int64)
+        calls = remap[mine.calls] if mine is not None else None
+        bad = mine.calls_nonfinite if mine is not None else None
+        recs.append(make_record(step, np.arange(len(names)), out[i], order, calls, bad))
+    merged = History(recs, names, metas, h.histogram_spec)
+    merged.anomalies = list(getattr(h, "anomalies", []))
+    return merged
