@@ -57,7 +57,7 @@ class _TextFileSink(Sink):
             text = self._preamble() + text
         try:
             self._f.write(text)
-            pass
+            self._f.flush()
         except BaseException:
             # A failed write (disk full, ...) disables the sink in the Monitor,
             # which then never calls close(): release the file now.
