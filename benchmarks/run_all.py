@@ -1,0 +1,36 @@
+"""Run every benchmark, write benchmarks/results/*.json and print the tables.
+
+  python benchmarks/run_all.py            # kernel (64M float32, 1 and 2 threads) + end-to-end overhead
+  python benchmarks/run_all.py --sweep    # also the kernel size x dtype x threads sweep
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+
+def run(script, *args):
+    cmd = [sys.executable, os.path.join(HERE, script), *args]
+    print(f"\n$ {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args()
+    os.makedirs(RESULTS, exist_ok=True)
+    dev = ["--device", args.device]
+    run("bench_kernel.py", *dev, "--json", os.path.join(RESULTS, f"kernel_{args.device}.json"))
+    if args.sweep:
+        run("bench_kernel.py", *dev, "--sweep", "--json", os.path.join(RESULTS, f"kernel_sweep_{args.device}.json"))
+    run("bench_overhead.py", *dev, "--json", os.path.join(RESULTS, f"overhead_{args.device}.json"))
+
+
+if __name__ == "__main__":
+    main()
