@@ -26,10 +26,12 @@ def main():
     args = p.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     dev = ["--device", args.device]
-    run("bench_kernel.py", *dev, "--json", os.path.join(RESULTS, f"kernel_{args.device}.json"))
+    sfx = "" if args.device == "cpu" else f"_{args.device}"
+    out = lambda name: os.path.join(RESULTS, f"{name}{sfx}.json")  # noqa: E731
+    run("bench_kernel.py", *dev, "--json", out("kernel"))
     if args.sweep:
-        run("bench_kernel.py", *dev, "--sweep", "--json", os.path.join(RESULTS, f"kernel_sweep_{args.device}.json"))
-    run("bench_overhead.py", *dev, "--json", os.path.join(RESULTS, f"overhead_{args.device}.json"))
+        run("bench_kernel.py", *dev, "--sweep", "--json", out("kernel_sweep"))
+    run("bench_overhead.py", *dev, "--json", out("overhead"))
 
 
 if __name__ == "__main__":
