@@ -108,33 +108,45 @@ def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
-_ADD_COLS = (COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS)
+_ADD_COLS = [COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS]
+
+
+def merge_groups(rows: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge raw rows [k, width] that share a group id (one metric written by
+    several calls, devices or ranks) exactly as repeated writes into one row
+    would: counts, sums and histograms add, extrema combine, and shifted
+    moments are re-expressed about the group's first set shift before they
+    add. Returns (sorted unique group ids, merged rows [g, width])."""
+    rows = np.asarray(rows, dtype=np.int64)
+    groups = np.asarray(groups)
+    perm = np.argsort(groups, kind="stable")  # stable: "first" keeps its meaning
+    r, gs = rows[perm], groups[perm]
+    starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]])
+    uniq = gs[starts]
+    seg = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(r)]))
+    out = np.zeros((len(starts), rows.shape[1]), dtype=np.int64)
+    out[:, _ADD_COLS] = np.add.reduceat(r[:, _ADD_COLS], starts)
+    out[:, HEADER:] = np.add.reduceat(r[:, HEADER:], starts) if r.shape[1] > HEADER else 0
+    out[:, MIN] = np.minimum.reduceat(r[:, MIN], starts)
+    out[:, MAX] = np.maximum.reduceat(r[:, MAX], starts)
+    out[:, ABSMAX] = np.maximum.reduceat(r[:, ABSMAX], starts)
+    out[:, STEP_TAG] = np.maximum.reduceat(r[:, STEP_TAG], starts)
+    f = r[:, [SUM, SUMSQ, S1, S2, SHIFT]].copy().view(np.float64)
+    is_set = r[:, SHIFT] != SHIFT_UNSET
+    # The group's shift: that of its first row with one set.
+    first = np.minimum.reduceat(np.where(is_set, np.arange(len(r)), len(r)), starts)
+    has = first < len(r)
+    k = np.where(has, f[np.minimum(first, len(r) - 1), 4], 0.0)
+    finite = (r[:, COUNT] - r[:, NAN] - r[:, POSINF] - r[:, NEGINF]).astype(np.float64)
+    t = np.where(is_set, f[:, 4] - k[seg], 0.0)
+    acc = np.add.reduceat(np.stack([f[:, 0], f[:, 1], f[:, 2] + finite * t,
+                                    f[:, 3] + 2.0 * t * f[:, 2] + finite * t * t], axis=1), starts)
+    out[:, [SUM, SUMSQ, S1, S2]] = acc.view(np.int64)
+    out[:, SHIFT] = np.where(has, k.view(np.int64), SHIFT_UNSET)
+    return uniq, out
 
 
 def merge_rows(rows: np.ndarray) -> np.ndarray:
-    """Merge raw rows [k, width] of one metric (written on different devices or
-    ranks) into one row, exactly as repeated writes into one row would:
-    counts, sums and histograms add, extrema combine, and the shifted moments
-    are re-expressed about one common shift before they add."""
+    """Merge raw rows [k, width] of one metric into one row (see merge_groups)."""
     rows = np.asarray(rows, dtype=np.int64)
-    if rows.shape[0] == 1:
-        return rows[0].copy()
-    out = rows[0].copy()
-    out[list(_ADD_COLS)] = rows[:, list(_ADD_COLS)].sum(axis=0)
-    out[HEADER:] = rows[:, HEADER:].sum(axis=0)
-    f = rows[:, [SUM, SUMSQ, S1, S2, SHIFT]].copy().view(np.float64)
-    out[[SUM, SUMSQ]] = np.array([f[:, 0].sum(), f[:, 1].sum()]).view(np.int64)
-    out[MIN] = rows[:, MIN].min()
-    out[MAX] = rows[:, MAX].max()
-    out[ABSMAX] = rows[:, ABSMAX].max()
-    out[STEP_TAG] = rows[:, STEP_TAG].max()
-    is_set = rows[:, SHIFT] != SHIFT_UNSET
-    if not is_set.any():
-        return out
-    k = f[np.argmax(is_set), 4]
-    finite = (rows[:, COUNT] - rows[:, NAN] - rows[:, POSINF] - rows[:, NEGINF]).astype(np.float64)
-    t = np.where(is_set, f[:, 4] - k, 0.0)  # sum(x - k) = s1 + m*t; sum((x-k)^2) = s2 + 2t*s1 + m*t^2
-    s1 = (f[:, 2] + finite * t).sum()
-    s2 = (f[:, 3] + 2.0 * t * f[:, 2] + finite * t * t).sum()
-    out[[SHIFT, S1, S2]] = np.array([k, s1, s2]).view(np.int64)
-    return out
+    return merge_groups(rows, np.zeros(len(rows), dtype=np.int64))[1][0]

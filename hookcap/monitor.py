@@ -602,17 +602,23 @@ class Monitor:
         # Execution order, one entry per call-row, and which calls saw NaN/Inf.
         metric_of = {rid: m for rid, m, _ in chunks}
         calls = np.array([metric_of[rid][row] for rid, row in order], dtype=np.int64)
-        bad_cols = [_layout.NAN, _layout.POSINF, _layout.NEGINF]
-        calls_bad = np.array([by_ring[rid][row, bad_cols].sum() > 0 for rid, row in order], dtype=bool)
+        bad = np.zeros(len(order), dtype=bool)
+        if chunks:
+            nonfinite = {rid: r[:, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].sum(axis=1) > 0
+                         for rid, _, r in chunks}
+            bad = np.array([nonfinite[rid][row] for rid, row in order], dtype=bool)
         if len(np.unique(metrics)) != len(metrics):  # several calls or devices per metric
-            uniq = np.unique(metrics)
-            rows = np.stack([_layout.merge_rows(rows[metrics == m]) for m in uniq])
-            metrics = uniq
+            metrics, rows = _layout.merge_groups(rows, metrics)
         _, first = np.unique(calls, return_index=True)
         order = calls[np.sort(first)]
+        calls_bad = bad
         rec = make_record(step, metrics, rows, order, calls, calls_bad)
         self._store.add(rec)
-        if self.detectors or self.sinks:
+        # The default detector alone only cares about steps with NaN/Inf.
+        quiet = not self.sinks and not calls_bad.any() and not rows[
+            :, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].any() and all(
+            type(d) is NonFinite for d in self.detectors)
+        if (self.detectors or self.sinks) and not quiet:
             drained = DrainedStep(rec, self._names, self._metas, self.histogram)
             for det in self.detectors:
                 for a in as_anomalies(det(drained)):

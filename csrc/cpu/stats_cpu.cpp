@@ -80,21 +80,19 @@ HC_ALWAYS_INLINE work_t<T> load_work(const T* p) {
   }
 }
 
-// Whether a block's float sums can be trusted: no overflow, and no squares
-// lost to float underflow (|d| < 2**-63 gives subnormal squares) unless the
-// block is constant. Tiny gradients and huge activations take the double
-// path instead, so they never come out silently wrong.
+// Whether a block's float moments can be trusted: no overflow, and no
+// squares lost to float underflow (|x - c| < 2**-63 gives subnormal squares)
+// unless the block is constant. Tiny gradients and huge activations take the
+// double path instead, so they never come out silently wrong.
 template <typename V>
-HC_ALWAYS_INLINE bool float_sums_ok(V sum, V sumsq, V s2, V mn, V mx) {
+HC_ALWAYS_INLINE bool float_sums_ok(V s1, V s2, V mn, V mx) {
   if constexpr (std::is_same_v<V, double>) {
     return true;
   } else {
     const V big = 3.0e38f;
     const V tiny = 7.9e-31f;  // ~2**-100
-    const V asum = sum < 0 ? -sum : sum;
-    const bool constant = mn == mx;
-    return asum <= big && sumsq <= big && s2 <= big && (sumsq >= tiny || (mn == 0 && mx == 0)) &&
-           (s2 >= tiny || constant);
+    const V a1 = s1 < 0 ? -s1 : s1;
+    return a1 <= big && s2 <= big && (s2 >= tiny || mn == mx);
   }
 }
 
@@ -107,13 +105,13 @@ HC_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
   return m * m <= V(4) * var;
 }
 
-// Statistics of one block (n <= kBlock) in the working precision V, shifted
-// by `center` (the previous block's mean: data drifts slowly, so one pass is
-// usually enough). A block whose mean is far from the center is re-shifted
-// by its own mean in a second pass over L1-resident data. A block holding
-// NaN/Inf (v * 0 is NaN iff v is not finite) or values outside float's safe
-// range is redone with push_value in double. For log2 histograms the bin
-// index is computed in the same vector loop.
+// Statistics of one block (n <= kBlock) in the working precision V: moments
+// about `center` (the previous block's mean: data drifts slowly, so one pass
+// is usually enough) plus extrema; the raw sums follow from the moments in
+// double. A block whose mean is far from the center is re-centred on its own
+// mean in a second pass over L1-resident data. A block holding NaN/Inf (v * 0
+// is NaN iff v is not finite) or values outside float's safe range is redone
+// with push_value in double. Log2 bin indices come out of the same loop.
 template <typename T, bool kUnit, int kHist>
 HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double shift,
                                   work_t<T>& center, Acc& acc, const HistSpec& h,
@@ -122,14 +120,14 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
   auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
   const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
   V c = center;
-  V sum = 0, sumsq = 0, s1 = 0, s2 = 0, probe = 0;
+  V s1 = 0, s2 = 0, probe = 0;
   V mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf), amx = static_cast<V>(-kInf);
   int32_t nz = 0;
-#pragma omp simd reduction(+ : sum, sumsq, s1, s2, nz, probe) reduction(min : mn) \
-    reduction(max : mx, amx)
+#pragma omp simd reduction(+ : s1, s2, nz, probe) reduction(min : mn) reduction(max : mx, amx)
   for (int64_t i = 0; i < n; ++i) {
     const V v = load_work(at(i));
-    push_finite(v, c, sum, sumsq, s1, s2, mn, mx, amx, nz);
+    push_shifted(v, c, s1, s2);
+    push_extrema(v, mn, mx, amx, nz);
     probe += v * V(0);
     if constexpr (kHist == kHistLog2) idx[i] = log2_bin(v, lo, hi) + 1;
     if constexpr (kHist == kHistLog2Exp) idx[i] = (vbits(v) >> 23) & 0xff;
@@ -141,19 +139,21 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
     }
   }
   if (probe == probe && !shift_well_conditioned(s1, s2, n)) {
-    c = sum / static_cast<V>(n);
+    c = c + s1 / static_cast<V>(n);  // the block mean
     s1 = 0;
     s2 = 0;
 #pragma omp simd reduction(+ : s1, s2)
     for (int64_t i = 0; i < n; ++i) push_shifted(load_work(at(i)), c, s1, s2);
   }
-  if (probe != probe || !float_sums_ok(sum, sumsq, s2, mn, mx)) {
+  if (probe != probe || !float_sums_ok(s1, s2, mn, mx)) {
     for (int64_t i = 0; i < n; ++i) acc_push(acc, load_double(at(i)), shift);
     return;
   }
   center = c;
-  double d1 = s1, d2 = s2;
-  shift_rebase(d1, d2, static_cast<double>(n), static_cast<double>(c), shift);
+  const double m = static_cast<double>(n), dc = static_cast<double>(c);
+  double sum, sumsq, d1 = s1, d2 = s2;
+  moments_to_raw(d1, d2, m, dc, sum, sumsq);
+  shift_rebase(d1, d2, m, dc, shift);
   const Acc blk{sum, sumsq, d1, d2, mn, mx, amx, 0, 0, 0, nz};
   acc_merge(acc, blk);
 }

@@ -95,19 +95,34 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void push_shifted(V v, V shift, V& s1, V& s2) 
   s2 += d * d;
 }
 
-// Update for a value known to be finite. V is the working precision (float
-// in the CPU fast path for inputs of 32 bits or fewer, double elsewhere).
+// Extrema and zero count of a finite value.
+template <typename V, typename C>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_extrema(V v, V& mn, V& mx, V& amx, C& nzero) {
+  mn = v < mn ? v : mn;
+  mx = v > mx ? v : mx;
+  const V a = v < 0 ? -v : v;
+  amx = a > amx ? a : amx;
+  nzero += (v == V(0));
+}
+
+// Update for a value known to be finite (double accumulators: the CUDA
+// kernel and the CPU's exact path).
 template <typename V, typename C>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void push_finite(V v, V shift, V& sum, V& sumsq, V& s1,
                                                    V& s2, V& mn, V& mx, V& amx, C& nzero) {
   sum += v;
   sumsq += v * v;
   push_shifted(v, shift, s1, s2);
-  mn = v < mn ? v : mn;
-  mx = v > mx ? v : mx;
-  const V a = v < 0 ? -v : v;
-  amx = a > amx ? a : amx;
-  nzero += (v == V(0));
+  push_extrema(v, mn, mx, amx, nzero);
+}
+
+// Raw sums of m values from their moments about c: sum = m*c + s1 and
+// sumsq = s2 + 2*c*s1 + m*c^2. With c near the values' mean, s1 is small and
+// every other term is non-negative, so nothing cancels.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void moments_to_raw(double s1, double s2, double m, double c,
+                                                      double& sum, double& sumsq) {
+  sum = m * c + s1;
+  sumsq = s2 + 2.0 * c * s1 + m * c * c;
 }
 
 // Any value: classify NaN/+Inf/-Inf, then accumulate finite values.
