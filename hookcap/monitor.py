@@ -87,6 +87,8 @@ def _example_names(model: nn.Module, k: int = 4) -> str:
 
 
 _SKIPPED = object()  # row-cache marker: this (metric, device, call) is not recorded
+_ACCUMULATE = torch.ops.hookcap.accumulate.default  # bound once: the hot path's one call
+_RESET_ROWS = torch.ops.hookcap.reset_rows.default
 _MONITORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Monitor
 
 
@@ -98,7 +100,7 @@ def _compiled_row(mon_id: int, name: str, kind: str, path: str, device: str, sha
     mon = _MONITORS.get(mon_id)
     if mon is None:
         return (0, -1)
-    ring, row = mon._register_row((name, kind, path, torch.device(device), 0), torch.device(device),
+    ring, row, _ = mon._register_row((name, kind, path, torch.device(device), 0), torch.device(device),
                                   shape, dtype, mtype)
     return (mon._ring_list.index(ring), row)
 
@@ -353,7 +355,11 @@ class Monitor:
             # a non-reentrant recomputation's discarded graph never fire).
             recompute = _in_backward()
             ci = self._call_index(name, "output")
-            for path, t in floating_tensors(output):
+            if type(output) is torch.Tensor:
+                pairs = (("", output),) if output.is_floating_point() else ()
+            else:
+                pairs = floating_tensors(output)
+            for path, t in pairs:
                 if want_out and not recompute:
                     self._write(name, "output", path, t, mtype, ci)
                 if want_grad and t.requires_grad:
@@ -446,23 +452,21 @@ class Monitor:
             hit = self._register(key, t, mtype)
         if hit is _SKIPPED:
             return
-        ring, row = hit
+        ring, row, token = hit
         if replace:
-            rk = (id(ring), row)
-            if rk in self._replace_rows:
-                torch.ops.hookcap.reset_rows(ring.ring, ring.state, row, row + 1)
+            if token in self._replace_rows:
+                _RESET_ROWS(ring.ring, ring.state, row, row + 1)
             else:
-                self._replace_rows.add(rk)
+                self._replace_rows.add(token)
         try:
-            torch.ops.hookcap.accumulate(t, ring.ring, ring.state, row, *self._hargs)
+            _ACCUMULATE(t, ring.ring, ring.state, row, *self._hargs)
         except Exception as e:  # telemetry must never take the run down
             self._rows[key] = _SKIPPED
             self._warn_once(key[:3], f"hookcap: {key[0]}/{key[1]} is no longer recorded: "
                                      f"{type(e).__name__}: {e}")
             return
-        ok = (id(ring), row)
-        if ok not in self._order:
-            self._order[ok] = None
+        if token not in self._order:
+            self._order[token] = None
 
     def _warn_once(self, what, message: str) -> None:
         if what not in self._warned_skips:
@@ -524,7 +528,8 @@ class Monitor:
                 self._sync_ring_state(ring)
                 self._rings[device] = ring
                 self._ring_list.append(ring)
-            hit = (ring, ring.add_row(idx))
+            row = ring.add_row(idx)
+            hit = (ring, row, (id(ring), row))  # the token names the row in _order
             self._rows[key] = hit
             return hit
 
