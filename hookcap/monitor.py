@@ -355,8 +355,8 @@ class Monitor:
             # a non-reentrant recomputation's discarded graph never fire).
             recompute = _in_backward()
             ci = self._call_index(name, "output")
-            if type(output) is torch.Tensor:
-                pairs = (("", output),) if output.is_floating_point() else ()
+            if type(output) is torch.Tensor and output.is_floating_point():
+                pairs = (("", output),)
             else:
                 pairs = floating_tensors(output)
             for path, t in pairs:
