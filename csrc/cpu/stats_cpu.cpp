@@ -57,6 +57,7 @@ constexpr int64_t kMaxChunks = 64;
 // log2_bin maps those counts to bins once per chunk.
 constexpr int kHistLog2Exp = 3;
 constexpr int64_t kExpBins = 256;
+constexpr int64_t kDirectHistBelow = 4096;
 
 // Per-chunk histogram sink: kHistCopies local copies of (1 + nbins) uint32
 // counts (slot 0 swallows unbinned values), or, for wide histograms, the
@@ -287,7 +288,10 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   const int64_t chunk = std::max(kMinChunk, (n + kMaxChunks - 1) / kMaxChunks);
   const int64_t nchunks = (n + chunk - 1) / chunk;
   constexpr bool kExp = kHist == kHistLog2Exp;
-  const bool local_hist = kHist != kHistNone && (kExp || h.nbins <= kLocalBins);
+  // Tiny tensors count straight into the ring: clearing and merging local
+  // copies would cost more than the elements themselves.
+  const bool local_hist =
+      kHist != kHistNone && n >= kDirectHistBelow && (kExp || h.nbins <= kLocalBins);
   const int64_t cs = kExp ? kExpBins : h.nbins + 1;
   int32_t exp_bin[kExpBins];  // exponent field -> bin (kExp only)
   if constexpr (kExp) {
@@ -373,7 +377,7 @@ void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& 
         switch (h.kind) {
           case kHistNone: accumulate_typed<scalar_t, kHistNone>(p, flat, d, n, row, h); break;
           case kHistLog2:
-            if (kFloatWork && h.lo_exp >= -126) {
+            if (kFloatWork && h.lo_exp >= -126 && n >= kDirectHistBelow) {
               accumulate_typed<scalar_t, kFloatWork ? kHistLog2Exp : kHistLog2>(p, flat, d, n, row, h);
             } else {
               accumulate_typed<scalar_t, kHistLog2>(p, flat, d, n, row, h);
