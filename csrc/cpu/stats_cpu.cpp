@@ -361,14 +361,10 @@ void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& 
   HostAtomics::add_i64(row + kCalls, 1);
   if (n == 0) return;
 
-  at::Tensor x = x_in;
-  StridedDesc d{};
-  bool flat = is_flat_readable(x);
-  // Rare: more than kMaxDims non-mergeable dims. Read a contiguous copy.
-  if (!flat && !make_strided_desc(x, d)) {
-    x = x.contiguous();
-    flat = true;
-  }
+  const ReadPlan plan = plan_read(x_in);
+  const at::Tensor& x = plan.x;
+  const bool flat = plan.flat;
+  const StridedDesc& d = plan.desc;
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x.scalar_type(),
       "hookcap_accumulate_cpu", [&] {

@@ -43,13 +43,10 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   c10::cuda::CUDAGuard guard(x_in.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
 
-  at::Tensor x = x_in;
-  StridedDesc d{};
-  bool flat = is_flat_readable(x);
-  if (!flat && !make_strided_desc(x, d)) {
-    x = x.contiguous();  // rare: > kMaxDims non-mergeable dims
-    flat = true;
-  }
+  const ReadPlan plan = plan_read(x_in);
+  const at::Tensor& x = plan.x;
+  const bool flat = plan.flat;
+  const StridedDesc& d = plan.desc;
   const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), row,
                                ring.size(1), ring.size(2), ring.size(0)};
   // Empty tensors still launch one block so count/calls are recorded on the

@@ -131,11 +131,24 @@ inline bool make_strided_desc(const at::Tensor& x, StridedDesc& d) {
   return true;
 }
 
-// Dense inputs (contiguous in some dimension order, no overlap) are read as a
-// flat run of numel elements starting at data_ptr: torch strides are never
-// negative, so logical element 0 is the lowest address.
-inline bool is_flat_readable(const at::Tensor& x) {
-  return x.is_non_overlapping_and_dense();
+// How a kernel reads x. Dense inputs (contiguous in some dimension order, no
+// overlap) are a flat run of numel elements starting at data_ptr: torch
+// strides are never negative, so logical element 0 is the lowest address.
+// Others are walked through `desc`; a view with more than kMaxDims
+// non-mergeable dims (rare) is read through a contiguous copy.
+struct ReadPlan {
+  at::Tensor x;  // the tensor to read (x itself, or that rare copy)
+  bool flat;
+  StridedDesc desc;
+};
+
+inline ReadPlan plan_read(const at::Tensor& x) {
+  ReadPlan p{x, x.is_non_overlapping_and_dense(), StridedDesc{}};
+  if (!p.flat && !make_strided_desc(x, p.desc)) {
+    p.x = x.contiguous();
+    p.flat = true;
+  }
+  return p;
 }
 
 }  // namespace hookcap

@@ -30,13 +30,10 @@ bool accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& stat
   check_cpu(x_in);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
   const int64_t n = x_in.numel();
-  at::Tensor x = x_in;
-  StridedDesc d{};
-  bool flat = is_flat_readable(x);
-  if (!flat && !make_strided_desc(x, d)) {
-    x = x.contiguous();
-    flat = true;
-  }
+  const ReadPlan plan = plan_read(x_in);  // the launcher's choice
+  const at::Tensor& x = plan.x;
+  const bool flat = plan.flat;
+  const StridedDesc& d = plan.desc;
   const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), row,
                                ring.size(1), ring.size(2), ring.size(0)};
   const dim3 g = dim(grid, "grid"), b = dim(block, "block");
