@@ -601,7 +601,6 @@ class Monitor:
     def _complete(self, step: int) -> None:
         order, *chunks = self._partial.pop(step)
         del self._expect[step]
-        by_ring = {rid: rows for rid, _, rows in chunks}
         metrics = np.concatenate([m for _, m, _ in chunks]) if chunks else np.empty(0, np.int64)
         rows = np.concatenate([r for _, _, r in chunks]) if chunks else np.empty((0, self._width), np.int64)
         # Execution order, one entry per call-row, and which calls saw NaN/Inf.

@@ -1,11 +1,9 @@
 import os
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-import hookcap
 
 settings.register_profile(
     "default",

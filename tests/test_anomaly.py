@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import hookcap
-from hookcap import AnomalyError, Dead, Histogram, Monitor, NonFinite, Spike, Underflow
+from hookcap import AnomalyError, Dead, Histogram, Monitor, Spike, Underflow
 from hookcap.drained import DrainedStep
 from hookcap.history import make_record
 from hookcap.models import TinyResNet

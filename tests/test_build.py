@@ -1,7 +1,5 @@
 """Build metadata, the torch-version guard and registered dispatch keys."""
 
-import json
-import shutil
 
 import pytest
 import torch

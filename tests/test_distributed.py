@@ -1,9 +1,7 @@
 """Multi-rank merge with torch.distributed (gloo, 2 processes on the CPU):
 merged stats equal those of the global batch computed in one process."""
 
-import os
 import pickle
-import sys
 
 import numpy as np
 import pytest
