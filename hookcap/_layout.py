@@ -111,6 +111,16 @@ def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
 _ADD_COLS = [COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS]
 
 
+def moments_about(rows: np.ndarray, to) -> tuple[np.ndarray, np.ndarray]:
+    """(S1, S2) of raw rows [..., width] re-expressed about shift ``to``
+    (numpy twin of the C++ shift_rebase); rows with no shift set are unchanged
+    (they hold no finite value)."""
+    f = rows[..., [S1, S2, SHIFT]].copy().view(np.float64)
+    finite = (rows[..., COUNT] - rows[..., NAN] - rows[..., POSINF] - rows[..., NEGINF]).astype(np.float64)
+    t = np.where(rows[..., SHIFT] != SHIFT_UNSET, f[..., 2] - to, 0.0)
+    return f[..., 0] + finite * t, f[..., 1] + 2.0 * t * f[..., 0] + finite * t * t
+
+
 def merge_groups(rows: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Merge raw rows [k, width] that share a group id (one metric written by
     several calls, devices or ranks) exactly as repeated writes into one row
@@ -131,22 +141,15 @@ def merge_groups(rows: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.n
     out[:, MAX] = np.maximum.reduceat(r[:, MAX], starts)
     out[:, ABSMAX] = np.maximum.reduceat(r[:, ABSMAX], starts)
     out[:, STEP_TAG] = np.maximum.reduceat(r[:, STEP_TAG], starts)
-    f = r[:, [SUM, SUMSQ, S1, S2, SHIFT]].copy().view(np.float64)
+    f = r[:, [SUM, SUMSQ, SHIFT]].copy().view(np.float64)
     is_set = r[:, SHIFT] != SHIFT_UNSET
     # The group's shift: that of its first row with one set.
     first = np.minimum.reduceat(np.where(is_set, np.arange(len(r)), len(r)), starts)
     has = first < len(r)
-    k = np.where(has, f[np.minimum(first, len(r) - 1), 4], 0.0)
-    finite = (r[:, COUNT] - r[:, NAN] - r[:, POSINF] - r[:, NEGINF]).astype(np.float64)
-    t = np.where(is_set, f[:, 4] - k[seg], 0.0)
-    acc = np.add.reduceat(np.stack([f[:, 0], f[:, 1], f[:, 2] + finite * t,
-                                    f[:, 3] + 2.0 * t * f[:, 2] + finite * t * t], axis=1), starts)
+    k = np.where(has, f[np.minimum(first, len(r) - 1), 2], 0.0)
+    s1, s2 = moments_about(r, k[seg])
+    acc = np.add.reduceat(np.stack([f[:, 0], f[:, 1], s1, s2], axis=1), starts)
     out[:, [SUM, SUMSQ, S1, S2]] = acc.view(np.int64)
     out[:, SHIFT] = np.where(has, k.view(np.int64), SHIFT_UNSET)
     return uniq, out
 
-
-def merge_rows(rows: np.ndarray) -> np.ndarray:
-    """Merge raw rows [k, width] of one metric into one row (see merge_groups)."""
-    rows = np.asarray(rows, dtype=np.int64)
-    return merge_groups(rows, np.zeros(len(rows), dtype=np.int64))[1][0]

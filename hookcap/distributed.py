@@ -78,13 +78,8 @@ def merge_across_ranks(h: History, group=None) -> History:
 
     # 2) one SUM all-reduce (float64: counts are exact below 2**53): counts,
     #    sums, moments re-expressed about the common shift, histogram bins.
-    f = rows[..., [_layout.SUM, _layout.SUMSQ, _layout.S1, _layout.S2, _layout.SHIFT]].copy().view(np.float64)
-    finite = (rows[..., _layout.COUNT] - rows[..., _layout.NAN] - rows[..., _layout.POSINF]
-              - rows[..., _layout.NEGINF]).astype(np.float64)
-    local_set = rows[..., _layout.SHIFT] != _layout.SHIFT_UNSET
-    d = np.where(local_set, f[..., 4] - common, 0.0)
-    s1 = f[..., 2] + finite * d
-    s2 = f[..., 3] + 2.0 * d * f[..., 2] + finite * d * d
+    f = rows[..., [_layout.SUM, _layout.SUMSQ]].copy().view(np.float64)
+    s1, s2 = _layout.moments_about(rows, common)
     sums = np.concatenate([rows[..., _SUM_COLS].astype(np.float64), f[..., 0:1], f[..., 1:2],
                            s1[..., None], s2[..., None], rows[..., _layout.HEADER:].astype(np.float64)],
                           axis=-1)
