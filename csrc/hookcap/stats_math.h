@@ -77,10 +77,6 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t order_key(double v) {
   return b >= 0 ? b : (b ^ INT64_MAX);
 }
 
-C10_HOST_DEVICE C10_ALWAYS_INLINE double order_unkey(int64_t k) {
-  return bitsd(k >= 0 ? k : (k ^ INT64_MAX));
-}
-
 // ---------------------------------------------------------------------------
 // Per-element accumulation, written over references so the CUDA kernel can
 // pass the fields of one Acc and the CPU loop can pass its own (vectorised)
