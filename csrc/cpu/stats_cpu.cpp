@@ -109,10 +109,36 @@ HC_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
 // Statistics of one block (n <= kBlock) in the working precision V: moments
 // about `center` (the previous block's mean: data drifts slowly, so one pass
 // is usually enough) plus extrema; the raw sums follow from the moments in
-// double. A block whose mean is far from the center is re-centred on its own
-// mean in a second pass over L1-resident data. A block holding NaN/Inf (v * 0
-// is NaN iff v is not finite) or values outside float's safe range is redone
-// with push_value in double. Log2 bin indices come out of the same loop.
+// double. kLanes independent accumulators per quantity (lane j takes elements
+// j, j + kLanes, ...) let the compiler keep several vector add chains in
+// flight; lanes are combined in a fixed order. A block whose mean is far from
+// the center is re-centred on its own mean in a second pass over L1-resident
+// data. A block holding NaN/Inf (its sum of squares is then not finite) or
+// values outside float's safe range is redone with push_value in double. Log2
+// bin indices come out of the same loop.
+constexpr int kLanes = 16;
+
+template <typename T, bool kUnit>
+HC_ALWAYS_INLINE void shifted_pass(const T* x, int64_t stride, int64_t n, work_t<T> c,
+                                   work_t<T>& s1_out, work_t<T>& s2_out) {
+  using V = work_t<T>;
+  auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
+  V s1[kLanes] = {}, s2[kLanes] = {};
+  const int64_t nv = n - n % kLanes;
+  for (int64_t i = 0; i < nv; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) push_shifted(load_work(at(i + j)), c, s1[j], s2[j]);
+  }
+  for (int64_t i = nv; i < n; ++i) push_shifted(load_work(at(i)), c, s1[i - nv], s2[i - nv]);
+  V a = 0, b = 0;
+  for (int j = 0; j < kLanes; ++j) {
+    a += s1[j];
+    b += s2[j];
+  }
+  s1_out = a;
+  s2_out = b;
+}
+
 template <typename T, bool kUnit, int kHist>
 HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double shift,
                                   work_t<T>& center, Acc& acc, const HistSpec& h,
@@ -121,17 +147,33 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
   auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
   const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
   V c = center;
-  V s1 = 0, s2 = 0, probe = 0;
-  V mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf), amx = static_cast<V>(-kInf);
-  int32_t nz = 0;
-#pragma omp simd reduction(+ : s1, s2, nz, probe) reduction(min : mn) reduction(max : mx, amx)
-  for (int64_t i = 0; i < n; ++i) {
+  V s1l[kLanes] = {}, s2l[kLanes] = {}, mnl[kLanes], mxl[kLanes];
+  int32_t nzl[kLanes] = {};
+  for (int j = 0; j < kLanes; ++j) {
+    mnl[j] = static_cast<V>(kInf);
+    mxl[j] = static_cast<V>(-kInf);
+  }
+  auto one = [&](int64_t i, int j) __attribute__((always_inline)) {
     const V v = load_work(at(i));
-    push_shifted(v, c, s1, s2);
-    push_extrema(v, mn, mx, amx, nz);
-    probe += v * V(0);
+    push_shifted(v, c, s1l[j], s2l[j]);
+    push_minmax(v, mnl[j], mxl[j], nzl[j]);
     if constexpr (kHist == kHistLog2) idx[i] = log2_bin(v, lo, hi) + 1;
     if constexpr (kHist == kHistLog2Exp) idx[i] = (vbits(v) >> 23) & 0xff;
+  };
+  const int64_t nv = n - n % kLanes;
+  for (int64_t i = 0; i < nv; i += kLanes) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) one(i + j, j);
+  }
+  for (int64_t i = nv; i < n; ++i) one(i, static_cast<int>(i - nv));
+  V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
+  int32_t nz = 0;
+  for (int j = 0; j < kLanes; ++j) {
+    s1 += s1l[j];
+    s2 += s2l[j];
+    mn = mnl[j] < mn ? mnl[j] : mn;
+    mx = mxl[j] > mx ? mxl[j] : mx;
+    nz += nzl[j];
   }
   if constexpr (kHist == kHistLinear) {
 #pragma omp simd
@@ -139,14 +181,12 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
       idx[i] = static_cast<int32_t>(linear_bin(load_double(at(i)), h) + 1);
     }
   }
-  if (probe == probe && !shift_well_conditioned(s1, s2, n)) {
+  const bool finite = s2 - s2 == 0;  // false iff some value is NaN/Inf (or squares overflow)
+  if (finite && !shift_well_conditioned(s1, s2, n)) {
     c = c + s1 / static_cast<V>(n);  // the block mean
-    s1 = 0;
-    s2 = 0;
-#pragma omp simd reduction(+ : s1, s2)
-    for (int64_t i = 0; i < n; ++i) push_shifted(load_work(at(i)), c, s1, s2);
+    shifted_pass<T, kUnit>(x, stride, n, c, s1, s2);
   }
-  if (probe != probe || !float_sums_ok(s1, s2, mn, mx)) {
+  if (!finite || !float_sums_ok(s1, s2, mn, mx)) {
     for (int64_t i = 0; i < n; ++i) acc_push(acc, load_double(at(i)), shift);
     return;
   }
@@ -155,7 +195,7 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
   double sum, sumsq, d1 = s1, d2 = s2;
   moments_to_raw(d1, d2, m, dc, sum, sumsq);
   shift_rebase(d1, d2, m, dc, shift);
-  const Acc blk{sum, sumsq, d1, d2, mn, mx, amx, 0, 0, 0, nz};
+  const Acc blk{sum, sumsq, d1, d2, mn, mx, absmax_of(mn, mx), 0, 0, 0, nz};
   acc_merge(acc, blk);
 }
 

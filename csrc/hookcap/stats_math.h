@@ -91,14 +91,28 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void push_shifted(V v, V shift, V& s1, V& s2) 
   s2 += d * d;
 }
 
+// Min, max and zero count of a finite value.
+template <typename V, typename C>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_minmax(V v, V& mn, V& mx, C& nzero) {
+  mn = v < mn ? v : mn;
+  mx = v > mx ? v : mx;
+  nzero += (v == V(0));
+}
+
+// Largest |v| of finite values with extrema mn <= mx (-inf if none): the
+// CPU loop derives it from min/max instead of tracking a third extremum.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE V absmax_of(V mn, V mx) {
+  const V a = -mn;
+  return a > mx ? a : mx;
+}
+
 // Extrema and zero count of a finite value.
 template <typename V, typename C>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void push_extrema(V v, V& mn, V& mx, V& amx, C& nzero) {
-  mn = v < mn ? v : mn;
-  mx = v > mx ? v : mx;
+  push_minmax(v, mn, mx, nzero);
   const V a = v < 0 ? -v : v;
   amx = a > amx ? a : amx;
-  nzero += (v == V(0));
 }
 
 // Update for a value known to be finite (double accumulators: the CUDA
