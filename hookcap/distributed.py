@@ -10,26 +10,27 @@ import numpy as np
 import torch
 
 from . import _layout
-from .history import History, make_record
+from .history import History, StepRecord, make_record
 
 _I64_MAX = np.iinfo(np.int64).max
 _SUM_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS, _layout.CALLS]
 _F64_COLS = [_layout.SUM, _layout.SUMSQ, _layout.S1, _layout.S2]
 
 
-def _dense(h: History, names: list[str], steps: list[int]):
-    """Raw int64 rows [S, M, width] of ``h`` aligned to (steps, names); cells a
-    rank never wrote hold the values of a freshly reset row."""
-    nb = h.histogram_spec.nbins if h.histogram_spec is not None else 0
+def _dense(records, local_names: list[str], nbins: int, names: list[str], steps: list[int]):
+    """Raw int64 rows [S, M, width] of ``records`` (whose metric indices refer
+    to ``local_names``) aligned to (steps, names); cells a rank never wrote
+    hold the values of a freshly reset row."""
     S, M = len(steps), len(names)
-    rows = np.zeros((S, M, _layout.HEADER + nb), dtype=np.int64)
+    rows = np.zeros((S, M, _layout.HEADER + nbins), dtype=np.int64)
     rows[..., _layout.SHIFT] = _layout.SHIFT_UNSET
     rows[..., _layout.MIN] = _layout.order_key(np.inf)
     rows[..., _layout.MAX] = _layout.order_key(-np.inf)
     rows[..., _layout.ABSMAX] = _layout.order_key(-np.inf)
-    col = np.array([names.index(n) for n in h.names], dtype=np.int64)
+    pos = {n: i for i, n in enumerate(names)}
+    col = np.array([pos[n] for n in local_names], dtype=np.int64)
     srow = {s: i for i, s in enumerate(steps)}
-    for r in h._records:
+    for r in records:
         i = srow[r.step]
         m = col[r.metrics]
         rows[i, m, : _layout.HEADER] = r.header
@@ -37,29 +38,33 @@ def _dense(h: History, names: list[str], steps: list[int]):
     return rows
 
 
-def merge_across_ranks(h: History, group=None) -> History:
-    """Collective: every rank of ``group`` must call it. Returns the History
-    of all ranks' data merged (identical on every rank). Metric rows agree
-    across ranks even when a rank lacks a metric; execution order and per-call
-    data are rank 0's."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    info = {"names": list(h.names), "steps": h.steps.tolist(),
-            "metas": {n: h.meta(n) for n in h.names}, "hist": repr(h.histogram_spec)}
-    infos = [None] * world
-    dist.all_gather_object(infos, info, group=group)
-    if len({i["hist"] for i in infos}) != 1:
-        raise ValueError("merge_across_ranks: ranks recorded with different histogram specs")
-    names: list[str] = []
-    metas: dict = {}
+def union_names(infos, names: list[str] | None = None, metas: dict | None = None):
+    """Metric names of all ranks' ``info["names"]`` (with ``info["metas"]``) in
+    rank order, first seen first, appended to ``names``/``metas`` (in place
+    when given). Identical on every rank given the same gathered infos."""
+    names = [] if names is None else names
+    metas = {} if metas is None else metas
     for i in infos:
         for n in i["names"]:
             if n not in metas:
                 names.append(n)
                 metas[n] = i["metas"][n]
-    steps = sorted({s for i in infos for s in i["steps"]})
-    rows = _dense(h, names, steps)
+    return names, metas
+
+
+def merge_records(records, local_names: list[str], spec, names: list[str], steps: list[int],
+                  group=None) -> list[StepRecord]:
+    """Collective (every rank of ``group``, with the same ``names`` and
+    ``steps``): this rank's ``records`` (metric indices into ``local_names``;
+    only steps in ``steps``) merged with every other rank's, one record per
+    step of ``steps`` against ``names``. Counts, sums and histograms add,
+    extrema combine, moments are re-expressed about one common shift: one
+    packed MIN and one packed SUM all-reduce. Execution order and per-call
+    data are this rank's (empty for a step it lacks)."""
+    import torch.distributed as dist
+
+    nb = spec.nbins if spec is not None else 0
+    rows = _dense(records, local_names, nb, names, steps)
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
@@ -98,9 +103,9 @@ def merge_across_ranks(h: History, group=None) -> History:
     out[..., _layout.SHIFT] = np.where(has_shift, common.view(np.int64), _layout.SHIFT_UNSET)
 
     # Execution order of each step from this rank's records (rank 0's on rank 0).
-    orders = {r.step: r for r in h._records}
+    orders = {r.step: r for r in records}
     col = {n: i for i, n in enumerate(names)}
-    remap = np.array([col[n] for n in h.names], dtype=np.int64)
+    remap = np.array([col[n] for n in local_names], dtype=np.int64)
     recs = []
     for i, step in enumerate(steps):
         mine = orders.get(step)
@@ -108,6 +113,26 @@ def merge_across_ranks(h: History, group=None) -> History:
         calls = remap[mine.calls] if mine is not None else None
         bad = mine.calls_nonfinite if mine is not None else None
         recs.append(make_record(step, np.arange(len(names)), out[i], order, calls, bad))
+    return recs
+
+
+def merge_across_ranks(h: History, group=None) -> History:
+    """Collective: every rank of ``group`` must call it. Returns the History
+    of all ranks' data merged (identical on every rank). Metric rows agree
+    across ranks even when a rank lacks a metric; execution order and per-call
+    data are rank 0's."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    info = {"names": list(h.names), "steps": h.steps.tolist(),
+            "metas": {n: h.meta(n) for n in h.names}, "hist": repr(h.histogram_spec)}
+    infos = [None] * world
+    dist.all_gather_object(infos, info, group=group)
+    if len({i["hist"] for i in infos}) != 1:
+        raise ValueError("merge_across_ranks: ranks recorded with different histogram specs")
+    names, metas = union_names(infos)
+    steps = sorted({s for i in infos for s in i["steps"]})
+    recs = merge_records(h._records, h.names, h.histogram_spec, names, steps, group)
     merged = History(recs, names, metas, h.histogram_spec)
     merged.anomalies = list(getattr(h, "anomalies", []))
     return merged

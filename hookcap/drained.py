@@ -23,11 +23,16 @@ class DrainedStep:
             ``hookcap.STAT_NAMES``), aligned with ``names``.
         histogram_spec: the Monitor's Histogram (or None).
         metas: metric name -> ``{"module_type", "kind", "shape", "dtype"}``.
+        rank: in a multi-rank run (torch.distributed initialised, world size
+            > 1), the rank whose own data this step holds (what detectors see,
+            and what sinks get with ``Monitor(rank_sinks="all")``); None for
+            records merged across ranks and in a single process.
     """
 
     def __init__(self, rec: StepRecord, all_names: list[str], metas: dict,
-                 histogram: Histogram | None):
+                 histogram: Histogram | None, rank: int | None = None):
         self.step = rec.step
+        self.rank = rank
         # Execution order first; metrics written but missing from the order
         # (none in practice) keep their row order after it.
         pos = {int(m): i for i, m in enumerate(rec.metrics)}
@@ -70,4 +75,5 @@ class DrainedStep:
         return out
 
     def __repr__(self) -> str:
-        return f"DrainedStep(step={self.step}, metrics={len(self)})"
+        r = "" if self.rank is None else f", rank={self.rank}"
+        return f"DrainedStep(step={self.step}, metrics={len(self)}{r})"

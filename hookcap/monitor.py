@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import logging
 import os
 import threading
@@ -27,6 +28,12 @@ CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param
 _DEFAULT_HIST = Histogram.log2()
 _SLOTS = 4
 ROOT_NAME = "model"
+RANK_SINKS = ("merged", "all")
+# How long a multi-rank Monitor with rank_sinks="merged" waits, once at its
+# first step(), for every rank's Monitor to answer before it falls back to
+# per-rank sinks.
+RANK_HANDSHAKE_TIMEOUT_S = 60.0
+_HANDSHAKE_SEQ = itertools.count()  # Monitors of this process that reached the handshake
 
 
 def _in_backward() -> bool:
@@ -158,6 +165,35 @@ class Monitor:
         dump_on_exit: path for a ``dump()`` when the process exits (atexit) or
             receives SIGTERM/SIGINT (the previous handler is chained, so the
             program's own handling, e.g. KeyboardInterrupt, still happens).
+        rank_sinks: where sink records go in a multi-rank run (torch.distributed
+            initialised, world size > 1; otherwise both values behave alike:
+            every record goes to this process's sinks, no collective runs).
+
+            - ``"merged"`` (default): rank 0's sinks receive each recorded step
+              merged across all ranks (counts, sums and histograms summed,
+              extrema combined: the math of ``history(all_ranks=True)``), one
+              record per step with ``DrainedStep.rank`` None; the sinks of
+              other ranks receive nothing. Every rank must create the Monitor
+              and call ``step()`` and ``detach()`` the same number of times:
+              ``step()`` then runs one small ``all_gather_object`` plus one
+              MIN and one SUM all-reduce of the steps due (on a gloo group of
+              its own, host memory only: no device copy or sync, also under
+              NCCL), and ``detach()`` flushes the last steps (a collective).
+              The collectives run only when some rank has sinks. At the first
+              ``step()`` the ranks agree through the c10d store (waiting up to
+              ``hookcap.monitor.RANK_HANDSHAKE_TIMEOUT_S``, 60 s); if some
+              rank does not answer in time (e.g. only rank 0 created the
+              Monitor), one warning is logged and this Monitor behaves like
+              ``"all"``. A step is written once every rank has it complete
+              (on CUDA the drain trails training by up to 4 recorded steps);
+              detectors keep running on each rank's own data.
+            - ``"all"``: each rank's sinks receive that rank's own records
+              (``DrainedStep.rank`` = the rank); no collective runs. Sinks are
+              told their rank by ``bind_rank(rank)`` before the first write:
+              ``JSONL``/``CSV`` write ``path`` with ``{rank}`` replaced, or
+              with ``.rank{r}`` before the extension (``stats.jsonl`` ->
+              ``stats.rank1.jsonl``); ``TensorBoard`` writes under
+              ``log_dir/rank{r}``; ``WandB`` prefixes its keys with ``rank{r}/``.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -178,9 +214,13 @@ class Monitor:
         sinks=None,
         dump_on_anomaly=None,
         dump_on_exit=None,
+        rank_sinks: str = "merged",
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
+        if not (isinstance(rank_sinks, str) and rank_sinks in RANK_SINKS):
+            raise ValueError(f"rank_sinks: expected 'merged' (rank 0 writes records merged across "
+                             f"ranks) or 'all' (every rank writes its own), got {rank_sinks!r}")
         self.capture = _validate(capture, histogram, capacity, every, modules)
         self.model = model
         self.histogram = histogram
@@ -218,6 +258,15 @@ class Monitor:
         self._dumped = False
         self.dump_on_exit = dump_on_exit
         self._exit_hooked = False
+        # Multi-rank sinks (decided at the first step() that sees a process group).
+        self.rank_sinks = rank_sinks
+        self._ranks_decided = False
+        self._rank: int | None = None  # this process's rank in a multi-rank run (DrainedStep.rank)
+        self._merge_group = None  # gloo group: merged rank_sinks is on
+        self._pending: list = []  # completed StepRecords not merged yet
+        self._merge_names: list[str] = []  # union of all ranks' metric names (same on every rank)
+        self._merge_metas: dict = {}
+        self._names_sent = 0  # own metric names already sent to the other ranks
         self._reset_recording_state()
         _MONITORS[id(self)] = self
 
@@ -285,14 +334,18 @@ class Monitor:
 
     def detach(self) -> None:
         """Remove every hook this Monitor added and close the sinks (the
-        history stays readable)."""
+        history stays readable). With ``rank_sinks="merged"`` in a multi-rank
+        run this is a collective: every rank's ``detach()`` merges the steps
+        still pending and rank 0 writes them before its sinks are closed."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         was = self._attached
         self._attached = False
-        if was and self.sinks:
+        if was and (self.sinks or self._merge_group is not None):
             self._collect(wait=True)
+            if self._merge_group is not None:
+                self._merge_pending()
             for sink in list(self.sinks):
                 try:
                     sink.close()
@@ -540,7 +593,11 @@ class Monitor:
 
     # -- steps ------------------------------------------------------------------
     def step(self) -> None:
-        """Close the current step and open the next. No host sync on CUDA."""
+        """Close the current step and open the next. No host sync on CUDA.
+        With ``rank_sinks="merged"`` in a multi-rank run, also a (host-only)
+        collective on every rank: see the class docstring."""
+        if not self._ranks_decided:
+            self._setup_ranks()
         if self._enabled:
             if "param" in self.capture and self._attached:
                 with torch.no_grad():
@@ -548,6 +605,8 @@ class Monitor:
                         self._write(pname, "param", "", p.detach(), "Parameter", 0)
             self._finish_step()
         self._collect(wait=False)
+        if self._merge_group is not None:
+            self._merge_pending()
         step, enabled, slot = next_host_state(self._step, self._slot, self.every, _SLOTS)
         if enabled:
             for ring in self._rings.values():
@@ -618,24 +677,152 @@ class Monitor:
         calls_bad = bad
         rec = make_record(step, metrics, rows, order, calls, calls_bad)
         self._store.add(rec)
+        sinks = self.sinks
+        if self._merge_group is not None:  # the sinks get it merged across ranks (_merge_pending)
+            self._pending.append(rec)
+            sinks = ()
         # The default detector alone only cares about steps with NaN/Inf.
-        quiet = not self.sinks and not calls_bad.any() and not rows[
+        quiet = not sinks and not calls_bad.any() and not rows[
             :, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].any() and all(
             type(d) is NonFinite for d in self.detectors)
-        if (self.detectors or self.sinks) and not quiet:
-            drained = DrainedStep(rec, self._names, self._metas, self.histogram)
+        if (self.detectors or sinks) and not quiet:
+            drained = DrainedStep(rec, self._names, self._metas, self.histogram, self._rank)
             for det in self.detectors:
                 for a in as_anomalies(det(drained)):
                     self._anomaly(a)
-            for sink in list(self.sinks):
+            if sinks:
+                self._write_sinks(drained)
+
+    def _write_sinks(self, drained: DrainedStep) -> None:
+        for sink in list(self.sinks):
+            try:
+                if sink.wants(drained) if hasattr(sink, "wants") else True:
+                    sink.write(drained)
+            except Exception as e:  # a sink must never stop training
+                self._disable_sink(sink, e)
+
+    def _disable_sink(self, sink, e: Exception) -> None:
+        self.sinks.remove(sink)
+        self.failed_sinks.append((sink, e))
+        log.error("hookcap: sink %r failed and was disabled: %s: %s (the history "
+                  "keeps every step)", sink, type(e).__name__, e)
+
+    # -- multi-rank sinks ---------------------------------------------------------
+    def _setup_ranks(self) -> None:
+        """Once, at the first step() that sees an initialised process group:
+        where this Monitor's sink records go (see ``rank_sinks``)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # single process (so far): records go to the sinks as they are
+        self._ranks_decided = True
+        if dist.get_world_size() <= 1:
+            return
+        self._rank = dist.get_rank()
+        if self.rank_sinks == "merged":
+            decision = self._handshake()
+            if decision == "none":
+                return  # no rank has sinks: nothing to merge, no collective ever
+            if decision == "merged":
+                self._merge_group = dist.new_group(backend="gloo")
+                self._bind_sinks(None)
+                if self._rank != 0 and self.sinks:
+                    log.info("hookcap: rank_sinks='merged': rank 0 writes the records merged across "
+                             "ranks; the sinks of rank %d receive nothing (rank_sinks='all' gives "
+                             "one stream per rank)", self._rank)
+                return
+        self._bind_sinks(self._rank)  # "all", or the fallback of "merged"
+
+    def _bind_sinks(self, rank: int | None) -> None:
+        for sink in list(self.sinks):
+            bind = getattr(sink, "bind_rank", None)
+            if callable(bind):
                 try:
-                    if sink.wants(drained) if hasattr(sink, "wants") else True:
-                        sink.write(drained)
-                except Exception as e:  # a sink must never stop training
-                    self.sinks.remove(sink)
-                    self.failed_sinks.append((sink, e))
-                    log.error("hookcap: sink %r failed and was disabled: %s: %s (the history "
-                              "keeps every step)", sink, type(e).__name__, e)
+                    bind(rank)
+                except Exception as e:
+                    self._disable_sink(sink, e)
+
+    def _handshake(self) -> str:
+        """Agree with the other ranks' Monitors through the c10d store: each
+        rank publishes whether it has sinks and waits for all the others; the
+        first rank to decide writes the outcome, which every rank follows:
+        "merged", "none" (every rank answered, none has sinks) or "local"
+        (some rank did not answer in time: per-rank sinks)."""
+        from datetime import timedelta
+
+        dist = torch.distributed
+        world, rank = dist.get_world_size(), self._rank
+        base = f"hookcap/rank_sinks/{next(_HANDSHAKE_SEQ)}"
+        keys = [f"{base}/{r}" for r in range(world)]
+        timeout = RANK_HANDSHAKE_TIMEOUT_S
+        missing: list[int] = []
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(keys[rank], "1" if self.sinks else "0")
+            try:
+                store.wait(keys, timedelta(seconds=timeout))
+                want = "merged" if any(store.get(k) == b"1" for k in keys) else "none"
+            except RuntimeError:  # timed out (c10d DistStoreError)
+                want = "local"
+            decision = store.compare_set(f"{base}/decision", "", want).decode()
+            if decision == "local":
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        except Exception as e:
+            log.warning("hookcap: rank_sinks='merged': the c10d store handshake failed (%s: %s); "
+                        "this Monitor falls back to per-rank sinks", type(e).__name__, e)
+            return "local"
+        if decision == "local":
+            who = (f"rank(s) {missing} did not answer within {timeout:g} s" if missing else
+                   f"another rank gave up waiting (RANK_HANDSHAKE_TIMEOUT_S = {timeout:g} s)")
+            log.warning("hookcap: rank_sinks='merged' needs a Monitor on every rank calling step() "
+                        "and detach(); %s, so this Monitor (rank %d) falls back to per-rank sinks, "
+                        "as with rank_sinks='all' (pass rank_sinks='all' to skip this wait)",
+                        who, rank)
+        return decision
+
+    def _merge_pending(self) -> None:
+        """Merged rank_sinks, on every rank at every step() and at detach():
+        one all_gather_object of (watermark, pending steps, new metric names),
+        then, for the steps every rank has complete, one MIN and one SUM
+        all-reduce (skipped together when nothing is due or rank 0 has no
+        sinks); rank 0 writes the merged records in step order."""
+        from .distributed import merge_records, union_names
+
+        dist = torch.distributed
+        group = self._merge_group
+        new = self._names[self._names_sent:]
+        # Every recorded step <= watermark is complete here (or was dropped).
+        watermark = min(self._partial) - 1 if self._partial else self._step
+        info = {"watermark": watermark, "steps": [r.step for r in self._pending],
+                "names": new, "metas": {n: self._metas[n] for n in new},
+                "hist": repr(self.histogram), "write": bool(self.sinks)}
+        infos = [None] * dist.get_world_size(group)
+        dist.all_gather_object(infos, info, group=group)
+        self._names_sent += len(new)
+        union_names(infos, self._merge_names, self._merge_metas)
+        if len({i["hist"] for i in infos}) != 1:
+            self._unmerge("the ranks record with different histogram specs")
+            return
+        cut = min(i["watermark"] for i in infos)
+        steps = sorted({s for i in infos for s in i["steps"] if s <= cut})
+        due = [r for r in self._pending if r.step <= cut]
+        self._pending = [r for r in self._pending if r.step > cut]
+        if not steps or not infos[0]["write"]:
+            return  # the same on every rank: all skip the all-reduces
+        recs = merge_records(due, self._names, self.histogram, self._merge_names, steps, group)
+        if self._rank == 0:
+            for rec in recs:
+                self._write_sinks(DrainedStep(rec, self._merge_names, self._merge_metas,
+                                              self.histogram))
+
+    def _unmerge(self, why: str) -> None:
+        """Every rank at once (decided from the same gathered data): stop
+        merging, write the pending records to this rank's own sinks."""
+        log.error("hookcap: rank_sinks='merged': %s; this Monitor falls back to per-rank sinks", why)
+        self._merge_group = None
+        self._bind_sinks(self._rank)
+        pending, self._pending = self._pending, []
+        for rec in pending:
+            self._write_sinks(DrainedStep(rec, self._names, self._metas, self.histogram, self._rank))
 
     def _hook_exit(self) -> None:
         """Dump at interpreter exit and on SIGTERM/SIGINT, chaining any

@@ -1,7 +1,10 @@
 """Multi-rank merge with torch.distributed (gloo, 2 processes on the CPU):
 merged stats equal those of the global batch computed in one process."""
 
+import json
+import logging
 import pickle
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -27,7 +30,9 @@ def batches(steps=3, n=8):
 
 
 def _init(rank, world, store):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # A short timeout: a rank stuck in a collective fails the test instead of hanging it.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
 
 
 def _ddp_worker(rank, world, store, out):
@@ -39,7 +44,8 @@ def _ddp_worker(rank, world, store, out):
     # Rank 1 also records a metric rank 0 never sees.
     extra = nn.Linear(2, 2) if rank == 1 else None
     mon = Monitor(model, capture="output").attach()
-    emon = Monitor(extra, capture="output").attach() if extra is not None else None
+    # A Monitor on one rank only: rank_sinks="all" (no cross-rank handshake to wait for).
+    emon = Monitor(extra, capture="output", rank_sinks="all").attach() if extra is not None else None
     for x in batches():
         local = x[rank * 4:(rank + 1) * 4]
         ddp(local).pow(2).mean().backward()
@@ -60,10 +66,24 @@ def _ddp_worker(rank, world, store, out):
 
 def spawn(fn, tmp_path, world=2):
     store, out = tmp_path / "store", tmp_path / "out.pkl"
+    # join=True: a worker that raises terminates the others and raises here.
     mp.start_processes(fn, args=(world, str(store), str(out)), nprocs=world, join=True,
                        start_method="spawn")
     with open(out, "rb") as f:
         return pickle.load(f)
+
+
+def spawn_all(fn, tmp_path, *args, world=2):
+    """Run ``fn(rank, world, store, out, *args)``; each rank pickles its result
+    to ``f"{out}.{rank}"``. Returns the results of all ranks."""
+    store, out = tmp_path / "store", tmp_path / "out.pkl"
+    mp.start_processes(fn, args=(world, str(store), str(out), *args), nprocs=world, join=True,
+                       start_method="spawn")
+    res = []
+    for r in range(world):
+        with open(f"{out}.{r}", "rb") as f:
+            res.append(pickle.load(f))
+    return res
 
 
 def test_ddp_activation_stats_merge_to_global_batch(tmp_path):
@@ -132,3 +152,246 @@ def test_fsdp2_param_grad_shards_merge_to_full_gradient(tmp_path):
         assert merged["count"][0, c] == ref["count"]
         for stat in ("sum", "sumsq", "min", "max"):
             assert merged[stat][0, c] == pytest.approx(ref[stat], rel=1e-5, abs=1e-7), (name, stat)
+
+
+# --------------------------------------------------------------------------- rank_sinks
+
+class Net(nn.Module):
+    """The model of make_model() plus a head only rank 1 runs (a metric one rank lacks)."""
+
+    def __init__(self, use_extra=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)
+        self.extra = nn.Linear(4, 4)
+        self.use_extra = use_extra
+
+    def forward(self, x):
+        y = self.fc2(self.act(self.fc1(x)))
+        return self.extra(y) if self.use_extra else y
+
+
+def _plain(d):
+    """A DrainedStep as plain data: (step, rank, {name: (stats, histogram)})."""
+    return d.step, d.rank, {n: (d.stats_of(n), d.histogram(n).tolist()) for n in d.names}
+
+
+def _cells(h):
+    """A History as {step: {name: (stats, histogram)}} of its recorded cells."""
+    out = {}
+    for s, step in enumerate(h.steps.tolist()):
+        out[step] = {n: ({k: float(h[k][s, h.column(n)]) for k in h.stat_names},
+                         h.histogram(n)[s].tolist())
+                     for n in h.names if not np.isnan(h["count"][s, h.column(n)])}
+    return out
+
+
+def _merged_worker(rank, world, store, out):
+    _init(rank, world, store)
+    torch.set_num_threads(1)
+    model = Net(use_extra=rank == 1)
+    got_a, got_b = [], []
+    # The usual pattern: sinks on rank 0 only.
+    mon_a = Monitor(model, capture="output",
+                    sinks=[hookcap.sinks.Callback(lambda d: got_a.append(_plain(d)))] if rank == 0 else [])
+    # Sinks on every rank (rank 1's get nothing); rank 1's drain is held back, so
+    # no step is complete on every rank before detach() flushes them.
+    mon_b = Monitor(model, capture="output",
+                    sinks=[hookcap.sinks.Callback(lambda d: got_b.append(_plain(d)))])
+    mon_a.attach()
+    mon_b.attach()
+    if rank == 1:
+        mon_b._reader_stalled = True
+    for x in batches(3):
+        with torch.no_grad():
+            model(x[rank * 4:(rank + 1) * 4])
+        mon_a.step()
+        mon_b.step()
+    b_before_detach = len(got_b)
+    mon_a.detach()
+    mon_b.detach()
+    ha, hb = mon_a.history(all_ranks=True), mon_b.history(all_ranks=True)
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump({"got_a": got_a, "got_b": got_b, "ha": _cells(ha), "hb": _cells(hb),
+                     "b_before_detach": b_before_detach}, f)
+    dist.destroy_process_group()
+
+
+def test_rank_sinks_merged_rank0_writes_merged_records(tmp_path):
+    r0, r1 = spawn_all(_merged_worker, tmp_path)
+    # Reference: the global batch in one process (and rank 1's half through the extra head).
+    model = Net()
+    with Monitor(model, capture="output") as ref_mon:
+        for x in batches(3):
+            with torch.no_grad():
+                model(x)
+            ref_mon.step()
+    ref = _cells(ref_mon.history())
+    model.use_extra = True
+    with Monitor(model.extra, capture="output") as extra_mon:
+        for x in batches(3):
+            with torch.no_grad():
+                model(x[4:8])
+            extra_mon.step()
+    ref_extra = _cells(extra_mon.history())
+    assert r1["got_a"] == [] and r1["got_b"] == []  # only rank 0's sinks write
+    assert r0["b_before_detach"] == 0  # held back until every rank had the steps complete
+    for got, merged in ((r0["got_a"], r0["ha"]), (r0["got_b"], r0["hb"])):
+        assert [s for s, _, _ in got] == sorted(merged) == [0, 1, 2]
+        for step, rank, cells in got:
+            assert rank is None
+            assert set(cells) == set(merged[step]) == {"fc1/output", "act/output", "fc2/output",
+                                                       "extra/output"}
+            for name, (stats, hist) in cells.items():
+                mstats, mhist = merged[step][name]
+                for k in ("count", "sum", "min", "max", "sumsq", "nan"):
+                    assert stats[k] == mstats[k], (step, name, k)
+                assert hist == mhist, (step, name)
+                want = ref_extra[step]["model/output"] if name == "extra/output" else ref[step][name]
+                assert stats["count"] == want[0]["count"], (step, name)
+                assert sum(hist) == want[0]["count"]
+                # Batches of 4 and of 8 round the float32 matmuls differently.
+                scale = want[0]["count"] * want[0]["absmax"]
+                assert stats["sum"] == pytest.approx(want[0]["sum"], rel=1e-5, abs=1e-6 * scale)
+                assert (stats["min"], stats["max"]) == pytest.approx((want[0]["min"], want[0]["max"]),
+                                                                     rel=1e-5, abs=1e-6)
+
+
+def _all_worker(rank, world, store, out, path):
+    _init(rank, world, store)
+    torch.set_num_threads(1)
+    model = Net(use_extra=rank == 1)
+    sink = hookcap.sinks.JSONL(path, histogram=True)  # the same path argument on every rank
+    with Monitor(model, capture="output", sinks=[sink], rank_sinks="all") as mon:
+        for x in batches(3):
+            with torch.no_grad():
+                model(x[rank * 4:(rank + 1) * 4])
+            mon.step()
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump({"h": _cells(mon.history()), "path": sink.path, "rank": sink.rank}, f)
+    dist.destroy_process_group()
+
+
+def test_rank_sinks_all_one_file_per_rank(tmp_path):
+    path = tmp_path / "logs" / "stats.jsonl"
+    res = spawn_all(_all_worker, tmp_path, str(path))
+    assert not path.exists()
+    for rank, r in enumerate(res):
+        assert r["rank"] == rank and r["path"] == str(tmp_path / "logs" / f"stats.rank{rank}.jsonl")
+        with open(r["path"]) as f:
+            lines = [json.loads(line) for line in f]
+        assert {d["rank"] for d in lines} == {rank}
+        assert sorted({d["step"] for d in lines}) == sorted(r["h"]) == [0, 1, 2]
+        assert len(lines) == sum(len(c) for c in r["h"].values())
+        assert any(d["name"] == "extra/output" for d in lines) == (rank == 1)
+        for d in lines:
+            stats, hist = r["h"][d["step"]][d["name"]]
+            for k in ("count", "sum", "min", "max", "sumsq", "mean"):
+                assert d[k] == stats[k], (rank, d["step"], d["name"], k)
+            assert d["hist"] == hist
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _timeout_worker(rank, world, store, out):
+    _init(rank, world, store)
+    torch.set_num_threads(1)
+    import hookcap.monitor
+
+    hookcap.monitor.RANK_HANDSHAKE_TIMEOUT_S = 2.0
+    warnings = _Warnings()
+    logging.getLogger("hookcap").addHandler(warnings)
+    res = {}
+    if rank == 0:  # only rank 0 creates a Monitor (with the default rank_sinks="merged")
+        model = Net()
+        got = []
+        with Monitor(model, capture="output", sinks=[hookcap.sinks.Callback(
+                lambda d: got.append(_plain(d)))]) as mon:
+            for x in batches(3):
+                with torch.no_grad():
+                    model(x[:4])
+                mon.step()
+        res = {"got": got, "h": _cells(mon.history()), "warnings": warnings.messages}
+    dist.barrier()  # rank 1 waits here: no collective of the Monitor may run
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump(res, f)
+    dist.destroy_process_group()
+
+
+def test_rank_sinks_handshake_timeout_falls_back_to_local_records(tmp_path):
+    r0, _ = spawn_all(_timeout_worker, tmp_path)
+    assert len(r0["warnings"]) == 1, r0["warnings"]
+    assert "[1] did not answer" in r0["warnings"][0] and "rank_sinks='all'" in r0["warnings"][0]
+    assert [s for s, _, _ in r0["got"]] == sorted(r0["h"]) == [0, 1, 2]
+    for step, rank, cells in r0["got"]:
+        assert rank == 0
+        assert set(cells) == set(r0["h"][step])
+        for name, (stats, hist) in cells.items():
+            want, whist = r0["h"][step][name]
+            assert {k: stats[k] for k in ("count", "sum", "min", "max")} == \
+                {k: want[k] for k in ("count", "sum", "min", "max")}
+            assert hist == whist
+
+
+def test_rank_sinks_single_process_unchanged(tmp_path):
+    with pytest.raises(ValueError, match="rank_sinks"):
+        Monitor(make_model(), rank_sinks="bogus")
+    assert not dist.is_initialized()
+    for mode in ("merged", "all"):
+        model = make_model()
+        sink = hookcap.sinks.JSONL(tmp_path / f"{mode}.jsonl")
+        got = []
+        with Monitor(model, capture="output", rank_sinks=mode,
+                     sinks=[sink, hookcap.sinks.Callback(got.append)]) as mon:
+            for x in batches(2):
+                model(x)
+                mon.step()
+        assert sink.rank is None and sink.path == str(tmp_path / f"{mode}.jsonl")
+        assert [d.rank for d in got] == [None, None] and mon._merge_group is None
+        with open(sink.path) as f:
+            lines = [json.loads(line) for line in f]
+        h = mon.history()
+        assert len(lines) == len(h) * len(h.names) and all("rank" not in d for d in lines)
+
+
+def test_bind_rank_names_per_rank_outputs(tmp_path):
+    from hookcap.sinks.jsonl import rank_path
+
+    assert rank_path("a/stats.jsonl", None) == "a/stats.jsonl"
+    assert rank_path("a/stats.jsonl", 3) == "a/stats.rank3.jsonl"
+    assert rank_path("a.d/stats", 1) == "a.d/stats.rank1"
+    assert rank_path("a/r{rank}/s.csv", 2) == "a/r2/s.csv"
+    c = hookcap.sinks.CSV(tmp_path / "x{rank}.csv")
+    c.bind_rank(5)
+    assert c.path == str(tmp_path / "x5.csv") and c.rank == 5
+    c.bind_rank(None)
+    assert c.path == str(tmp_path / "x{rank}.csv")
+    try:
+        tb = hookcap.sinks.TensorBoard(tmp_path / "tb")
+    except ImportError:
+        tb = None
+    if tb is not None:
+        tb.bind_rank(1)
+        tb.bind_rank(1)
+        assert tb.log_dir == str(tmp_path / "tb" / "rank1")
+    try:
+        wb = hookcap.sinks.WandB(run=object(), stats=["count"], histograms=False)
+    except ImportError:
+        wb = None
+    if wb is not None:
+        model = make_model()
+        got = []
+        with Monitor(model, capture="output", sinks=[hookcap.sinks.Callback(got.append)]) as mon:
+            model(batches(1)[0])
+            mon.step()
+        d = got[0]
+        assert set(wb.payload(d)) == {f"{n}/count" for n in d.names}
+        d.rank = 1
+        assert wb.payload(d) == {f"rank1/{n}/count": d.stats["count"][i] for i, n in enumerate(d.names)}

@@ -1,7 +1,8 @@
 """Sinks: consumers of drained steps, run in the drain (never in a hook).
 
 A sink is any object with ``write(step: hookcap.drained.DrainedStep)`` and
-``close()``; subclass :class:`Sink` for the ``stats=`` and ``every=`` options.
+``close()`` (and optionally ``bind_rank(rank)``, see :meth:`Sink.bind_rank`);
+subclass :class:`Sink` for the ``stats=`` and ``every=`` options.
 A sink that raises is reported once and disabled by the Monitor; training,
 the other sinks and the history go on.
 
@@ -20,7 +21,13 @@ from ..drained import DrainedStep
 
 class Sink:
     """Base class. ``stats``: stat names to write (default: all);
-    ``every``: write only steps whose number is a multiple of ``every``."""
+    ``every``: write only steps whose number is a multiple of ``every``.
+
+    ``rank``: the rank whose own records this sink receives, set by the
+    Monitor through :meth:`bind_rank` in a multi-rank run; None for records
+    merged across ranks and in a single process (the default)."""
+
+    rank: int | None = None
 
     def __init__(self, stats: Iterable[str] | None = None, every: int = 1):
         stats = tuple(STAT_NAMES if stats is None else stats)
@@ -31,6 +38,15 @@ class Sink:
             raise ValueError(f"every: must be an int >= 1, got {every!r}")
         self.stats = stats
         self.every = every
+
+    def bind_rank(self, rank: int | None) -> None:
+        """Called by the Monitor once in a multi-rank run (torch.distributed
+        initialised, world size > 1), before the first write: ``rank`` when this
+        sink will receive that rank's own records (``rank_sinks="all"``, or the
+        per-rank fallback), None when it receives records merged across ranks.
+        File sinks use it to keep ranks apart (see :class:`JSONL`). Duck-typed
+        sinks may define it too; it is optional."""
+        self.rank = rank
 
     def wants(self, step: DrainedStep) -> bool:
         return step.step % self.every == 0

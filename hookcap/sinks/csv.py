@@ -20,6 +20,9 @@ class CSV(_TextFileSink):
     gives the value back bit-exact; NaN is ``nan``, +-Inf ``inf``/``-inf``, which
     ``float`` and pandas read); count stats are integers. ``append=True``
     continues an existing file (its header must match; no second header).
+    Per-rank records of a multi-rank run go to one file per rank (``{rank}``
+    in ``path``, else ``run.rank1.csv``; see ``hookcap.sinks.jsonl.rank_path``),
+    with the same columns.
     """
 
     def _header(self) -> list[str]:

@@ -31,17 +31,41 @@ def histogram_spec_dict(spec) -> dict:
     return d
 
 
+def rank_path(path: str, rank: int | None) -> str:
+    """The file a sink of ``rank`` writes: ``{rank}`` in ``path`` is replaced
+    by the rank; otherwise ``.rank{r}`` goes before the extension
+    (``stats.jsonl`` -> ``stats.rank1.jsonl``). ``rank=None``: ``path`` as given."""
+    if rank is None:
+        return path
+    if "{rank}" in path:
+        return path.replace("{rank}", str(int(rank)))
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{int(rank)}{ext}"
+
+
 class _TextFileSink(Sink):
     """Opens ``path`` lazily at the first write (creating parent folders),
     writes each step with one ``write`` and flushes it, so the data is on disk
-    without ``close()``. After ``close()`` a later write appends."""
+    without ``close()``. After ``close()`` a later write appends.
+
+    In a multi-rank run with per-rank records (``Monitor(rank_sinks="all")``)
+    each rank writes its own file, named by :func:`rank_path`: ``{rank}`` in
+    the path is replaced by the rank, else ``.rank{r}`` is inserted before the
+    extension (``stats.jsonl`` -> ``stats.rank1.jsonl``); ``self.path`` is the
+    file actually written. Records merged across ranks and single-process runs
+    write ``path`` as given."""
 
     def __init__(self, path, stats=None, every=1, append=False):
         super().__init__(stats, every)
-        self.path = os.fspath(path)
+        self.path_template = os.fspath(path)
+        self.path = self.path_template
         self.append = bool(append)
         self._f = None
         self._opened_once = False
+
+    def bind_rank(self, rank: int | None) -> None:
+        super().bind_rank(rank)
+        self.path = rank_path(self.path_template, rank)
 
     def _open(self):
         parent = os.path.dirname(os.path.abspath(self.path))
@@ -88,7 +112,9 @@ class JSONL(_TextFileSink):
     """``hookcap.sinks.JSONL(path, stats=None, every=1, append=False, histogram=False)``
 
     One JSON object per line and per (step, metric), in execution order within
-    a step: ``{"step": 3, "name": "fc/output", "count": 64, ..., "l2norm": 1.23}``.
+    a step: ``{"step": 3, "name": "fc/output", "count": 64, ..., "l2norm": 1.23}``;
+    per-rank records of a multi-rank run also carry ``"rank": r`` after
+    ``"step"`` (absent for merged and single-process records).
     Floats are written in their shortest round-trip form (they read back
     bit-exact); NaN is ``null``; count stats are integers. With
     ``histogram=True`` each line also holds ``"hist"`` (all bin counts) and
@@ -105,9 +131,11 @@ class JSONL(_TextFileSink):
         spec = step.histogram_spec if self.histogram else None
         spec_json = json.dumps(histogram_spec_dict(spec)) if spec is not None else None
         cols = [(s, step.stats[s], s in COUNT_STATS) for s in self.stats]
+        rank = getattr(step, "rank", None)
+        head = f'"step": {int(step.step)}' + ("" if rank is None else f', "rank": {int(rank)}')
         lines = []
         for i, name in enumerate(step.names):
-            parts = [f'"step": {int(step.step)}', f'"name": {json.dumps(name)}']
+            parts = [head, f'"name": {json.dumps(name)}']
             for s, v, is_count in cols:
                 x = float(v[i])
                 parts.append(f'"{s}": ' + (str(int(x)) if is_count and math.isfinite(x) else json_number(x)))

@@ -53,6 +53,11 @@ class TensorBoard(Sink):
 
     ``log_dir`` may also be an existing ``SummaryWriter`` (it is flushed, not
     closed, by ``close()``). Each step is written as one event and flushed.
+
+    Per-rank records of a multi-rank run (``Monitor(rank_sinks="all")``) are
+    written under ``{log_dir}/rank{r}`` (one TensorBoard run per rank); with
+    ``log_dir=None`` the default ``runs/...`` folder name gets a ``_rank{r}``
+    suffix. A ``SummaryWriter`` passed in is used as given (give each rank its own).
     """
 
     def __init__(self, log_dir=None, stats=None, every=1, histograms=True, prefix: str = ""):
@@ -63,17 +68,29 @@ class TensorBoard(Sink):
         else:
             self.writer, self._owned = None, True
             self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self._base_log_dir = self.log_dir
         self.histograms = bool(histograms)
         self.prefix = prefix
+        self._rank_dir = None  # "rank{r}" once bound to a rank (bind_rank)
         self._limits: dict[Histogram, np.ndarray] = {}
         # One event per step (scalars and histograms together) is ~8x faster
         # than one add_scalar per value; fall back to the public per-value
         # calls if a writer lacks the file-writer accessor.
         self._batched = True
 
+    def bind_rank(self, rank: int | None) -> None:
+        super().bind_rank(rank)
+        if self._owned and self.writer is None:  # a writer in use keeps its folder
+            self._rank_dir = None if rank is None else f"rank{int(rank)}"
+            base = self._base_log_dir
+            self.log_dir = base if base is None or rank is None else os.path.join(base, self._rank_dir)
+
     def _writer(self):
         if self.writer is None:
-            self.writer = self._SummaryWriter(log_dir=self.log_dir)
+            if self.log_dir is None and self._rank_dir is not None:
+                self.writer = self._SummaryWriter(comment=f"_{self._rank_dir}")
+            else:
+                self.writer = self._SummaryWriter(log_dir=self.log_dir)
             self.log_dir = self.writer.log_dir
         return self.writer
 

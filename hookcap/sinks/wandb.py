@@ -51,6 +51,12 @@ class WandB(Sink):
     training by up to 4 recorded steps, so if you also ``run.log(..., step=k)``
     yourself, log only after ``mon.step()`` of step ``k`` has drained or give
     hookcap its own run.
+
+    Per-rank records of a multi-rank run (``Monitor(rank_sinks="all")``) are
+    logged under ``f"rank{r}/{prefix}{name}/{stat}"`` (and ``.../hist``), so
+    ranks never overwrite each other's keys, whether each rank has its own
+    run or several ranks share one; merged and single-process records keep
+    the plain keys.
     """
 
     def __init__(self, run=None, stats=None, every=1, histograms=True, prefix: str = ""):
@@ -66,7 +72,9 @@ class WandB(Sink):
 
     def payload(self, step: DrainedStep) -> dict:
         """The dict passed to ``run.log`` for ``step``."""
-        out = {f"{self.prefix}{name}/{stat}": float(step.stats[stat][i])
+        rank = getattr(step, "rank", None)
+        pre = self.prefix if rank is None else f"rank{int(rank)}/{self.prefix}"
+        out = {f"{pre}{name}/{stat}": float(step.stats[stat][i])
                for i, name in enumerate(step.names) for stat in self.stats}
         spec = step.histogram_spec
         if self.histograms and spec is not None:
@@ -76,7 +84,7 @@ class WandB(Sink):
             for name in step.names:
                 arrs = wandb_histogram_arrays(step.histogram(name), edges)
                 if arrs is not None:
-                    out[f"{self.prefix}{name}/hist"] = self._wandb.Histogram(
+                    out[f"{pre}{name}/hist"] = self._wandb.Histogram(
                         np_histogram=(arrs[0].tolist(), arrs[1].tolist()))
         return out
 
