@@ -8,6 +8,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -118,6 +120,23 @@ HC_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
 // bin indices come out of the same loop.
 constexpr int kLanes = 16;
 
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+typedef uint32_t u8v __attribute__((vector_size(32)));
+
+template <typename T>
+HC_ALWAYS_INLINE f8 load8(const T* p) {
+  f8 v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof v);
+  } else {
+    float t[8];
+    for (int j = 0; j < 8; ++j) t[j] = load_float(p + j);
+    std::memcpy(&v, t, sizeof v);
+  }
+  return v;
+}
+
 template <typename T, bool kUnit>
 HC_ALWAYS_INLINE void shifted_pass(const T* x, int64_t stride, int64_t n, work_t<T> c,
                                    work_t<T>& s1_out, work_t<T>& s2_out) {
@@ -142,11 +161,54 @@ HC_ALWAYS_INLINE void shifted_pass(const T* x, int64_t stride, int64_t n, work_t
 template <typename T, bool kUnit, int kHist>
 HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double shift,
                                   work_t<T>& center, Acc& acc, const HistSpec& h,
-                                  int32_t* idx) {
+                                  int32_t* idx, uint8_t* eb, work_t<T>& absmax) {
   using V = work_t<T>;
   auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
   const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
   V c = center;
+  V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
+  int32_t nz = 0;
+  int64_t head = 0;  // elements done by the explicit-vector loop
+  if constexpr (std::is_same_v<V, float> && kUnit) {
+    // Two 8-float vectors per quantity: independent add chains, all in
+    // registers (the compiler's own vectorisation of lane arrays spills).
+    head = n - n % 32;
+    const f8 cv = f8{} + c;
+    f8 vs1[2] = {}, vs2[2] = {}, vmn[2], vmx[2];
+    i8v vnz[2] = {};
+    for (int k = 0; k < 2; ++k) {
+      vmn[k] = f8{} + static_cast<float>(kInf);
+      vmx[k] = f8{} - static_cast<float>(kInf);
+    }
+    for (int64_t i = 0; i < head; i += 32) {
+      u8v packed = {};  // exponent field of element 8k + j in byte k of lane j
+      for (int k = 0; k < 4; ++k) {
+        const f8 v = load8(x + i + 8 * k);
+        push_shifted(v, cv, vs1[k & 1], vs2[k & 1]);
+        push_minmax(v, vmn[k & 1], vmx[k & 1], vnz[k & 1]);
+        if constexpr (kHist == kHistLog2Exp) {
+          u8v bits;
+          std::memcpy(&bits, &v, sizeof bits);
+          const u8v e = k < 3 ? bits >> (23 - 8 * k) : bits << 1;
+          packed |= e & (0xffu << (8 * k));
+        }
+      }
+      // Counting ignores order: the block's exponent bytes may sit in any order.
+      if constexpr (kHist == kHistLog2Exp) std::memcpy(eb + i, &packed, sizeof packed);
+    }
+    for (int k = 0; k < 2; ++k) {
+      for (int j = 0; j < 8; ++j) {
+        s1 += vs1[k][j];
+        s2 += vs2[k][j];
+        mn = vmn[k][j] < mn ? vmn[k][j] : mn;
+        mx = vmx[k][j] > mx ? vmx[k][j] : mx;
+        nz -= vnz[k][j];  // vector compares count down
+      }
+    }
+    if constexpr (kHist == kHistLog2) {
+      for (int64_t i = 0; i < head; ++i) idx[i] = log2_bin(load_work(at(i)), lo, hi) + 1;
+    }
+  }
   V s1l[kLanes] = {}, s2l[kLanes] = {}, mnl[kLanes], mxl[kLanes];
   int32_t nzl[kLanes] = {};
   for (int j = 0; j < kLanes; ++j) {
@@ -158,16 +220,14 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
     push_shifted(v, c, s1l[j], s2l[j]);
     push_minmax(v, mnl[j], mxl[j], nzl[j]);
     if constexpr (kHist == kHistLog2) idx[i] = log2_bin(v, lo, hi) + 1;
-    if constexpr (kHist == kHistLog2Exp) idx[i] = (vbits(v) >> 23) & 0xff;
+    if constexpr (kHist == kHistLog2Exp) eb[i] = static_cast<uint8_t>(vbits(v) >> 23);
   };
-  const int64_t nv = n - n % kLanes;
-  for (int64_t i = 0; i < nv; i += kLanes) {
+  const int64_t nv = head + (n - head) / kLanes * kLanes;
+  for (int64_t i = head; i < nv; i += kLanes) {
 #pragma omp simd
     for (int j = 0; j < kLanes; ++j) one(i + j, j);
   }
   for (int64_t i = nv; i < n; ++i) one(i, static_cast<int>(i - nv));
-  V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
-  int32_t nz = 0;
   for (int j = 0; j < kLanes; ++j) {
     s1 += s1l[j];
     s2 += s2l[j];
@@ -182,6 +242,7 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
     }
   }
   const bool finite = s2 - s2 == 0;  // false iff some value is NaN/Inf (or squares overflow)
+  absmax = finite ? absmax_of(mn, mx) : static_cast<V>(-1);
   if (finite && !shift_well_conditioned(s1, s2, n)) {
     c = c + s1 / static_cast<V>(n);  // the block mean
     shifted_pass<T, kUnit>(x, stride, n, c, s1, s2);
@@ -197,6 +258,77 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
   shift_rebase(d1, d2, m, dc, shift);
   const Acc blk{sum, sumsq, d1, d2, mn, mx, absmax_of(mn, mx), 0, 0, 0, nz};
   acc_merge(acc, blk);
+}
+
+// Exponent-field histogram of one block (bytes eb[0..n), n <= kBlock) into
+// hist[256]. AVX2: byte compares count a window of kExpWindow exponents
+// [base, base + kExpWindow) and exponent field 0 (zeros, subnormals) 32 at a
+// time in u8 lanes (at most kBlock / 32 = 32 per lane, no overflow); the
+// rare bytes outside both are counted one by one from the movemask. The
+// window sits just under the block's largest exponent, where nearly all
+// values of a block lie. Baseline ISA: one increment per element.
+constexpr int kExpWindow = 10;
+static_assert(kBlock / 32 < 256, "u8 window counters must not overflow");
+
+__attribute__((target("avx2"))) inline uint32_t hsum_u8(__m256i v) {
+  const __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());  // 4 x u64
+  const __m128i t = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1));
+}
+
+__attribute__((target("avx2"))) inline void count_exponents_avx2(
+    const uint8_t* eb, int64_t n, int base, uint32_t* hist, const char* ahead,
+    int64_t ahead_bytes) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i vbase = _mm256_set1_epi8(static_cast<char>(base));
+  const __m256i last = _mm256_set1_epi8(kExpWindow - 1);
+  __m256i cnt[kExpWindow];
+  for (int k = 0; k < kExpWindow; ++k) cnt[k] = zero;
+  __m256i c0 = zero;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    if (ahead && 4 * i < ahead_bytes) {
+      __builtin_prefetch(ahead + 4 * i);
+      __builtin_prefetch(ahead + 4 * i + 64);
+    }
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eb + i));
+    const __m256i r = _mm256_sub_epi8(e, vbase);
+    for (int k = 0; k < kExpWindow; ++k) {
+      cnt[k] = _mm256_sub_epi8(cnt[k], _mm256_cmpeq_epi8(r, _mm256_set1_epi8(static_cast<char>(k))));
+    }
+    const __m256i is0 = _mm256_cmpeq_epi8(e, zero);
+    c0 = _mm256_sub_epi8(c0, is0);
+    const __m256i in_win = _mm256_cmpeq_epi8(_mm256_min_epu8(r, last), r);
+    uint32_t out = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_or_si256(in_win, is0)));
+    while (out) {
+      ++hist[eb[i + __builtin_ctz(out)]];
+      out &= out - 1;
+    }
+  }
+  for (; i < n; ++i) ++hist[eb[i]];
+  for (int k = 0; k < kExpWindow; ++k) hist[base + k] += hsum_u8(cnt[k]);
+  hist[0] += hsum_u8(c0);
+}
+
+HC_ALWAYS_INLINE void count_exponents_scalar(const uint8_t* eb, int64_t n, const HistSink& hs) {
+  uint32_t* c[kHistCopies];
+  for (int r = 0; r < kHistCopies; ++r) c[r] = hs.local + r * hs.copy_stride;
+  int64_t i = 0;
+  for (; i + kHistCopies <= n; i += kHistCopies) {
+    for (int r = 0; r < kHistCopies; ++r) ++c[r][eb[i + r]];
+  }
+  for (; i < n; ++i) ++c[0][eb[i]];
+}
+
+// Window base for a block whose largest |value| is `absmax` (< 0: block not
+// finite, keep the previous base). Kept in [1, 256 - kExpWindow] so the
+// window never wraps onto exponent field 0.
+template <typename V>
+HC_ALWAYS_INLINE int exponent_window_base(V absmax, int prev) {
+  if (!(absmax >= 0)) return prev;
+  const int top = static_cast<int>((vbits(static_cast<float>(absmax)) >> 23) & 0xff);
+  const int b = top - (kExpWindow - 1);
+  return b < 1 ? 1 : (b > 256 - kExpWindow ? 256 - kExpWindow : b);
 }
 
 // Count the block's bin indices (idx = bin + 1; 0 = not binned).
@@ -226,11 +358,14 @@ HC_ALWAYS_INLINE void block_scatter(const int32_t* idx, int64_t n, const HistSin
   }
 }
 
-template <typename T, bool kUnit, int kHist>
+template <typename T, bool kUnit, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double shift,
                                   Acc& acc, const HistSink& hs) {
-  int32_t idx[kHist != kHistNone ? kBlock : 1];
-  work_t<T> center = static_cast<work_t<T>>(shift);
+  constexpr bool kExp = kHist == kHistLog2Exp;
+  int32_t idx[kHist != kHistNone && !kExp ? kBlock : 1];
+  uint8_t eb[kExp ? kBlock : 1];
+  int base = 127 - kExpWindow / 2;
+  work_t<T> center = static_cast<work_t<T>>(shift), absmax;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
     const T* p = kUnit ? x + b : x + b * stride;
@@ -241,26 +376,31 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
         __builtin_prefetch(q + o);
       }
     }
-    block_stats<T, kUnit, kHist>(p, stride, len, shift, center, acc, *hs.spec, idx);
-    if constexpr (kHist != kHistNone) {
-      const bool pf = kUnit && b + 2 * kBlock <= n;
-      block_scatter(idx, len, hs, pf ? reinterpret_cast<const char*>(x + b + kBlock) : nullptr,
-                    kBlock * static_cast<int64_t>(sizeof(T)));
+    block_stats<T, kUnit, kHist>(p, stride, len, shift, center, acc, *hs.spec, idx, eb, absmax);
+    const bool pf = kUnit && b + 2 * kBlock <= n;
+    const char* ahead = pf ? reinterpret_cast<const char*>(x + b + kBlock) : nullptr;
+    if constexpr (kExp && kAvx2) {
+      base = exponent_window_base(absmax, base);
+      count_exponents_avx2(eb, len, base, hs.local, ahead, kBlock * static_cast<int64_t>(sizeof(T)));
+    } else if constexpr (kExp) {
+      count_exponents_scalar(eb, len, hs);
+    } else if constexpr (kHist != kHistNone) {
+      block_scatter(idx, len, hs, ahead, kBlock * static_cast<int64_t>(sizeof(T)));
     }
   }
 }
 
 // Logical elements [begin, end) of x, walked as runs along the innermost
 // coalesced dimension (dense inputs are a single run).
-template <typename T, int kHist>
+template <typename T, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int64_t begin,
                                 int64_t end, double shift, Acc& acc, const HistSink& hs) {
   if (flat || d.ndim <= 1) {
     const int64_t st = flat ? 1 : (d.ndim == 1 ? d.strides[0] : 0);
     if (st == 1) {
-      run_segment<T, true, kHist>(x + begin, 1, end - begin, shift, acc, hs);
+      run_segment<T, true, kHist, kAvx2>(x + begin, 1, end - begin, shift, acc, hs);
     } else {
-      run_segment<T, false, kHist>(x + begin * st, st, end - begin, shift, acc, hs);
+      run_segment<T, false, kHist, kAvx2>(x + begin * st, st, end - begin, shift, acc, hs);
     }
     return;
   }
@@ -272,19 +412,19 @@ HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int
     const int64_t len = std::min(inner - in0, end - i);
     const T* p = x + strided_offset(d, i);
     if (ist == 1) {
-      run_segment<T, true, kHist>(p, 1, len, shift, acc, hs);
+      run_segment<T, true, kHist, kAvx2>(p, 1, len, shift, acc, hs);
     } else {
-      run_segment<T, false, kHist>(p, ist, len, shift, acc, hs);
+      run_segment<T, false, kHist, kAvx2>(p, ist, len, shift, acc, hs);
     }
     i += len;
   }
 }
 
-template <typename T, int kHist>
+template <typename T, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void chunk_impl(const T* x, bool flat, const StridedDesc& d, int64_t begin,
                                  int64_t end, double shift, Acc& out, const HistSink& hs) {
   acc_init(out);
-  run_range<T, kHist>(x, flat, d, begin, end, shift, out, hs);
+  run_range<T, kHist, kAvx2>(x, flat, d, begin, end, shift, out, hs);
 }
 
 // The same chunk loop, compiled for AVX2+FMA and for the baseline ISA.
@@ -293,13 +433,13 @@ __attribute__((target("avx2,fma"))) void chunk_avx2(const T* x, bool flat,
                                                     const StridedDesc& d, int64_t b,
                                                     int64_t e, double shift, Acc& out,
                                                     const HistSink& hs) {
-  chunk_impl<T, kHist>(x, flat, d, b, e, shift, out, hs);
+  chunk_impl<T, kHist, true>(x, flat, d, b, e, shift, out, hs);
 }
 
 template <typename T, int kHist>
 void chunk_base(const T* x, bool flat, const StridedDesc& d, int64_t b, int64_t e,
                 double shift, Acc& out, const HistSink& hs) {
-  chunk_impl<T, kHist>(x, flat, d, b, e, shift, out, hs);
+  chunk_impl<T, kHist, false>(x, flat, d, b, e, shift, out, hs);
 }
 
 bool use_avx2() {

@@ -91,12 +91,14 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void push_shifted(V v, V shift, V& s1, V& s2) 
   s2 += d * d;
 }
 
-// Min, max and zero count of a finite value.
+// Min, max and zero count of a finite value. V may also be a GCC vector of
+// floats (the CPU loop): compares then yield -1 per true lane, so a vector
+// nzero counts down.
 template <typename V, typename C>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void push_minmax(V v, V& mn, V& mx, C& nzero) {
   mn = v < mn ? v : mn;
   mx = v > mx ? v : mx;
-  nzero += (v == V(0));
+  nzero += (v == V{});
 }
 
 // Largest |v| of finite values with extrema mn <= mx (-inf if none): the
