@@ -267,7 +267,7 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
 // rare bytes outside both are counted one by one from the movemask. The
 // window sits just under the block's largest exponent, where nearly all
 // values of a block lie. Baseline ISA: one increment per element.
-constexpr int kExpWindow = 10;
+constexpr int kExpWindow = 12;
 static_assert(kBlock / 32 < 256, "u8 window counters must not overflow");
 
 __attribute__((target("avx2"))) inline uint32_t hsum_u8(__m256i v) {
@@ -276,38 +276,58 @@ __attribute__((target("avx2"))) inline uint32_t hsum_u8(__m256i v) {
   return static_cast<uint32_t>(_mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1));
 }
 
-__attribute__((target("avx2"))) inline void count_exponents_avx2(
-    const uint8_t* eb, int64_t n, int base, uint32_t* hist, const char* ahead,
-    int64_t ahead_bytes) {
+// Counts window bins [k0, k0 + kPass) of the exponent bytes into hist; the
+// last pass also counts exponent field 0 and the bytes outside the window.
+// Passes of kPass counters keep every counter in a register.
+constexpr int kPass = 6;
+
+template <int k0>
+__attribute__((target("avx2"))) inline void count_window_pass(const uint8_t* eb, int64_t n32,
+                                                              int base, uint32_t* hist,
+                                                              const char* ahead) {
+  constexpr bool kLast = k0 + kPass == kExpWindow;
   const __m256i zero = _mm256_setzero_si256();
-  const __m256i vbase = _mm256_set1_epi8(static_cast<char>(base));
-  const __m256i last = _mm256_set1_epi8(kExpWindow - 1);
-  __m256i cnt[kExpWindow];
-  for (int k = 0; k < kExpWindow; ++k) cnt[k] = zero;
+  const __m256i vbase = _mm256_set1_epi8(static_cast<char>(base + k0));
+  __m256i cnt[kPass];
+  for (int k = 0; k < kPass; ++k) cnt[k] = zero;
   __m256i c0 = zero;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    if (ahead && 4 * i < ahead_bytes) {
+  for (int64_t i = 0; i < n32; i += 32) {
+    if (ahead) {  // the next block (4 bytes per element): its loads overlap this counting
       __builtin_prefetch(ahead + 4 * i);
       __builtin_prefetch(ahead + 4 * i + 64);
     }
     const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eb + i));
     const __m256i r = _mm256_sub_epi8(e, vbase);
-    for (int k = 0; k < kExpWindow; ++k) {
+    for (int k = 0; k < kPass; ++k) {
       cnt[k] = _mm256_sub_epi8(cnt[k], _mm256_cmpeq_epi8(r, _mm256_set1_epi8(static_cast<char>(k))));
     }
-    const __m256i is0 = _mm256_cmpeq_epi8(e, zero);
-    c0 = _mm256_sub_epi8(c0, is0);
-    const __m256i in_win = _mm256_cmpeq_epi8(_mm256_min_epu8(r, last), r);
-    uint32_t out = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_or_si256(in_win, is0)));
-    while (out) {
-      ++hist[eb[i + __builtin_ctz(out)]];
-      out &= out - 1;
+    if constexpr (kLast) {
+      const __m256i is0 = _mm256_cmpeq_epi8(e, zero);
+      c0 = _mm256_sub_epi8(c0, is0);
+      // In the window iff e - base <= kExpWindow - 1 (unsigned bytes).
+      const __m256i rw = _mm256_sub_epi8(e, _mm256_set1_epi8(static_cast<char>(base)));
+      const __m256i in_win =
+          _mm256_cmpeq_epi8(_mm256_min_epu8(rw, _mm256_set1_epi8(kExpWindow - 1)), rw);
+      uint32_t out = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_or_si256(in_win, is0)));
+      while (out) {
+        ++hist[eb[i + __builtin_ctz(out)]];
+        out &= out - 1;
+      }
     }
   }
-  for (; i < n; ++i) ++hist[eb[i]];
-  for (int k = 0; k < kExpWindow; ++k) hist[base + k] += hsum_u8(cnt[k]);
-  hist[0] += hsum_u8(c0);
+  for (int k = 0; k < kPass; ++k) hist[base + k0 + k] += hsum_u8(cnt[k]);
+  if constexpr (kLast) hist[0] += hsum_u8(c0);
+}
+
+__attribute__((target("avx2"))) inline void count_exponents_avx2(
+    const uint8_t* eb, int64_t n, int base, uint32_t* hist, const char* ahead,
+    int64_t ahead_bytes) {
+  if (ahead_bytes < 4 * n) ahead = nullptr;  // only float-sized blocks are prefetched
+  static_assert(kExpWindow % kPass == 0, "whole passes");
+  const int64_t n32 = n - n % 32;
+  count_window_pass<0>(eb, n32, base, hist, ahead);
+  count_window_pass<kPass>(eb, n32, base, hist, nullptr);
+  for (int64_t i = n32; i < n; ++i) ++hist[eb[i]];
 }
 
 HC_ALWAYS_INLINE void count_exponents_scalar(const uint8_t* eb, int64_t n, const HistSink& hs) {
