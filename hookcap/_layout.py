@@ -121,19 +121,30 @@ def moments_about(rows: np.ndarray, to) -> tuple[np.ndarray, np.ndarray]:
     return f[..., 0] + finite * t, f[..., 1] + 2.0 * t * f[..., 0] + finite * t * t
 
 
-def merge_groups(rows: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+class GroupPlan:
+    """How rows with the given group ids merge: computed once per call pattern
+    and reused (a training step repeats the same pattern every step)."""
+
+    def __init__(self, groups: np.ndarray):
+        groups = np.asarray(groups)
+        self.perm = np.argsort(groups, kind="stable")  # stable: "first" keeps its meaning
+        gs = groups[self.perm]
+        self.starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]])
+        self.uniq = gs[self.starts]
+        self.seg = np.repeat(np.arange(len(self.starts)), np.diff(np.r_[self.starts, len(gs)]))
+        self.trivial = len(self.starts) == len(gs)  # no group has two rows
+
+
+def merge_groups(rows: np.ndarray, groups, plan: GroupPlan | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Merge raw rows [k, width] that share a group id (one metric written by
     several calls, devices or ranks) exactly as repeated writes into one row
     would: counts, sums and histograms add, extrema combine, and shifted
     moments are re-expressed about the group's first set shift before they
-    add. Returns (sorted unique group ids, merged rows [g, width])."""
+    add. ``plan``: a GroupPlan of ``groups`` to reuse. Returns (sorted unique
+    group ids, merged rows [g, width])."""
     rows = np.asarray(rows, dtype=np.int64)
-    groups = np.asarray(groups)
-    perm = np.argsort(groups, kind="stable")  # stable: "first" keeps its meaning
-    r, gs = rows[perm], groups[perm]
-    starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]])
-    uniq = gs[starts]
-    seg = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, len(r)]))
+    plan = GroupPlan(groups) if plan is None else plan
+    r, starts, uniq, seg = rows[plan.perm], plan.starts, plan.uniq, plan.seg
     out = np.zeros((len(starts), rows.shape[1]), dtype=np.int64)
     out[:, _ADD_COLS] = np.add.reduceat(r[:, _ADD_COLS], starts)
     out[:, HEADER:] = np.add.reduceat(r[:, HEADER:], starts) if r.shape[1] > HEADER else 0

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -34,6 +35,15 @@ RANK_SINKS = ("merged", "all")
 # per-rank sinks.
 RANK_HANDSHAKE_TIMEOUT_S = 60.0
 _HANDSHAKE_SEQ = itertools.count()  # Monitors of this process that reached the handshake
+
+
+@dataclass
+class _StepPlan:
+    metrics: np.ndarray  # metric of each row of the step's concatenated rows
+    call_rows: np.ndarray  # row of every call, in execution order
+    calls: np.ndarray  # metric of every call, in execution order
+    order: np.ndarray  # metrics in first-execution order
+    groups: _layout.GroupPlan
 
 
 def _in_backward() -> bool:
@@ -287,6 +297,7 @@ class Monitor:
         self._replace_rows: set[tuple[int, int]] = set()
         self._expect: dict[int, set[int]] = {}
         self._partial: dict[int, list] = {}
+        self._plans: dict[tuple, _StepPlan] = {}
 
     @property
     def current_step(self) -> int:
@@ -657,25 +668,38 @@ class Monitor:
                 if not self._expect[step]:
                     self._complete(step)
 
+    def _step_plan(self, order, chunks, metrics) -> _StepPlan:
+        """Execution order, per-call metric and row, and the merge plan of a
+        step's rows: the same every step of a steady training loop, so cached
+        by the step's call pattern."""
+        key = (tuple(order), tuple((rid, len(m)) for rid, m, _ in chunks))
+        plan = self._plans.get(key)
+        if plan is not None and np.array_equal(plan.metrics, metrics):
+            return plan
+        offset, pos = {}, 0
+        for rid, m, _ in chunks:
+            offset[rid] = pos
+            pos += len(m)
+        call_rows = np.array([offset[rid] + row for rid, row in order], dtype=np.int64)
+        calls = metrics[call_rows] if len(call_rows) else np.empty(0, np.int64)
+        _, first = np.unique(calls, return_index=True)
+        plan = _StepPlan(metrics.copy(), call_rows, calls, calls[np.sort(first)], _layout.GroupPlan(metrics))
+        if len(self._plans) >= 8:  # patterns keep changing: keep only the newest
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
     def _complete(self, step: int) -> None:
         order, *chunks = self._partial.pop(step)
         del self._expect[step]
         metrics = np.concatenate([m for _, m, _ in chunks]) if chunks else np.empty(0, np.int64)
         rows = np.concatenate([r for _, _, r in chunks]) if chunks else np.empty((0, self._width), np.int64)
-        # Execution order, one entry per call-row, and which calls saw NaN/Inf.
-        metric_of = {rid: m for rid, m, _ in chunks}
-        calls = np.array([metric_of[rid][row] for rid, row in order], dtype=np.int64)
-        bad = np.zeros(len(order), dtype=bool)
-        if chunks:
-            nonfinite = {rid: r[:, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].sum(axis=1) > 0
-                         for rid, _, r in chunks}
-            bad = np.array([nonfinite[rid][row] for rid, row in order], dtype=bool)
-        if len(np.unique(metrics)) != len(metrics):  # several calls or devices per metric
-            metrics, rows = _layout.merge_groups(rows, metrics)
-        _, first = np.unique(calls, return_index=True)
-        order = calls[np.sort(first)]
-        calls_bad = bad
-        rec = make_record(step, metrics, rows, order, calls, calls_bad)
+        plan = self._step_plan(order, chunks, metrics)
+        # Which calls saw NaN/Inf (one entry per call-row, in execution order).
+        calls_bad = (rows[:, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].sum(axis=1) > 0)[plan.call_rows]
+        if not plan.groups.trivial:  # several calls or devices per metric
+            metrics, rows = _layout.merge_groups(rows, metrics, plan.groups)
+        rec = make_record(step, metrics, rows, plan.order, plan.calls, calls_bad)
         self._store.add(rec)
         sinks = self.sinks
         if self._merge_group is not None:  # the sinks get it merged across ranks (_merge_pending)
