@@ -51,7 +51,7 @@ struct HostAtomics {
 constexpr int kHistCopies = 4;        // sub-histograms break store->load chains (unrolled x4 below)
 constexpr int64_t kLocalBins = 1024;   // wider histograms count into the ring
 constexpr int64_t kBlock = 1024;       // float sums are flushed to double per block
-constexpr int64_t kMinChunk = 32768;
+constexpr int64_t kMinChunk = 16384;
 constexpr int64_t kMaxChunks = 64;
 // CPU-only variant of the log2 histogram for float-sized inputs when every
 // float subnormal falls in the underflow bin (lo >= -126): the hot loop only
