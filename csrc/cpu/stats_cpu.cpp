@@ -120,6 +120,10 @@ HC_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
 // bin indices come out of the same loop.
 constexpr int kLanes = 16;
 
+// GCC vectors: 8 floats = one AVX2 register (two SSE registers in the
+// baseline build). load8 is always inlined, so the ABI note GCC gives for
+// returning a 32-byte vector never applies.
+#pragma GCC diagnostic ignored "-Wpsabi"
 typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8v __attribute__((vector_size(32)));
 typedef uint32_t u8v __attribute__((vector_size(32)));
@@ -169,7 +173,8 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
   V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
   int32_t nz = 0;
   int64_t head = 0;  // elements done by the explicit-vector loop
-  if constexpr (std::is_same_v<V, float> && kUnit) {
+  // fp16 keeps the lane loop below: its conversion vectorises only there.
+  if constexpr (std::is_same_v<V, float> && kUnit && !std::is_same_v<T, c10::Half>) {
     // Two 8-float vectors per quantity: independent add chains, all in
     // registers (the compiler's own vectorisation of lane arrays spills).
     head = n - n % 32;
