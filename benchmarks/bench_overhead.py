@@ -257,7 +257,9 @@ def measure(workload, device, rounds, steps_per_round, warm_rounds):
     times = {c.name: [] for c in cfgs}
     clock = timer(device)
     for r in range(rounds + warm_rounds):
-        for c in cfgs:
+        # Rotate the order every round: no configuration always follows the
+        # same one (a slow peer leaves caches and the allocator disturbed).
+        for c in cfgs[r % len(cfgs):] + cfgs[:r % len(cfgs)]:
             c.attach(model)
 
             def step():
@@ -316,7 +318,9 @@ def sync_check(model, loss_fn, opt):
 
 def per_hook_cost(device, n_modules=200, reps=40):
     """Host µs per hook, hook call to return, on a tiny tensor: a chain of
-    identity modules with and without a Monitor (output + grad_output hooks)."""
+    identity modules with and without a Monitor recording outputs, in steady
+    state (``step()`` between timed forward passes, as in training: without it
+    every pass would be a new call of each module and register a new row)."""
 
     class Id(nn.Module):
         def forward(self, x):
@@ -330,23 +334,30 @@ def per_hook_cost(device, n_modules=200, reps=40):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def median_time():
+    def median_time(between=None):
         ts = []
         for _ in range(reps):
             t = time.perf_counter()
             fwd()
             ts.append(time.perf_counter() - t)
+            if between is not None:
+                between()
         return statistics.median(ts)
 
     out = {}
-    base = median_time()
-    for label, kw in (("log2 hist", {}), ("no hist", {"histogram": None})):
-        mon = hookcap.Monitor(model, capture="output", **kw).attach()
-        fwd()
-        mon.step()
-        t = median_time()
-        mon.detach()
-        out[label] = (t - base) / n_modules * 1e6
+    mons = {label: hookcap.Monitor(model, capture="output", **kw)
+            for label, kw in (("log2 hist", {}), ("no hist", {"histogram": None}))}
+    samples = {label: [] for label in mons}
+    for _ in range(3):  # interleaved: drift hits every configuration alike
+        base = median_time()
+        for label, mon in mons.items():
+            mon.attach()
+            fwd()
+            mon.step()
+            samples[label].append((median_time(mon.step) - base) / n_modules * 1e6)
+            mon.detach()
+    for label in mons:
+        out[label] = statistics.median(samples[label])
     return out
 
 
@@ -365,8 +376,8 @@ def table(rows, title):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="gpt2,cnn")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--steps-per-round", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps-per-round", type=int, default=4)
     p.add_argument("--warm-rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
