@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
 import logging
 import os
@@ -120,6 +121,17 @@ def _compiled_row(mon_id: int, name: str, kind: str, path: str, device: str, sha
     ring, row, _ = mon._register_row((name, kind, path, torch.device(device), 0), torch.device(device),
                                   shape, dtype, mtype)
     return (mon._ring_list.index(ring), row)
+
+
+def _compiled_grad_hook(ring: DeviceRing, row: int, hargs: tuple, grad):
+    """Tensor hook of a gradient kind registered inside a compiled region
+    (bound to its ring and row; ``ring.ring`` is read at call time, so a grown
+    ring is used). Returns the gradient unchanged (compiled autograd needs the
+    explicit return); the kernel reads the device's enabled flag, as in the
+    forward."""
+    if grad is not None:
+        torch.ops.hookcap.accumulate(grad, ring.ring, ring.state, row, *hargs)
+    return grad
 
 
 def _input_obj(args, kwargs):
@@ -410,6 +422,8 @@ class Monitor:
             if torch.compiler.is_compiling():
                 if want_out:
                     self._compiled_write_all(name, "output", output, mtype)
+                if want_grad:
+                    self._compiled_grad_hooks(name, "grad_output", output, mtype)
                 return None
             if not (self._enabled and self._attached):
                 return None
@@ -454,16 +468,21 @@ class Monitor:
             a.register_hook(self._grad_tensor_hook(name, path, mtype, ci, kind="grad_input"))
             return a
 
+        def compiled_alias(path, t):
+            a = t.view_as(t)
+            self._compiled_grad_hooks(name, "grad_input", a, mtype, path)
+            return a
+
         def hook(mod, args, kwargs):
-            if torch.compiler.is_compiling() or not (
-                    self._enabled and self._attached and torch.is_grad_enabled()):
+            compiling = torch.compiler.is_compiling()
+            if not (torch.is_grad_enabled() and (compiling or (self._enabled and self._attached))):
                 return None
             single = len(args) == 1 and not kwargs
-            ci = self._call_index(name, "grad_input")
+            ci = 0 if compiling else self._call_index(name, "grad_input")
 
             def wrap(path, v):
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
-                    return alias(path, v, ci)
+                    return compiled_alias(path, v) if compiling else alias(path, v, ci)
                 return v
 
             new_args = tuple(wrap("" if single else str(i), v) for i, v in enumerate(args))
@@ -487,8 +506,20 @@ class Monitor:
     # device's enabled flag, so `every` causes no recompiles), no per-step
     # Python bookkeeping, and rows are registered by a function that dynamo
     # runs once at trace time (assume_constant_result) with the row index
-    # baked into the graph. Gradient kinds registered from forward hooks
-    # (grad_output, grad_input) are not recorded inside compiled regions.
+    # baked into the graph. Gradient kinds register a tensor hook bound to its
+    # row (functools.partial of a module-level function: dynamo lifts it into
+    # the backward, which calls it eagerly or, under compiled autograd, traces it).
+    def _compiled_grad_hooks(self, name, kind, obj, mtype, prefix=None):
+        tensors = ((prefix, obj),) if prefix is not None else _compiled_tensors(obj)
+        for path, t in tensors:
+            if not t.requires_grad:
+                continue
+            ring_i, row = _compiled_row(id(self), name, kind, path, str(t.device), tuple(t.shape),
+                                        str(t.dtype), mtype)
+            if row >= 0:
+                t.register_hook(functools.partial(_compiled_grad_hook, self._ring_list[ring_i], row,
+                                                  self._hargs))
+
     def _compiled_write_all(self, name, kind, obj, mtype):
         for path, t in _compiled_tensors(obj):
             ring_i, row = _compiled_row(id(self), name, kind, path, str(t.device), tuple(t.shape),

@@ -61,18 +61,70 @@ def test_fullgraph_no_breaks_same_stats_no_recompiles(make, x):
                                        err_msg=f"{name} {stat}")
 
 
-def test_param_grad_recorded_with_compiled_model_grad_output_not():
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-    mon = Monitor(model, capture=("output", "grad_output", "param_grad")).attach()
-    cm = torch.compile(model, fullgraph=True)
-    for _ in range(3):
-        cm(torch.randn(5, 4)).sum().backward()
+def train_run(model, xs, compiled, every=1, compiled_autograd=False):
+    """Forward + backward per step; returns (History, unique graphs so far per step)."""
+    mon = Monitor(model, capture=("output", "grad_output", "grad_input", "param_grad"),
+                  every=every).attach()
+    fn = torch.compile(model, fullgraph=True) if compiled else model
+    start = counters["stats"]["unique_graphs"]
+    graphs = []
+    for x in xs:
+        if compiled_autograd:
+            with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=False)):
+                fn(x).pow(2).sum().backward()
+        else:
+            fn(x).pow(2).sum().backward()
         model.zero_grad()
         mon.step()
+        graphs.append(counters["stats"]["unique_graphs"] - start)
+    mon.detach()
+    return mon.history(), graphs
+
+
+@pytest.mark.parametrize("compiled_autograd", [False, True])
+def test_gradient_kinds_under_compile_match_eager(compiled_autograd):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    xs = [torch.randn(5, 4) for _ in range(5)]
+    eager, _ = train_run(model, xs, compiled=False, every=2)
+    torch._dynamo.reset()
+    comp, graphs = train_run(model, xs, compiled=True, every=2, compiled_autograd=compiled_autograd)
+    if not compiled_autograd:
+        assert graphs[0] == graphs[-1]  # cadence: no recompiles across on/off steps
+    assert comp.steps.tolist() == eager.steps.tolist() == [0, 2, 4]
+    kinds = {n.split("/")[1].split(".")[0] for n in comp.names}
+    assert {"output", "grad_output", "grad_input", "param_grad"} <= kinds
+    assert sorted(comp.names) == sorted(eager.names)
+    for name in eager.names:
+        e, c = eager.column(name), comp.column(name)
+        for stat in ("count", "nan", "zeros"):
+            np.testing.assert_array_equal(comp[stat][:, c], eager[stat][:, e], err_msg=f"{name} {stat}")
+        for stat in ("mean", "std", "min", "max", "l2norm"):
+            np.testing.assert_allclose(comp[stat][:, c], eager[stat][:, e], rtol=1e-4, atol=1e-6,
+                                       err_msg=f"{name} {stat}")
+        np.testing.assert_array_equal(comp.histogram(name), eager.histogram(name), err_msg=name)
+
+
+def test_gradient_kinds_under_compile_equal_float64_reference():
+    # Independent of the eager hooks: the grad_output of the last layer is
+    # d(sum(y^2))/dy = 2y, and grad_input of the first layer is the gradient
+    # w.r.t. the model input.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(6, 4, requires_grad=True)
+    mon = Monitor(model, capture=("grad_output", "grad_input")).attach()
+    y = torch.compile(model, fullgraph=True)(x)
+    y.pow(2).sum().backward()
+    mon.step()
     h = mon.history()
-    assert "0.weight/param_grad" in h.names and "2/output" in h.names
-    assert not any(n.endswith("/grad_output") for n in h.names)  # documented limitation
-    assert (h["count"][:, h.column("0.weight/param_grad")] == 32).all()
+    ref_out = (2 * y.detach()).double()
+    ref_in = x.grad.double()
+    for name, ref in (("2/grad_output", ref_out), ("0/grad_input", ref_in)):
+        col = h.column(name)
+        assert h["count"][0, col] == ref.numel()
+        np.testing.assert_allclose(h["sum"][0, col], ref.sum().item(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(h["l2norm"][0, col], ref.norm().item(), rtol=1e-5)
+        np.testing.assert_allclose(h["max"][0, col], ref.max().item(), rtol=1e-6)
     mon.detach()
 
 
