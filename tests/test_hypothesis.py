@@ -100,3 +100,30 @@ def test_repeated_writes_merge(parts):
     flat = torch.cat([p.reshape(-1).double() for p in parts])
     ref = hookcap.reference.stats_from_values(flat.numpy(), h)
     assert_stats_match(got, ref, abs_sum=abs_sum(flat))
+
+
+@given(
+    n=st.integers(4096, 70_000),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    octaves=st.integers(0, 60),
+    zero_frac=st.sampled_from([0.0, 0.5, 1.0]),
+    seed=st.integers(0, 2**31 - 1),
+    h=st.sampled_from([Histogram.log2(), Histogram.log2(-20, 5), Histogram.log2(-126, 127)]),
+)
+def test_log2_histogram_wide_ranges_and_zeros(n, dtype, octaves, zero_frac, seed, h):
+    # The CPU counts each block's exponents in a window under its largest
+    # value and the rest one by one: magnitudes spread over up to 60 octaves
+    # (many outside the window), ReLU-like zero runs and subnormals must all
+    # land in the reference's bins.
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(-torch.rand(n, generator=g, dtype=torch.float64) * octaves)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    x = mag * sign * 4.0
+    x[torch.rand(n, generator=g) < zero_frac] = 0.0
+    fi = torch.finfo(dtype)
+    x[seed % n] = fi.tiny / 4  # a subnormal
+    x[(seed // 7) % n] = fi.max / 2
+    x = x.to(dtype)
+    got = hookcap.tensor_stats(x, h)
+    ref = hookcap.reference.tensor_stats(x, h)
+    assert_stats_match(got, ref, abs_sum=abs_sum(x))
