@@ -121,3 +121,65 @@ def test_cuda_graph_replay_uses_device_slot():
     counts = [_layout.decode(ring[i, 0].cpu().numpy())["count"] for i in range(4)]
     # Capture itself does not run the kernels; three replays fill slots 0, 1, 2.
     assert counts[:3] == [4096.0] * 3 and st.cpu().tolist()[0] == 3
+
+
+def _graph_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).cuda()
+
+
+def _assert_steps_equal(h, steps, ref_step):
+    """Every step in ``steps`` holds the same stats as step ``ref_step``."""
+    r = list(h.steps).index(ref_step)
+    for s in steps:
+        i = list(h.steps).index(s)
+        for name in h.names:
+            c = h.column(name)
+            assert h["count"][i, c] == h["count"][r, c] > 0, (s, name)
+            np.testing.assert_allclose(h["sum"][i, c], h["sum"][r, c], rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(h.histogram(name)[i], h.histogram(name)[r])
+
+
+def test_monitor_records_every_cuda_graph_replay():
+    # Rows are registered in eager warm-up steps; the captured step's kernels
+    # read the slot from the device state, so each replay + step() fills a
+    # new slot and the drain reads it (no host value is baked into the graph).
+    model = _graph_model()
+    x = torch.randn(8, 16, device="cuda")
+    mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+            mon.step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        model(x).sum().backward()
+    first = mon.current_step
+    for _ in range(4):
+        g.replay()
+        mon.step()
+    h = mon.history()
+    assert list(h.steps)[-4:] == list(range(first, first + 4))
+    assert {n.split("/")[1] for n in h.names} == {"output", "grad_output"}
+    _assert_steps_equal(h, range(first, first + 4), ref_step=2)  # eager step 2: same input
+    mon.detach()
+
+
+def test_monitor_with_compile_reduce_overhead():
+    model = _graph_model()
+    x = torch.randn(8, 16, device="cuda")
+    mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
+    cm = torch.compile(model, mode="reduce-overhead")
+    for _ in range(8):  # warm-up, recording and replays
+        cm(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+        mon.step()
+    h = mon.history()
+    assert list(h.steps) == list(range(8))
+    assert {n.split("/")[1] for n in h.names} == {"output", "grad_output"}
+    _assert_steps_equal(h, range(8), ref_step=0)
+    mon.detach()
