@@ -1,8 +1,9 @@
 // CPU implementation of the hookcap ops. One pass over the tensor, split into
 // a fixed number of chunks (independent of the thread count, so results are
-// bitwise reproducible for any OMP_NUM_THREADS), each chunk reduced with
-// lane arrays the compiler vectorises; the chunk loop is compiled twice —
-// AVX2+FMA and baseline — and picked at run time.
+// bitwise reproducible for any OMP_NUM_THREADS), each chunk reduced block by
+// block with vector accumulators; the chunk loop is compiled twice — AVX2+FMA
+// (which also counts log2 histograms with AVX2 byte compares) and baseline —
+// and picked at run time.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -111,13 +112,16 @@ HC_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
 // Statistics of one block (n <= kBlock) in the working precision V: moments
 // about `center` (the previous block's mean: data drifts slowly, so one pass
 // is usually enough) plus extrema; the raw sums follow from the moments in
-// double. kLanes independent accumulators per quantity (lane j takes elements
-// j, j + kLanes, ...) let the compiler keep several vector add chains in
-// flight; lanes are combined in a fixed order. A block whose mean is far from
-// the center is re-centred on its own mean in a second pass over L1-resident
-// data. A block holding NaN/Inf (its sum of squares is then not finite) or
-// values outside float's safe range is redone with push_value in double. Log2
-// bin indices come out of the same loop.
+// double. Contiguous float/bf16 data runs an explicit 8-float-vector loop
+// (32 elements per iteration, two accumulator sets); the rest (strided, fp16,
+// double, the tail) runs a loop over kLanes lane accumulators the compiler
+// vectorises. Either way several add chains stay in flight and partials are
+// combined in a fixed order (results do not depend on threads). A block
+// whose mean is far from the center is re-centred on its own mean in a second
+// pass over L1-resident data. A block holding NaN/Inf (its sum of squares is
+// then not finite) or values outside float's safe range is redone with
+// push_value in double. Log2 bin indices (or exponent bytes) come out of the
+// same loop.
 constexpr int kLanes = 16;
 
 // GCC vectors: 8 floats = one AVX2 register (two SSE registers in the
