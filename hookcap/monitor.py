@@ -35,6 +35,10 @@ RANK_SINKS = ("merged", "all")
 # first step(), for every rank's Monitor to answer before it falls back to
 # per-rank sinks.
 RANK_HANDSHAKE_TIMEOUT_S = 60.0
+# rank_sinks="merged" merges the pending steps across ranks at every
+# RANK_MERGE_EVERY-th step() (and at detach()): fewer, larger collectives
+# (each costs ~1 ms of latency on gloo whatever its size).
+RANK_MERGE_EVERY = 8
 _HANDSHAKE_SEQ = itertools.count()  # Monitors of this process that reached the handshake
 
 
@@ -197,10 +201,12 @@ class Monitor:
               record per step with ``DrainedStep.rank`` None; the sinks of
               other ranks receive nothing. Every rank must create the Monitor
               and call ``step()`` and ``detach()`` the same number of times:
-              ``step()`` then runs one small ``all_gather_object`` plus one
-              MIN and one SUM all-reduce of the steps due (on a gloo group of
-              its own, host memory only: no device copy or sync, also under
-              NCCL), and ``detach()`` flushes the last steps (a collective).
+              every ``hookcap.monitor.RANK_MERGE_EVERY``-th ``step()`` (8)
+              runs one small ``all_gather_object`` plus one MIN and one SUM
+              all-reduce of the steps due (on a gloo group of its own, host
+              memory only: no device copy or sync, also under NCCL), so rank
+              0's sinks receive steps in batches; ``detach()`` flushes the
+              last steps (a collective).
               The collectives run only when some rank has sinks. At the first
               ``step()`` the ranks agree through the c10d store (waiting up to
               ``hookcap.monitor.RANK_HANDSHAKE_TIMEOUT_S``, 60 s); if some
@@ -647,8 +653,8 @@ class Monitor:
                         self._write(pname, "param", "", p.detach(), "Parameter", 0)
             self._finish_step()
         self._collect(wait=False)
-        if self._merge_group is not None:
-            self._merge_pending()
+        if self._merge_group is not None and self._step % RANK_MERGE_EVERY == RANK_MERGE_EVERY - 1:
+            self._merge_pending()  # the same step on every rank: step() counts agree
         step, enabled, slot = next_host_state(self._step, self._slot, self.every, _SLOTS)
         if enabled:
             for ring in self._rings.values():

@@ -3,6 +3,7 @@ merged stats equal those of the global batch computed in one process."""
 
 import json
 import logging
+import os
 import pickle
 from datetime import timedelta
 
@@ -35,6 +36,16 @@ def _init(rank, world, store):
                             timeout=timedelta(seconds=60))
 
 
+def _finish():
+    """Leave together, then skip interpreter teardown. Under load, a worker of
+    the FSDP2 test was once seen to abort (SIGABRT); teardown of the gloo/FSDP
+    background threads after the results are written is one such cause, and
+    exiting here takes it out of play."""
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 def _ddp_worker(rank, world, store, out):
     _init(rank, world, store)
     torch.set_num_threads(1)
@@ -61,7 +72,7 @@ def _ddp_worker(rank, world, store, out):
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump((merged, other), f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def spawn(fn, tmp_path, world=2):
@@ -133,7 +144,7 @@ def _fsdp_worker(rank, world, store, out):
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump((merged, None), f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def test_fsdp2_param_grad_shards_merge_to_full_gradient(tmp_path):
@@ -187,8 +198,11 @@ def _cells(h):
 
 
 def _merged_worker(rank, world, store, out):
+    import hookcap.monitor
+
     _init(rank, world, store)
     torch.set_num_threads(1)
+    hookcap.monitor.RANK_MERGE_EVERY = 2  # merges at the 2nd step(), then at detach()
     model = Net(use_extra=rank == 1)
     got_a, got_b = [], []
     # The usual pattern: sinks on rank 0 only.
@@ -207,14 +221,14 @@ def _merged_worker(rank, world, store, out):
             model(x[rank * 4:(rank + 1) * 4])
         mon_a.step()
         mon_b.step()
-    b_before_detach = len(got_b)
+    a_before_detach, b_before_detach = len(got_a), len(got_b)
     mon_a.detach()
     mon_b.detach()
     ha, hb = mon_a.history(all_ranks=True), mon_b.history(all_ranks=True)
     with open(f"{out}.{rank}", "wb") as f:
         pickle.dump({"got_a": got_a, "got_b": got_b, "ha": _cells(ha), "hb": _cells(hb),
-                     "b_before_detach": b_before_detach}, f)
-    dist.destroy_process_group()
+                     "a_before_detach": a_before_detach, "b_before_detach": b_before_detach}, f)
+    _finish()
 
 
 def test_rank_sinks_merged_rank0_writes_merged_records(tmp_path):
@@ -235,6 +249,7 @@ def test_rank_sinks_merged_rank0_writes_merged_records(tmp_path):
             extra_mon.step()
     ref_extra = _cells(extra_mon.history())
     assert r1["got_a"] == [] and r1["got_b"] == []  # only rank 0's sinks write
+    assert r0["a_before_detach"] == 2  # steps 0 and 1 merged at the 2nd step(); step 2 at detach()
     assert r0["b_before_detach"] == 0  # held back until every rank had the steps complete
     for got, merged in ((r0["got_a"], r0["ha"]), (r0["got_b"], r0["hb"])):
         assert [s for s, _, _ in got] == sorted(merged) == [0, 1, 2]
@@ -269,7 +284,7 @@ def _all_worker(rank, world, store, out, path):
             mon.step()
     with open(f"{out}.{rank}", "wb") as f:
         pickle.dump({"h": _cells(mon.history()), "path": sink.path, "rank": sink.rank}, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def test_rank_sinks_all_one_file_per_rank(tmp_path):
@@ -322,7 +337,7 @@ def _timeout_worker(rank, world, store, out):
     dist.barrier()  # rank 1 waits here: no collective of the Monitor may run
     with open(f"{out}.{rank}", "wb") as f:
         pickle.dump(res, f)
-    dist.destroy_process_group()
+    _finish()
 
 
 def test_rank_sinks_handshake_timeout_falls_back_to_local_records(tmp_path):
