@@ -841,8 +841,9 @@ class Monitor:
         return decision
 
     def _merge_pending(self) -> None:
-        """Merged rank_sinks, on every rank at every step() and at detach():
-        one all_gather_object of (watermark, pending steps, new metric names),
+        """Merged rank_sinks, on every rank at every RANK_MERGE_EVERY-th
+        step() and at detach(): one all_gather_object of (watermark, pending
+        steps, new metric names),
         then, for the steps every rank has complete, one MIN and one SUM
         all-reduce (skipped together when nothing is due or rank 0 has no
         sinks); rank 0 writes the merged records in step order."""
