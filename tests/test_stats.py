@@ -251,3 +251,25 @@ def test_requires_grad_input_and_inference_tensor():
     with torch.inference_mode():
         y = torch.randn(100)
     check(y)
+
+
+
+@pytest.mark.parametrize("n", [1, 5, 5000])
+def test_constant_block_of_tiny_values_keeps_its_squares(n):
+    # A constant block away from the row's shift whose squared deviations
+    # underflow float must take the exact path (found by hypothesis: a
+    # subnormal written after a NaN, which leaves the row's shift at 0).
+    from hookcap import _layout, _ops
+    from hookcap.functional import new_state
+
+    h = Histogram.log2()
+    ring = torch.zeros((1, 1, _layout.HEADER + h.nbins), dtype=torch.int64)
+    state = new_state("cpu")
+    _ops.reset_slot(ring, state)
+    parts = [torch.tensor([float("nan")]), torch.full((n,), 3.9183e-39, dtype=torch.float32)]
+    for p in parts:
+        _ops.accumulate(p, ring, state, 0, h)
+    got = _layout.decode(ring[0, 0].numpy())
+    ref = hookcap.reference.stats_from_values(torch.cat(parts).double().numpy(), h)
+    assert float(got["sumsq"]) == pytest.approx(ref["sumsq"], rel=1e-6)
+    assert float(got["sumsq"]) > 0

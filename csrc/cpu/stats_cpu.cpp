@@ -86,7 +86,8 @@ HC_ALWAYS_INLINE work_t<T> load_work(const T* p) {
 
 // Whether a block's float moments can be trusted: no overflow, and no
 // squares lost to float underflow (|x - c| < 2**-63 gives subnormal squares)
-// unless the block is constant. Tiny gradients and huge activations take the
+// unless every value equals the center (a constant block, s1 == 0: the
+// squares are truly zero). Tiny gradients and huge activations take the
 // double path instead, so they never come out silently wrong.
 template <typename V>
 HC_ALWAYS_INLINE bool float_sums_ok(V s1, V s2, V mn, V mx) {
@@ -96,7 +97,7 @@ HC_ALWAYS_INLINE bool float_sums_ok(V s1, V s2, V mn, V mx) {
     const V big = 3.0e38f;
     const V tiny = 7.9e-31f;  // ~2**-100
     const V a1 = s1 < 0 ? -s1 : s1;
-    return a1 <= big && s2 <= big && (s2 >= tiny || mn == mx);
+    return a1 <= big && s2 <= big && (s2 >= tiny || (mn == mx && s1 == 0));
   }
 }
 
