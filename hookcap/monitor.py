@@ -515,23 +515,24 @@ class Monitor:
     # baked into the graph. Gradient kinds register a tensor hook bound to its
     # row (functools.partial of a module-level function: dynamo lifts it into
     # the backward, which calls it eagerly or, under compiled autograd, traces it).
+    def _compiled_ring_row(self, name, kind, path, t, mtype):
+        """(DeviceRing, row) of a metric inside a compiled region, or None."""
+        ring_i, row = _compiled_row(id(self), name, kind, path, str(t.device), tuple(t.shape),
+                                    str(t.dtype), mtype)
+        return (self._ring_list[ring_i], row) if row >= 0 else None
+
     def _compiled_grad_hooks(self, name, kind, obj, mtype, prefix=None):
         tensors = ((prefix, obj),) if prefix is not None else _compiled_tensors(obj)
         for path, t in tensors:
-            if not t.requires_grad:
-                continue
-            ring_i, row = _compiled_row(id(self), name, kind, path, str(t.device), tuple(t.shape),
-                                        str(t.dtype), mtype)
-            if row >= 0:
-                t.register_hook(functools.partial(_compiled_grad_hook, self._ring_list[ring_i], row,
-                                                  self._hargs))
+            hit = self._compiled_ring_row(name, kind, path, t, mtype) if t.requires_grad else None
+            if hit is not None:
+                t.register_hook(functools.partial(_compiled_grad_hook, *hit, self._hargs))
 
     def _compiled_write_all(self, name, kind, obj, mtype):
         for path, t in _compiled_tensors(obj):
-            ring_i, row = _compiled_row(id(self), name, kind, path, str(t.device), tuple(t.shape),
-                                        str(t.dtype), mtype)
-            if row >= 0:
-                ring = self._ring_list[ring_i]
+            hit = self._compiled_ring_row(name, kind, path, t, mtype)
+            if hit is not None:
+                ring, row = hit
                 torch.ops.hookcap.accumulate(t, ring.ring, ring.state, row, *self._hargs)
 
     def _call_index(self, name: str, kind: str) -> int:

@@ -509,13 +509,15 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
     for (int e = 1; e < 255; ++e) exp_bin[e] = log2_bin(std::ldexp(1.0f, e - 127), lo, hi);
   }
   const bool avx2 = use_avx2();
+  // The AVX2 exponent counter writes copy 0 only: clear and sum just that one.
+  const int copies = kExp && avx2 ? 1 : kHistCopies;
   Acc partial[kMaxChunks];
 
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     uint32_t local[kHistCopies * (kLocalBins + 1)];
     static_assert(kLocalBins + 1 >= kExpBins, "local copies must hold the exponent histogram");
     for (int64_t c = c0; c < c1; ++c) {
-      if (local_hist) std::memset(local, 0, sizeof(uint32_t) * kHistCopies * cs);
+      if (local_hist) std::memset(local, 0, sizeof(uint32_t) * copies * cs);
       const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs};
       const int64_t b = c * chunk, e = std::min(n, b + chunk);
       if (avx2) {
@@ -526,7 +528,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
       if (!local_hist) continue;
       auto total_of = [&](int64_t k) {
         int64_t cnt = 0;
-        for (int r = 0; r < kHistCopies; ++r) cnt += local[r * cs + k];
+        for (int r = 0; r < copies; ++r) cnt += local[r * cs + k];
         return cnt;
       };
       if constexpr (kExp) {
