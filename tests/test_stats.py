@@ -273,3 +273,31 @@ def test_constant_block_of_tiny_values_keeps_its_squares(n):
     ref = hookcap.reference.stats_from_values(torch.cat(parts).double().numpy(), h)
     assert float(got["sumsq"]) == pytest.approx(ref["sumsq"], rel=1e-6)
     assert float(got["sumsq"]) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["zeros_only", "subnormals_only", "both", "tail_only"])
+def test_zero_and_subnormal_counts_in_finite_blocks(dtype, layout):
+    # With a log2 histogram the CPU counts a finite block's zeros only when
+    # its exponent bytes show field 0 (zeros and subnormals share it): each
+    # must still land in "zeros" or the underflow bin exactly, wherever in
+    # the block (vector body or scalar tail) it sits.
+    g = torch.Generator().manual_seed(7)
+    n = 3 * 4096 + 1024 + 21  # several blocks and a tail that is not a multiple of 32
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    tiny = torch.finfo(dtype).tiny
+    pos = torch.randperm(n - 21, generator=g)[:300]
+    if layout in ("zeros_only", "both"):
+        x[pos[:100]] = 0.0
+        x[pos[100:150]] = -0.0
+    if layout in ("subnormals_only", "both"):
+        x[pos[150:200]] = tiny / 8
+        x[pos[200:230]] = -tiny / 2
+    if layout == "tail_only":
+        x[n - 5] = 0.0
+        x[n - 3] = tiny / 4
+    x = x.to(dtype)
+    got = check(x, Histogram.log2())
+    xd = x.double()
+    assert got["zeros"] == int((xd == 0).sum()) == got["hist"][0]
+    assert got["hist"][1] == int(((xd != 0) & (xd.abs() < 2.0 ** -64)).sum())  # underflow

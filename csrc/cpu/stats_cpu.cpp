@@ -133,6 +133,36 @@ typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8v __attribute__((vector_size(32)));
 typedef uint32_t u8v __attribute__((vector_size(32)));
 
+// s + d * d in one fused instruction (AVX2+FMA build); the moments are still
+// push_shifted's.
+struct FusedSquare8 {
+  __attribute__((target("avx2,fma"))) f8 operator()(f8 s, f8 d) const {
+    return reinterpret_cast<f8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(d),
+                                                reinterpret_cast<__m256>(d),
+                                                reinterpret_cast<__m256>(s)));
+  }
+};
+
+// Narrows four vectors of byte-sized u32 values to 32 bytes (in an order
+// counting does not care about) with the shuffle port's packs, which the
+// stats loop leaves idle.
+struct PackBytes4 {
+  __attribute__((target("avx2"))) void operator()(const u8v* e, uint8_t* out) const {
+    const __m256i a = _mm256_packus_epi32(reinterpret_cast<__m256i>(e[0]), reinterpret_cast<__m256i>(e[1]));
+    const __m256i b = _mm256_packus_epi32(reinterpret_cast<__m256i>(e[2]), reinterpret_cast<__m256i>(e[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_packus_epi16(a, b));
+  }
+};
+
+// Lane reductions of 8-wide vectors in a fixed tree (same result every run);
+// every lane of the result holds the reduction.
+template <typename W, typename Op>
+HC_ALWAYS_INLINE W tree8(W v, Op op) {
+  v = op(v, __builtin_shuffle(v, i8v{4, 5, 6, 7, 0, 1, 2, 3}));
+  v = op(v, __builtin_shuffle(v, i8v{2, 3, 0, 1, 6, 7, 4, 5}));
+  return op(v, __builtin_shuffle(v, i8v{1, 0, 3, 2, 5, 4, 7, 6}));
+}
+
 template <typename T>
 HC_ALWAYS_INLINE f8 load8(const T* p) {
   f8 v;
@@ -167,10 +197,22 @@ HC_ALWAYS_INLINE void shifted_pass(const T* x, int64_t stride, int64_t n, work_t
   s2_out = b;
 }
 
-template <typename T, bool kUnit, int kHist>
-HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double shift,
-                                  work_t<T>& center, Acc& acc, const HistSpec& h,
-                                  int32_t* idx, uint8_t* eb, work_t<T>& absmax) {
+// Whether block_stats leaves the zeros of its explicit-vector loop to the
+// caller: with the AVX2 exponent counter, exponent field 0 (zeros and
+// subnormals) is counted anyway, and only blocks where it occurs need their
+// zeros counted (count_zeros) -- one compare less per element in the rest.
+template <typename T, bool kUnit, int kHist, bool kAvx2>
+constexpr bool kDeferZeros = kAvx2 && kHist == kHistLog2Exp && kUnit &&
+                             std::is_same_v<work_t<T>, float> && !std::is_same_v<T, c10::Half>;
+
+// Returns how many leading elements' zeros were left uncounted (0 unless
+// kDeferZeros and the block took the float path).
+template <typename T, bool kUnit, int kHist, bool kAvx2>
+HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, double shift,
+                                     work_t<T>& center, Acc& acc, const HistSpec& h,
+                                     int32_t* idx, uint8_t* eb, work_t<T>& absmax) {
+  constexpr bool kDefer = kDeferZeros<T, kUnit, kHist, kAvx2>;
+  using Square8 = std::conditional_t<kAvx2, FusedSquare8, AddSquare>;
   using V = work_t<T>;
   auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
   const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
@@ -191,30 +233,44 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
       vmx[k] = f8{} - static_cast<float>(kInf);
     }
     for (int64_t i = 0; i < head; i += 32) {
-      u8v packed = {};  // exponent field of element 8k + j in byte k of lane j
+      u8v packed = {};  // baseline: exponent field of element 8k + j in byte k of lane j
+      u8v ex[4];        // AVX2: exponent fields, narrowed to bytes by PackBytes4
       for (int k = 0; k < 4; ++k) {
         const f8 v = load8(x + i + 8 * k);
-        push_shifted(v, cv, vs1[k & 1], vs2[k & 1]);
-        push_minmax(v, vmn[k & 1], vmx[k & 1], vnz[k & 1]);
+        push_shifted(v, cv, vs1[k & 1], vs2[k & 1], Square8{});
+        if constexpr (kDefer) {
+          push_min_max(v, vmn[k & 1], vmx[k & 1]);
+        } else {
+          push_minmax(v, vmn[k & 1], vmx[k & 1], vnz[k & 1]);
+        }
         if constexpr (kHist == kHistLog2Exp) {
           u8v bits;
           std::memcpy(&bits, &v, sizeof bits);
-          const u8v e = k < 3 ? bits >> (23 - 8 * k) : bits << 1;
-          packed |= e & (0xffu << (8 * k));
+          if constexpr (kAvx2) {
+            ex[k] = (bits >> 23) & 0xffu;
+          } else {
+            const u8v e = k < 3 ? bits >> (23 - 8 * k) : bits << 1;
+            packed |= e & (0xffu << (8 * k));
+          }
         }
       }
       // Counting ignores order: the block's exponent bytes may sit in any order.
-      if constexpr (kHist == kHistLog2Exp) std::memcpy(eb + i, &packed, sizeof packed);
-    }
-    for (int k = 0; k < 2; ++k) {
-      for (int j = 0; j < 8; ++j) {
-        s1 += vs1[k][j];
-        s2 += vs2[k][j];
-        mn = vmn[k][j] < mn ? vmn[k][j] : mn;
-        mx = vmx[k][j] > mx ? vmx[k][j] : mx;
-        nz -= vnz[k][j];  // vector compares count down
+      if constexpr (kHist == kHistLog2Exp) {
+        if constexpr (kAvx2) {
+          PackBytes4{}(ex, eb + i);
+        } else {
+          std::memcpy(eb + i, &packed, sizeof packed);
+        }
       }
     }
+    auto add = [](auto a, auto b) { return a + b; };
+    auto vmin = [](f8 a, f8 b) { return a < b ? a : b; };
+    auto vmax = [](f8 a, f8 b) { return a > b ? a : b; };
+    s1 = tree8(vs1[0] + vs1[1], add)[0];
+    s2 = tree8(vs2[0] + vs2[1], add)[0];
+    mn = tree8(vmin(vmn[0], vmn[1]), vmin)[0];
+    mx = tree8(vmax(vmx[0], vmx[1]), vmax)[0];
+    if constexpr (!kDefer) nz = -tree8(vnz[0] + vnz[1], add)[0];  // vector compares count down
     if constexpr (kHist == kHistLog2) {
       for (int64_t i = 0; i < head; ++i) idx[i] = log2_bin(load_work(at(i)), lo, hi) + 1;
     }
@@ -259,7 +315,7 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
   }
   if (!finite || !float_sums_ok(s1, s2, mn, mx)) {
     for (int64_t i = 0; i < n; ++i) acc_push(acc, load_double(at(i)), shift);
-    return;
+    return 0;
   }
   center = c;
   const double m = static_cast<double>(n), dc = static_cast<double>(c);
@@ -268,6 +324,19 @@ HC_ALWAYS_INLINE void block_stats(const T* x, int64_t stride, int64_t n, double 
   shift_rebase(d1, d2, m, dc, shift);
   const Acc blk{sum, sumsq, d1, d2, mn, mx, absmax_of(mn, mx), 0, 0, 0, nz};
   acc_merge(acc, blk);
+  return kDefer ? head : 0;
+}
+
+// Zeros among x[0..n) (n a multiple of 32), for a block whose exponent bytes
+// show field 0: two vector counters, reduced in a fixed order.
+template <typename T>
+HC_ALWAYS_INLINE int64_t count_zeros(const T* x, int64_t n) {
+  i8v nz[2] = {};
+  for (int64_t i = 0; i < n; i += 16) {
+    push_zero(load8(x + i), nz[0]);
+    push_zero(load8(x + i + 8), nz[1]);
+  }
+  return -tree8(nz[0] + nz[1], [](i8v a, i8v b) { return a + b; })[0];
 }
 
 // Exponent-field histogram of one block (bytes eb[0..n), n <= kBlock) into
@@ -287,7 +356,7 @@ __attribute__((target("avx2"))) inline uint32_t hsum_u8(__m256i v) {
 }
 
 // Counts window bins [k0, k0 + kPass) of the exponent bytes into hist; the
-// last pass also counts exponent field 0 and the bytes outside the window.
+// first pass also counts exponent field 0 and the bytes outside the window.
 // Passes of kPass counters keep every counter in a register.
 constexpr int kPass = 6;
 
@@ -295,9 +364,11 @@ template <int k0>
 __attribute__((target("avx2"))) inline void count_window_pass(const uint8_t* eb, int64_t n32,
                                                               int base, uint32_t* hist,
                                                               const char* ahead) {
-  constexpr bool kLast = k0 + kPass == kExpWindow;
+  constexpr bool kFirst = k0 == 0;
   const __m256i zero = _mm256_setzero_si256();
   const __m256i vbase = _mm256_set1_epi8(static_cast<char>(base + k0));
+  // r + (128 - kExpWindow) has its top bit set iff r >= kExpWindow (saturating).
+  const __m256i out_bias = _mm256_set1_epi8(static_cast<char>(128 - kExpWindow));
   __m256i cnt[kPass];
   for (int k = 0; k < kPass; ++k) cnt[k] = zero;
   __m256i c0 = zero;
@@ -308,36 +379,38 @@ __attribute__((target("avx2"))) inline void count_window_pass(const uint8_t* eb,
     }
     const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eb + i));
     const __m256i r = _mm256_sub_epi8(e, vbase);
+    // Compares yield -1 (0xff) per match: the counters run down (negated
+    // below); an add, unlike a subtract, lets them stay in place.
     for (int k = 0; k < kPass; ++k) {
-      cnt[k] = _mm256_sub_epi8(cnt[k], _mm256_cmpeq_epi8(r, _mm256_set1_epi8(static_cast<char>(k))));
+      cnt[k] = _mm256_add_epi8(cnt[k], _mm256_cmpeq_epi8(r, _mm256_set1_epi8(static_cast<char>(k))));
     }
-    if constexpr (kLast) {
+    if constexpr (kFirst) {
       const __m256i is0 = _mm256_cmpeq_epi8(e, zero);
-      c0 = _mm256_sub_epi8(c0, is0);
-      // In the window iff e - base <= kExpWindow - 1 (unsigned bytes).
-      const __m256i rw = _mm256_sub_epi8(e, _mm256_set1_epi8(static_cast<char>(base)));
-      const __m256i in_win =
-          _mm256_cmpeq_epi8(_mm256_min_epu8(rw, _mm256_set1_epi8(kExpWindow - 1)), rw);
-      uint32_t out = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_or_si256(in_win, is0)));
+      c0 = _mm256_add_epi8(c0, is0);
+      const __m256i outside = _mm256_adds_epu8(r, out_bias);
+      uint32_t out = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_andnot_si256(is0, outside)));
       while (out) {
         ++hist[eb[i + __builtin_ctz(out)]];
         out &= out - 1;
       }
     }
   }
-  for (int k = 0; k < kPass; ++k) hist[base + k0 + k] += hsum_u8(cnt[k]);
-  if constexpr (kLast) hist[0] += hsum_u8(c0);
+  for (int k = 0; k < kPass; ++k) hist[base + k0 + k] += hsum_u8(_mm256_sub_epi8(zero, cnt[k]));
+  if constexpr (kFirst) hist[0] += hsum_u8(_mm256_sub_epi8(zero, c0));
 }
 
-__attribute__((target("avx2"))) inline void count_exponents_avx2(
+// Returns the block's count of exponent field 0 (zeros and subnormals).
+__attribute__((target("avx2"))) inline uint32_t count_exponents_avx2(
     const uint8_t* eb, int64_t n, int base, uint32_t* hist, const char* ahead,
     int64_t ahead_bytes) {
   if (ahead_bytes < 4 * n) ahead = nullptr;  // only float-sized blocks are prefetched
   static_assert(kExpWindow % kPass == 0, "whole passes");
+  const uint32_t h0 = hist[0];
   const int64_t n32 = n - n % 32;
   count_window_pass<0>(eb, n32, base, hist, ahead);
   count_window_pass<kPass>(eb, n32, base, hist, nullptr);
   for (int64_t i = n32; i < n; ++i) ++hist[eb[i]];
+  return hist[0] - h0;
 }
 
 HC_ALWAYS_INLINE void count_exponents_scalar(const uint8_t* eb, int64_t n, const HistSink& hs) {
@@ -406,12 +479,15 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
         __builtin_prefetch(q + o);
       }
     }
-    block_stats<T, kUnit, kHist>(p, stride, len, shift, center, acc, *hs.spec, idx, eb, absmax);
+    const int64_t deferred = block_stats<T, kUnit, kHist, kAvx2>(p, stride, len, shift, center,
+                                                                 acc, *hs.spec, idx, eb, absmax);
     const bool pf = kUnit && b + 2 * kBlock <= n;
     const char* ahead = pf ? reinterpret_cast<const char*>(x + b + kBlock) : nullptr;
     if constexpr (kExp && kAvx2) {
       base = exponent_window_base(absmax, base);
-      count_exponents_avx2(eb, len, base, hs.local, ahead, kBlock * static_cast<int64_t>(sizeof(T)));
+      const uint32_t field0 = count_exponents_avx2(eb, len, base, hs.local, ahead,
+                                                   kBlock * static_cast<int64_t>(sizeof(T)));
+      if (field0 && deferred) acc.nzero += count_zeros(p, deferred);
     } else if constexpr (kExp) {
       count_exponents_scalar(eb, len, hs);
     } else if constexpr (kHist != kHistNone) {

@@ -82,23 +82,43 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t order_key(double v) {
 // pass the fields of one Acc and the CPU loop can pass its own (vectorised)
 // accumulators: one definition for both.
 // ---------------------------------------------------------------------------
+// s + d * d, rounded twice. Callers with a fused multiply-add pass their own
+// square-accumulate (one rounding); the moments themselves are defined here.
+struct AddSquare {
+  template <typename V>
+  C10_HOST_DEVICE C10_ALWAYS_INLINE V operator()(V s, V d) const {
+    return s + d * d;
+  }
+};
+
 // Shifted moments of one value: the part of the update that keeps std free of
 // cancellation when |mean| >> std.
-template <typename V>
-C10_HOST_DEVICE C10_ALWAYS_INLINE void push_shifted(V v, V shift, V& s1, V& s2) {
+template <typename V, typename Sq = AddSquare>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_shifted(V v, V shift, V& s1, V& s2, Sq sq = {}) {
   const V d = v - shift;
   s1 += d;
-  s2 += d * d;
+  s2 = sq(s2, d);
 }
 
-// Min, max and zero count of a finite value. V may also be a GCC vector of
-// floats (the CPU loop): compares then yield -1 per true lane, so a vector
-// nzero counts down.
+// Zero count (== 0, including -0). V may also be a GCC vector of floats (the
+// CPU loop): compares then yield -1 per true lane, so a vector count runs down.
 template <typename V, typename C>
-C10_HOST_DEVICE C10_ALWAYS_INLINE void push_minmax(V v, V& mn, V& mx, C& nzero) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_zero(V v, C& nzero) {
+  nzero += (v == V{});
+}
+
+// Min and max of a finite value.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_min_max(V v, V& mn, V& mx) {
   mn = v < mn ? v : mn;
   mx = v > mx ? v : mx;
-  nzero += (v == V{});
+}
+
+// Min, max and zero count of a finite value.
+template <typename V, typename C>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_minmax(V v, V& mn, V& mx, C& nzero) {
+  push_min_max(v, mn, mx);
+  push_zero(v, nzero);
 }
 
 // Largest |v| of finite values with extrema mn <= mx (-inf if none): the
