@@ -301,3 +301,20 @@ def test_zero_and_subnormal_counts_in_finite_blocks(dtype, layout):
     xd = x.double()
     assert got["zeros"] == int((xd == 0).sum()) == got["hist"][0]
     assert got["hist"][1] == int(((xd != 0) & (xd.abs() < 2.0 ** -64)).sum())  # underflow
+
+
+@pytest.mark.parametrize("gap", [8, 14, 22, 30])
+def test_log2_bimodal_blocks_count_exactly(gap):
+    # Blocks whose values sit in two clusters `gap` octaves apart (seen in a
+    # CNN's early-layer gradients) make the CPU count a wider exponent window
+    # from the next block on; every bin must still match the reference,
+    # including the values beyond even the wide window.
+    g = torch.Generator().manual_seed(gap)
+    n = 40 * 1024 + 300
+    lo_mode = torch.randn(n, generator=g, dtype=torch.float64) * 2.0 ** -(gap + 6)
+    hi_mode = torch.randn(n, generator=g, dtype=torch.float64) * 2.0 ** -6
+    x = torch.where(torch.rand(n, generator=g) < 0.4, hi_mode, lo_mode).float()
+    got = check(x, Histogram.log2())
+    ref = hookcap.reference.tensor_stats(x, Histogram.log2())
+    assert list(got["hist"]) == list(ref["hist"])
+    assert sum(got["hist"]) == n

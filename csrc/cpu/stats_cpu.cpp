@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -210,7 +211,7 @@ constexpr bool kDeferZeros = kAvx2 && kHist == kHistLog2Exp && kUnit &&
 template <typename T, bool kUnit, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, double shift,
                                      work_t<T>& center, Acc& acc, const HistSpec& h,
-                                     int32_t* idx, uint8_t* eb, work_t<T>& absmax) {
+                                     int32_t* idx, uint8_t* eb, work_t<T>& top) {
   constexpr bool kDefer = kDeferZeros<T, kUnit, kHist, kAvx2>;
   using Square8 = std::conditional_t<kAvx2, FusedSquare8, AddSquare>;
   using V = work_t<T>;
@@ -308,7 +309,7 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     }
   }
   const bool finite = s2 - s2 == 0;  // false iff some value is NaN/Inf (or squares overflow)
-  absmax = finite ? absmax_of(mn, mx) : static_cast<V>(-1);
+  top = finite ? absmax_of(mn, mx) : static_cast<V>(-1);
   if (finite && !shift_well_conditioned(s1, s2, n)) {
     c = c + s1 / static_cast<V>(n);  // the block mean
     shifted_pass<T, kUnit>(x, stride, n, c, s1, s2);
@@ -318,6 +319,14 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     return 0;
   }
   center = c;
+  if constexpr (kHist == kHistLog2Exp) {
+    // The exponent window ends at the largest |x|, or at 8x the RMS when a
+    // few values sit far above the bulk (a one-hot gradient): the bulk then
+    // stays inside the window instead of escaping below it.
+    const V ms = (s2 + c * (V(2) * s1 + static_cast<V>(n) * c)) / static_cast<V>(n);
+    const V cap = V(8) * std::sqrt(ms);
+    top = cap < top ? cap : top;  // NaN (rounding below 0) keeps the absmax
+  }
   const double m = static_cast<double>(n), dc = static_cast<double>(c);
   double sum, sumsq, d1 = s1, d2 = s2;
   moments_to_raw(d1, d2, m, dc, sum, sumsq);
@@ -340,13 +349,17 @@ HC_ALWAYS_INLINE int64_t count_zeros(const T* x, int64_t n) {
 }
 
 // Exponent-field histogram of one block (bytes eb[0..n), n <= kBlock) into
-// hist[256]. AVX2: byte compares count a window of kExpWindow exponents
-// [base, base + kExpWindow) and exponent field 0 (zeros, subnormals) 32 at a
-// time in u8 lanes (at most kBlock / 32 = 32 per lane, no overflow); the
-// rare bytes outside both are counted one by one from the movemask. The
-// window sits just under the block's largest exponent, where nearly all
-// values of a block lie. Baseline ISA: one increment per element.
+// hist[256]. AVX2: byte compares count a window of exponents [base, base + W)
+// and exponent field 0 (zeros, subnormals) 32 at a time in u8 lanes (at most
+// kBlock / 32 = 32 per lane, no overflow); the rare bytes outside both are
+// counted one by one from the movemask. The window sits just under the
+// block's top (largest |x|, capped at 8x its RMS), where nearly all values of
+// a block lie. W is kExpWindow, or kExpWindowWide for data whose blocks
+// spread wider (a gradient with two modes 8 octaves apart): when the narrow
+// window would have missed more than 1/16 of the previous block, the next
+// block counts the wide one. Baseline ISA: one increment per element.
 constexpr int kExpWindow = 12;
+constexpr int kExpWindowWide = 24;
 static_assert(kBlock / 32 < 256, "u8 window counters must not overflow");
 
 __attribute__((target("avx2"))) inline uint32_t hsum_u8(__m256i v) {
@@ -355,23 +368,25 @@ __attribute__((target("avx2"))) inline uint32_t hsum_u8(__m256i v) {
   return static_cast<uint32_t>(_mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1));
 }
 
-// Counts window bins [k0, k0 + kPass) of the exponent bytes into hist; the
-// first pass also counts exponent field 0 and the bytes outside the window.
-// Passes of kPass counters keep every counter in a register.
+// Counts window bins [k0, k0 + kPass) of the exponent bytes into hist and
+// returns their total; the first pass also counts exponent field 0 and the
+// bytes outside the W-wide window (into *outside). Passes of kPass counters
+// keep every counter in a register.
 constexpr int kPass = 6;
 
-template <int k0>
-__attribute__((target("avx2"))) inline void count_window_pass(const uint8_t* eb, int64_t n32,
-                                                              int base, uint32_t* hist,
-                                                              const char* ahead) {
+template <int k0, int W>
+__attribute__((target("avx2"))) inline uint32_t count_window_pass(
+    const uint8_t* eb, int64_t n32, int base, uint32_t* hist, const char* ahead,
+    uint32_t* outside) {
   constexpr bool kFirst = k0 == 0;
   const __m256i zero = _mm256_setzero_si256();
   const __m256i vbase = _mm256_set1_epi8(static_cast<char>(base + k0));
-  // r + (128 - kExpWindow) has its top bit set iff r >= kExpWindow (saturating).
-  const __m256i out_bias = _mm256_set1_epi8(static_cast<char>(128 - kExpWindow));
+  // r + (128 - W) has its top bit set iff r >= W (saturating).
+  const __m256i out_bias = _mm256_set1_epi8(static_cast<char>(128 - W));
   __m256i cnt[kPass];
   for (int k = 0; k < kPass; ++k) cnt[k] = zero;
   __m256i c0 = zero;
+  uint32_t nout = 0;
   for (int64_t i = 0; i < n32; i += 32) {
     if (ahead) {  // the next block (4 bytes per element): its loads overlap this counting
       __builtin_prefetch(ahead + 4 * i);
@@ -387,30 +402,61 @@ __attribute__((target("avx2"))) inline void count_window_pass(const uint8_t* eb,
     if constexpr (kFirst) {
       const __m256i is0 = _mm256_cmpeq_epi8(e, zero);
       c0 = _mm256_add_epi8(c0, is0);
-      const __m256i outside = _mm256_adds_epu8(r, out_bias);
-      uint32_t out = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_andnot_si256(is0, outside)));
+      const __m256i far = _mm256_adds_epu8(r, out_bias);
+      uint32_t out = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_andnot_si256(is0, far)));
+      nout += static_cast<uint32_t>(__builtin_popcount(out));
       while (out) {
         ++hist[eb[i + __builtin_ctz(out)]];
         out &= out - 1;
       }
     }
   }
-  for (int k = 0; k < kPass; ++k) hist[base + k0 + k] += hsum_u8(_mm256_sub_epi8(zero, cnt[k]));
-  if constexpr (kFirst) hist[0] += hsum_u8(_mm256_sub_epi8(zero, c0));
+  uint32_t total = 0;
+  for (int k = 0; k < kPass; ++k) {
+    const uint32_t c = hsum_u8(_mm256_sub_epi8(zero, cnt[k]));
+    hist[base + k0 + k] += c;
+    total += c;
+  }
+  if constexpr (kFirst) {
+    hist[0] += hsum_u8(_mm256_sub_epi8(zero, c0));
+    *outside = nout;
+  }
+  return total;
 }
 
-// Returns the block's count of exponent field 0 (zeros and subnormals).
-__attribute__((target("avx2"))) inline uint32_t count_exponents_avx2(
-    const uint8_t* eb, int64_t n, int base, uint32_t* hist, const char* ahead,
-    int64_t ahead_bytes) {
-  if (ahead_bytes < 4 * n) ahead = nullptr;  // only float-sized blocks are prefetched
-  static_assert(kExpWindow % kPass == 0, "whole passes");
+struct ExpCount {
+  uint32_t field0;   // bytes with exponent field 0 (zeros and subnormals)
+  uint32_t missed;   // bytes the narrow window would not have held
+};
+
+template <int W>
+__attribute__((target("avx2"))) inline ExpCount count_window(const uint8_t* eb, int64_t n,
+                                                             int base, uint32_t* hist,
+                                                             const char* ahead) {
+  static_assert(W % kPass == 0, "whole passes");
   const uint32_t h0 = hist[0];
   const int64_t n32 = n - n % 32;
-  count_window_pass<0>(eb, n32, base, hist, ahead);
-  count_window_pass<kPass>(eb, n32, base, hist, nullptr);
+  uint32_t outside = 0, below_narrow = 0;
+  below_narrow += count_window_pass<0, W>(eb, n32, base, hist, ahead, &outside);
+  below_narrow += count_window_pass<kPass, W>(eb, n32, base, hist, nullptr, nullptr);
+  if constexpr (W > kPass * 2) {
+    count_window_pass<2 * kPass, W>(eb, n32, base, hist, nullptr, nullptr);
+    count_window_pass<3 * kPass, W>(eb, n32, base, hist, nullptr, nullptr);
+  } else {
+    below_narrow = 0;  // the narrow window itself: its bins are not misses
+  }
+  static_assert(W == kExpWindow || W == 4 * kPass, "narrow or four-pass wide window");
   for (int64_t i = n32; i < n; ++i) ++hist[eb[i]];
-  return hist[0] - h0;
+  return {hist[0] - h0, outside + below_narrow};
+}
+
+// Returns the block's counts (see ExpCount); `wide` picks the window.
+__attribute__((target("avx2"))) inline ExpCount count_exponents_avx2(
+    const uint8_t* eb, int64_t n, int base, bool wide, uint32_t* hist, const char* ahead,
+    int64_t ahead_bytes) {
+  if (ahead_bytes < 4 * n) ahead = nullptr;  // only float-sized blocks are prefetched
+  return wide ? count_window<kExpWindowWide>(eb, n, base, hist, ahead)
+              : count_window<kExpWindow>(eb, n, base, hist, ahead);
 }
 
 HC_ALWAYS_INLINE void count_exponents_scalar(const uint8_t* eb, int64_t n, const HistSink& hs) {
@@ -423,15 +469,15 @@ HC_ALWAYS_INLINE void count_exponents_scalar(const uint8_t* eb, int64_t n, const
   for (; i < n; ++i) ++c[0][eb[i]];
 }
 
-// Window base for a block whose largest |value| is `absmax` (< 0: block not
-// finite, keep the previous base). Kept in [1, 256 - kExpWindow] so the
-// window never wraps onto exponent field 0.
+// Base of a W-wide window for a block whose window should end at magnitude
+// `top` (< 0: block not finite, keep the previous base). Kept in
+// [1, 256 - W] so the window never wraps onto exponent field 0.
 template <typename V>
-HC_ALWAYS_INLINE int exponent_window_base(V absmax, int prev) {
-  if (!(absmax >= 0)) return prev;
-  const int top = static_cast<int>((vbits(static_cast<float>(absmax)) >> 23) & 0xff);
-  const int b = top - (kExpWindow - 1);
-  return b < 1 ? 1 : (b > 256 - kExpWindow ? 256 - kExpWindow : b);
+HC_ALWAYS_INLINE int exponent_window_base(V top_value, int w, int prev) {
+  if (!(top_value >= 0)) return prev;
+  const int top = static_cast<int>((vbits(static_cast<float>(top_value)) >> 23) & 0xff);
+  const int b = top - (w - 1);
+  return b < 1 ? 1 : (b > 256 - w ? 256 - w : b);
 }
 
 // Count the block's bin indices (idx = bin + 1; 0 = not binned).
@@ -468,7 +514,8 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
   int32_t idx[kHist != kHistNone && !kExp ? kBlock : 1];
   uint8_t eb[kExp ? kBlock : 1];
   int base = 127 - kExpWindow / 2;
-  work_t<T> center = static_cast<work_t<T>>(shift), absmax;
+  bool wide = false;  // count the wide exponent window (see count_window)
+  work_t<T> center = static_cast<work_t<T>>(shift), top;
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
     const T* p = kUnit ? x + b : x + b * stride;
@@ -480,14 +527,15 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
       }
     }
     const int64_t deferred = block_stats<T, kUnit, kHist, kAvx2>(p, stride, len, shift, center,
-                                                                 acc, *hs.spec, idx, eb, absmax);
+                                                                 acc, *hs.spec, idx, eb, top);
     const bool pf = kUnit && b + 2 * kBlock <= n;
     const char* ahead = pf ? reinterpret_cast<const char*>(x + b + kBlock) : nullptr;
     if constexpr (kExp && kAvx2) {
-      base = exponent_window_base(absmax, base);
-      const uint32_t field0 = count_exponents_avx2(eb, len, base, hs.local, ahead,
-                                                   kBlock * static_cast<int64_t>(sizeof(T)));
-      if (field0 && deferred) acc.nzero += count_zeros(p, deferred);
+      base = exponent_window_base(top, wide ? kExpWindowWide : kExpWindow, base);
+      const ExpCount ec = count_exponents_avx2(eb, len, base, wide, hs.local, ahead,
+                                               kBlock * static_cast<int64_t>(sizeof(T)));
+      if (ec.field0 && deferred) acc.nzero += count_zeros(p, deferred);
+      wide = ec.missed * 16 > static_cast<uint32_t>(len);
     } else if constexpr (kExp) {
       count_exponents_scalar(eb, len, hs);
     } else if constexpr (kHist != kHistNone) {
