@@ -10,11 +10,17 @@
 #include "hookcap/state.h"
 #include "hookcap/stats_math.h"
 
-// An importable (empty) Python module, so `import hookcap._C` loads the
-// library and runs the static registrations below.
+namespace hookcap {
+PyMethodDef* grad_hook_methods();  // grad_hooks.cpp
+}
+
+// The importable Python module: `import hookcap._C` loads the library and
+// runs the static registrations below; its only functions are the gradient
+// capture entry points (grad_hooks.cpp).
 extern "C" {
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
+                                          hookcap::grad_hook_methods()};
   return PyModule_Create(&module_def);
 }
 }

@@ -7,6 +7,7 @@ import functools
 import itertools
 import logging
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _layout
+from . import _C, _layout
 from ._ring import DeviceRing, next_host_state
 from .anomaly import Anomaly, AnomalyError, NonFinite, Underflow, as_anomalies
 from .drained import DrainedStep
@@ -112,6 +113,22 @@ _SKIPPED = object()  # row-cache marker: this (metric, device, call) is not reco
 _ACCUMULATE = torch.ops.hookcap.accumulate.default  # bound once: the hot path's one call
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
 _MONITORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Monitor
+# HOOKCAP_PYTHON_GRAD_HOOKS=1: gradients through Python tensor hooks, as
+# before the C++ path existed (for comparison and as an escape hatch).
+_PYTHON_GRAD_HOOKS = os.environ.get("HOOKCAP_PYTHON_GRAD_HOOKS") == "1"
+
+
+def _cpp_grad_hooks_ok() -> bool:
+    """Whether gradients may go through C++ tensor hooks (grad_hooks.cpp).
+    Compiled autograd cannot trace C++ hooks: while it is on (its context or
+    ``torch._dynamo.config.compiled_autograd``), Python hooks are used."""
+    if _PYTHON_GRAD_HOOKS:
+        return False
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is not None and ca.compiled_autograd_enabled:
+        return False
+    cfg = sys.modules.get("torch._dynamo.config")
+    return not (cfg is not None and cfg.compiled_autograd)
 
 
 @torch._dynamo.assume_constant_result
@@ -313,6 +330,20 @@ class Monitor:
         self._order: dict[tuple[int, int], None] = {}  # (ring id, row) in first-write order
         self._calls: dict[tuple[str, str], int] = {}
         self._replace_rows: set[tuple[int, int]] = set()
+        # Gradients captured in C++ (grad_hooks.cpp): the sink holds this
+        # Monitor's rings and logs each gradient's row with the number of rows
+        # Python had logged before it (_python_writes), which places it in
+        # the execution order at _finish_step.
+        old_sink = getattr(self, "_grad_sink", None)
+        if old_sink is not None:
+            _C._grad_sink_free(old_sink)
+        self._python_writes = torch.zeros(1, dtype=torch.int64)
+        self._python_writes_np = self._python_writes.numpy()
+        self._grad_sink = _C._grad_sink_new(self._python_writes, *self._hargs)
+        weakref.finalize(self, _C._grad_sink_free, self._grad_sink)  # releases the rings
+        self._cpp_token: dict[tuple[int, int], int] = {}  # (ring id, row) -> ring index << 32 | row
+        self._cpp_skipped: set[int] = set()
+        self._unnamed: dict[tuple[int, int], tuple[str, dict]] = {}  # rows awaiting a first write
         self._expect: dict[int, set[int]] = {}
         self._partial: dict[int, list] = {}
         self._plans: dict[tuple, _StepPlan] = {}
@@ -335,6 +366,7 @@ class Monitor:
         if self._attached:
             return self
         self._attached = True
+        _C._grad_sink_active(self._grad_sink, True)
         if self.dump_on_exit is not None:
             self._hook_exit()
         if self._global:
@@ -371,6 +403,7 @@ class Monitor:
         self._handles.clear()
         was = self._attached
         self._attached = False
+        _C._grad_sink_active(self._grad_sink, False)  # hooks of this step's graph stay quiet
         if was and (self.sinks or self._merge_group is not None):
             self._collect(wait=True)
             if self._merge_group is not None:
@@ -447,10 +480,27 @@ class Monitor:
                 if want_out and not recompute:
                     self._write(name, "output", path, t, mtype, ci)
                 if want_grad and t.requires_grad:
-                    t.register_hook(self._grad_tensor_hook(name, path, mtype, ci))
+                    if type(t) is torch.Tensor and _cpp_grad_hooks_ok():
+                        self._capture_grad(name, path, t, mtype, ci)
+                    else:
+                        t.register_hook(self._grad_tensor_hook(name, path, mtype, ci))
             return None
 
         return hook
+
+    def _capture_grad(self, name, path, t, mtype, ci):
+        # The grad row is registered now, from the output's metadata (its
+        # gradient has the same shape, dtype and device); rows a backward
+        # never writes are left out of the step's record.
+        key = (name, "grad_output", path, t.device, ci)
+        hit = self._rows.get(key)
+        if hit is None:
+            hit = self._register(key, t, mtype, defer_name=True)
+        if hit is _SKIPPED:
+            return
+        token = self._cpp_token[hit[2]]
+        if token not in self._cpp_skipped:
+            _C._capture_grad(t, self._grad_sink, token)
 
     def _grad_tensor_hook(self, name, path, mtype, ci, kind="grad_output"):
         # Gradient w.r.t. one module output (or input alias). A tensor hook
@@ -569,6 +619,7 @@ class Monitor:
             return
         if token not in self._order:
             self._order[token] = None
+            self._python_writes_np[0] += 1
 
     def _warn_once(self, what, message: str) -> None:
         if what not in self._warned_skips:
@@ -597,7 +648,7 @@ class Monitor:
             return f"tensor subclass {type(t).__name__} is not supported"
         return None
 
-    def _register(self, key, t, mtype):
+    def _register(self, key, t, mtype, defer_name=False):
         name, kind, path = key[:3]
         reason = self._skip_reason(t)
         if reason is not None:
@@ -605,35 +656,50 @@ class Monitor:
             metric = f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
             self._warn_once((name, kind, path), f"hookcap: not recording {metric}: {reason}")
             return _SKIPPED
-        return self._register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype)
+        return self._register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name)
 
-    def _register_row(self, key, device, shape, dtype, mtype):
+    def _register_row(self, key, device, shape, dtype, mtype, defer_name=False):
+        """The (ring, row, token) of a metric's call, created on first use.
+        ``defer_name``: a row whose first write happens in C++ (a gradient)
+        gets its metric name when that write is seen (``_execution_order``),
+        so metrics never written stay out of ``names``, and names keep their
+        first-execution order."""
         name, kind, path = key[:3]
         metric = f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
+        meta = {"module_type": mtype, "kind": kind, "shape": shape, "dtype": dtype}
         with self._lock:
             if key in self._rows:
                 return self._rows[key]
             idx = self._metric_index.get(metric)
-            if idx is None:
-                idx = len(self._names)
-                self._names.append(metric)
-                self._metric_index[metric] = idx
-                self._metas[metric] = {
-                    "module_type": mtype,
-                    "kind": kind,
-                    "shape": shape,
-                    "dtype": dtype,
-                }
+            if idx is None and defer_name:
+                idx = -1  # named when first written
+            elif idx is None:
+                idx = self._new_metric(metric, meta)
             ring = self._rings.get(device)
             if ring is None:
                 ring = DeviceRing(device, _SLOTS, self._width)
                 self._sync_ring_state(ring)
                 self._rings[device] = ring
                 self._ring_list.append(ring)
+                ring.index = len(self._ring_list) - 1
+                _C._grad_sink_ring(self._grad_sink, ring.index, ring.ring, ring.state)
+            buf = ring.ring
             row = ring.add_row(idx)
+            if ring.ring is not buf:  # grown: C++ hooks read the new buffer
+                _C._grad_sink_ring(self._grad_sink, ring.index, ring.ring, ring.state)
             hit = (ring, row, (id(ring), row))  # the token names the row in _order
+            self._cpp_token[hit[2]] = (ring.index << 32) | row
+            if idx < 0:
+                self._unnamed[hit[2]] = (metric, meta)
             self._rows[key] = hit
             return hit
+
+    def _new_metric(self, metric: str, meta: dict) -> int:
+        idx = len(self._names)
+        self._names.append(metric)
+        self._metric_index[metric] = idx
+        self._metas[metric] = meta
+        return idx
 
     def _sync_ring_state(self, ring: DeviceRing) -> None:
         # A ring created mid-run starts at the Monitor's current step.
@@ -667,6 +733,7 @@ class Monitor:
             ring.advance(self.every)
         self._step, self._enabled, self._slot = step, enabled, slot
         self._order = {}
+        self._python_writes_np[0] = 0
         self._calls = {}
         self._replace_rows.clear()
         if self._raise is not None:
@@ -674,6 +741,7 @@ class Monitor:
             raise AnomalyError(a)
 
     def _finish_step(self) -> None:
+        order = self._execution_order()  # taken even when the step is dropped
         expect = set()
         for ring in self._rings.values():
             if ring.finish(self._step, self._slot):
@@ -682,7 +750,39 @@ class Monitor:
                 self._drop(self._step)
                 return
         self._expect[self._step] = expect
-        self._partial[self._step] = [list(self._order)]
+        self._partial[self._step] = [order]
+
+    def _execution_order(self) -> list:
+        """Rows in first-write order: Python's writes (``_order``) with the
+        gradients written in C++ placed where they happened."""
+        tokens, after, errors = _C._grad_sink_take(self._grad_sink)
+        for token, message in errors:
+            self._cpp_skipped.add(token)
+            ring = self._ring_list[token >> 32]
+            t = (id(ring), token & 0xFFFFFFFF)
+            metric = self._unnamed[t][0] if t in self._unnamed else \
+                self._names[ring.metric_of_row[token & 0xFFFFFFFF]]
+            self._warn_once(("cpp", token), f"hookcap: {metric} is no longer recorded: {message}")
+        order = list(self._order)
+        if not tokens:
+            return order
+        merged, seen, i = [], set(), 0
+        for token, k in zip(tokens, after):
+            merged.extend(order[i:k])
+            i = max(i, k)
+            ring = self._ring_list[token >> 32]
+            t = (id(ring), token & 0xFFFFFFFF)
+            if t not in seen:
+                seen.add(t)
+                merged.append(t)
+                pending = self._unnamed.pop(t, None)
+                if pending is not None:
+                    metric, meta = pending
+                    idx = self._metric_index.get(metric)
+                    with self._lock:
+                        ring.metric_of_row[t[1]] = self._new_metric(metric, meta) if idx is None else idx
+        merged.extend(order[i:])
+        return merged
 
     def _drop(self, step: int) -> None:
         self.dropped_steps += 1

@@ -1,0 +1,138 @@
+"""Gradients captured by C++ tensor hooks (csrc/grad_hooks.cpp) against the
+Python tensor-hook path they replace: the same rows, values, execution order
+and fallbacks."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import hookcap
+import hookcap.monitor as monitor_mod
+from hookcap import Monitor
+
+
+class Deep(nn.Module):
+    """Enough layers that the ring (64 rows to start) grows, once in the
+    forward and again in the backward (param_grad rows), with one module
+    called twice per forward."""
+
+    def __init__(self, n=24):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(n))
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.act(layer(x))
+        return x
+
+
+def run(python_hooks, monkeypatch, steps=3, micro=2):
+    monkeypatch.setattr(monitor_mod, "_PYTHON_GRAD_HOOKS", python_hooks)
+    torch.manual_seed(0)
+    model = Deep()
+    g = torch.Generator().manual_seed(1)
+    xs = [[torch.randn(4, 8, generator=g) for _ in range(micro)] for _ in range(steps)]
+    mon = Monitor(model, capture=("output", "grad_output", "param_grad")).attach()
+    for batch in xs:
+        for x in batch:  # microbatches: forward, backward, forward, backward
+            model(x).pow(2).sum().backward()
+        model.zero_grad()
+        mon.step()
+    mon.detach()
+    recs = list(mon._store.records)
+    orders = [[mon._names[m] for m in r.order] for r in recs]
+    calls = [[mon._names[m] for m in r.calls] for r in recs]
+    return mon.history(), orders, calls
+
+
+def test_cpp_and_python_gradient_paths_agree(monkeypatch):
+    h_py, order_py, calls_py = run(True, monkeypatch)
+    h_cpp, order_cpp, calls_cpp = run(False, monkeypatch)
+    assert sorted(h_cpp.names) == sorted(h_py.names)
+    assert sum("/grad_output" in n for n in h_cpp.names) == 25  # 24 Linear + the shared Tanh
+    assert h_cpp.steps.tolist() == h_py.steps.tolist() == [0, 1, 2]
+    # Execution order (used to place the first NaN) is the same call by call,
+    # across microbatches and param_grad writes made from Python mid-backward.
+    assert order_cpp == order_py
+    assert calls_cpp == calls_py
+    for name in h_py.names:
+        a, b = h_py.column(name), h_cpp.column(name)
+        for stat in hookcap.STAT_NAMES:
+            # Rows are created in a different order (C++ gradient rows at the
+            # forward), so a reused module's calls merge in another order:
+            # sums may differ in the last bit, nothing else.
+            np.testing.assert_allclose(h_cpp[stat][:, b], h_py[stat][:, a], rtol=1e-13, atol=0,
+                                       err_msg=f"{name} {stat}")
+        for stat in ("count", "nan", "zeros", "min", "max", "absmax"):
+            np.testing.assert_array_equal(h_cpp[stat][:, b], h_py[stat][:, a], err_msg=f"{name} {stat}")
+        np.testing.assert_array_equal(h_cpp.histogram(name), h_py.histogram(name), err_msg=name)
+
+
+def test_cpp_gradients_equal_float64_reference():
+    # d(sum(y^2))/dy = 2y for the last layer's output.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    x = torch.randn(6, 5)
+    with Monitor(model, capture=("output", "grad_output")) as mon:
+        y = model(x)
+        y.pow(2).sum().backward()
+        mon.step()
+    h = mon.history()
+    got = {k: h[k][0, h.column("1/grad_output")] for k in ("count", "sum", "sumsq", "min", "max")}
+    ref = hookcap.reference.tensor_stats(2 * y.detach())
+    assert got["count"] == 18
+    assert got["sum"] == pytest.approx(ref["sum"], rel=1e-6, abs=1e-6)
+    assert got["sumsq"] == pytest.approx(ref["sumsq"], rel=1e-6)
+    assert (got["min"], got["max"]) == (ref["min"], ref["max"])
+
+
+def test_gradient_never_computed_leaves_no_metric():
+    # A forward whose outputs require grad but never see a backward
+    # (validation with grad enabled) names no gradient metric.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with Monitor(model) as mon:
+        model(torch.randn(2, 4))
+        mon.step()
+        model(torch.randn(2, 4)).sum().backward()
+        mon.step()
+    h = mon.history()
+    assert h.names[:2] == ["0/output", "1/output"]
+    assert set(h.names[2:]) == {"0/grad_output", "1/grad_output"}
+    assert np.isnan(h["count"][0, h.column("0/grad_output")])
+    assert h["count"][1, h.column("0/grad_output")] == 8
+
+
+def test_detach_before_backward_records_no_gradient():
+    model = nn.Sequential(nn.Linear(4, 4))
+    mon = Monitor(model).attach()
+    y = model(torch.randn(3, 4))
+    mon.detach()
+    y.sum().backward()  # the C++ hook is still on the graph: it must stay quiet
+    mon.attach()
+    mon.step()
+    h = mon.history()
+    assert "0/grad_output" not in h.names
+    assert h["count"][0, h.column("0/output")] == 12
+
+
+def test_compiled_autograd_around_eager_forward_uses_python_hooks():
+    # Compiled autograd cannot trace C++ hooks: with it on, the Monitor
+    # registers Python hooks, and the gradients still come out right.
+    pytest.importorskip("torch._dynamo")
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    x = torch.randn(5, 4)
+    with Monitor(model, capture=("output", "grad_output")) as mon:
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            y = model(x)
+            y.pow(2).sum().backward()
+        mon.step()
+    h = mon.history()
+    ref = hookcap.reference.tensor_stats(2 * y.detach())
+    c = h.column("2/grad_output")
+    assert h["count"][0, c] == 10
+    assert h["sum"][0, c] == pytest.approx(ref["sum"], rel=1e-6, abs=1e-6)
