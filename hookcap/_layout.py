@@ -125,7 +125,7 @@ class GroupPlan:
     """How rows with the given group ids merge: computed once per call pattern
     and reused (a training step repeats the same pattern every step)."""
 
-    def __init__(self, groups: np.ndarray):
+    def __init__(self, groups: np.ndarray, _sub: bool = True):
         groups = np.asarray(groups)
         self.perm = np.argsort(groups, kind="stable")  # stable: "first" keeps its meaning
         gs = groups[self.perm]
@@ -133,6 +133,16 @@ class GroupPlan:
         self.uniq = gs[self.starts]
         self.seg = np.repeat(np.arange(len(self.starts)), np.diff(np.r_[self.starts, len(gs)]))
         self.trivial = len(self.starts) == len(gs)  # no group has two rows
+        # Mostly single-row groups (a step where a few modules are reused):
+        # merge only the multi-row groups, pass the rest through.
+        sizes = np.diff(np.r_[self.starts, len(gs)])
+        multi = (sizes > 1)[self.seg]
+        self.split = None
+        if not self.trivial and _sub and 2 * multi.sum() < len(gs):
+            single_rows, multi_rows = self.perm[~multi], self.perm[multi]
+            sub = GroupPlan(groups[multi_rows], _sub=False)
+            ids = np.concatenate([groups[single_rows], sub.uniq])
+            self.split = (single_rows, multi_rows, sub, np.argsort(ids, kind="stable"))
 
 
 def merge_groups(rows: np.ndarray, groups, plan: GroupPlan | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -144,6 +154,11 @@ def merge_groups(rows: np.ndarray, groups, plan: GroupPlan | None = None) -> tup
     group ids, merged rows [g, width])."""
     rows = np.asarray(rows, dtype=np.int64)
     plan = GroupPlan(groups) if plan is None else plan
+    if plan.split is not None:
+        single_rows, multi_rows, sub, order = plan.split
+        ids_m, out_m = merge_groups(rows[multi_rows], None, sub)
+        out = np.concatenate([rows[single_rows], out_m])[order]
+        return plan.uniq, out
     r, starts, uniq, seg = rows[plan.perm], plan.starts, plan.uniq, plan.seg
     out = np.zeros((len(starts), rows.shape[1]), dtype=np.int64)
     out[:, _ADD_COLS] = np.add.reduceat(r[:, _ADD_COLS], starts)

@@ -76,7 +76,10 @@ class DeviceRing:
         if the step had to be dropped (its pinned buffer is still unread)."""
         n = self.nrows
         if not self.is_cuda:
-            self.pending.append(_Pending(step, slot, n, self.ring[slot, :n].numpy().copy()))
+            # A view, no copy: the host reads it in this step() (records copy
+            # what they keep), and an unread slot is dropped before advance()
+            # resets it (drop_unread).
+            self.pending.append(_Pending(step, slot, n, self.ring[slot, :n].numpy()))
             return True
         if any(p.slot == slot for p in self.pending):
             return False  # host is a whole ring behind: drop rather than wait

@@ -342,6 +342,7 @@ class Monitor:
         self._grad_sink = _C._grad_sink_new(self._python_writes, *self._hargs)
         weakref.finalize(self, _C._grad_sink_free, self._grad_sink)  # releases the rings
         self._cpp_token: dict[tuple[int, int], int] = {}  # (ring id, row) -> ring index << 32 | row
+        self._py_token: dict[int, tuple[int, int]] = {}  # and back
         self._cpp_skipped: set[int] = set()
         self._unnamed: dict[tuple[int, int], tuple[str, dict]] = {}  # rows awaiting a first write
         self._expect: dict[int, set[int]] = {}
@@ -689,6 +690,7 @@ class Monitor:
                 _C._grad_sink_ring(self._grad_sink, ring.index, ring.ring, ring.state)
             hit = (ring, row, (id(ring), row))  # the token names the row in _order
             self._cpp_token[hit[2]] = (ring.index << 32) | row
+            self._py_token[(ring.index << 32) | row] = hit[2]
             if idx < 0:
                 self._unnamed[hit[2]] = (metric, meta)
             self._rows[key] = hit
@@ -766,6 +768,10 @@ class Monitor:
         order = list(self._order)
         if not tokens:
             return order
+        if not self._unnamed and after[0] == len(order):
+            # The usual step: every gradient came after the last Python write.
+            pyt = self._py_token
+            return order + list(dict.fromkeys([pyt[t] for t in tokens]))
         merged, seen, i = [], set(), 0
         for token, k in zip(tokens, after):
             merged.extend(order[i:k])
