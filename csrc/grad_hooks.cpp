@@ -178,6 +178,38 @@ PyObject* grad_sink_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// _accumulate_row(x, id, token): the accumulate op into the row named by
+// token, for the forward hooks: one C call with three arguments instead of
+// the Python op wrapper with eight. Errors raise RuntimeError.
+PyObject* accumulate_row(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "_accumulate_row takes 3 arguments");
+  at::Tensor x;
+  if (!unpack_tensor(args[0], x, "x")) return nullptr;
+  auto s = sink_of(PyLong_AsLongLong(args[1]));
+  const int64_t token = PyLong_AsLongLong(args[2]);
+  if (PyErr_Occurred()) return nullptr;
+  if (!s) return PyErr_Format(PyExc_ValueError, "hookcap: gradient sink was freed");
+  RingRef ref;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    if ((token >> 32) >= static_cast<int64_t>(s->rings.size())) {
+      return PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink",
+                          static_cast<long long>(token >> 32));
+    }
+    ref = s->rings[token >> 32];
+  }
+  try {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("hookcap::accumulate", "")
+                         .typed<AccumulateFn>();
+    op.call(x, ref.ring, ref.state, token & 0xffffffff, s->hist_kind, s->hist_lo, s->hist_hi,
+            s->hist_bins);
+  } catch (const std::exception& e) {
+    return PyErr_Format(PyExc_RuntimeError, "%s", e.what());
+  }
+  Py_RETURN_NONE;
+}
+
 // _capture_grad(t, id, token) -> bool: t's gradient will be merged into the
 // row named by token (ring index << 32 | row). False if t gets no gradient.
 PyObject* capture_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -217,6 +249,8 @@ PyMethodDef kMethods[] = {
     {"_grad_sink_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_sink_take)),
      METH_FASTCALL, nullptr},
     {"_grad_sink_free", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_sink_free)),
+     METH_FASTCALL, nullptr},
+    {"_accumulate_row", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(accumulate_row)),
      METH_FASTCALL, nullptr},
     {"_capture_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(capture_grad)),
      METH_FASTCALL, nullptr},

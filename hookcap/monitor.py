@@ -110,7 +110,6 @@ def _example_names(model: nn.Module, k: int = 4) -> str:
 
 
 _SKIPPED = object()  # row-cache marker: this (metric, device, call) is not recorded
-_ACCUMULATE = torch.ops.hookcap.accumulate.default  # bound once: the hot path's one call
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
 _MONITORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Monitor
 # HOOKCAP_PYTHON_GRAD_HOOKS=1: gradients through Python tensor hooks, as
@@ -612,7 +611,7 @@ class Monitor:
             else:
                 self._replace_rows.add(token)
         try:
-            _ACCUMULATE(t, ring.ring, ring.state, row, *self._hargs)
+            _C._accumulate_row(t, self._grad_sink, self._cpp_token[token])
         except Exception as e:  # telemetry must never take the run down
             self._rows[key] = _SKIPPED
             self._warn_once(key[:3], f"hookcap: {key[0]}/{key[1]} is no longer recorded: "

@@ -52,7 +52,7 @@ struct HostAtomics {
 
 constexpr int kHistCopies = 4;        // sub-histograms break store->load chains (unrolled x4 below)
 constexpr int64_t kLocalBins = 1024;   // wider histograms count into the ring
-constexpr int64_t kBlock = 1024;       // float sums are flushed to double per block
+constexpr int64_t kBlock = 2048;       // float sums are flushed to double per block
 constexpr int64_t kMinChunk = 16384;
 constexpr int64_t kMaxChunks = 64;
 // CPU-only variant of the log2 histogram for float-sized inputs when every
@@ -351,7 +351,7 @@ HC_ALWAYS_INLINE int64_t count_zeros(const T* x, int64_t n) {
 // Exponent-field histogram of one block (bytes eb[0..n), n <= kBlock) into
 // hist[256]. AVX2: byte compares count a window of exponents [base, base + W)
 // and exponent field 0 (zeros, subnormals) 32 at a time in u8 lanes (at most
-// kBlock / 32 = 32 per lane, no overflow); the rare bytes outside both are
+// kBlock / 32 = 64 per lane, no overflow); the rare bytes outside both are
 // counted one by one from the movemask. The window sits just under the
 // block's top (largest |x|, capped at 8x its RMS), where nearly all values of
 // a block lie. W is kExpWindow, or kExpWindowWide for data whose blocks
