@@ -110,6 +110,7 @@ def _example_names(model: nn.Module, k: int = 4) -> str:
 
 
 _SKIPPED = object()  # row-cache marker: this (metric, device, call) is not recorded
+_OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
 _MONITORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Monitor
 # HOOKCAP_PYTHON_GRAD_HOOKS=1: gradients through Python tensor hooks, as
@@ -508,7 +509,7 @@ class Monitor:
         # in-place ops after the module (ReLU(inplace=True)) keep working.
         def hook(grad):
             if self._enabled and self._attached and grad is not None:
-                self._write(name, kind, path, grad, mtype, ci)
+                self._write(name, kind, path, grad, mtype, ci, via_op=True)
             return None
 
         return hook
@@ -552,7 +553,7 @@ class Monitor:
             if self._enabled and self._attached and p.grad is not None:
                 # Fires after every accumulation: the row is replaced so the
                 # step keeps the final accumulated gradient, once.
-                self._write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True)
+                self._write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True, via_op=True)
 
         return hook
 
@@ -593,7 +594,7 @@ class Monitor:
         self._calls[(name, kind)] = ci + 1
         return ci
 
-    def _write(self, name, kind, path, t, mtype, ci, replace=False):
+    def _write(self, name, kind, path, t, mtype, ci, replace=False, via_op=False):
         if type(t) is not torch.Tensor:
             t = self._plain(t)
             if t is None:
@@ -611,7 +612,10 @@ class Monitor:
             else:
                 self._replace_rows.add(token)
         try:
-            _C._accumulate_row(t, self._grad_sink, self._cpp_token[token])
+            if via_op:  # traceable by dynamo (compiled autograd runs these hooks)
+                _OP_ACCUMULATE(t, ring.ring, ring.state, row, *self._hargs)
+            else:
+                _C._accumulate_row(t, self._grad_sink, self._cpp_token[token])
         except Exception as e:  # telemetry must never take the run down
             self._rows[key] = _SKIPPED
             self._warn_once(key[:3], f"hookcap: {key[0]}/{key[1]} is no longer recorded: "
