@@ -771,26 +771,29 @@ class Monitor:
         order = list(self._order)
         if not tokens:
             return order
-        if not self._unnamed and after[0] == len(order):
+        pyt = self._py_token
+        if after[0] == len(order):
             # The usual step: every gradient came after the last Python write.
-            pyt = self._py_token
-            return order + list(dict.fromkeys([pyt[t] for t in tokens]))
-        merged, seen, i = [], set(), 0
-        for token, k in zip(tokens, after):
-            merged.extend(order[i:k])
-            i = max(i, k)
-            ring = self._ring_list[token >> 32]
-            t = (id(ring), token & 0xFFFFFFFF)
-            if t not in seen:
-                seen.add(t)
-                merged.append(t)
-                pending = self._unnamed.pop(t, None)
-                if pending is not None:
-                    metric, meta = pending
-                    idx = self._metric_index.get(metric)
-                    with self._lock:
-                        ring.metric_of_row[t[1]] = self._new_metric(metric, meta) if idx is None else idx
-        merged.extend(order[i:])
+            merged = order + list(dict.fromkeys([pyt[t] for t in tokens]))
+        else:
+            merged, seen, i = [], set(), 0
+            for token, k in zip(tokens, after):
+                merged.extend(order[i:k])
+                i = max(i, k)
+                t = pyt[token]
+                if t not in seen:
+                    seen.add(t)
+                    merged.append(t)
+            merged.extend(order[i:])
+        if self._unnamed:  # name new gradient metrics in execution order
+            rings = {id(r): r for r in self._ring_list}
+            with self._lock:
+                for t in merged:
+                    pending = self._unnamed.pop(t, None)
+                    if pending is not None:
+                        metric, meta = pending
+                        idx = self._metric_index.get(metric)
+                        rings[t[0]].metric_of_row[t[1]] = self._new_metric(metric, meta) if idx is None else idx
         return merged
 
     def _drop(self, step: int) -> None:

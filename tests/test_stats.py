@@ -318,3 +318,14 @@ def test_log2_bimodal_blocks_count_exactly(gap):
     ref = hookcap.reference.tensor_stats(x, Histogram.log2())
     assert list(got["hist"]) == list(ref["hist"])
     assert sum(got["hist"]) == n
+
+
+def test_log2_histograms_of_different_ranges_alternate():
+    # The CPU keeps its exponent->bin table between calls; a call with another
+    # range must rebuild it (on this thread and for the worker threads).
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50_000, generator=g) * torch.exp2(torch.randint(-30, 30, (50_000,), generator=g).float())
+    for h in [Histogram.log2(-20, 5), Histogram.log2(), Histogram.log2(-20, 5), Histogram.log2(-126, 127)]:
+        got = check(x, h)
+        ref = hookcap.reference.tensor_stats(x, h)
+        assert list(got["hist"]) == list(ref["hist"])

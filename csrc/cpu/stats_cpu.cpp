@@ -627,11 +627,19 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   const bool local_hist =
       kHist != kHistNone && n >= kDirectHistBelow && (kExp || h.nbins <= kLocalBins);
   const int64_t cs = kExp ? kExpBins : h.nbins + 1;
-  int32_t exp_bin[kExpBins];  // exponent field -> bin (kExp only)
+  // Exponent field -> bin (kExp only), rebuilt only when the histogram
+  // range changes (one Monitor uses one range).
+  thread_local int32_t exp_bin[kExpBins];
+  thread_local int64_t exp_bin_lo = 1, exp_bin_hi = 0;  // empty: built on first use
   if constexpr (kExp) {
-    const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
-    for (int e = 1; e < 255; ++e) exp_bin[e] = log2_bin(std::ldexp(1.0f, e - 127), lo, hi);
+    if (exp_bin_lo != h.lo_exp || exp_bin_hi != h.hi_exp) {
+      const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
+      for (int e = 1; e < 255; ++e) exp_bin[e] = log2_bin(std::ldexp(1.0f, e - 127), lo, hi);
+      exp_bin_lo = h.lo_exp;
+      exp_bin_hi = h.hi_exp;
+    }
   }
+  const int32_t* bin_of_exp = exp_bin;  // this thread's table, read by the workers too
   const bool avx2 = use_avx2();
   // The AVX2 exponent counter writes copy 0 only: clear and sum just that one.
   const int copies = kExp && avx2 ? 1 : kHistCopies;
@@ -664,7 +672,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
         if (sub) HostAtomics::add_i64(row + kHeader + 1, sub);
         for (int k = 1; k < 255; ++k) {
           const int64_t cnt = total_of(k);
-          if (cnt) HostAtomics::add_i64(row + kHeader + exp_bin[k], cnt);
+          if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_exp[k], cnt);
         }
       } else {
         for (int64_t k = 0; k < h.nbins; ++k) {
