@@ -500,8 +500,14 @@ class Monitor:
         if hit is _SKIPPED:
             return
         token = self._cpp_token[hit[2]]
-        if token not in self._cpp_skipped:
+        if token in self._cpp_skipped:
+            return
+        try:
             _C._capture_grad(t, self._grad_sink, token)
+        except Exception as e:  # telemetry must never take the run down
+            self._cpp_skipped.add(token)
+            self._warn_once(key[:3], f"hookcap: {name}/grad_output is no longer recorded: "
+                                     f"{type(e).__name__}: {e}")
 
     def _grad_tensor_hook(self, name, path, mtype, ci, kind="grad_output"):
         # Gradient w.r.t. one module output (or input alias). A tensor hook
@@ -724,6 +730,8 @@ class Monitor:
                     for pname, p in getattr(self, "_params", ()):
                         self._write(pname, "param", "", p.detach(), "Parameter", 0)
             self._finish_step()
+        else:  # gradients that arrived in an off-step wrote nothing: forget them
+            _C._grad_sink_take(self._grad_sink)
         self._collect(wait=False)
         if self._merge_group is not None and self._step % RANK_MERGE_EVERY == RANK_MERGE_EVERY - 1:
             self._merge_pending()  # the same step on every rank: step() counts agree

@@ -159,3 +159,27 @@ def test_group_merge_of_mostly_single_rows_equals_full_merge():
         np.testing.assert_array_equal(ids_a, ids_b)
         np.testing.assert_array_equal(out_a, out_b)
     assert split_plans > 100
+
+
+@pytest.mark.parametrize("python_hooks", [True, False])
+def test_backward_after_step_into_off_step_records_nothing(python_hooks, monkeypatch):
+    # every=2: the forward of step 0 is recorded, its backward runs after
+    # step() (step 1 records nothing), then step 2 runs normally. Both
+    # gradient paths must leave step 0 without gradients and step 2 intact.
+    monkeypatch.setattr(monitor_mod, "_PYTHON_GRAD_HOOKS", python_hooks)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    mon = Monitor(model, every=2).attach()
+    y = model(torch.randn(3, 4))
+    mon.step()
+    y.sum().backward()
+    mon.step()
+    model(torch.randn(3, 4)).sum().backward()
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    assert h.steps.tolist() == [0, 2]
+    g = h.column("0/grad_output")
+    assert np.isnan(h["count"][0, g]) and h["count"][1, g] == 12
+    rec = list(mon._store.records)[1]
+    assert [mon._names[m] for m in rec.order] == ["0/output", "1/output", "1/grad_output", "0/grad_output"]
