@@ -16,6 +16,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,6 +53,15 @@ std::shared_ptr<GradSink> sink_of(int64_t id) {
   return g_sinks[id];
 }
 
+// The accumulate op into `row` of `ref`, through the dispatcher (CPU or CUDA
+// kernel by x's device). Throws what the kernel's checks throw.
+void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Tensor& x) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookcap::accumulate", "")
+                       .typed<AccumulateFn>();
+  op.call(x, ref.ring, ref.state, row, s.hist_kind, s.hist_lo, s.hist_hi, s.hist_bins);
+}
+
 // token = ring index << 32 | row.
 void on_grad(GradSink& s, int64_t token, const at::Tensor& grad) {
   if (!s.active.load(std::memory_order_relaxed) || !grad.defined()) return;
@@ -64,10 +74,7 @@ void on_grad(GradSink& s, int64_t token, const at::Tensor& grad) {
   try {
     TORCH_CHECK(grad.layout() == c10::kStrided && !grad.is_quantized() && !grad.is_nested(),
                 "gradient layout ", grad.layout(), " is not supported");
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("hookcap::accumulate", "")
-                         .typed<AccumulateFn>();
-    op.call(grad, ref.ring, ref.state, row, s.hist_kind, s.hist_lo, s.hist_hi, s.hist_bins);
+    accumulate_into(s, ref, row, grad);
   } catch (const std::exception& e) {  // telemetry must never take the run down
     std::lock_guard<std::mutex> lock(s.mu);
     s.errors.emplace_back(token, e.what());
@@ -85,6 +92,39 @@ bool unpack_tensor(PyObject* o, at::Tensor& out, const char* what) {
   }
   out = THPVariable_Unpack(o);
   return true;
+}
+
+// Arguments (tensor, sink id, token) of _accumulate_row and _capture_grad,
+// with the ring the token names. Empty (Python error set) if any is invalid.
+struct RowArgs {
+  at::Tensor t;
+  std::shared_ptr<GradSink> sink;
+  int64_t token = 0;
+  RingRef ref;
+};
+
+std::optional<RowArgs> row_args(PyObject* const* args, Py_ssize_t nargs, const char* fn) {
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "%s takes 3 arguments", fn);
+    return std::nullopt;
+  }
+  RowArgs a;
+  if (!unpack_tensor(args[0], a.t, "the tensor")) return std::nullopt;
+  a.sink = sink_of(PyLong_AsLongLong(args[1]));
+  a.token = PyLong_AsLongLong(args[2]);
+  if (PyErr_Occurred()) return std::nullopt;
+  if (!a.sink) {
+    PyErr_Format(PyExc_ValueError, "hookcap: gradient sink was freed");
+    return std::nullopt;
+  }
+  std::lock_guard<std::mutex> lock(a.sink->mu);
+  if (a.token < 0 || (a.token >> 32) >= static_cast<int64_t>(a.sink->rings.size())) {
+    PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink",
+                 static_cast<long long>(a.token >> 32));
+    return std::nullopt;
+  }
+  a.ref = a.sink->rings[a.token >> 32];
+  return a;
 }
 
 // _grad_sink_new(python_writes, hist_kind, hist_lo, hist_hi, hist_bins) -> id
@@ -182,28 +222,10 @@ PyObject* grad_sink_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // token, for the forward hooks: one C call with three arguments instead of
 // the Python op wrapper with eight. Errors raise RuntimeError.
 PyObject* accumulate_row(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "_accumulate_row takes 3 arguments");
-  at::Tensor x;
-  if (!unpack_tensor(args[0], x, "x")) return nullptr;
-  auto s = sink_of(PyLong_AsLongLong(args[1]));
-  const int64_t token = PyLong_AsLongLong(args[2]);
-  if (PyErr_Occurred()) return nullptr;
-  if (!s) return PyErr_Format(PyExc_ValueError, "hookcap: gradient sink was freed");
-  RingRef ref;
-  {
-    std::lock_guard<std::mutex> lock(s->mu);
-    if ((token >> 32) >= static_cast<int64_t>(s->rings.size())) {
-      return PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink",
-                          static_cast<long long>(token >> 32));
-    }
-    ref = s->rings[token >> 32];
-  }
+  auto a = row_args(args, nargs, "_accumulate_row");
+  if (!a) return nullptr;
   try {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("hookcap::accumulate", "")
-                         .typed<AccumulateFn>();
-    op.call(x, ref.ring, ref.state, token & 0xffffffff, s->hist_kind, s->hist_lo, s->hist_hi,
-            s->hist_bins);
+    accumulate_into(*a->sink, a->ref, a->token & 0xffffffff, a->t);
   } catch (const std::exception& e) {
     return PyErr_Format(PyExc_RuntimeError, "%s", e.what());
   }
@@ -213,25 +235,15 @@ PyObject* accumulate_row(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // _capture_grad(t, id, token) -> bool: t's gradient will be merged into the
 // row named by token (ring index << 32 | row). False if t gets no gradient.
 PyObject* capture_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "_capture_grad takes 3 arguments");
-  at::Tensor t;
-  if (!unpack_tensor(args[0], t, "t")) return nullptr;
-  auto s = sink_of(PyLong_AsLongLong(args[1]));
-  const int64_t token = PyLong_AsLongLong(args[2]);
-  if (PyErr_Occurred()) return nullptr;
-  if (!s) return PyErr_Format(PyExc_ValueError, "hookcap: gradient sink was freed");
-  {
-    std::lock_guard<std::mutex> lock(s->mu);
-    if ((token >> 32) >= static_cast<int64_t>(s->rings.size())) {
-      return PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the gradient sink",
-                          static_cast<long long>(token >> 32));
-    }
-  }
-  if (!t.requires_grad()) Py_RETURN_FALSE;
+  auto a = row_args(args, nargs, "_capture_grad");
+  if (!a) return nullptr;
+  if (!a->t.requires_grad()) Py_RETURN_FALSE;
   try {
     // The hook owns the sink (not the tensor): freeing the Monitor's handle
     // leaves pending hooks harmless.
-    t.register_hook([s, token](const at::Tensor& grad) { on_grad(*s, token, grad); });
+    a->t.register_hook([s = a->sink, token = a->token](const at::Tensor& grad) {
+      on_grad(*s, token, grad);
+    });
   } catch (const std::exception& e) {
     return PyErr_Format(PyExc_RuntimeError, "hookcap: %s", e.what());
   }
