@@ -345,6 +345,7 @@ class Monitor:
         self._py_token: dict[int, tuple[int, int]] = {}  # and back
         self._cpp_skipped: set[int] = set()
         self._unnamed: dict[tuple[int, int], tuple[str, dict]] = {}  # rows awaiting a first write
+        self._fast: dict[tuple[str, int], tuple] = {}  # (module, call) -> rows of a plain output
         self._expect: dict[int, set[int]] = {}
         self._partial: dict[int, list] = {}
         self._plans: dict[tuple, _StepPlan] = {}
@@ -473,7 +474,10 @@ class Monitor:
             # a non-reentrant recomputation's discarded graph never fire).
             recompute = _in_backward()
             ci = self._call_index(name, "output")
-            if type(output) is torch.Tensor and output.is_floating_point():
+            plain = type(output) is torch.Tensor
+            if plain and not recompute and self._fast_output(name, ci, output):
+                return None
+            if plain and output.is_floating_point():
                 pairs = (("", output),)
             else:
                 pairs = floating_tensors(output)
@@ -485,9 +489,56 @@ class Monitor:
                         self._capture_grad(name, path, t, mtype, ci)
                     else:
                         t.register_hook(self._grad_tensor_hook(name, path, mtype, ci))
+            if plain and not recompute:
+                self._learn_fast_output(name, ci, output, want_out, want_grad)
             return None
 
         return hook
+
+    # A module call whose output is one plain tensor, seen before with the
+    # same device: its rows are cached, and the hook makes one or two C calls
+    # (the same work as _write and _capture_grad, without their lookups: in
+    # a training step every Python line runs on cold caches).
+    def _fast_output(self, name, ci, t) -> bool:
+        fast = self._fast.get((name, ci))
+        if fast is None or t.device != fast[0]:
+            return False
+        device, out_token, out_cpp, grad_cpp = fast
+        grad = grad_cpp >= 0 and t.requires_grad and grad_cpp not in self._cpp_skipped
+        if grad and not _cpp_grad_hooks_ok():
+            return False  # Python gradient hooks: the general path
+        if out_cpp >= 0:
+            try:
+                _C._accumulate_row(t, self._grad_sink, out_cpp)
+            except Exception:
+                del self._fast[(name, ci)]  # the general path reports and skips it
+                return False
+            if out_token not in self._order:
+                self._order[out_token] = None
+                self._python_writes_np[0] += 1
+        if grad:
+            try:
+                _C._capture_grad(t, self._grad_sink, grad_cpp)
+            except Exception as e:  # telemetry must never take the run down
+                self._cpp_skipped.add(grad_cpp)
+                self._warn_once((name, "grad_output", ""), f"hookcap: {name}/grad_output is no "
+                                f"longer recorded: {type(e).__name__}: {e}")
+        return True
+
+    def _learn_fast_output(self, name, ci, t, want_out, want_grad) -> None:
+        if not t.is_floating_point() or (name, ci) in self._fast:
+            return
+        dev = t.device
+        out = self._rows.get((name, "output", "", dev, ci)) if want_out else None
+        grad = self._rows.get((name, "grad_output", "", dev, ci)) if want_grad else None
+        # Only once every wanted row exists (a gradient row appears at the
+        # first call whose output requires grad).
+        if (want_out and (out is None or out is _SKIPPED)) or (want_grad and (grad is None or grad is _SKIPPED)):
+            return
+        out_token = out[2] if out is not None else None
+        self._fast[(name, ci)] = (dev, out_token,
+                                  self._cpp_token[out_token] if out_token is not None else -1,
+                                  self._cpp_token[grad[2]] if grad is not None else -1)
 
     def _capture_grad(self, name, path, t, mtype, ci):
         # The grad row is registered now, from the output's metadata (its

@@ -183,3 +183,31 @@ def test_backward_after_step_into_off_step_records_nothing(python_hooks, monkeyp
     assert np.isnan(h["count"][0, g]) and h["count"][1, g] == 12
     rec = list(mon._store.records)[1]
     assert [mon._names[m] for m in rec.order] == ["0/output", "1/output", "1/grad_output", "0/grad_output"]
+
+
+def test_cached_output_rows_follow_grad_mode_changes():
+    # After a module's first calls, its rows are cached (one C call per
+    # output); switching between no_grad and training must still record
+    # exactly the kinds each step produced.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(3, 4)
+    with Monitor(model) as mon:
+        with torch.no_grad():
+            model(x)
+        mon.step()
+        for _ in range(2):
+            model(x).sum().backward()
+            mon.step()
+        with torch.no_grad():
+            model(x)
+        mon.step()
+        model(x).pow(2).sum().backward()
+        mon.step()
+    h = mon.history()
+    out, grad = h.column("1/output"), h.column("1/grad_output")
+    np.testing.assert_array_equal(h["count"][:, out], [12] * 5)
+    np.testing.assert_array_equal(h["count"][:, grad], [np.nan, 12, 12, np.nan, 12])
+    y = model(x).detach()
+    assert h["sum"][4, grad] == pytest.approx(float((2 * y).double().sum()), rel=1e-6, abs=1e-9)
+    assert h["sum"][2, grad] == pytest.approx(12.0)  # d(sum y)/dy = 1
