@@ -6,7 +6,8 @@
 // execution order. Python keeps every decision (which rows exist, when a
 // Monitor records); this file only removes the interpreter from the per-
 // gradient path: a Python tensor hook costs ~10-20 us per gradient in a real
-// training step (cold caches), this path a few.
+// training step (cold caches), this path a few. The forward hooks enter the
+// same op through _accumulate_row (three arguments, no Python op wrapper).
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
@@ -62,6 +63,12 @@ void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Ten
   op.call(x, ref.ring, ref.state, row, s.hist_kind, s.hist_lo, s.hist_hi, s.hist_bins);
 }
 
+// An exception's message without the C++ backtrace c10::Error may carry.
+std::string message_of(const std::exception& e) {
+  if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+  return e.what();
+}
+
 // token = ring index << 32 | row.
 void on_grad(GradSink& s, int64_t token, const at::Tensor& grad) {
   if (!s.active.load(std::memory_order_relaxed) || !grad.defined()) return;
@@ -77,7 +84,7 @@ void on_grad(GradSink& s, int64_t token, const at::Tensor& grad) {
     accumulate_into(s, ref, row, grad);
   } catch (const std::exception& e) {  // telemetry must never take the run down
     std::lock_guard<std::mutex> lock(s.mu);
-    s.errors.emplace_back(token, e.what());
+    s.errors.emplace_back(token, message_of(e));
     return;
   }
   std::lock_guard<std::mutex> lock(s.mu);
@@ -227,7 +234,7 @@ PyObject* accumulate_row(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
     accumulate_into(*a->sink, a->ref, a->token & 0xffffffff, a->t);
   } catch (const std::exception& e) {
-    return PyErr_Format(PyExc_RuntimeError, "%s", e.what());
+    return PyErr_Format(PyExc_RuntimeError, "%s", message_of(e).c_str());
   }
   Py_RETURN_NONE;
 }
@@ -245,7 +252,7 @@ PyObject* capture_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       on_grad(*s, token, grad);
     });
   } catch (const std::exception& e) {
-    return PyErr_Format(PyExc_RuntimeError, "hookcap: %s", e.what());
+    return PyErr_Format(PyExc_RuntimeError, "hookcap: %s", message_of(e).c_str());
   }
   Py_RETURN_TRUE;
 }

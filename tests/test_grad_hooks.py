@@ -211,3 +211,33 @@ def test_cached_output_rows_follow_grad_mode_changes():
     y = model(x).detach()
     assert h["sum"][4, grad] == pytest.approx(float((2 * y).double().sum()), rel=1e-6, abs=1e-9)
     assert h["sum"][2, grad] == pytest.approx(12.0)  # d(sum y)/dy = 1
+
+
+def test_failing_gradient_kernel_warns_and_never_breaks_backward(caplog):
+    # If the op rejects a gradient inside a C++ hook (here: the sink is
+    # pointed at a ring of the wrong width), backward still completes with
+    # the same gradients, the metric is reported once and no longer recorded.
+    from hookcap import _C
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    ref = nn.Sequential(nn.Linear(4, 4))
+    ref.load_state_dict(model.state_dict())
+    ref(x).sum().backward()
+    mon = Monitor(model).attach()
+    y = model(x)
+    ring = mon._ring_list[0]
+    bad = torch.zeros(ring.ring.shape[0], ring.ring.shape[1], 3, dtype=torch.int64)
+    _C._grad_sink_ring(mon._grad_sink, ring.index, bad, ring.state)
+    y.sum().backward()
+    _C._grad_sink_ring(mon._grad_sink, ring.index, ring.ring, ring.state)
+    with caplog.at_level("WARNING", logger="hookcap"):
+        mon.step()
+        model(x).sum().backward()
+        mon.step()
+    mon.detach()
+    torch.testing.assert_close(model[0].weight.grad, 2 * ref[0].weight.grad)
+    assert any("0/grad_output is no longer recorded" in r.getMessage() for r in caplog.records)
+    h = mon.history()
+    assert "0/grad_output" not in h.names and h["count"][1, h.column("0/output")] == 12
