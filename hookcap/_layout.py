@@ -131,11 +131,11 @@ class GroupPlan:
         gs = groups[self.perm]
         self.starts = np.flatnonzero(np.r_[True, gs[1:] != gs[:-1]])
         self.uniq = gs[self.starts]
-        self.seg = np.repeat(np.arange(len(self.starts)), np.diff(np.r_[self.starts, len(gs)]))
+        sizes = np.diff(np.r_[self.starts, len(gs)])
+        self.seg = np.repeat(np.arange(len(self.starts)), sizes)
         self.trivial = len(self.starts) == len(gs)  # no group has two rows
         # Mostly single-row groups (a step where a few modules are reused):
         # merge only the multi-row groups, pass the rest through.
-        sizes = np.diff(np.r_[self.starts, len(gs)])
         multi = (sizes > 1)[self.seg]
         self.split = None
         if not self.trivial and _sub and 2 * multi.sum() < len(gs):
@@ -156,7 +156,7 @@ def merge_groups(rows: np.ndarray, groups, plan: GroupPlan | None = None) -> tup
     plan = GroupPlan(groups) if plan is None else plan
     if plan.split is not None:
         single_rows, multi_rows, sub, order = plan.split
-        ids_m, out_m = merge_groups(rows[multi_rows], None, sub)
+        _, out_m = merge_groups(rows[multi_rows], None, sub)
         out = np.concatenate([rows[single_rows], out_m])[order]
         return plan.uniq, out
     r, starts, uniq, seg = rows[plan.perm], plan.starts, plan.uniq, plan.seg

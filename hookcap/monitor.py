@@ -517,12 +517,7 @@ class Monitor:
                 self._order[out_token] = None
                 self._python_writes_np[0] += 1
         if grad:
-            try:
-                _C._capture_grad(t, self._grad_sink, grad_cpp)
-            except Exception as e:  # telemetry must never take the run down
-                self._cpp_skipped.add(grad_cpp)
-                self._warn_once((name, "grad_output", ""), f"hookcap: {name}/grad_output is no "
-                                f"longer recorded: {type(e).__name__}: {e}")
+            self._capture_grad_cpp(name, "", t, grad_cpp)
         return True
 
     def _learn_fast_output(self, name, ci, t, want_out, want_grad) -> None:
@@ -551,14 +546,17 @@ class Monitor:
         if hit is _SKIPPED:
             return
         token = self._cpp_token[hit[2]]
-        if token in self._cpp_skipped:
-            return
+        if token not in self._cpp_skipped:
+            self._capture_grad_cpp(name, path, t, token)
+
+    def _capture_grad_cpp(self, name, path, t, token):
         try:
             _C._capture_grad(t, self._grad_sink, token)
         except Exception as e:  # telemetry must never take the run down
             self._cpp_skipped.add(token)
-            self._warn_once(key[:3], f"hookcap: {name}/grad_output is no longer recorded: "
-                                     f"{type(e).__name__}: {e}")
+            metric = f"{name}/grad_output.{path}" if path else f"{name}/grad_output"
+            self._warn_once((name, "grad_output", path), f"hookcap: {metric} is no longer recorded: "
+                                                         f"{type(e).__name__}: {e}")
 
     def _grad_tensor_hook(self, name, path, mtype, ci, kind="grad_output"):
         # Gradient w.r.t. one module output (or input alias). A tensor hook
