@@ -503,7 +503,7 @@ class Monitor:
         fast = self._fast.get((name, ci))
         if fast is None or t.device != fast[0]:
             return False
-        device, out_token, out_cpp, grad_cpp = fast
+        _, out_token, out_cpp, grad_cpp = fast
         grad = grad_cpp >= 0 and t.requires_grad and grad_cpp not in self._cpp_skipped
         if grad and not _cpp_grad_hooks_ok():
             return False  # Python gradient hooks: the general path

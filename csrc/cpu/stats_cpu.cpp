@@ -433,21 +433,21 @@ template <int W>
 __attribute__((target("avx2"))) inline ExpCount count_window(const uint8_t* eb, int64_t n,
                                                              int base, uint32_t* hist,
                                                              const char* ahead) {
-  static_assert(W % kPass == 0, "whole passes");
+  static_assert(W == kExpWindow || W == 4 * kPass, "narrow or four-pass wide window");
   const uint32_t h0 = hist[0];
   const int64_t n32 = n - n % 32;
-  uint32_t outside = 0, below_narrow = 0;
-  below_narrow += count_window_pass<0, W>(eb, n32, base, hist, ahead, &outside);
-  below_narrow += count_window_pass<kPass, W>(eb, n32, base, hist, nullptr, nullptr);
-  if constexpr (W > kPass * 2) {
+  uint32_t outside = 0;
+  // The lowest 2 * kPass bins: for the wide window, those the narrow one
+  // (which ends at the same top) would not have held.
+  const uint32_t low = count_window_pass<0, W>(eb, n32, base, hist, ahead, &outside) +
+                       count_window_pass<kPass, W>(eb, n32, base, hist, nullptr, nullptr);
+  constexpr bool kWide = W > 2 * kPass;
+  if constexpr (kWide) {
     count_window_pass<2 * kPass, W>(eb, n32, base, hist, nullptr, nullptr);
     count_window_pass<3 * kPass, W>(eb, n32, base, hist, nullptr, nullptr);
-  } else {
-    below_narrow = 0;  // the narrow window itself: its bins are not misses
   }
-  static_assert(W == kExpWindow || W == 4 * kPass, "narrow or four-pass wide window");
   for (int64_t i = n32; i < n; ++i) ++hist[eb[i]];
-  return {hist[0] - h0, outside + below_narrow};
+  return {hist[0] - h0, kWide ? outside + low : outside};
 }
 
 // Returns the block's counts (see ExpCount); `wide` picks the window.
