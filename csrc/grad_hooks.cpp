@@ -6,19 +6,24 @@
 // execution order. Python keeps every decision (which rows exist, when a
 // Monitor records); this file only removes the interpreter from the per-
 // gradient path: a Python tensor hook costs ~10-20 us per gradient in a real
-// training step (cold caches), this path a few. The forward hooks enter the
-// same op through _accumulate_row (three arguments, no Python op wrapper).
+// training step (cold caches), this path a few. The forward hooks' steady
+// state is one call of _output_fast (rows cached per module call); their
+// general path enters the same op through _accumulate_row. Every write made
+// here is logged for the execution order.
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -43,6 +48,17 @@ struct GradSink {
   std::atomic<bool> active{true};
   std::vector<int64_t> log_tokens, log_after;  // token, Python rows logged before it
   std::vector<std::pair<int64_t, std::string>> errors;
+  std::unordered_set<int64_t> skipped;  // tokens whose gradient is no longer captured
+  // Forward fast path (output_fast); touched only under the GIL.
+  bool recording = false;         // the Monitor is attached and records this step
+  bool force_python_grad = false;  // Python gradient hooks (env or compiled-autograd config)
+  struct FastRows {
+    bool valid = false;
+    c10::Device device{c10::kCPU};
+    int64_t out = -1, grad = -1;  // tokens, -1: not recorded
+  };
+  std::vector<std::vector<FastRows>> fast;  // [hook id][call index]
+  std::vector<int64_t> calls;               // [hook id]: calls this step
 };
 
 std::mutex g_mu;
@@ -69,6 +85,14 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
+// Logs a row's write for the host's execution order, with the number of
+// rows Python logged itself (op-path writes) before it.
+void log_write(GradSink& s, int64_t token) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.log_tokens.push_back(token);
+  s.log_after.push_back(s.python_writes.data_ptr<int64_t>()[0]);
+}
+
 // token = ring index << 32 | row.
 void on_grad(GradSink& s, int64_t token, const at::Tensor& grad) {
   if (!s.active.load(std::memory_order_relaxed) || !grad.defined()) return;
@@ -85,11 +109,10 @@ void on_grad(GradSink& s, int64_t token, const at::Tensor& grad) {
   } catch (const std::exception& e) {  // telemetry must never take the run down
     std::lock_guard<std::mutex> lock(s.mu);
     s.errors.emplace_back(token, message_of(e));
+    s.skipped.insert(token);
     return;
   }
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.log_tokens.push_back(token);
-  s.log_after.push_back(s.python_writes.data_ptr<int64_t>()[0]);
+  log_write(s, token);
 }
 
 bool unpack_tensor(PyObject* o, at::Tensor& out, const char* what) {
@@ -236,7 +259,22 @@ PyObject* accumulate_row(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   } catch (const std::exception& e) {
     return PyErr_Format(PyExc_RuntimeError, "%s", message_of(e).c_str());
   }
+  log_write(*a->sink, a->token);
   Py_RETURN_NONE;
+}
+
+// t's gradient will be merged into the row named by token. The hook owns the
+// sink (not the tensor): freeing the Monitor's handle leaves pending hooks
+// harmless. A failure marks the token skipped and rethrows.
+void register_grad_hook(const std::shared_ptr<GradSink>& sink, const at::Tensor& t,
+                        int64_t token) {
+  try {
+    t.register_hook([s = sink, token](const at::Tensor& grad) { on_grad(*s, token, grad); });
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(sink->mu);
+    sink->skipped.insert(token);
+    throw;
+  }
 }
 
 // _capture_grad(t, id, token) -> bool: t's gradient will be merged into the
@@ -246,15 +284,133 @@ PyObject* capture_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!a) return nullptr;
   if (!a->t.requires_grad()) Py_RETURN_FALSE;
   try {
-    // The hook owns the sink (not the tensor): freeing the Monitor's handle
-    // leaves pending hooks harmless.
-    a->t.register_hook([s = a->sink, token = a->token](const at::Tensor& grad) {
-      on_grad(*s, token, grad);
-    });
+    register_grad_hook(a->sink, a->t, a->token);
   } catch (const std::exception& e) {
     return PyErr_Format(PyExc_RuntimeError, "hookcap: %s", message_of(e).c_str());
   }
   Py_RETURN_TRUE;
+}
+
+// Whether compiled autograd is on now (its context sets a module global):
+// it cannot trace C++ hooks, so gradients then take Python hooks.
+bool compiled_autograd_on() {
+  PyObject* mod = PyDict_GetItemString(PyImport_GetModuleDict(), "torch._dynamo.compiled_autograd");
+  if (!mod) return false;
+  PyObject* on = PyObject_GetAttrString(mod, "compiled_autograd_enabled");
+  if (!on) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool yes = PyObject_IsTrue(on) == 1;
+  Py_DECREF(on);
+  return yes;
+}
+
+std::shared_ptr<GradSink> sink_arg(PyObject* o) {
+  auto s = sink_of(PyLong_AsLongLong(o));
+  if (!s && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "hookcap: gradient sink was freed");
+  return s;
+}
+
+constexpr long kNotRecording = -2, kDone = -1;
+
+// _output_fast(id, hook, output) -> int: the forward hook's steady state in
+// one C call. A module call whose output is one plain tensor, seen before on
+// the same device, has its rows cached (_fast_learn): its output is merged
+// and its gradient hook registered here. Returns -2 when the Monitor does not
+// record (nothing counted), -1 when done, else the call's index: the Python
+// hook then takes its general path with that index (first calls, other
+// outputs, checkpoint recomputation, Python gradient hooks, errors).
+PyObject* output_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "_output_fast takes 3 arguments");
+  auto s = sink_arg(args[0]);
+  const int64_t hook = PyLong_AsLongLong(args[1]);
+  if (!s || PyErr_Occurred()) return nullptr;
+  if (!s->recording) return PyLong_FromLong(kNotRecording);
+  if (hook < 0 || hook > (1 << 24)) return PyErr_Format(PyExc_ValueError, "bad hook id");
+  if (static_cast<int64_t>(s->calls.size()) <= hook) s->calls.resize(hook + 1, 0);
+  const int64_t ci = s->calls[hook]++;
+  PyObject* out = args[2];
+  // Recomputation in backward (checkpointing) records nothing new: Python decides.
+  if (!THPVariable_CheckExact(out) || torch::autograd::get_current_graph_task_id() != -1 ||
+      static_cast<int64_t>(s->fast.size()) <= hook ||
+      static_cast<int64_t>(s->fast[hook].size()) <= ci || !s->fast[hook][ci].valid) {
+    return PyLong_FromLongLong(ci);
+  }
+  GradSink::FastRows& f = s->fast[hook][ci];
+  const at::Tensor& t = THPVariable_Unpack(out);
+  if (t.device() != f.device) {
+    f.valid = false;  // relearned by the general path for the new device
+    return PyLong_FromLongLong(ci);
+  }
+  bool grad = f.grad >= 0 && t.requires_grad();
+  if (grad) {
+    std::lock_guard<std::mutex> lock(s->mu);
+    grad = s->skipped.count(f.grad) == 0;
+  }
+  if (grad && (s->force_python_grad || compiled_autograd_on())) return PyLong_FromLongLong(ci);
+  try {
+    if (f.out >= 0) {
+      RingRef ref;
+      {
+        std::lock_guard<std::mutex> lock(s->mu);
+        ref = s->rings[f.out >> 32];
+      }
+      accumulate_into(*s, ref, f.out & 0xffffffff, t);
+      log_write(*s, f.out);
+    }
+  } catch (const std::exception&) {
+    f.valid = false;  // the general path writes again, reports and skips the row
+    return PyLong_FromLongLong(ci);
+  }
+  if (grad) {
+    try {
+      register_grad_hook(s, t, f.grad);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->errors.emplace_back(f.grad, message_of(e));  // warned at the step's end
+    }
+  }
+  return PyLong_FromLong(kDone);
+}
+
+// _fast_learn(id, hook, call, output, out_token, grad_token): cache the rows
+// of a module call (tokens -1: not recorded) for output_fast.
+PyObject* fast_learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) return PyErr_Format(PyExc_TypeError, "_fast_learn takes 6 arguments");
+  auto s = sink_arg(args[0]);
+  const int64_t hook = PyLong_AsLongLong(args[1]), ci = PyLong_AsLongLong(args[2]);
+  at::Tensor t;
+  if (!s || PyErr_Occurred() || !unpack_tensor(args[3], t, "the output")) return nullptr;
+  const int64_t out = PyLong_AsLongLong(args[4]), grad = PyLong_AsLongLong(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  if (hook < 0 || hook > (1 << 24) || ci < 0 || ci > (1 << 24)) {
+    return PyErr_Format(PyExc_ValueError, "bad hook id or call index");
+  }
+  std::lock_guard<std::mutex> lock(s->mu);
+  for (int64_t token : {out, grad}) {
+    if (token >= 0 && (token >> 32) >= static_cast<int64_t>(s->rings.size())) {
+      return PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink",
+                          static_cast<long long>(token >> 32));
+    }
+  }
+  if (static_cast<int64_t>(s->fast.size()) <= hook) s->fast.resize(hook + 1);
+  auto& calls = s->fast[hook];
+  if (static_cast<int64_t>(calls.size()) <= ci) calls.resize(ci + 1);
+  calls[ci] = GradSink::FastRows{true, t.device(), out, grad};
+  Py_RETURN_NONE;
+}
+
+// _grad_sink_recording(id, recording, force_python_grad, new_step): set by
+// the Monitor on attach, detach and step; a new step restarts the call counts.
+PyObject* grad_sink_recording(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) return PyErr_Format(PyExc_TypeError, "_grad_sink_recording takes 4 arguments");
+  auto s = sink_arg(args[0]);
+  if (!s) return nullptr;
+  s->recording = PyObject_IsTrue(args[1]) == 1;
+  s->force_python_grad = PyObject_IsTrue(args[2]) == 1;
+  if (PyObject_IsTrue(args[3]) == 1) std::fill(s->calls.begin(), s->calls.end(), 0);
+  Py_RETURN_NONE;
 }
 
 PyMethodDef kMethods[] = {
@@ -272,6 +428,13 @@ PyMethodDef kMethods[] = {
     {"_accumulate_row", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(accumulate_row)),
      METH_FASTCALL, nullptr},
     {"_capture_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(capture_grad)),
+     METH_FASTCALL, nullptr},
+    {"_output_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(output_fast)),
+     METH_FASTCALL, nullptr},
+    {"_fast_learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_learn)),
+     METH_FASTCALL, nullptr},
+    {"_grad_sink_recording",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_sink_recording)),
      METH_FASTCALL, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };

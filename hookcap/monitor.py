@@ -118,17 +118,27 @@ _MONITORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> 
 _PYTHON_GRAD_HOOKS = os.environ.get("HOOKCAP_PYTHON_GRAD_HOOKS") == "1"
 
 
+# torch._dynamo.config.compiled_autograd as of the last attach() or step()
+# of any Monitor: reading a dynamo config value costs ~5 us, too much per hook.
+_CA_CONFIG = False
+
+
+def _refresh_ca_config() -> bool:
+    global _CA_CONFIG
+    cfg = sys.modules.get("torch._dynamo.config")
+    _CA_CONFIG = bool(cfg is not None and cfg.compiled_autograd)
+    return _CA_CONFIG
+
+
 def _cpp_grad_hooks_ok() -> bool:
     """Whether gradients may go through C++ tensor hooks (grad_hooks.cpp).
-    Compiled autograd cannot trace C++ hooks: while it is on (its context or
-    ``torch._dynamo.config.compiled_autograd``), Python hooks are used."""
-    if _PYTHON_GRAD_HOOKS:
+    Compiled autograd cannot trace C++ hooks: while it is on (its context, or
+    ``torch._dynamo.config.compiled_autograd`` as of the last ``attach()`` or
+    ``step()``), Python hooks are used."""
+    if _PYTHON_GRAD_HOOKS or _CA_CONFIG:
         return False
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    if ca is not None and ca.compiled_autograd_enabled:
-        return False
-    cfg = sys.modules.get("torch._dynamo.config")
-    return not (cfg is not None and cfg.compiled_autograd)
+    return not (ca is not None and ca.compiled_autograd_enabled)
 
 
 @torch._dynamo.assume_constant_result
@@ -327,13 +337,15 @@ class Monitor:
         self._step = 0
         self._slot = 0
         self._enabled = True
-        self._order: dict[tuple[int, int], None] = {}  # (ring id, row) in first-write order
+        # (ring id, row) of writes through the Python op wrapper, in first-write
+        # order; every other write is logged by the C++ sink.
+        self._order: dict[tuple[int, int], None] = {}
         self._calls: dict[tuple[str, str], int] = {}
         self._replace_rows: set[tuple[int, int]] = set()
-        # Gradients captured in C++ (grad_hooks.cpp): the sink holds this
-        # Monitor's rings and logs each gradient's row with the number of rows
-        # Python had logged before it (_python_writes), which places it in
-        # the execution order at _finish_step.
+        # Writes made in C++ (grad_hooks.cpp: gradients, forward outputs): the
+        # sink holds this Monitor's rings and logs each write's row with the
+        # number of rows Python had logged before it (_python_writes), which
+        # places it in the execution order at _finish_step.
         old_sink = getattr(self, "_grad_sink", None)
         if old_sink is not None:
             _C._grad_sink_free(old_sink)
@@ -345,7 +357,9 @@ class Monitor:
         self._py_token: dict[int, tuple[int, int]] = {}  # and back
         self._cpp_skipped: set[int] = set()
         self._unnamed: dict[tuple[int, int], tuple[str, dict]] = {}  # rows awaiting a first write
-        self._fast: dict[tuple[str, int], tuple] = {}  # (module, call) -> rows of a plain output
+        # Output hooks' ids in the sink's table of cached rows (_output_fast);
+        # kept across resets, as the registered hooks keep theirs.
+        self._hook_ids: dict[str, int] = getattr(self, "_hook_ids", {})
         self._expect: dict[int, set[int]] = {}
         self._partial: dict[int, list] = {}
         self._plans: dict[tuple, _StepPlan] = {}
@@ -369,6 +383,7 @@ class Monitor:
             return self
         self._attached = True
         _C._grad_sink_active(self._grad_sink, True)
+        self._sync_recording(new_step=False)
         if self.dump_on_exit is not None:
             self._hook_exit()
         if self._global:
@@ -382,6 +397,7 @@ class Monitor:
                 matched += 1
         if matched == 0 and not self._all_params:
             self._attached = False
+            self._sync_recording(new_step=False)
             raise ValueError(f"modules: {self._modules_arg!r} matched no module of the model "
                              f"(qualified names look like {_example_names(self.model)})")
         if "param" in self.capture or "param_grad" in self.capture:
@@ -406,6 +422,7 @@ class Monitor:
         was = self._attached
         self._attached = False
         _C._grad_sink_active(self._grad_sink, False)  # hooks of this step's graph stay quiet
+        self._sync_recording(new_step=False)
         if was and (self.sinks or self._merge_group is not None):
             self._collect(wait=True)
             if self._merge_group is not None:
@@ -458,6 +475,8 @@ class Monitor:
     def _output_hook(self, name, mtype):
         want_out = "output" in self.capture
         want_grad = "grad_output" in self.capture
+        hid = self._hook_id(name)
+        output_fast = _C._output_fast
 
         def hook(mod, args, output):
             if torch.compiler.is_compiling():
@@ -466,17 +485,18 @@ class Monitor:
                 if want_grad:
                     self._compiled_grad_hooks(name, "grad_output", output, mtype)
                 return None
-            if not (self._enabled and self._attached):
+            # Steady state in one C call (grad_hooks.cpp): a cached plain
+            # output is merged and its gradient hook registered there. It
+            # also counts the call (ci) and says whether this step records.
+            ci = output_fast(self._grad_sink, hid, output)
+            if ci < 0:
                 return None
             # Checkpoint recomputation: the values were recorded in the forward
             # pass; only reentrant checkpointing, whose first forward ran
             # without grad, needs the gradient hooks registered now (hooks on
             # a non-reentrant recomputation's discarded graph never fire).
             recompute = _in_backward()
-            ci = self._call_index(name, "output")
             plain = type(output) is torch.Tensor
-            if plain and not recompute and self._fast_output(name, ci, output):
-                return None
             if plain and output.is_floating_point():
                 pairs = (("", output),)
             else:
@@ -490,38 +510,17 @@ class Monitor:
                     else:
                         t.register_hook(self._grad_tensor_hook(name, path, mtype, ci))
             if plain and not recompute:
-                self._learn_fast_output(name, ci, output, want_out, want_grad)
+                self._learn_fast_output(name, hid, ci, output, want_out, want_grad)
             return None
 
         return hook
 
-    # A module call whose output is one plain tensor, seen before with the
-    # same device: its rows are cached, and the hook makes one or two C calls
-    # (the same work as _write and _capture_grad, without their lookups: in
-    # a training step every Python line runs on cold caches).
-    def _fast_output(self, name, ci, t) -> bool:
-        fast = self._fast.get((name, ci))
-        if fast is None or t.device != fast[0]:
-            return False
-        _, out_token, out_cpp, grad_cpp = fast
-        grad = grad_cpp >= 0 and t.requires_grad and grad_cpp not in self._cpp_skipped
-        if grad and not _cpp_grad_hooks_ok():
-            return False  # Python gradient hooks: the general path
-        if out_cpp >= 0:
-            try:
-                _C._accumulate_row(t, self._grad_sink, out_cpp)
-            except Exception:
-                del self._fast[(name, ci)]  # the general path reports and skips it
-                return False
-            if out_token not in self._order:
-                self._order[out_token] = None
-                self._python_writes_np[0] += 1
-        if grad:
-            self._capture_grad_cpp(name, "", t, grad_cpp)
-        return True
-
-    def _learn_fast_output(self, name, ci, t, want_out, want_grad) -> None:
-        if not t.is_floating_point() or (name, ci) in self._fast:
+    # A module call whose output is one plain tensor: once its rows exist,
+    # the sink caches them and later calls take _output_fast (the same work
+    # as _write and _capture_grad, without Python: in a training step every
+    # Python line runs on cold caches).
+    def _learn_fast_output(self, name, hid, ci, t, want_out, want_grad) -> None:
+        if not t.is_floating_point():
             return
         dev = t.device
         out = self._rows.get((name, "output", "", dev, ci)) if want_out else None
@@ -530,10 +529,9 @@ class Monitor:
         # first call whose output requires grad).
         if (want_out and (out is None or out is _SKIPPED)) or (want_grad and (grad is None or grad is _SKIPPED)):
             return
-        out_token = out[2] if out is not None else None
-        self._fast[(name, ci)] = (dev, out_token,
-                                  self._cpp_token[out_token] if out_token is not None else -1,
-                                  self._cpp_token[grad[2]] if grad is not None else -1)
+        _C._fast_learn(self._grad_sink, hid, ci, t,
+                       self._cpp_token[out[2]] if out is not None else -1,
+                       self._cpp_token[grad[2]] if grad is not None else -1)
 
     def _capture_grad(self, name, path, t, mtype, ci):
         # The grad row is registered now, from the output's metadata (its
@@ -634,6 +632,15 @@ class Monitor:
             if hit is not None:
                 t.register_hook(functools.partial(_compiled_grad_hook, *hit, self._hargs))
 
+    def _sync_recording(self, new_step: bool) -> None:
+        # What the C++ forward fast path needs to know; a new step also
+        # restarts its call counts.
+        _C._grad_sink_recording(self._grad_sink, self._enabled and self._attached,
+                                _PYTHON_GRAD_HOOKS or _refresh_ca_config(), new_step)
+
+    def _hook_id(self, name: str) -> int:
+        return self._hook_ids.setdefault(name, len(self._hook_ids))
+
     def _compiled_write_all(self, name, kind, obj, mtype):
         for path, t in _compiled_tensors(obj):
             hit = self._compiled_ring_row(name, kind, path, t, mtype)
@@ -669,14 +676,14 @@ class Monitor:
         try:
             if via_op:  # traceable by dynamo (compiled autograd runs these hooks)
                 _OP_ACCUMULATE(t, ring.ring, ring.state, row, *self._hargs)
-            else:
+            else:  # logs the write in the sink's execution order
                 _C._accumulate_row(t, self._grad_sink, self._cpp_token[token])
         except Exception as e:  # telemetry must never take the run down
             self._rows[key] = _SKIPPED
             self._warn_once(key[:3], f"hookcap: {key[0]}/{key[1]} is no longer recorded: "
                                      f"{type(e).__name__}: {e}")
             return
-        if token not in self._order:
+        if via_op and token not in self._order:
             self._order[token] = None
             self._python_writes_np[0] += 1
 
@@ -797,6 +804,7 @@ class Monitor:
         self._order = {}
         self._python_writes_np[0] = 0
         self._calls = {}
+        self._sync_recording(new_step=True)
         self._replace_rows.clear()
         if self._raise is not None:
             a, self._raise = self._raise, None
@@ -815,8 +823,8 @@ class Monitor:
         self._partial[self._step] = [order]
 
     def _execution_order(self) -> list:
-        """Rows in first-write order: Python's writes (``_order``) with the
-        gradients written in C++ placed where they happened."""
+        """Rows in first-write order: the writes logged in C++ with Python's
+        op-path writes (``_order``) placed where they happened."""
         tokens, after, errors = _C._grad_sink_take(self._grad_sink)
         for token, message in errors:
             self._cpp_skipped.add(token)

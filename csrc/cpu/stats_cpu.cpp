@@ -111,9 +111,20 @@ HC_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
   return m * m <= V(4) * var;
 }
 
+// Center for the next block, given this block's moments about c: zero when
+// the block is well conditioned about zero (|mean| <= 2 std, most activations
+// and gradients), so the loop needs no subtract; else c.
+template <typename V>
+HC_ALWAYS_INLINE V next_center(V c, V s1, V s2, int64_t n) {
+  const V m = s1 / static_cast<V>(n);
+  const V var = s2 / static_cast<V>(n) - m * m;
+  const V mean = c + m;
+  return mean * mean <= V(4) * var ? V(0) : c;
+}
+
 // Statistics of one block (n <= kBlock) in the working precision V: moments
-// about `center` (the previous block's mean: data drifts slowly, so one pass
-// is usually enough) plus extrema; the raw sums follow from the moments in
+// about `center` (zero, or for data far from zero an earlier block's mean:
+// data drift slowly, so one pass is usually enough) plus extrema; the raw sums follow from the moments in
 // double. Contiguous float/bf16 data runs an explicit 8-float-vector loop
 // (32 elements per iteration, two accumulator sets); the rest (strided, fp16,
 // double, the tail) runs a loop over kLanes lane accumulators the compiler
@@ -233,36 +244,46 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
       vmn[k] = f8{} + static_cast<float>(kInf);
       vmx[k] = f8{} - static_cast<float>(kInf);
     }
-    for (int64_t i = 0; i < head; i += 32) {
-      u8v packed = {};  // baseline: exponent field of element 8k + j in byte k of lane j
-      u8v ex[4];        // AVX2: exponent fields, narrowed to bytes by PackBytes4
-      for (int k = 0; k < 4; ++k) {
-        const f8 v = load8(x + i + 8 * k);
-        push_shifted(v, cv, vs1[k & 1], vs2[k & 1], Square8{});
-        if constexpr (kDefer) {
-          push_min_max(v, vmn[k & 1], vmx[k & 1]);
-        } else {
-          push_minmax(v, vmn[k & 1], vmx[k & 1], vnz[k & 1]);
-        }
-        if constexpr (kHist == kHistLog2Exp) {
-          u8v bits;
-          std::memcpy(&bits, &v, sizeof bits);
-          if constexpr (kAvx2) {
-            ex[k] = (bits >> 23) & 0xffu;
+    // About zero (see next_center) the shift folds away: one vector op
+    // less per 8 elements.
+    auto vector_loop = [&](auto about_zero) __attribute__((always_inline)) {
+      const f8 cc = about_zero ? f8{} : cv;
+      for (int64_t i = 0; i < head; i += 32) {
+        u8v packed = {};  // baseline: exponent field of element 8k + j in byte k of lane j
+        u8v ex[4];        // AVX2: exponent fields, narrowed to bytes by PackBytes4
+        for (int k = 0; k < 4; ++k) {
+          const f8 v = load8(x + i + 8 * k);
+          push_shifted(v, cc, vs1[k & 1], vs2[k & 1], Square8{});
+          if constexpr (kDefer) {
+            push_min_max(v, vmn[k & 1], vmx[k & 1]);
           } else {
-            const u8v e = k < 3 ? bits >> (23 - 8 * k) : bits << 1;
-            packed |= e & (0xffu << (8 * k));
+            push_minmax(v, vmn[k & 1], vmx[k & 1], vnz[k & 1]);
+          }
+          if constexpr (kHist == kHistLog2Exp) {
+            u8v bits;
+            std::memcpy(&bits, &v, sizeof bits);
+            if constexpr (kAvx2) {
+              ex[k] = (bits >> 23) & 0xffu;
+            } else {
+              const u8v e = k < 3 ? bits >> (23 - 8 * k) : bits << 1;
+              packed |= e & (0xffu << (8 * k));
+            }
+          }
+        }
+        // Counting ignores order: the block's exponent bytes may sit in any order.
+        if constexpr (kHist == kHistLog2Exp) {
+          if constexpr (kAvx2) {
+            PackBytes4{}(ex, eb + i);
+          } else {
+            std::memcpy(eb + i, &packed, sizeof packed);
           }
         }
       }
-      // Counting ignores order: the block's exponent bytes may sit in any order.
-      if constexpr (kHist == kHistLog2Exp) {
-        if constexpr (kAvx2) {
-          PackBytes4{}(ex, eb + i);
-        } else {
-          std::memcpy(eb + i, &packed, sizeof packed);
-        }
-      }
+    };
+    if (c == 0) {
+      vector_loop(std::true_type{});
+    } else {
+      vector_loop(std::false_type{});
     }
     auto add = [](auto a, auto b) { return a + b; };
     auto vmin = [](f8 a, f8 b) { return a < b ? a : b; };
@@ -318,7 +339,7 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     for (int64_t i = 0; i < n; ++i) acc_push(acc, load_double(at(i)), shift);
     return 0;
   }
-  center = c;
+  center = next_center(c, s1, s2, n);
   if constexpr (kHist == kHistLog2Exp) {
     // The exponent window ends at the largest |x|, or at 8x the RMS when a
     // few values sit far above the bulk (a one-hot gradient): the bulk then
