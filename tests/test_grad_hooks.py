@@ -241,3 +241,65 @@ def test_failing_gradient_kernel_warns_and_never_breaks_backward(caplog):
     assert any("0/grad_output is no longer recorded" in r.getMessage() for r in caplog.records)
     h = mon.history()
     assert "0/grad_output" not in h.names and h["count"][1, h.column("0/output")] == 12
+
+
+def test_steady_state_forward_takes_the_c_path_with_reference_values(monkeypatch):
+    # After a step has taught the sink each call's rows, forward hooks make
+    # no Python write at all (one C call each), and the values still match a
+    # float64 reference for every call of the reused module.
+    torch.manual_seed(0)
+    model = Deep(n=3)
+    g = torch.Generator().manual_seed(2)
+    mon = Monitor(model).attach()
+    model(torch.randn(4, 8, generator=g)).sum().backward()
+    mon.step()
+    writes = []
+    real_write = mon._write
+    monkeypatch.setattr(mon, "_write", lambda *a, **k: (writes.append(a[:2]), real_write(*a, **k)))
+    x = torch.randn(4, 8, generator=g)
+    model(x).sum().backward()
+    mon.step()
+    mon.detach()
+    assert writes == []
+    h = mon.history()
+    acts, y = [], x.double()
+    with torch.no_grad():
+        for layer in model.layers:
+            y = torch.tanh(y @ layer.weight.double().T + layer.bias.double())
+            acts.append(y)
+    tanh = torch.cat([a.flatten() for a in acts])
+    assert h["count"][1, h.column("act/output")] == tanh.numel()
+    assert h["sum"][1, h.column("act/output")] == pytest.approx(float(tanh.sum()), rel=1e-5)
+    assert h["max"][1, h.column("act/output")] == pytest.approx(float(tanh.max()), rel=1e-6)
+
+
+def test_failing_forward_kernel_in_the_c_path_warns_and_skips_the_row(caplog):
+    # A cached output row whose kernel call fails (the sink pointed at a ring
+    # of the wrong width) falls back to the general path, which reports the
+    # metric once and stops recording it; the gradient and the model's
+    # outputs are untouched.
+    from hookcap import _C
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    mon = Monitor(model).attach()
+    model(x).sum().backward()
+    mon.step()
+    ring = mon._ring_list[0]
+    bad = torch.zeros(ring.ring.shape[0], ring.ring.shape[1], 3, dtype=torch.int64)
+    _C._grad_sink_ring(mon._grad_sink, ring.index, bad, ring.state)
+    with caplog.at_level("WARNING", logger="hookcap"):
+        y = model(x)
+    _C._grad_sink_ring(mon._grad_sink, ring.index, ring.ring, ring.state)
+    y.sum().backward()
+    mon.step()
+    model(x).sum().backward()
+    mon.step()
+    mon.detach()
+    torch.testing.assert_close(y, model(x))
+    assert sum("0/output is no longer recorded" in r.getMessage() for r in caplog.records) == 1
+    h = mon.history()
+    out, grad = h.column("0/output"), h.column("0/grad_output")
+    np.testing.assert_array_equal(h["count"][:, out], [12, np.nan, np.nan])
+    np.testing.assert_array_equal(h["count"][:, grad], [12, 12, 12])
