@@ -11,6 +11,11 @@
 
 #include <immintrin.h>
 
+// GCC vectors of 8 floats pass through always-inlined helpers (here and in
+// stats_math.h), so the ABI note GCC gives for returning a 32-byte vector
+// without AVX never applies.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -138,9 +143,7 @@ HC_ALWAYS_INLINE V next_center(V c, V s1, V s2, int64_t n) {
 constexpr int kLanes = 16;
 
 // GCC vectors: 8 floats = one AVX2 register (two SSE registers in the
-// baseline build). load8 is always inlined, so the ABI note GCC gives for
-// returning a 32-byte vector never applies.
-#pragma GCC diagnostic ignored "-Wpsabi"
+// baseline build).
 typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8v __attribute__((vector_size(32)));
 typedef uint32_t u8v __attribute__((vector_size(32)));
@@ -222,7 +225,8 @@ constexpr bool kDeferZeros = kAvx2 && kHist == kHistLog2Exp && kUnit &&
 template <typename T, bool kUnit, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, double shift,
                                      work_t<T>& center, Acc& acc, const HistSpec& h,
-                                     int32_t* idx, uint8_t* eb, work_t<T>& top) {
+                                     int32_t* idx, uint8_t* eb, work_t<T>& top,
+                                     const char* ahead) {
   constexpr bool kDefer = kDeferZeros<T, kUnit, kHist, kAvx2>;
   using Square8 = std::conditional_t<kAvx2, FusedSquare8, AddSquare>;
   using V = work_t<T>;
@@ -249,6 +253,12 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     auto vector_loop = [&](auto about_zero) __attribute__((always_inline)) {
       const f8 cc = about_zero ? f8{} : cv;
       for (int64_t i = 0; i < head; i += 32) {
+        // Two cache lines of the next block per iteration (no histogram:
+        // nothing else overlaps the loads); evenly paced, unlike a burst.
+        if constexpr (kHist == kHistNone && std::is_same_v<T, float>) {
+          __builtin_prefetch(ahead + 4 * i);
+          __builtin_prefetch(ahead + 4 * i + 64);
+        }
         u8v packed = {};  // baseline: exponent field of element 8k + j in byte k of lane j
         u8v ex[4];        // AVX2: exponent fields, narrowed to bytes by PackBytes4
         for (int k = 0; k < 4; ++k) {
@@ -540,17 +550,13 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
   for (int64_t b = 0; b < n; b += kBlock) {
     const int64_t len = std::min(kBlock, n - b);
     const T* p = kUnit ? x + b : x + b * stride;
-    if (kHist == kHistNone && kUnit && b + 2 * kBlock <= n) {
-      // Keep more loads in flight than the out-of-order window alone would.
-      const char* q = reinterpret_cast<const char*>(x + b + kBlock);
-      for (int64_t o = 0; o < kBlock * static_cast<int64_t>(sizeof(T)); o += 64) {
-        __builtin_prefetch(q + o);
-      }
-    }
-    const int64_t deferred = block_stats<T, kUnit, kHist, kAvx2>(p, stride, len, shift, center,
-                                                                 acc, *hs.spec, idx, eb, top);
     const bool pf = kUnit && b + 2 * kBlock <= n;
     const char* ahead = pf ? reinterpret_cast<const char*>(x + b + kBlock) : nullptr;
+    // The stats loop prefetches unconditionally: without a next block, the
+    // current one (already being read) stands in.
+    const int64_t deferred = block_stats<T, kUnit, kHist, kAvx2>(
+        p, stride, len, shift, center, acc, *hs.spec, idx, eb, top,
+        ahead ? ahead : reinterpret_cast<const char*>(p));
     if constexpr (kExp && kAvx2) {
       base = exponent_window_base(top, wide ? kExpWindowWide : kExpWindow, base);
       const ExpCount ec = count_exponents_avx2(eb, len, base, wide, hs.local, ahead,
