@@ -124,6 +124,13 @@ bool unpack_tensor(PyObject* o, at::Tensor& out, const char* what) {
   return true;
 }
 
+// The sink named by a Python int; null (Python error set) if freed.
+std::shared_ptr<GradSink> sink_arg(PyObject* o) {
+  auto s = sink_of(PyLong_AsLongLong(o));
+  if (!s && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "hookcap: gradient sink was freed");
+  return s;
+}
+
 // Arguments (tensor, sink id, token) of _accumulate_row and _capture_grad,
 // with the ring the token names. Empty (Python error set) if any is invalid.
 struct RowArgs {
@@ -140,13 +147,10 @@ std::optional<RowArgs> row_args(PyObject* const* args, Py_ssize_t nargs, const c
   }
   RowArgs a;
   if (!unpack_tensor(args[0], a.t, "the tensor")) return std::nullopt;
-  a.sink = sink_of(PyLong_AsLongLong(args[1]));
+  a.sink = sink_arg(args[1]);
+  if (!a.sink) return std::nullopt;
   a.token = PyLong_AsLongLong(args[2]);
   if (PyErr_Occurred()) return std::nullopt;
-  if (!a.sink) {
-    PyErr_Format(PyExc_ValueError, "hookcap: gradient sink was freed");
-    return std::nullopt;
-  }
   std::lock_guard<std::mutex> lock(a.sink->mu);
   if (a.token < 0 || (a.token >> 32) >= static_cast<int64_t>(a.sink->rings.size())) {
     PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink",
@@ -304,12 +308,6 @@ bool compiled_autograd_on() {
   const bool yes = PyObject_IsTrue(on) == 1;
   Py_DECREF(on);
   return yes;
-}
-
-std::shared_ptr<GradSink> sink_arg(PyObject* o) {
-  auto s = sink_of(PyLong_AsLongLong(o));
-  if (!s && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "hookcap: gradient sink was freed");
-  return s;
 }
 
 constexpr long kNotRecording = -2, kDone = -1;

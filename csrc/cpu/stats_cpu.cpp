@@ -129,8 +129,8 @@ HC_ALWAYS_INLINE V next_center(V c, V s1, V s2, int64_t n) {
 
 // Statistics of one block (n <= kBlock) in the working precision V: moments
 // about `center` (zero, or for data far from zero an earlier block's mean:
-// data drift slowly, so one pass is usually enough) plus extrema; the raw sums follow from the moments in
-// double. Contiguous float/bf16 data runs an explicit 8-float-vector loop
+// data drift slowly, so one pass is usually enough) plus extrema; the raw
+// sums follow from the moments in double. Contiguous float/bf16 data runs an explicit 8-float-vector loop
 // (32 elements per iteration, two accumulator sets); the rest (strided, fp16,
 // double, the tail) runs a loop over kLanes lane accumulators the compiler
 // vectorises. Either way several add chains stay in flight and partials are
