@@ -208,6 +208,7 @@ def configs(skip):
         Hookcap("hookcap every=1 log2 hist"),
         Hookcap("hookcap every=10", every=10),
         Hookcap("hookcap histogram=None", histogram=None),
+        Hookcap("hookcap every=1 log2 + timing", timing=True),
         HFDebug("HF DebugUnderflowOverflow"),
         DetectAnomaly("detect_anomaly"),
         WandbWatch("wandb.watch(log=all)"),

@@ -28,7 +28,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 1;
+constexpr int64_t kAbiVersion = 2;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.
@@ -45,6 +45,11 @@ void reset_rows_meta(at::Tensor& ring, const at::Tensor& state, int64_t begin, i
   check_reset_rows(ring, state, begin, end);
 }
 
+void time_mark_meta(at::Tensor& ring, const at::Tensor& state, int64_t row, int64_t phase,
+                    bool start) {
+  check_time_mark(ring, state, row, phase);
+}
+
 void advance_meta(at::Tensor& ring, at::Tensor& state, int64_t every) {
   check_ring_state(ring, state);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
@@ -58,7 +63,8 @@ std::vector<int64_t> layout() {
 #endif
   return {kAbiVersion, kHeader,  kCount, kNan, kPosInf, kNegInf,  kZeros,      kShift,
           kS1,         kS2,      kMin,   kMax, kAbsMax, kCalls,   kStepTag,    kSum, kSumSq, kShiftUnset,
-          kStateStep,  kStateEnabled, kStateSlot, kStateSize, cuda};
+          kStateStep,  kStateEnabled, kStateSlot, kStateSize, cuda,
+          kFwdNs,      kFwdOpen, kFwdEnds, kBwdNs, kBwdOpen, kBwdEnds};
 }
 
 }  // namespace
@@ -70,6 +76,7 @@ TORCH_LIBRARY(hookcap, m) {
   m.def("reset_slot(Tensor(a!) ring, Tensor state) -> ()");
   m.def("reset_rows(Tensor(a!) ring, Tensor state, int begin, int end) -> ()");
   m.def("advance(Tensor(a!) ring, Tensor(b!) state, int every=1) -> ()");
+  m.def("time_mark(Tensor(a!) ring, Tensor state, int row, int phase, bool start) -> ()");
   m.def("layout() -> int[]", &layout);
 }
 
@@ -78,12 +85,13 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("reset_slot", &reset_slot_meta);
   m.impl("reset_rows", &reset_rows_meta);
   m.impl("advance", &advance_meta);
+  m.impl("time_mark", &time_mark_meta);
 }
 
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "reset_slot", "reset_rows", "advance"}) {
+  for (const char* op : {"accumulate", "reset_slot", "reset_rows", "advance", "time_mark"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

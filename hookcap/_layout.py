@@ -9,9 +9,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _raw = list(torch.ops.hookcap.layout())
+if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer entries
+    raise ImportError(f"hookcap: extension ABI {_raw[0]} does not match the Python package "
+                      f"({ABI_VERSION}); rebuild it (python setup.py build_ext --inplace)")
 (
     _abi,
     HEADER,
@@ -36,16 +39,23 @@ _raw = list(torch.ops.hookcap.layout())
     STATE_SLOT,
     STATE_SIZE,
     _cuda,
+    FWD_NS,  # timing rows (Monitor(timing=True)): see TimeCol in stats_math.h
+    FWD_OPEN,
+    FWD_ENDS,
+    BWD_NS,
+    BWD_OPEN,
+    BWD_ENDS,
 ) = _raw
 CUDA_BUILT = bool(_cuda)
-if _abi != ABI_VERSION:
-    raise ImportError(f"hookcap: extension ABI {_abi} does not match the Python package ({ABI_VERSION})")
 
 # Stat names (a public contract), in display order.
 STAT_NAMES = (
     "count", "nan", "posinf", "neginf", "inf", "zeros", "finite",
     "sum", "sumsq", "min", "max", "absmax", "mean", "std", "rms", "l2norm", "zero_frac",
 )
+
+# Per-module durations of Monitor(timing=True), in milliseconds.
+TIMING_NAMES = ("fwd_ms", "bwd_ms")
 
 
 def order_key(v) -> np.ndarray:

@@ -48,5 +48,15 @@ def advance(ring: torch.Tensor, state: torch.Tensor, every: int = 1) -> None:
     _ops.advance(ring, state, every)
 
 
+def time_mark(ring: torch.Tensor, state: torch.Tensor, row: int, phase: int, start: bool) -> None:
+    """One timing mark into row ``row`` of slot ``state[2]`` (a timing row of
+    ``Monitor(timing=True)``): ``phase`` 0 = forward, 1 = backward; a start
+    mark adds ``-now`` ns and an end mark ``+now`` ns, so a step's paired marks
+    sum to the total duration. ``now`` is the host's steady clock on CPU and
+    the device's %globaltimer on CUDA, read when the stream reaches the mark
+    (no host sync). Nothing happens when ``state[1] == 0``."""
+    _ops.time_mark(ring, state, row, phase, start)
+
+
 def layout() -> list[int]:
     return list(_ops.layout())

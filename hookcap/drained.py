@@ -20,7 +20,9 @@ class DrainedStep:
             (forward kinds in hook order, then backward kinds in backward order,
             then ``param`` kinds recorded at ``step()``).
         stats: stat name -> np.float64 [len(names)] (every name of
-            ``hookcap.STAT_NAMES``), aligned with ``names``.
+            ``hookcap.STAT_NAMES``, and ``fwd_ms``/``bwd_ms``: the owning
+            module's durations with ``Monitor(timing=True)``, else NaN),
+            aligned with ``names``.
         histogram_spec: the Monitor's Histogram (or None).
         metas: metric name -> ``{"module_type", "kind", "shape", "dtype"}``.
         rank: in a multi-rank run (torch.distributed initialised, world size
@@ -46,6 +48,8 @@ class DrainedStep:
         self._index = {n: i for i, n in enumerate(self.names)}
         self.stats = _layout.decode(rec.header[rows]) if len(rows) else _layout.decode(
             np.zeros((0, _layout.HEADER), dtype=np.int64))
+        t = rec.time_ns[rows] / 1e6 if rec.time_ns is not None else np.full((len(rows), 2), np.nan)
+        self.stats["fwd_ms"], self.stats["bwd_ms"] = t[:, 0], t[:, 1]
         self.histogram_spec = histogram
         self.metas = metas
         # Per call of each module, in execution order (a module called twice

@@ -24,6 +24,9 @@ class StepRecord:
     order: np.ndarray  # int64 [k'] metric indices in first-execution order this step
     calls: np.ndarray  # int64 [c] metric index of every call, in execution order
     calls_nonfinite: np.ndarray  # bool [c] whether that call saw NaN/Inf
+    # float64 [k, 2] (forward, backward) ns of the module owning each metric
+    # (Monitor(timing=True)); NaN where not measured. None: recorded without timing.
+    time_ns: np.ndarray | None = None
 
 
 def make_record(step: int, metrics: np.ndarray, rows: np.ndarray, order, calls=None,
@@ -56,7 +59,9 @@ class HostStore:
 class History:
     """Recorded statistics: ``h.steps`` (np.int64 [S], recorded steps only),
     ``h.names`` (list[str] [M], first-execution order), ``h[stat]`` -> np.float64
-    [S, M] with NaN where a metric was not recorded, ``h.histogram(name)`` ->
+    [S, M] with NaN where a metric was not recorded (with
+    ``Monitor(timing=True)`` also ``h["fwd_ms"]``, ``h["bwd_ms"]``: the owning
+    module's forward / backward milliseconds that step, summed over its calls), ``h.histogram(name)`` ->
     np.int64 [S, B], ``h.bin_edges``, ``h.last(n)``, ``h.meta(name)``,
     ``h.to_pandas()``."""
 
@@ -75,12 +80,21 @@ class History:
             header[s, r.metrics] = r.header
         self._recorded = header[..., _layout.CALLS] > 0
         self._stats = _layout.decode(header)
+        self._timed = any(r.time_ns is not None for r in self._records)
+        if self._timed:
+            t = np.full((S, M, 2), np.nan)
+            for s, r in enumerate(self._records):
+                if r.time_ns is not None:
+                    t[s, r.metrics] = r.time_ns
+            self._stats["fwd_ms"] = t[..., 0] / 1e6
+            self._stats["bwd_ms"] = t[..., 1] / 1e6
         for v in self._stats.values():
             v[~self._recorded] = np.nan
 
     @property
     def stat_names(self) -> tuple[str, ...]:
-        return _layout.STAT_NAMES
+        """``hookcap.STAT_NAMES``, then ``fwd_ms``, ``bwd_ms`` if recorded with timing."""
+        return tuple(self._stats)
 
     @property
     def bin_edges(self) -> np.ndarray | None:
@@ -100,6 +114,9 @@ class History:
         try:
             return self._stats[stat]
         except KeyError:
+            if stat in _layout.TIMING_NAMES:
+                raise KeyError(f"{stat!r}: this history has no timing (recorded without Monitor(timing=True), "
+                               "or merged across ranks, which leaves timing out)") from None
             raise KeyError(f"unknown stat {stat!r}; available: {', '.join(self._stats)}") from None
 
     def column(self, name: str) -> int:
@@ -160,6 +177,7 @@ class History:
             and np.array_equal(self.steps, other.steps)
             and self._metas == other._metas
             and self._histogram == other._histogram
+            and self._stats.keys() == other._stats.keys()
             and all(np.array_equal(self[k], other[k], equal_nan=True) for k in self._stats)
             and all(np.array_equal(self.histogram(n), other.histogram(n)) for n in self.names
                     if self._histogram is not None)

@@ -47,6 +47,9 @@ def save(history: History, path: str | os.PathLike, extra: dict | None = None) -
         "calls": _cat([r.calls for r in recs], (0,)),
         "calls_nonfinite": _cat([r.calls_nonfinite.astype(np.int64) for r in recs], (0,)),
     }
+    if any(r.time_ns is not None for r in recs):  # Monitor(timing=True)
+        arrays["time_ns"] = np.concatenate(
+            [r.time_ns if r.time_ns is not None else np.full((len(r.metrics), 2), np.nan) for r in recs])
     for k, v in header["metas"].items():
         v["shape"] = list(v["shape"])
     tmp = path + ".tmp.npz"
@@ -79,7 +82,8 @@ def load(path: str | os.PathLike) -> History:
         recs.append(StepRecord(
             int(step), a["metrics"][mi:mi + k], a["rows"][mi:mi + k], int(a["hist_lo"][s]),
             a["hist"][hi:hi + k * w].reshape(k, w), a["order"][oi:oi + no], a["calls"][ci:ci + nc],
-            a["calls_nonfinite"][ci:ci + nc].astype(bool)))
+            a["calls_nonfinite"][ci:ci + nc].astype(bool),
+            a["time_ns"][mi:mi + k] if "time_ns" in a else None))
         mi, hi, oi, ci = mi + k, hi + k * w, oi + no, ci + nc
     spec = header["histogram"]
     hist = None

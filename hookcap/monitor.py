@@ -112,6 +112,7 @@ def _example_names(model: nn.Module, k: int = 4) -> str:
 _SKIPPED = object()  # row-cache marker: this (metric, device, call) is not recorded
 _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
+_TIME_MARK = torch.ops.hookcap.time_mark.default
 _MONITORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Monitor
 # HOOKCAP_PYTHON_GRAD_HOOKS=1: gradients through Python tensor hooks, as
 # before the C++ path existed (for comparison and as an escape hatch).
@@ -165,6 +166,40 @@ def _compiled_grad_hook(ring: DeviceRing, row: int, hargs: tuple, grad):
     return grad
 
 
+def _call_device(args, kwargs, mod: nn.Module) -> torch.device:
+    """Where a module call runs: its first tensor argument's device, else its
+    first parameter's or buffer's, else the CPU."""
+    for v in itertools.chain(args, kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.device
+    for t in itertools.chain(mod.parameters(), mod.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _inplace_grad_node(alias: torch.Tensor, node0):
+    """The autograd node whose post-hook sees the gradient w.r.t. an input
+    once the module modified ``alias`` (a view of that input, whose grad_fn
+    was ``node0``) in place, else None. An in-place op on a view rebases the
+    graph: hooks registered on the alias before it never fire; the base's new
+    CopySlices node runs the module's backward and hands on the gradient
+    w.r.t. the whole base."""
+    base = alias._base
+    if alias.grad_fn is node0 or base is None:
+        return None
+    node = base.grad_fn
+    return node if type(node).__name__ == "CopySlices" else None
+
+
+def _view_geometry(t: torch.Tensor, base: torch.Tensor):
+    """None when ``t`` is ``base`` itself, else where ``t`` sits in ``base``:
+    (size, stride, storage offset from base's, base shape, base stride)."""
+    if t is base:
+        return None
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset(),
+            tuple(base.shape), tuple(base.stride()))
+
+
 def _input_obj(args, kwargs):
     """What "input" records: the single positional argument itself, else the
     positional arguments (paths 0, 1, ...) and keyword arguments (by name)."""
@@ -213,6 +248,19 @@ class Monitor:
             closes the anomalous step; on CUDA at a later ``step()``, at most the
             ring depth (4 recorded steps) later), ``None``, or ``callable(Anomaly)``.
         sinks: consumers of drained steps (``hookcap.sinks.*``).
+        timing: also record how long each hooked module's forward and backward
+            take, per step (``h["fwd_ms"]``, ``h["bwd_ms"]``: milliseconds,
+            summed over the module's calls in the step, on every metric of
+            that module; NaN where not measured). Device-side timestamps on
+            CUDA (%globaltimer, stream-ordered: no host sync), the host's
+            steady clock on CPU. Forward: from the module's forward pre-hook to
+            its forward hook (hookcap's own stats work excluded). Backward:
+            from the gradient w.r.t. its first output that requires grad to the
+            gradient w.r.t. its first input that requires grad, so a module
+            none of whose inputs requires grad (a first layer) has no
+            ``bwd_ms``; a step whose marks do not pair up (a forward that
+            raised, a backward that reached only one end) reads NaN. Costs a
+            pre-hook and two timing ops per module call (four with backward).
         dump_on_anomaly: path (or existing directory) for an automatic
             ``dump()`` at the first anomaly.
         dump_on_exit: path for a ``dump()`` when the process exits (atexit) or
@@ -270,6 +318,7 @@ class Monitor:
         dump_on_anomaly=None,
         dump_on_exit=None,
         rank_sinks: str = "merged",
+        timing: bool = False,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -277,6 +326,9 @@ class Monitor:
             raise ValueError(f"rank_sinks: expected 'merged' (rank 0 writes records merged across "
                              f"ranks) or 'all' (every rank writes its own), got {rank_sinks!r}")
         self.capture = _validate(capture, histogram, capacity, every, modules)
+        if not isinstance(timing, bool):
+            raise ValueError(f"timing: expected True or False, got {timing!r}")
+        self.timing = timing
         self.model = model
         self.histogram = histogram
         self.capacity = capacity
@@ -322,6 +374,8 @@ class Monitor:
         self._merge_names: list[str] = []  # union of all ranks' metric names (same on every rank)
         self._merge_metas: dict = {}
         self._names_sent = 0  # own metric names already sent to the other ranks
+        self._open_calls: list[list] = []  # timing/grad_input hooks' open forward calls, per module
+        self._time_off: set[str] = set()  # modules whose timing failed (warned once)
         self._reset_recording_state()
         _MONITORS[id(self)] = self
 
@@ -363,6 +417,14 @@ class Monitor:
         self._expect: dict[int, set[int]] = {}
         self._partial: dict[int, list] = {}
         self._plans: dict[tuple, _StepPlan] = {}
+        # timing=True: one timing row per (module, device); its ring row's
+        # metric_of_row is -2 - (the module's index in _time_names).
+        self._time_rows: dict[tuple[str, torch.device], tuple[DeviceRing, int]] = {}
+        self._time_names: list[str] = []
+        self._time_index: dict[str, int] = {}
+        self._metric_module: dict[str, str] = {}  # metric name -> module (or param) name
+        self._metric_time = np.empty(0, dtype=np.int64)  # metric index -> time index or -1
+        self._metric_time_key = (0, 0)
 
     @property
     def current_step(self) -> int:
@@ -419,6 +481,7 @@ class Monitor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._open_calls.clear()
         was = self._attached
         self._attached = False
         _C._grad_sink_active(self._grad_sink, False)  # hooks of this step's graph stay quiet
@@ -456,7 +519,15 @@ class Monitor:
         if "output" in self.capture or "grad_output" in self.capture:
             add(mod.register_forward_hook(self._output_hook(name, mtype)))
         if "grad_input" in self.capture:
-            add(mod.register_forward_pre_hook(self._grad_input_hook(name, mtype), with_kwargs=True))
+            pre, post = self._grad_input_hooks(name, mtype)
+            add(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            add(mod.register_forward_hook(post))
+        if self.timing:
+            # The start mark last among the pre-hooks and the end mark first
+            # among the forward hooks: the stats work stays out of the time.
+            pre, post = self._timing_hooks(name)
+            add(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            add(mod.register_forward_hook(post, prepend=True))
 
     # -- hooks (hot path) -------------------------------------------------------
     def _input_hook(self, name, mtype):
@@ -567,15 +638,21 @@ class Monitor:
 
         return hook
 
-    def _grad_input_hook(self, name, mtype):
+    def _grad_input_hooks(self, name, mtype):
         # The module receives a view-alias of each input that requires grad;
         # the alias's gradient is exactly what this module sends back to that
         # input. (Full backward hooks wrap outputs in a custom Function and make
         # any later in-place op, e.g. ReLU(inplace=True), raise.) Values are
-        # unchanged: an alias is the same memory.
-        def alias(path, t, ci):
+        # unchanged: an alias is the same memory. The forward hook catches a
+        # module that modified its input in place (see _inplace_grad_node).
+        open_calls: list = []  # per call in flight: [(alias, its grad_fn, view geometry, hook)]
+        self._open_calls.append(open_calls)
+
+        def alias(path, t, ci, made):
             a = t.view_as(t)
-            a.register_hook(self._grad_tensor_hook(name, path, mtype, ci, kind="grad_input"))
+            fn = self._grad_tensor_hook(name, path, mtype, ci, kind="grad_input")
+            a.register_hook(fn)
+            made.append((a, a.grad_fn, _view_geometry(t, a._base), fn))
             return a
 
         def compiled_alias(path, t):
@@ -583,23 +660,147 @@ class Monitor:
             self._compiled_grad_hooks(name, "grad_input", a, mtype, path)
             return a
 
-        def hook(mod, args, kwargs):
+        def pre(mod, args, kwargs):
             compiling = torch.compiler.is_compiling()
             if not (torch.is_grad_enabled() and (compiling or (self._enabled and self._attached))):
+                if not compiling:
+                    open_calls.append(None)
                 return None
             single = len(args) == 1 and not kwargs
             ci = 0 if compiling else self._call_index(name, "grad_input")
+            made: list = []
 
             def wrap(path, v):
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
-                    return compiled_alias(path, v) if compiling else alias(path, v, ci)
+                    return compiled_alias(path, v) if compiling else alias(path, v, ci, made)
                 return v
 
             new_args = tuple(wrap("" if single else str(i), v) for i, v in enumerate(args))
             new_kwargs = {k: wrap(k, v) for k, v in kwargs.items()}
+            if not compiling:
+                open_calls.append(made or None)
             return new_args, new_kwargs
 
-        return hook
+        def post(mod, args, output):
+            if torch.compiler.is_compiling() or not open_calls:
+                return None
+            made = open_calls.pop()
+            for a, node0, geom, fn in made or ():
+                node = _inplace_grad_node(a, node0)
+                if node is not None:
+                    node.register_hook(functools.partial(self._inplace_grad_input, name, geom, fn))
+            return None
+
+        return pre, post
+
+    def _inplace_grad_input(self, name, geom, fn, grad_inputs, grad_outputs):
+        # grad_inputs[0]: the gradient w.r.t. the whole base of the input.
+        g = grad_inputs[0] if grad_inputs else None
+        if g is None:
+            return None
+        if geom is not None:  # the input is a view of a larger base: its part of g
+            size, stride, offset, base_shape, base_stride = geom
+            if tuple(g.shape) != base_shape or tuple(g.stride()) != base_stride:
+                self._warn_once(("grad_input_inplace", name),
+                                f"hookcap: {name}/grad_input not recorded: the module modifies a view of "
+                                "a larger tensor in place and the gradient's layout differs from it")
+                return None
+            g = g.as_strided(size, stride, g.storage_offset() + offset)
+        fn(g)
+        return None
+
+    def _timing_hooks(self, name):
+        open_calls: list = []  # this module's forward calls in flight (nested calls stack)
+        self._open_calls.append(open_calls)
+        mark = _TIME_MARK
+
+        def pre(mod, args, kwargs):
+            if torch.compiler.is_compiling():
+                return None
+            if not (self._enabled and self._attached) or _in_backward() or name in self._time_off:
+                open_calls.append(None)
+                return None
+            try:
+                dev = _call_device(args, kwargs, mod)
+                if dev.type == "meta":
+                    open_calls.append(None)
+                    return None
+                ring, row = self._time_row(name, dev)
+                mark(ring.ring, ring.state, row, 0, True)
+            except Exception as e:  # telemetry must never take the run down
+                self._timing_failed(name, e)
+                open_calls.append(None)
+                return None
+            new, end = None, None
+            if torch.is_grad_enabled():
+                # The backward ends when the gradient w.r.t. the module's first
+                # input that requires grad is complete: seen on an alias of it
+                # (the same memory) that only this module uses.
+                args, kwargs = list(args), dict(kwargs)
+                slots = [(args, i) for i in range(len(args))] + [(kwargs, k) for k in kwargs]
+                for box, key in slots:
+                    v = box[key]
+                    if type(v) is torch.Tensor and v.requires_grad:
+                        a = v.view_as(v)
+                        a.register_hook(functools.partial(self._bwd_mark, name, ring, row, False))
+                        box[key] = a
+                        new, end = (tuple(args), kwargs), (a, a.grad_fn)
+                        break
+            open_calls.append((ring, row, end))
+            return new
+
+        def post(mod, args, output):
+            if torch.compiler.is_compiling() or not open_calls:
+                return None
+            top = open_calls.pop()
+            if top is None:
+                return None
+            ring, row, end = top
+            try:
+                mark(ring.ring, ring.state, row, 0, False)
+            except Exception as e:
+                self._timing_failed(name, e)
+                return None
+            if end is not None:
+                node = _inplace_grad_node(*end)
+                if node is not None:  # the alias's own hook died with the in-place op
+                    node.register_hook(functools.partial(self._bwd_node_mark, name, ring, row))
+                if type(output) is torch.Tensor:
+                    t = output if output.requires_grad else None
+                else:
+                    t = next((v for _, v in floating_tensors(output) if v.requires_grad), None)
+                if t is not None:
+                    t.register_hook(functools.partial(self._bwd_mark, name, ring, row, True))
+            return None
+
+        return pre, post
+
+    def _bwd_mark(self, name, ring, row, start, grad):
+        # ring.ring is read now, not at registration: the ring may have grown.
+        if self._attached and name not in self._time_off:
+            try:
+                _TIME_MARK(ring.ring, ring.state, row, 1, start)
+            except Exception as e:
+                self._timing_failed(name, e)
+        return None
+
+    def _bwd_node_mark(self, name, ring, row, grad_inputs, grad_outputs):
+        self._bwd_mark(name, ring, row, False, None)
+
+    def _timing_failed(self, name, e: Exception) -> None:
+        self._time_off.add(name)
+        self._warn_once(("timing", name), f"hookcap: {name} is no longer timed: {type(e).__name__}: {e}")
+
+    def _time_row(self, name: str, device: torch.device) -> tuple[DeviceRing, int]:
+        hit = self._time_rows.get((name, device))
+        if hit is None:
+            with self._lock:
+                t = self._time_index.get(name)
+                if t is None:
+                    t = self._time_index[name] = len(self._time_names)
+                    self._time_names.append(name)
+                hit = self._time_rows[(name, device)] = self._add_row(device, -2 - t)
+        return hit
 
     def _param_grad_hook(self, pname):
         def hook(p):
@@ -741,18 +942,8 @@ class Monitor:
                 idx = -1  # named when first written
             elif idx is None:
                 idx = self._new_metric(metric, meta)
-            ring = self._rings.get(device)
-            if ring is None:
-                ring = DeviceRing(device, _SLOTS, self._width)
-                self._sync_ring_state(ring)
-                self._rings[device] = ring
-                self._ring_list.append(ring)
-                ring.index = len(self._ring_list) - 1
-                _C._grad_sink_ring(self._grad_sink, ring.index, ring.ring, ring.state)
-            buf = ring.ring
-            row = ring.add_row(idx)
-            if ring.ring is not buf:  # grown: C++ hooks read the new buffer
-                _C._grad_sink_ring(self._grad_sink, ring.index, ring.ring, ring.state)
+            self._metric_module[metric] = name
+            ring, row = self._add_row(device, idx)
             hit = (ring, row, (id(ring), row))  # the token names the row in _order
             self._cpp_token[hit[2]] = (ring.index << 32) | row
             self._py_token[(ring.index << 32) | row] = hit[2]
@@ -760,6 +951,24 @@ class Monitor:
                 self._unnamed[hit[2]] = (metric, meta)
             self._rows[key] = hit
             return hit
+
+    def _add_row(self, device: torch.device, idx: int) -> tuple[DeviceRing, int]:
+        """A new row of ``device``'s ring (created on first use) owned by
+        metric ``idx`` (-1: named later; <= -2: a timing row). Caller holds
+        the lock."""
+        ring = self._rings.get(device)
+        if ring is None:
+            ring = DeviceRing(device, _SLOTS, self._width)
+            self._sync_ring_state(ring)
+            self._rings[device] = ring
+            self._ring_list.append(ring)
+            ring.index = len(self._ring_list) - 1
+            _C._grad_sink_ring(self._grad_sink, ring.index, ring.ring, ring.state)
+        buf = ring.ring
+        row = ring.add_row(idx)
+        if ring.ring is not buf:  # grown: C++ hooks read the new buffer
+            _C._grad_sink_ring(self._grad_sink, ring.index, ring.ring, ring.state)
+        return ring, row
 
     def _new_metric(self, metric: str, meta: dict) -> int:
         idx = len(self._names)
@@ -804,6 +1013,8 @@ class Monitor:
         self._order = {}
         self._python_writes_np[0] = 0
         self._calls = {}
+        for open_calls in self._open_calls:  # a forward that raised never closed its call
+            open_calls.clear()
         self._sync_recording(new_step=True)
         self._replace_rows.clear()
         if self._raise is not None:
@@ -914,7 +1125,14 @@ class Monitor:
         calls_bad = (rows[:, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].sum(axis=1) > 0)[plan.call_rows]
         if not plan.groups.trivial:  # several calls or devices per metric
             metrics, rows = _layout.merge_groups(rows, metrics, plan.groups)
+        timed = metrics <= -2
+        time_rows = None
+        if timed.any():  # timing rows (timing=True) are not metrics
+            time_rows = (-2 - metrics[timed], rows[timed])
+            metrics, rows = metrics[~timed], rows[~timed]
         rec = make_record(step, metrics, rows, plan.order, plan.calls, calls_bad)
+        if self.timing:
+            rec.time_ns = self._time_of(rec.metrics, time_rows)
         self._store.add(rec)
         sinks = self.sinks
         if self._merge_group is not None:  # the sinks get it merged across ranks (_merge_pending)
@@ -931,6 +1149,29 @@ class Monitor:
                     self._anomaly(a)
             if sinks:
                 self._write_sinks(drained)
+
+    def _time_of(self, metrics: np.ndarray, time_rows) -> np.ndarray:
+        """float64 [len(metrics), 2]: (forward, backward) ns of the module
+        owning each metric this step; NaN where not timed or incomplete."""
+        out = np.full((len(metrics), 2), np.nan)
+        if time_rows is None:
+            return out
+        key = (len(self._names), len(self._time_names))
+        if key != self._metric_time_key:  # new metrics or timed modules
+            self._metric_time = np.array(
+                [self._time_index.get(self._metric_module.get(n), -1) for n in self._names], dtype=np.int64)
+            self._metric_time_key = key
+        tidx, rows = time_rows
+        per_module = np.full((len(self._time_names), 2), np.nan)
+        L = _layout
+        for phase, (ns, open_, ends) in enumerate(((L.FWD_NS, L.FWD_OPEN, L.FWD_ENDS),
+                                                    (L.BWD_NS, L.BWD_OPEN, L.BWD_ENDS))):
+            ok = (rows[:, open_] == 0) & (rows[:, ends] > 0)
+            per_module[tidx, phase] = np.where(ok, rows[:, ns].astype(np.float64), np.nan)
+        t = self._metric_time[metrics]
+        has = t >= 0
+        out[has] = per_module[t[has]]
+        return out
 
     def _write_sinks(self, drained: DrainedStep) -> None:
         for sink in list(self.sinks):
@@ -1204,6 +1445,21 @@ class Monitor:
 
             return dispatch
 
+        pairs: dict[tuple, tuple] = {}  # (kind, module name) -> its (pre, post) hooks
+
+        def timing_of(n):
+            if ("timing", n) not in pairs:
+                pairs[("timing", n)] = self._timing_hooks(n)
+            return pairs[("timing", n)]
+
+        def grad_input_of(n, t):
+            if ("grad_input", n) not in pairs:
+                pairs[("grad_input", n)] = self._grad_input_hooks(n, t)
+            return pairs[("grad_input", n)]
+
+        if self.timing:  # global hooks run in registration order: the end mark first
+            self._handles.append(mm.register_module_forward_hook(
+                named(lambda n, t: timing_of(n)[1])))
         if "input" in self.capture:
             self._handles.append(mm.register_module_forward_pre_hook(
                 named(lambda n, t: (lambda mod, args: self._input_hook(n, t)(mod, args, {})))))
@@ -1211,7 +1467,7 @@ class Monitor:
             self._handles.append(mm.register_module_forward_hook(named(self._output_hook)))
         if "grad_input" in self.capture:
             def args_only(n, t):
-                hook = self._grad_input_hook(n, t)
+                hook = grad_input_of(n, t)[0]
 
                 def pre(mod, args):
                     res = hook(mod, args, {})
@@ -1220,4 +1476,17 @@ class Monitor:
                 return pre
 
             self._handles.append(mm.register_module_forward_pre_hook(named(args_only)))
+            self._handles.append(mm.register_module_forward_hook(
+                named(lambda n, t: grad_input_of(n, t)[1])))
+        if self.timing:  # ... and the start mark last
+            def timing_pre(n, t):
+                pre = timing_of(n)[0]
+
+                def hook(mod, args):
+                    res = pre(mod, args, {})
+                    return None if res is None else res[0]
+
+                return hook
+
+            self._handles.append(mm.register_module_forward_pre_hook(named(timing_pre)))
 

@@ -183,3 +183,36 @@ def test_monitor_with_compile_reduce_overhead():
     assert {n.split("/")[1] for n in h.names} == {"output", "grad_output"}
     _assert_steps_equal(h, range(8), ref_step=0)
     mon.detach()
+
+
+def test_cuda_timing_is_stream_ordered_and_matches_events():
+    # %globaltimer marks around each Linear: no host sync in steady state, and
+    # the forward time of a module agrees with CUDA events around the same work.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(3)]).cuda()
+    x = torch.randn(8192, 2048, device="cuda")
+    mon = hookcap.Monitor(model, capture=("output", "grad_output"), timing=True).attach()
+    for _ in range(2):  # warm-up: rows registered, kernels loaded
+        model(x).sum().backward()
+        mon.step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        start.record()
+        y = model(x)
+        end.record()
+        y.sum().backward()
+        mon.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    h = mon.history()
+    s = list(h.steps).index(2)
+    fwd = [h["fwd_ms"][s, h.column(f"{i}/output")] for i in range(3)]
+    bwd = [h["bwd_ms"][s, h.column(f"{i}/output")] for i in range(3)]
+    assert all(f > 0 for f in fwd) and np.isnan(bwd[0]) and all(b > 0 for b in bwd[1:])
+    # The three forwards lie inside the event pair (plus hookcap's own kernels).
+    assert sum(fwd) <= start.elapsed_time(end) * 1.05 + 0.05
+    assert sum(fwd) >= 0.5 * start.elapsed_time(end)
+    mon.detach()

@@ -50,10 +50,11 @@ class Inject:
         return None
 
 
-def run(model, xs, monitored, inject_at=None, inj=None):
+def run(model, xs, monitored, inject_at=None, inj=None, timing=False):
     torch.manual_seed(123)
     handle = model[inject_at].register_forward_hook(inj) if inj is not None else None
-    mon = Monitor(model, capture=("output", "grad_output"), on_anomaly=None).attach() if monitored else None
+    mon = (Monitor(model, capture=("output", "grad_output"), on_anomaly=None, timing=timing).attach()
+           if monitored else None)
     ref_values = {}
     ref_handles = []
     if monitored:
@@ -88,10 +89,11 @@ def run(model, xs, monitored, inject_at=None, inj=None):
     kinds=st.lists(st.sampled_from(LAYERS), min_size=1, max_size=6),
     dtype=st.sampled_from([torch.float32, torch.float64]),
     seed=st.integers(0, 10_000),
+    timing=st.booleans(),
     inject=st.one_of(st.none(), st.tuples(st.integers(0, 5), st.integers(0, 2),
                                           st.sampled_from([math.nan, math.inf, -math.inf, 0.0]))),
 )
-def test_random_stacks(kinds, dtype, seed, inject):
+def test_random_stacks(kinds, dtype, seed, timing, inject):
     g = torch.Generator().manual_seed(seed)
     kinds = ["linear"] + kinds  # something with parameters, so backward has work to do
     xs = [torch.randn(3, 6, generator=g, dtype=dtype) for _ in range(3)]
@@ -106,7 +108,7 @@ def test_random_stacks(kinds, dtype, seed, inject):
     watched = build(kinds, dtype, seed)
     mk = (lambda: Inject(step, value)) if inject is not None else (lambda: None)
     a, _, _ = run(plain, xs, False, layer, mk())
-    b, mon, ref_values = run(watched, xs, True, layer, mk())
+    b, mon, ref_values = run(watched, xs, True, layer, mk(), timing)
     for ya, yb in zip(a, b):  # telemetry never changes outputs
         assert torch.equal(ya, yb) or (torch.isnan(ya).any() and torch.equal(ya.nan_to_num(), yb.nan_to_num()))
     h = mon.history()
@@ -117,6 +119,10 @@ def test_random_stacks(kinds, dtype, seed, inject):
         got["hist"], got["bin_edges"] = h.histogram(name)[s], h.bin_edges
         fin = vals[np.isfinite(vals)]
         assert_stats_match(got, want, abs_sum=float(np.abs(fin).sum()))
+        if timing:  # each module ran once per step; only layer 0's input needs no grad
+            assert h["fwd_ms"][s, h.column(name)] >= 0
+            bwd = h["bwd_ms"][s, h.column(name)]
+            assert math.isnan(bwd) if name == "0/output" else bwd >= 0
     if inject is not None and not (value == 0.0):
         first = [a for a in mon.anomalies if a.kind == "nonfinite"]
         assert first and first[0].step == step and first[0].name == f"{layer}/output"

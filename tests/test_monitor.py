@@ -425,3 +425,64 @@ def test_grad_input_equals_full_backward_hook_and_survives_inplace():
     with Monitor(cnn, capture=hookcap.CAPTURE_KINDS) as mon:
         train_steps(cnn, mon, img_batches(1))
     assert any(n.endswith("/grad_input") for n in mon.history().names)
+
+
+class _ScaleInPlace(nn.Module):
+    def __init__(self, inplace=True):
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, x):
+        return x.mul_(3.0) if self.inplace else x * 3.0
+
+
+class _SliceThenScale(nn.Module):
+    """Linear, then scales columns 1:4 of its output (a view) by 3."""
+
+    def __init__(self, inplace=True):
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.scale = _ScaleInPlace(inplace)
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = self.scale(h[:, 1:4])
+        return h if self.scale.inplace else torch.cat([h[:, :1], y, h[:, 4:]], 1)
+
+
+@pytest.mark.parametrize("kind", ["relu", "slice"])
+def test_grad_input_of_a_module_that_modifies_its_input_in_place(kind):
+    # The alias's tensor hook dies with the in-place op; the gradient comes
+    # from the CopySlices node instead. Reference: the same model without the
+    # in-place op, where a tensor hook on the module's input works.
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+
+    def make(inplace):
+        torch.manual_seed(1)
+        if kind == "relu":
+            return nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=inplace), nn.Linear(6, 2))
+        return _SliceThenScale(inplace)
+
+    name = "1/grad_input" if kind == "relu" else "scale/grad_input"
+    plain = make(False)
+    seen = {}
+    inner = plain[1] if kind == "relu" else plain.scale
+    inner.register_forward_pre_hook(
+        lambda m, a: a[0].register_hook(lambda g: seen.update(g=g.double().numpy().copy())) and None)
+    plain(x).pow(2).sum().backward()
+    model = make(True)
+    with Monitor(model, capture="grad_input") as mon:
+        model(x).pow(2).sum().backward()
+        mon.step()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).pow(2).sum().backward()  # without the Monitor: the same gradients
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+    h = mon.history()
+    ref = hookcap.reference.stats_from_values(seen["g"])
+    c = h.column(name)
+    assert h["count"][0, c] == seen["g"].size
+    assert h["sum"][0, c] == pytest.approx(ref["sum"], rel=1e-5, abs=1e-6)
+    assert h["sumsq"][0, c] == pytest.approx(ref["sumsq"], rel=1e-5)
+    assert h["absmax"][0, c] == pytest.approx(ref["absmax"], rel=1e-6)

@@ -17,6 +17,7 @@
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -795,6 +796,22 @@ void advance_cpu(at::Tensor& ring, at::Tensor& state, int64_t every) {
   st[kStateSlot] = next.slot;
 }
 
+// Host clock on CPU: the op runs synchronously, in program order with the
+// module's own CPU work.
+void time_mark_cpu(at::Tensor& ring, const at::Tensor& state, int64_t row, int64_t phase,
+                   bool start) {
+  check_time_mark(ring, state, row, phase);
+  const int64_t* st = state.data_ptr<int64_t>();
+  if (st[kStateEnabled] == 0) return;
+  const int64_t slot = st[kStateSlot];
+  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
+              " out of range for ", ring.size(0), " slots");
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch()).count();
+  row_time_mark<HostAtomics>(ring.data_ptr<int64_t>() + (slot * ring.size(1) + row) * ring.size(2),
+                             phase, start, now);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
@@ -802,6 +819,7 @@ TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("reset_slot", &reset_slot_cpu);
   m.impl("reset_rows", &reset_rows_cpu);
   m.impl("advance", &advance_cpu);
+  m.impl("time_mark", &time_mark_cpu);
 }
 
 }  // namespace hookcap

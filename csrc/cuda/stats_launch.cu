@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cuda/ptx>
 
 #include "cuda/stats_kernel.cuh"
 #include "hookcap/op_checks.h"
@@ -101,6 +102,30 @@ void advance_cuda(at::Tensor& ring, at::Tensor& state, int64_t every) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Device clock, stream-ordered: %globaltimer (ns) read by one thread when the
+// stream reaches the mark, so the host neither waits nor reads it. Kept out of
+// stats_kernel.cuh because the CPU emulation harness has no device clock.
+__global__ void time_mark_kernel(int64_t* ring, const int64_t* state, int64_t slots,
+                                 int64_t rows, int64_t width, int64_t row, int64_t phase,
+                                 bool start) {
+  if (state[kStateEnabled] == 0) return;
+  const int64_t slot = state[kStateSlot];
+  if (slot < 0 || slot >= slots) return;  // same guard as the stats kernels
+  const auto now = static_cast<int64_t>(cuda::ptx::get_sreg_globaltimer());
+  row_time_mark<kernels::DeviceAtomics>(ring + (slot * rows + row) * width, phase, start, now);
+}
+
+void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int64_t phase,
+                    bool start) {
+  check_time_mark(ring, state, row, phase);
+  c10::cuda::CUDAGuard guard(ring.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  time_mark_kernel<<<1, 1, 0, stream>>>(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
+                                        ring.size(0), ring.size(1), ring.size(2), row, phase,
+                                        start);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
@@ -108,6 +133,7 @@ TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("reset_slot", &reset_slot_cuda);
   m.impl("reset_rows", &reset_rows_cuda);
   m.impl("advance", &advance_cuda);
+  m.impl("time_mark", &time_mark_cuda);
 }
 
 }  // namespace hookcap

@@ -45,6 +45,16 @@ inline void check_reset_rows(const at::Tensor& ring, const at::Tensor& state, in
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
+inline void check_time_mark(const at::Tensor& ring, const at::Tensor& state, int64_t row,
+                            int64_t phase) {
+  check_ring_state(ring, state);
+  TORCH_CHECK(phase == 0 || phase == 1,
+              "hookcap.time_mark: phase must be 0 (forward) or 1 (backward), got ", phase);
+  TORCH_CHECK(row >= 0, "hookcap.time_mark: row must be >= 0, got ", row);
+  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row), "hookcap.time_mark: row ", row,
+                  " out of range for a ring with ", ring.sym_size(1), " rows");
+}
+
 // Validates the histogram arguments against the ring width; returns the
 // number of histogram bins they imply.
 inline int64_t check_hist(int64_t kind, double lo, double hi, int64_t bins,

@@ -261,6 +261,29 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge(int64_t* row, const Acc& a) {
   }
 }
 
+// Timing rows (Monitor(timing=True)): one per module and device, written only
+// by hookcap::time_mark. A start mark adds (-now, -1) and an end mark
+// (+now, +1, and one completed call) to its phase's (ns, open, ends)
+// columns, so a step's paired marks sum to the total duration with the open
+// count back at 0 (else that step's timing is incomplete). Every one of these
+// columns resets to 0 and merges by addition.
+enum TimeCol : int64_t {
+  kFwdNs = kCount, kFwdOpen = kNan, kFwdEnds = kZeros,
+  kBwdNs = kPosInf, kBwdOpen = kNegInf, kBwdEnds = kCalls,
+};
+
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Atomics>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void row_time_mark(int64_t* row, int64_t phase, bool start,
+                                                     int64_t now_ns) {
+  const bool fwd = phase == 0;
+  Atomics::add_i64(row + (fwd ? kFwdNs : kBwdNs), start ? -now_ns : now_ns);
+  Atomics::add_i64(row + (fwd ? kFwdOpen : kBwdOpen), start ? -1 : 1);
+  if (!start) Atomics::add_i64(row + (fwd ? kFwdEnds : kBwdEnds), 1);
+}
+
 // Value of one cell of a row freshly reset for `step`.
 C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t reset_value(int64_t col, int64_t step) {
   switch (col) {

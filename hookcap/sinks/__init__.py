@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from .._layout import STAT_NAMES
+from .._layout import STAT_NAMES, TIMING_NAMES
 from ..drained import DrainedStep
 
 
 class Sink:
-    """Base class. ``stats``: stat names to write (default: all);
+    """Base class. ``stats``: stat names to write (default: all of
+    ``hookcap.STAT_NAMES``; ``"fwd_ms"``/``"bwd_ms"`` may be added, recorded by
+    ``Monitor(timing=True)``, NaN otherwise);
     ``every``: write only steps whose number is a multiple of ``every``.
 
     ``rank``: the rank whose own records this sink receives, set by the
@@ -31,9 +33,10 @@ class Sink:
 
     def __init__(self, stats: Iterable[str] | None = None, every: int = 1):
         stats = tuple(STAT_NAMES if stats is None else stats)
-        bad = [s for s in stats if s not in STAT_NAMES]
+        bad = [s for s in stats if s not in STAT_NAMES and s not in TIMING_NAMES]
         if bad:
-            raise ValueError(f"stats: unknown stat(s) {bad}; allowed: {', '.join(STAT_NAMES)}")
+            raise ValueError(f"stats: unknown stat(s) {bad}; allowed: "
+                             f"{', '.join(STAT_NAMES + TIMING_NAMES)}")
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every: must be an int >= 1, got {every!r}")
         self.stats = stats
