@@ -79,6 +79,18 @@ void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Ten
   op.call(x, ref.ring, ref.state, row, s.hist_kind, s.hist_lo, s.hist_hi, s.hist_bins);
 }
 
+using TimeMarkFn = void(at::Tensor&, const at::Tensor&, int64_t, int64_t, bool);
+// Marks an error of a timing hook in GradSink::errors (not a metric's token).
+constexpr int64_t kTimeErrorFlag = int64_t{1} << 62;
+
+// The time_mark op on `row` of `ref` (timing=True), through the dispatcher.
+void time_mark_into(RingRef& ref, int64_t row, int64_t phase, bool start) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookcap::time_mark", "")
+                       .typed<TimeMarkFn>();
+  op.call(ref.ring, ref.state, row, phase, start);
+}
+
 // An exception's message without the C++ backtrace c10::Error may carry.
 std::string message_of(const std::exception& e) {
   if (const auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
@@ -399,6 +411,72 @@ PyObject* fast_learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// The ring a token names, or nullopt (Python error set).
+std::optional<RingRef> token_ring(GradSink& s, int64_t token) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (token < 0 || (token >> 32) >= static_cast<int64_t>(s.rings.size())) {
+    PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink", static_cast<long long>(token >> 32));
+    return std::nullopt;
+  }
+  return s.rings[token >> 32];
+}
+
+// _time_mark(id, token, phase, start): the time_mark op on the timing row
+// named by token, from the forward timing hooks: one C call instead of the
+// Python op wrapper. Errors raise RuntimeError.
+PyObject* time_mark_row(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) return PyErr_Format(PyExc_TypeError, "_time_mark takes 4 arguments");
+  auto s = sink_arg(args[0]);
+  if (!s) return nullptr;
+  const int64_t token = PyLong_AsLongLong(args[1]), phase = PyLong_AsLongLong(args[2]);
+  const bool start = PyObject_IsTrue(args[3]) == 1;
+  if (PyErr_Occurred()) return nullptr;
+  auto ref = token_ring(*s, token);
+  if (!ref) return nullptr;
+  try {
+    time_mark_into(*ref, token & 0xffffffff, phase, start);
+  } catch (const std::exception& e) {
+    return PyErr_Format(PyExc_RuntimeError, "%s", message_of(e).c_str());
+  }
+  Py_RETURN_NONE;
+}
+
+// _time_grad_hook(t, id, token, start) -> bool: when t's gradient arrives, a
+// backward time mark (start or end) on the timing row named by token, from a
+// C++ tensor hook (no Python in the backward pass). False if t gets no
+// gradient. A failing mark is reported through the sink's errors with
+// kTimeErrorFlag set in the token.
+PyObject* time_grad_hook(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) return PyErr_Format(PyExc_TypeError, "_time_grad_hook takes 4 arguments");
+  at::Tensor t;
+  if (!unpack_tensor(args[0], t, "the tensor")) return nullptr;
+  auto s = sink_arg(args[1]);
+  if (!s) return nullptr;
+  const int64_t token = PyLong_AsLongLong(args[2]);
+  const bool start = PyObject_IsTrue(args[3]) == 1;
+  if (PyErr_Occurred() || !token_ring(*s, token)) return nullptr;
+  if (!t.requires_grad()) Py_RETURN_FALSE;
+  try {
+    t.register_hook([s, token, start](const at::Tensor&) {
+      if (!s->active.load(std::memory_order_relaxed)) return;
+      RingRef ref;
+      {
+        std::lock_guard<std::mutex> lock(s->mu);
+        ref = s->rings[token >> 32];  // the ring may have grown since
+      }
+      try {
+        time_mark_into(ref, token & 0xffffffff, 1, start);
+      } catch (const std::exception& e) {  // telemetry must never take the run down
+        std::lock_guard<std::mutex> lock(s->mu);
+        s->errors.emplace_back(token | kTimeErrorFlag, message_of(e));
+      }
+    });
+  } catch (const std::exception& e) {
+    return PyErr_Format(PyExc_RuntimeError, "hookcap: %s", message_of(e).c_str());
+  }
+  Py_RETURN_TRUE;
+}
+
 // _grad_sink_recording(id, recording, force_python_grad, new_step): set by
 // the Monitor on attach, detach and step; a new step restarts the call counts.
 PyObject* grad_sink_recording(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -430,6 +508,10 @@ PyMethodDef kMethods[] = {
     {"_output_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(output_fast)),
      METH_FASTCALL, nullptr},
     {"_fast_learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_learn)),
+     METH_FASTCALL, nullptr},
+    {"_time_mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(time_mark_row)),
+     METH_FASTCALL, nullptr},
+    {"_time_grad_hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(time_grad_hook)),
      METH_FASTCALL, nullptr},
     {"_grad_sink_recording",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_sink_recording)),

@@ -113,6 +113,7 @@ _SKIPPED = object()  # row-cache marker: this (metric, device, call) is not reco
 _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
 _TIME_MARK = torch.ops.hookcap.time_mark.default
+_TIME_ERROR_FLAG = 1 << 62  # grad_hooks.cpp kTimeErrorFlag: an error token of a timing hook
 _MONITORS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Monitor
 # HOOKCAP_PYTHON_GRAD_HOOKS=1: gradients through Python tensor hooks, as
 # before the C++ path existed (for comparison and as an escape hatch).
@@ -419,7 +420,7 @@ class Monitor:
         self._plans: dict[tuple, _StepPlan] = {}
         # timing=True: one timing row per (module, device); its ring row's
         # metric_of_row is -2 - (the module's index in _time_names).
-        self._time_rows: dict[tuple[str, torch.device], tuple[DeviceRing, int]] = {}
+        self._time_rows: dict[tuple[str, torch.device], tuple[DeviceRing, int, int]] = {}
         self._time_names: list[str] = []
         self._time_index: dict[str, int] = {}
         self._metric_module: dict[str, str] = {}  # metric name -> module (or param) name
@@ -712,7 +713,16 @@ class Monitor:
     def _timing_hooks(self, name):
         open_calls: list = []  # this module's forward calls in flight (nested calls stack)
         self._open_calls.append(open_calls)
-        mark = _TIME_MARK
+        sink = self._grad_sink
+        time_mark = _C._time_mark
+
+        def grad_mark(t, ring, row, token, start) -> None:
+            # A C++ tensor hook, or a Python one where C++ hooks cannot run
+            # (compiled autograd, HOOKCAP_PYTHON_GRAD_HOOKS=1).
+            if _cpp_grad_hooks_ok():
+                _C._time_grad_hook(t, sink, token, start)
+            else:
+                t.register_hook(functools.partial(self._bwd_mark, name, ring, row, start))
 
         def pre(mod, args, kwargs):
             if torch.compiler.is_compiling():
@@ -725,28 +735,28 @@ class Monitor:
                 if dev.type == "meta":
                     open_calls.append(None)
                     return None
-                ring, row = self._time_row(name, dev)
-                mark(ring.ring, ring.state, row, 0, True)
+                ring, row, token = self._time_row(name, dev)
+                time_mark(sink, token, 0, True)
+                new, end = None, None
+                if torch.is_grad_enabled():
+                    # The backward ends when the gradient w.r.t. the module's
+                    # first input that requires grad is complete: seen on an
+                    # alias of it (the same memory) that only this module uses.
+                    args, kwargs = list(args), dict(kwargs)
+                    slots = [(args, i) for i in range(len(args))] + [(kwargs, k) for k in kwargs]
+                    for box, key in slots:
+                        v = box[key]
+                        if type(v) is torch.Tensor and v.requires_grad:
+                            a = v.view_as(v)
+                            grad_mark(a, ring, row, token, False)
+                            box[key] = a
+                            new, end = (tuple(args), kwargs), (a, a.grad_fn)
+                            break
             except Exception as e:  # telemetry must never take the run down
                 self._timing_failed(name, e)
                 open_calls.append(None)
                 return None
-            new, end = None, None
-            if torch.is_grad_enabled():
-                # The backward ends when the gradient w.r.t. the module's first
-                # input that requires grad is complete: seen on an alias of it
-                # (the same memory) that only this module uses.
-                args, kwargs = list(args), dict(kwargs)
-                slots = [(args, i) for i in range(len(args))] + [(kwargs, k) for k in kwargs]
-                for box, key in slots:
-                    v = box[key]
-                    if type(v) is torch.Tensor and v.requires_grad:
-                        a = v.view_as(v)
-                        a.register_hook(functools.partial(self._bwd_mark, name, ring, row, False))
-                        box[key] = a
-                        new, end = (tuple(args), kwargs), (a, a.grad_fn)
-                        break
-            open_calls.append((ring, row, end))
+            open_calls.append((ring, row, token, end))
             return new
 
         def post(mod, args, output):
@@ -755,28 +765,28 @@ class Monitor:
             top = open_calls.pop()
             if top is None:
                 return None
-            ring, row, end = top
+            ring, row, token, end = top
             try:
-                mark(ring.ring, ring.state, row, 0, False)
+                time_mark(sink, token, 0, False)
+                if end is not None:
+                    node = _inplace_grad_node(*end)
+                    if node is not None:  # the alias's own hook died with the in-place op
+                        node.register_hook(functools.partial(self._bwd_node_mark, name, ring, row))
+                    if type(output) is torch.Tensor:
+                        t = output if output.requires_grad else None
+                    else:
+                        t = next((v for _, v in floating_tensors(output) if v.requires_grad), None)
+                    if t is not None:
+                        grad_mark(t, ring, row, token, True)
             except Exception as e:
                 self._timing_failed(name, e)
-                return None
-            if end is not None:
-                node = _inplace_grad_node(*end)
-                if node is not None:  # the alias's own hook died with the in-place op
-                    node.register_hook(functools.partial(self._bwd_node_mark, name, ring, row))
-                if type(output) is torch.Tensor:
-                    t = output if output.requires_grad else None
-                else:
-                    t = next((v for _, v in floating_tensors(output) if v.requires_grad), None)
-                if t is not None:
-                    t.register_hook(functools.partial(self._bwd_mark, name, ring, row, True))
             return None
 
         return pre, post
 
     def _bwd_mark(self, name, ring, row, start, grad):
-        # ring.ring is read now, not at registration: the ring may have grown.
+        # Python path (traceable by compiled autograd). ring.ring is read now,
+        # not at registration: the ring may have grown.
         if self._attached and name not in self._time_off:
             try:
                 _TIME_MARK(ring.ring, ring.state, row, 1, start)
@@ -791,7 +801,8 @@ class Monitor:
         self._time_off.add(name)
         self._warn_once(("timing", name), f"hookcap: {name} is no longer timed: {type(e).__name__}: {e}")
 
-    def _time_row(self, name: str, device: torch.device) -> tuple[DeviceRing, int]:
+    def _time_row(self, name: str, device: torch.device) -> tuple[DeviceRing, int, int]:
+        """(ring, row, C++ token) of ``name``'s timing row on ``device``."""
         hit = self._time_rows.get((name, device))
         if hit is None:
             with self._lock:
@@ -799,7 +810,8 @@ class Monitor:
                 if t is None:
                     t = self._time_index[name] = len(self._time_names)
                     self._time_names.append(name)
-                hit = self._time_rows[(name, device)] = self._add_row(device, -2 - t)
+                ring, row = self._add_row(device, -2 - t)
+                hit = self._time_rows[(name, device)] = (ring, row, (ring.index << 32) | row)
         return hit
 
     def _param_grad_hook(self, pname):
@@ -1038,6 +1050,11 @@ class Monitor:
         op-path writes (``_order``) placed where they happened."""
         tokens, after, errors = _C._grad_sink_take(self._grad_sink)
         for token, message in errors:
+            if token & _TIME_ERROR_FLAG:  # a backward timing mark (_C._time_grad_hook)
+                token &= ~_TIME_ERROR_FLAG
+                tidx = -2 - self._ring_list[token >> 32].metric_of_row[token & 0xFFFFFFFF]
+                self._timing_failed(self._time_names[tidx], RuntimeError(message))
+                continue
             self._cpp_skipped.add(token)
             ring = self._ring_list[token >> 32]
             t = (id(ring), token & 0xFFFFFFFF)

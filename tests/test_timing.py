@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import hookcap
-from hookcap import Monitor, _layout, _ops
+from hookcap import Monitor, _C, _layout, _ops
 from hookcap.functional import new_state
 from hookcap.models import TinyResNet
 
@@ -73,7 +73,11 @@ def col(h, name):
     return h.column(name)
 
 
-def test_forward_and_backward_durations_bound_the_sleeps():
+@pytest.mark.parametrize("python_hooks", [False, True], ids=["cpp-grad-hooks", "python-grad-hooks"])
+def test_forward_and_backward_durations_bound_the_sleeps(monkeypatch, python_hooks):
+    # Backward marks come from C++ tensor hooks, or Python ones where C++
+    # hooks cannot run (compiled autograd; HOOKCAP_PYTHON_GRAD_HOOKS=1).
+    monkeypatch.setattr(hookcap.monitor, "_PYTHON_GRAD_HOOKS", python_hooks)
     torch.manual_seed(0)
     model = Net()
     mon = Monitor(model, modules=["first", "slow", "last"], timing=True).attach()
@@ -156,6 +160,33 @@ def test_forward_that_raises_reads_nan_then_recovers():
     h = mon.history()
     f = h["fwd_ms"][:, col(h, "model/output")]
     assert math.isnan(f[0]) and np.isfinite(f[1]) and f[1] >= 0
+    mon.detach()
+
+
+def test_failing_backward_mark_is_reported_not_raised(caplog):
+    # A backward mark runs in a C++ tensor hook: make its kernel fail (the sink
+    # handed an int32 ring) and the error must surface as one warning at
+    # step(), the step's bwd_ms NaN, training unharmed.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    mon = Monitor(model, capture="output", timing=True).attach()
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    mon.step()
+    y = model(x)
+    ring = mon._ring_list[0]
+    _C._grad_sink_ring(mon._grad_sink, ring.index, ring.ring.int(), ring.state)
+    y.sum().backward()
+    _C._grad_sink_ring(mon._grad_sink, ring.index, ring.ring, ring.state)
+    with caplog.at_level("WARNING", logger="hookcap"):
+        mon.step()
+    assert [r for r in caplog.records if "1 is no longer timed" in r.getMessage()]
+    model(x).sum().backward()
+    mon.step()
+    h = mon.history()
+    c0, c1 = col(h, "0/output"), col(h, "1/output")
+    assert np.isfinite(h["bwd_ms"][0, c1]) and math.isnan(h["bwd_ms"][1, c1])
+    assert np.isfinite(h["fwd_ms"][1, c1]) and math.isnan(h["fwd_ms"][2, c1])  # off from then on
+    assert np.isfinite(h["fwd_ms"][2, c0])
     mon.detach()
 
 
