@@ -375,6 +375,7 @@ class Monitor:
         self._merge_names: list[str] = []  # union of all ranks' metric names (same on every rank)
         self._merge_metas: dict = {}
         self._names_sent = 0  # own metric names already sent to the other ranks
+        self._inplace_modules: set[str] = set()  # timed modules seen modifying their input in place
         self._open_calls: list[list] = []  # timing/grad_input hooks' open forward calls, per module
         self._time_off: set[str] = set()  # modules whose timing failed (warned once)
         self._reset_recording_state()
@@ -715,6 +716,7 @@ class Monitor:
         self._open_calls.append(open_calls)
         sink = self._grad_sink
         time_mark = _C._time_mark
+        inplace = self._inplace_modules
 
         def grad_mark(t, ring, row, token, start) -> None:
             # A C++ tensor hook, or a Python one where C++ hooks cannot run
@@ -747,6 +749,15 @@ class Monitor:
                     for box, key in slots:
                         v = box[key]
                         if type(v) is torch.Tensor and v.requires_grad:
+                            if name in inplace and v._base is None:
+                                # No alias for a module seen modifying its input
+                                # in place: an alias would route the gradient
+                                # through a CopySlices copy. A hook on the input
+                                # itself survives an in-place op and sees the
+                                # input's gradient (all its users' part).
+                                grad_mark(v, ring, row, token, False)
+                                end = (v, v.grad_fn)
+                                break
                             a = v.view_as(v)
                             grad_mark(a, ring, row, token, False)
                             box[key] = a
@@ -772,6 +783,7 @@ class Monitor:
                     node = _inplace_grad_node(*end)
                     if node is not None:  # the alias's own hook died with the in-place op
                         node.register_hook(functools.partial(self._bwd_node_mark, name, ring, row))
+                        inplace.add(name)
                     if type(output) is torch.Tensor:
                         t = output if output.requires_grad else None
                     else:

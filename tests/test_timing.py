@@ -190,6 +190,26 @@ def test_failing_backward_mark_is_reported_not_raised(caplog):
     mon.detach()
 
 
+def test_inplace_module_timed_without_a_gradient_copy():
+    # First call: the input alias is modified in place (CopySlices) and the end
+    # mark moves to that node. Later calls hook the input itself: no alias, so
+    # autograd keeps the plain in-place graph (no CopySlices gradient copy).
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
+    mon = Monitor(model, capture="output", timing=True).attach()
+    x = torch.randn(4, 8)
+    kinds = []
+    for _ in range(3):
+        h1 = model[1](model[0](x))
+        kinds.append(type(h1.grad_fn).__name__)
+        model[2](h1).sum().backward()
+        mon.step()
+    assert kinds[0] != "ReluBackward0" and kinds[1:] == ["ReluBackward0"] * 2
+    h = mon.history()
+    bwd = h["bwd_ms"][:, col(h, "1/output")]
+    assert np.all(np.isfinite(bwd)) and np.all(bwd >= 0)
+    mon.detach()
+
+
 def test_timing_does_not_change_outputs_or_gradients():
     def train(timing):
         torch.manual_seed(0)
