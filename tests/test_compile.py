@@ -136,3 +136,24 @@ def test_opcheck_still_passes_after_compile_use():
     ring = torch.zeros((2, 2, _layout.HEADER + h.nbins), dtype=torch.int64)
     torch.library.opcheck(torch.ops.hookcap.accumulate.default,
                           (torch.randn(9), ring, new_state("cpu"), 1, *h.op_args()))
+
+
+def test_timing_under_compile_no_breaks_times_only_eager():
+    # Inside compiled code module boundaries are not kernels of their own
+    # (inductor fuses and reorders across them): timing records nothing there
+    # (NaN), adds no graph break, and eager calls are still timed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    mon = Monitor(model, capture=("output", "grad_output"), timing=True).attach()
+    assert torch._dynamo.explain(model)(x).graph_break_count == 0
+    cm = torch.compile(model, fullgraph=True)
+    cm(x).sum().backward()
+    mon.step()
+    model(x).sum().backward()
+    mon.step()
+    h = mon.history()
+    c = h.column("2/output")
+    assert np.isnan(h["fwd_ms"][0, c]) and np.isnan(h["bwd_ms"][0, c])
+    assert h["fwd_ms"][1, c] >= 0 and h["bwd_ms"][1, c] >= 0
+    mon.detach()
