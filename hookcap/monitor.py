@@ -167,6 +167,18 @@ def _compiled_grad_hook(ring: DeviceRing, row: int, hargs: tuple, grad):
     return grad
 
 
+def _first_grad_input(args: tuple, kwargs: dict):
+    """(position or keyword, tensor) of a call's first plain tensor argument
+    that requires grad, else (None, None)."""
+    for i, v in enumerate(args):
+        if type(v) is torch.Tensor and v.requires_grad:
+            return i, v
+    for k, v in kwargs.items():
+        if type(v) is torch.Tensor and v.requires_grad:
+            return k, v
+    return None, None
+
+
 def _call_device(args, kwargs, mod: nn.Module) -> torch.device:
     """Where a module call runs: its first tensor argument's device, else its
     first parameter's or buffer's, else the CPU."""
@@ -726,6 +738,8 @@ class Monitor:
             else:
                 t.register_hook(functools.partial(self._bwd_mark, name, ring, row, start))
 
+        last: list = [None, None]  # the previous call's device and its (ring, row, token)
+
         def pre(mod, args, kwargs):
             if torch.compiler.is_compiling():
                 return None
@@ -733,36 +747,41 @@ class Monitor:
                 open_calls.append(None)
                 return None
             try:
-                dev = _call_device(args, kwargs, mod)
-                if dev.type == "meta":
-                    open_calls.append(None)
-                    return None
-                ring, row, token = self._time_row(name, dev)
+                x = args[0] if args else None
+                dev = x.device if type(x) is torch.Tensor else _call_device(args, kwargs, mod)
+                if dev == last[0]:
+                    ring, row, token = last[1]
+                else:
+                    if dev.type == "meta":
+                        open_calls.append(None)
+                        return None
+                    last[1] = ring, row, token = self._time_row(name, dev)
+                    last[0] = dev
                 time_mark(sink, token, 0, True)
                 new, end = None, None
                 if torch.is_grad_enabled():
                     # The backward ends when the gradient w.r.t. the module's
                     # first input that requires grad is complete: seen on an
                     # alias of it (the same memory) that only this module uses.
-                    args, kwargs = list(args), dict(kwargs)
-                    slots = [(args, i) for i in range(len(args))] + [(kwargs, k) for k in kwargs]
-                    for box, key in slots:
-                        v = box[key]
-                        if type(v) is torch.Tensor and v.requires_grad:
-                            if name in inplace and v._base is None:
-                                # No alias for a module seen modifying its input
-                                # in place: an alias would route the gradient
-                                # through a CopySlices copy. A hook on the input
-                                # itself survives an in-place op and sees the
-                                # input's gradient (all its users' part).
-                                grad_mark(v, ring, row, token, False)
-                                end = (v, v.grad_fn)
-                                break
-                            a = v.view_as(v)
-                            grad_mark(a, ring, row, token, False)
-                            box[key] = a
-                            new, end = (tuple(args), kwargs), (a, a.grad_fn)
-                            break
+                    key, v = _first_grad_input(args, kwargs)
+                    if v is None:
+                        pass
+                    elif name in inplace and v._base is None:
+                        # No alias for a module seen modifying its input in
+                        # place: an alias would route the gradient through a
+                        # CopySlices copy. A hook on the input itself survives
+                        # an in-place op and sees the input's gradient (all its
+                        # users' part).
+                        grad_mark(v, ring, row, token, False)
+                        end = (v, v.grad_fn)
+                    else:
+                        a = v.view_as(v)
+                        grad_mark(a, ring, row, token, False)
+                        if type(key) is int:
+                            new = (args[:key] + (a,) + args[key + 1:], kwargs)
+                        else:
+                            new = (args, {**kwargs, key: a})
+                        end = (a, a.grad_fn)
             except Exception as e:  # telemetry must never take the run down
                 self._timing_failed(name, e)
                 open_calls.append(None)
