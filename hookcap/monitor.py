@@ -132,15 +132,20 @@ def _refresh_ca_config() -> bool:
     return _CA_CONFIG
 
 
+def _compiled_autograd_on() -> bool:
+    """Compiled autograd's context is active, or ``torch._dynamo.config.
+    compiled_autograd`` was set as of the last ``attach()`` or ``step()``."""
+    if _CA_CONFIG:
+        return True
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and ca.compiled_autograd_enabled
+
+
 def _cpp_grad_hooks_ok() -> bool:
     """Whether gradients may go through C++ tensor hooks (grad_hooks.cpp).
-    Compiled autograd cannot trace C++ hooks: while it is on (its context, or
-    ``torch._dynamo.config.compiled_autograd`` as of the last ``attach()`` or
-    ``step()``), Python hooks are used."""
-    if _PYTHON_GRAD_HOOKS or _CA_CONFIG:
-        return False
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    return not (ca is not None and ca.compiled_autograd_enabled)
+    Compiled autograd cannot trace C++ hooks: while it is on, Python hooks
+    are used."""
+    return not (_PYTHON_GRAD_HOOKS or _compiled_autograd_on())
 
 
 @torch._dynamo.assume_constant_result
@@ -731,11 +736,13 @@ class Monitor:
         inplace = self._inplace_modules
 
         def grad_mark(t, ring, row, token, start) -> None:
-            # A C++ tensor hook, or a Python one where C++ hooks cannot run
-            # (compiled autograd, HOOKCAP_PYTHON_GRAD_HOOKS=1).
+            # A C++ tensor hook, or a Python one with HOOKCAP_PYTHON_GRAD_HOOKS=1.
+            # A backward that compiled autograd compiles is not timed (NaN):
+            # its module boundaries are fused and reordered like a compiled
+            # forward's, and its first run would include the compile.
             if _cpp_grad_hooks_ok():
                 _C._time_grad_hook(t, sink, token, start)
-            else:
+            elif not _compiled_autograd_on():
                 t.register_hook(functools.partial(self._bwd_mark, name, ring, row, start))
 
         last: list = [None, None]  # the previous call's device and its (ring, row, token)
@@ -816,8 +823,8 @@ class Monitor:
         return pre, post
 
     def _bwd_mark(self, name, ring, row, start, grad):
-        # Python path (traceable by compiled autograd). ring.ring is read now,
-        # not at registration: the ring may have grown.
+        # Python path. ring.ring is read now, not at registration: the ring
+        # may have grown.
         if self._attached and name not in self._time_off:
             try:
                 _TIME_MARK(ring.ring, ring.state, row, 1, start)

@@ -157,3 +157,20 @@ def test_timing_under_compile_no_breaks_times_only_eager():
     assert np.isnan(h["fwd_ms"][0, c]) and np.isnan(h["bwd_ms"][0, c])
     assert h["fwd_ms"][1, c] >= 0 and h["bwd_ms"][1, c] >= 0
     mon.detach()
+
+
+def test_timing_under_compiled_autograd_times_forward_only():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    mon = Monitor(model, capture=("output", "grad_output"), timing=True).attach()
+    for _ in range(2):
+        with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=False)):
+            model(x).sum().backward()
+        mon.step()
+    model(x).sum().backward()  # eager again: timed
+    mon.step()
+    h = mon.history()
+    c = h.column("2/output")
+    assert np.all(h["fwd_ms"][:, c] >= 0)
+    assert np.all(np.isnan(h["bwd_ms"][:2, c])) and h["bwd_ms"][2, c] >= 0
+    mon.detach()
