@@ -277,8 +277,10 @@ class Monitor:
             gradient w.r.t. its first input that requires grad, so a module
             none of whose inputs requires grad (a first layer) has no
             ``bwd_ms``; a step whose marks do not pair up (a forward that
-            raised, a backward that reached only one end) reads NaN. Costs a
-            pre-hook and two timing ops per module call (four with backward).
+            raised, a backward that reached only one end) reads NaN, and so
+            does code compiled by ``torch.compile`` or compiled autograd
+            (module boundaries fused away). Costs a pre-hook and two timing
+            ops per module call (four with backward).
         dump_on_anomaly: path (or existing directory) for an automatic
             ``dump()`` at the first anomaly.
         dump_on_exit: path for a ``dump()`` when the process exits (atexit) or
