@@ -275,7 +275,7 @@ def test_constant_block_of_tiny_values_keeps_its_squares(n):
     assert float(got["sumsq"]) > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["zeros_only", "subnormals_only", "both", "tail_only"])
 def test_zero_and_subnormal_counts_in_finite_blocks(dtype, layout):
     # With a log2 histogram the CPU counts a finite block's zeros only when

@@ -179,11 +179,21 @@ HC_ALWAYS_INLINE W tree8(W v, Op op) {
   return op(v, __builtin_shuffle(v, i8v{1, 0, 3, 2, 5, 4, 7, 6}));
 }
 
-template <typename T>
+// 8 halves to 8 floats in one F16C instruction (exact, like c10::Half's).
+struct HalfToFloat8 {
+  __attribute__((target("avx2,f16c"))) f8 operator()(const c10::Half* p) const {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return reinterpret_cast<f8>(_mm256_cvtph_ps(h));
+  }
+};
+
+template <bool kAvx2 = false, typename T>
 HC_ALWAYS_INLINE f8 load8(const T* p) {
   f8 v;
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(&v, p, sizeof v);
+  } else if constexpr (kAvx2 && std::is_same_v<T, c10::Half>) {
+    v = HalfToFloat8{}(p);
   } else {
     float t[8];
     for (int j = 0; j < 8; ++j) t[j] = load_float(p + j);
@@ -219,7 +229,7 @@ HC_ALWAYS_INLINE void shifted_pass(const T* x, int64_t stride, int64_t n, work_t
 // zeros counted (count_zeros) -- one compare less per element in the rest.
 template <typename T, bool kUnit, int kHist, bool kAvx2>
 constexpr bool kDeferZeros = kAvx2 && kHist == kHistLog2Exp && kUnit &&
-                             std::is_same_v<work_t<T>, float> && !std::is_same_v<T, c10::Half>;
+                             std::is_same_v<work_t<T>, float>;
 
 // Returns how many leading elements' zeros were left uncounted (0 unless
 // kDeferZeros and the block took the float path).
@@ -237,8 +247,9 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
   V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
   int32_t nz = 0;
   int64_t head = 0;  // elements done by the explicit-vector loop
-  // fp16 keeps the lane loop below: its conversion vectorises only there.
-  if constexpr (std::is_same_v<V, float> && kUnit && !std::is_same_v<T, c10::Half>) {
+  // fp16 takes the explicit vectors only with F16C (the AVX2 build); the
+  // baseline build's conversion vectorises only in the lane loop below.
+  if constexpr (std::is_same_v<V, float> && kUnit && (kAvx2 || !std::is_same_v<T, c10::Half>)) {
     // Two 8-float vectors per quantity: independent add chains, all in
     // registers (the compiler's own vectorisation of lane arrays spills).
     head = n - n % 32;
@@ -263,7 +274,7 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
         u8v packed = {};  // baseline: exponent field of element 8k + j in byte k of lane j
         u8v ex[4];        // AVX2: exponent fields, narrowed to bytes by PackBytes4
         for (int k = 0; k < 4; ++k) {
-          const f8 v = load8(x + i + 8 * k);
+          const f8 v = load8<kAvx2>(x + i + 8 * k);
           push_shifted(v, cc, vs1[k & 1], vs2[k & 1], Square8{});
           if constexpr (kDefer) {
             push_min_max(v, vmn[k & 1], vmx[k & 1]);
@@ -370,12 +381,12 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
 
 // Zeros among x[0..n) (n a multiple of 32), for a block whose exponent bytes
 // show field 0: two vector counters, reduced in a fixed order.
-template <typename T>
+template <bool kAvx2, typename T>
 HC_ALWAYS_INLINE int64_t count_zeros(const T* x, int64_t n) {
   i8v nz[2] = {};
   for (int64_t i = 0; i < n; i += 16) {
-    push_zero(load8(x + i), nz[0]);
-    push_zero(load8(x + i + 8), nz[1]);
+    push_zero(load8<kAvx2>(x + i), nz[0]);
+    push_zero(load8<kAvx2>(x + i + 8), nz[1]);
   }
   return -tree8(nz[0] + nz[1], [](i8v a, i8v b) { return a + b; })[0];
 }
@@ -562,7 +573,7 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
       base = exponent_window_base(top, wide ? kExpWindowWide : kExpWindow, base);
       const ExpCount ec = count_exponents_avx2(eb, len, base, wide, hs.local, ahead,
                                                kBlock * static_cast<int64_t>(sizeof(T)));
-      if (ec.field0 && deferred) acc.nzero += count_zeros(p, deferred);
+      if (ec.field0 && deferred) acc.nzero += count_zeros<kAvx2>(p, deferred);
       wide = ec.missed * 16 > static_cast<uint32_t>(len);
     } else if constexpr (kExp) {
       count_exponents_scalar(eb, len, hs);
@@ -609,9 +620,9 @@ HC_ALWAYS_INLINE void chunk_impl(const T* x, bool flat, const StridedDesc& d, in
   run_range<T, kHist, kAvx2>(x, flat, d, begin, end, shift, out, hs);
 }
 
-// The same chunk loop, compiled for AVX2+FMA and for the baseline ISA.
+// The same chunk loop, compiled for AVX2+FMA+F16C and for the baseline ISA.
 template <typename T, int kHist>
-__attribute__((target("avx2,fma"))) void chunk_avx2(const T* x, bool flat,
+__attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const T* x, bool flat,
                                                     const StridedDesc& d, int64_t b,
                                                     int64_t e, double shift, Acc& out,
                                                     const HistSink& hs) {
@@ -629,7 +640,8 @@ bool use_avx2() {
     const char* force = std::getenv("HOOKCAP_CPU_ISA");
     if (force && std::strcmp(force, "baseline") == 0) return false;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
   }();
   return yes;
 }
