@@ -143,6 +143,16 @@ std::shared_ptr<GradSink> sink_arg(PyObject* o) {
   return s;
 }
 
+// The ring a token names, or nullopt (Python error set).
+std::optional<RingRef> token_ring(GradSink& s, int64_t token) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (token < 0 || (token >> 32) >= static_cast<int64_t>(s.rings.size())) {
+    PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink", static_cast<long long>(token >> 32));
+    return std::nullopt;
+  }
+  return s.rings[token >> 32];
+}
+
 // Arguments (tensor, sink id, token) of _accumulate_row and _capture_grad,
 // with the ring the token names. Empty (Python error set) if any is invalid.
 struct RowArgs {
@@ -163,13 +173,9 @@ std::optional<RowArgs> row_args(PyObject* const* args, Py_ssize_t nargs, const c
   if (!a.sink) return std::nullopt;
   a.token = PyLong_AsLongLong(args[2]);
   if (PyErr_Occurred()) return std::nullopt;
-  std::lock_guard<std::mutex> lock(a.sink->mu);
-  if (a.token < 0 || (a.token >> 32) >= static_cast<int64_t>(a.sink->rings.size())) {
-    PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink",
-                 static_cast<long long>(a.token >> 32));
-    return std::nullopt;
-  }
-  a.ref = a.sink->rings[a.token >> 32];
+  auto ref = token_ring(*a.sink, a.token);
+  if (!ref) return std::nullopt;
+  a.ref = std::move(*ref);
   return a;
 }
 
@@ -409,16 +415,6 @@ PyObject* fast_learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (static_cast<int64_t>(calls.size()) <= ci) calls.resize(ci + 1);
   calls[ci] = GradSink::FastRows{true, t.device(), out, grad};
   Py_RETURN_NONE;
-}
-
-// The ring a token names, or nullopt (Python error set).
-std::optional<RingRef> token_ring(GradSink& s, int64_t token) {
-  std::lock_guard<std::mutex> lock(s.mu);
-  if (token < 0 || (token >> 32) >= static_cast<int64_t>(s.rings.size())) {
-    PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink", static_cast<long long>(token >> 32));
-    return std::nullopt;
-  }
-  return s.rings[token >> 32];
 }
 
 // _time_mark(id, token, phase, start): the time_mark op on the timing row
