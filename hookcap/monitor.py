@@ -742,10 +742,12 @@ class Monitor:
             # A backward that compiled autograd compiles is not timed (NaN):
             # its module boundaries are fused and reordered like a compiled
             # forward's, and its first run would include the compile.
-            if _cpp_grad_hooks_ok():
-                _C._time_grad_hook(t, sink, token, start)
-            elif not _compiled_autograd_on():
+            if _compiled_autograd_on():
+                return
+            if _PYTHON_GRAD_HOOKS:
                 t.register_hook(functools.partial(self._bwd_mark, name, ring, row, start))
+            else:
+                _C._time_grad_hook(t, sink, token, start)
 
         last: list = [None, None]  # the previous call's device and its (ring, row, token)
 
@@ -1506,7 +1508,7 @@ class Monitor:
 
             return dispatch
 
-        pairs: dict[tuple, tuple] = {}  # (kind, module name) -> its (pre, post) hooks
+        pairs: dict[tuple, tuple] = {}  # (kind, module name) -> its (pre, post) hooks sharing a stack
 
         def timing_of(n):
             if ("timing", n) not in pairs:
@@ -1518,6 +1520,14 @@ class Monitor:
                 pairs[("grad_input", n)] = self._grad_input_hooks(n, t)
             return pairs[("grad_input", n)]
 
+        def args_only(pre):
+            # Global pre-hooks get no kwargs: adapt a (mod, args, kwargs) pre-hook.
+            def hook(mod, args):
+                res = pre(mod, args, {})
+                return None if res is None else res[0]
+
+            return hook
+
         if self.timing:  # global hooks run in registration order: the end mark first
             self._handles.append(mm.register_module_forward_hook(
                 named(lambda n, t: timing_of(n)[1])))
@@ -1527,27 +1537,11 @@ class Monitor:
         if "output" in self.capture or "grad_output" in self.capture:
             self._handles.append(mm.register_module_forward_hook(named(self._output_hook)))
         if "grad_input" in self.capture:
-            def args_only(n, t):
-                hook = grad_input_of(n, t)[0]
-
-                def pre(mod, args):
-                    res = hook(mod, args, {})
-                    return None if res is None else res[0]
-
-                return pre
-
-            self._handles.append(mm.register_module_forward_pre_hook(named(args_only)))
+            self._handles.append(mm.register_module_forward_pre_hook(
+                named(lambda n, t: args_only(grad_input_of(n, t)[0]))))
             self._handles.append(mm.register_module_forward_hook(
                 named(lambda n, t: grad_input_of(n, t)[1])))
         if self.timing:  # ... and the start mark last
-            def timing_pre(n, t):
-                pre = timing_of(n)[0]
-
-                def hook(mod, args):
-                    res = pre(mod, args, {})
-                    return None if res is None else res[0]
-
-                return hook
-
-            self._handles.append(mm.register_module_forward_pre_hook(named(timing_pre)))
+            self._handles.append(mm.register_module_forward_pre_hook(
+                named(lambda n, t: args_only(timing_of(n)[0]))))
 
