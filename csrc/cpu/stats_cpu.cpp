@@ -729,6 +729,14 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   row_merge<HostAtomics>(row, total);
 }
 
+// The slot named by a CPU state, checked against the ring's slot count.
+int64_t state_slot(const at::Tensor& ring, const int64_t* st) {
+  const int64_t slot = st[kStateSlot];
+  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
+              " out of range for ", ring.size(0), " slots");
+  return slot;
+}
+
 void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
                     int64_t row_index, int64_t hist_kind, double hist_lo, double hist_hi,
                     int64_t hist_bins) {
@@ -736,9 +744,7 @@ void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& 
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
   const int64_t* st = state.data_ptr<int64_t>();
   if (st[kStateEnabled] == 0) return;
-  const int64_t slot = st[kStateSlot];
-  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
-              " out of range for ", ring.size(0), " slots");
+  const int64_t slot = state_slot(ring, st);
   int64_t* row = ring.data_ptr<int64_t>() + (slot * ring.size(1) + row_index) * ring.size(2);
   const int64_t n = x_in.numel();
   HostAtomics::add_i64(row + kCount, n);
@@ -777,9 +783,7 @@ void reset_rows(int64_t* base, int64_t rows, int64_t width, int64_t step) {
 void reset_slot_cpu(at::Tensor& ring, const at::Tensor& state) {
   check_ring_state(ring, state);
   const int64_t* st = state.data_ptr<int64_t>();
-  const int64_t slot = st[kStateSlot];
-  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
-              " out of range for ", ring.size(0), " slots");
+  const int64_t slot = state_slot(ring, st);
   reset_rows(ring.data_ptr<int64_t>() + slot * ring.size(1) * ring.size(2), ring.size(1),
              ring.size(2), st[kStateStep]);
 }
@@ -787,9 +791,7 @@ void reset_slot_cpu(at::Tensor& ring, const at::Tensor& state) {
 void reset_rows_cpu(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
   check_reset_rows(ring, state, begin, end);
   const int64_t* st = state.data_ptr<int64_t>();
-  const int64_t slot = st[kStateSlot];
-  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
-              " out of range for ", ring.size(0), " slots");
+  const int64_t slot = state_slot(ring, st);
   reset_rows(ring.data_ptr<int64_t>() + (slot * ring.size(1) + begin) * ring.size(2),
              end - begin, ring.size(2), st[kStateStep]);
 }
@@ -815,9 +817,7 @@ void time_mark_cpu(at::Tensor& ring, const at::Tensor& state, int64_t row, int64
   check_time_mark(ring, state, row, phase);
   const int64_t* st = state.data_ptr<int64_t>();
   if (st[kStateEnabled] == 0) return;
-  const int64_t slot = st[kStateSlot];
-  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
-              " out of range for ", ring.size(0), " slots");
+  const int64_t slot = state_slot(ring, st);
   const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now().time_since_epoch()).count();
   row_time_mark<HostAtomics>(ring.data_ptr<int64_t>() + (slot * ring.size(1) + row) * ring.size(2),
