@@ -4,6 +4,10 @@ All configurations run in ONE process, interleaved round by round (each round
 runs a few steps of every configuration in turn), and the table reports the
 median step time after warm-up, its ratio to the no-telemetry baseline and the
 overhead in %. Machines here are noisy: compare ratios, not absolute times.
+The ratio is paired by round: the median over rounds of (the configuration's
+median step in that round / the baseline's median step in that round), so a
+machine whose speed drifts during the run (seen here: a 45 ms baseline step
+becoming 60 ms within a minute) shifts both sides of each ratio alike.
 
 Workloads (random init, synthetic data):
   gpt2: transformers GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048,
@@ -256,6 +260,7 @@ def measure(workload, device, rounds, steps_per_round, warm_rounds):
     skip = {}
     cfgs = configs(skip)
     times = {c.name: [] for c in cfgs}
+    by_round = {c.name: [] for c in cfgs}  # per measured round: that round's samples
     clock = timer(device)
     for r in range(rounds + warm_rounds):
         # Rotate the order every round: no configuration always follows the
@@ -270,19 +275,23 @@ def measure(workload, device, rounds, steps_per_round, warm_rounds):
                 opt.zero_grad(set_to_none=True)
                 c.after_step()
 
+            samples = []
             for s in range(steps_per_round):
                 t = clock(step)
                 if r >= warm_rounds and s > 0:  # first step after attach is warm-up
-                    times[c.name].append(t)
+                    samples.append(t)
             c.detach()
-    base = statistics.median(times["no telemetry"])
+            if samples:
+                times[c.name].extend(samples)
+                by_round[c.name].append(statistics.median(samples))
     base_mean = statistics.fmean(times["no telemetry"])
     rows = []
     for c in cfgs:
         med = statistics.median(times[c.name])
         mean = statistics.fmean(times[c.name])
-        rows.append({"config": c.name, "median_ms": med * 1e3, "ratio": med / base,
-                     "overhead_pct": 100 * (med / base - 1), "mean_ms": mean * 1e3,
+        ratio = statistics.median(x / b for x, b in zip(by_round[c.name], by_round["no telemetry"]))
+        rows.append({"config": c.name, "median_ms": med * 1e3, "ratio": ratio,
+                     "overhead_pct": 100 * (ratio - 1), "mean_ms": mean * 1e3,
                      "mean_overhead_pct": 100 * (mean / base_mean - 1),
                      "samples": len(times[c.name]), "note": c.note})
     for name, why in skip.items():
@@ -375,6 +384,8 @@ def per_hook_cost(device, n_modules=200, reps=40):
 
 
 def table(rows, title):
+    # ratio/overhead: paired by round (see the module docstring); mean ovh:
+    # mean step over the baseline's mean step (outliers included).
     lines = [title, f"{'config':30s} {'median ms':>10s} {'ratio':>7s} {'overhead':>9s} "
                     f"{'mean ovh':>9s}  note", "-" * 110]
     for r in rows:

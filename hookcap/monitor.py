@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import _C, _layout
+from ._park import HookPark
 from ._ring import DeviceRing, next_host_state
 from .anomaly import Anomaly, AnomalyError, NonFinite, Underflow, as_anomalies
 from .drained import DrainedStep
@@ -159,6 +160,41 @@ def _compiled_row(mon_id: int, name: str, kind: str, path: str, device: str, sha
     ring, row, _ = mon._register_row((name, kind, path, torch.device(device), 0), torch.device(device),
                                   shape, dtype, mtype)
     return (mon._ring_list.index(ring), row)
+
+
+@torch._dynamo.assume_constant_result
+def _hooks_traced(mon_id: int) -> int:
+    """Run by dynamo when it traces one of a Monitor's hooks: from then on
+    the Monitor keeps its module hooks in place during off-steps (removing
+    them would fail dynamo's guards on the hook dicts and recompile)."""
+    mon = _MONITORS.get(mon_id)
+    if mon is not None:
+        mon._park_ok = False
+    return 0
+
+
+def _unpark_for_compile(args=None) -> None:
+    """Dynamo's compile-start callback: a Monitor whose hooks are parked
+    puts them back for good before the trace begins. With dynamo's default
+    ``skip_nnmodule_hook_guards`` a graph traced without the hooks would never
+    see them again, so its recorded steps would silently record nothing."""
+    for mon in list(_MONITORS.values()):
+        if mon._park.parked:
+            mon._park_ok = False
+            mon._park.unpark()
+
+
+def _compile_callback_installed() -> bool:
+    """Installs _unpark_for_compile (again: ``torch._dynamo.reset()`` clears
+    the callbacks); False where dynamo has no callback API, and then nothing
+    may be parked."""
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    starts = getattr(handler, "start_callbacks", None)
+    if not isinstance(starts, list) or not callable(getattr(handler, "register_start_callback", None)):
+        return False
+    if _unpark_for_compile not in starts:
+        handler.register_start_callback(_unpark_for_compile)
+    return True
 
 
 def _compiled_grad_hook(ring: DeviceRing, row: int, hargs: tuple, grad):
@@ -361,6 +397,11 @@ class Monitor:
         self._width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
         self._lock = threading.Lock()
         self._handles: list = []
+        # Module hooks leave during off-steps (every > 1) for nn.Module's fast
+        # call path (hookcap/_park.py); never once torch.compile traced them
+        # (dynamo guards on the hook dicts: parking would recompile).
+        self._park = HookPark()
+        self._park_ok = True
         self._attached = False
         self._global = False
         self.dropped_steps = 0
@@ -471,6 +512,7 @@ class Monitor:
             self._hook_exit()
         if self._global:
             self._attach_global()
+            self._park_or_unpark()
             return self
         matched = 0
         for qual, mod in self.model.named_modules():
@@ -492,6 +534,7 @@ class Monitor:
                         p.register_post_accumulate_grad_hook(self._param_grad_hook(pname)))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_post_hook(lambda *a, **k: self.step()))
+        self._park_or_unpark()
         return self
 
     def detach(self) -> None:
@@ -502,6 +545,7 @@ class Monitor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._park.clear()
         self._open_calls.clear()
         was = self._attached
         self._attached = False
@@ -532,9 +576,13 @@ class Monitor:
                     seen.add(id(p))
                     yield (f"{qual}.{pn}" if qual else pn), p
 
+    def _add_module_hook(self, handle) -> None:
+        self._handles.append(handle)
+        self._park.add(handle)
+
     def _hook_module(self, name: str, mod: nn.Module) -> None:
         mtype = type(mod).__name__
-        add = self._handles.append
+        add = self._add_module_hook
         if "input" in self.capture:
             add(mod.register_forward_pre_hook(self._input_hook(name, mtype), with_kwargs=True))
         if "output" in self.capture or "grad_output" in self.capture:
@@ -554,6 +602,7 @@ class Monitor:
     def _input_hook(self, name, mtype):
         def hook(mod, args, kwargs):
             if torch.compiler.is_compiling():
+                _hooks_traced(id(self))
                 self._compiled_write_all(name, "input", _input_obj(args, kwargs), mtype)
                 return None
             if self._enabled and self._attached and not _in_backward():
@@ -572,6 +621,7 @@ class Monitor:
 
         def hook(mod, args, output):
             if torch.compiler.is_compiling():
+                _hooks_traced(id(self))
                 if want_out:
                     self._compiled_write_all(name, "output", output, mtype)
                 if want_grad:
@@ -683,6 +733,8 @@ class Monitor:
 
         def pre(mod, args, kwargs):
             compiling = torch.compiler.is_compiling()
+            if compiling:
+                _hooks_traced(id(self))
             if not (torch.is_grad_enabled() and (compiling or (self._enabled and self._attached))):
                 if not compiling:
                     open_calls.append(None)
@@ -753,6 +805,7 @@ class Monitor:
 
         def pre(mod, args, kwargs):
             if torch.compiler.is_compiling():
+                _hooks_traced(id(self))
                 return None
             if not (self._enabled and self._attached) or _in_backward() or name in self._time_off:
                 open_calls.append(None)
@@ -1075,9 +1128,17 @@ class Monitor:
             open_calls.clear()
         self._sync_recording(new_step=True)
         self._replace_rows.clear()
+        self._park_or_unpark()
         if self._raise is not None:
             a, self._raise = self._raise, None
             raise AnomalyError(a)
+
+    def _park_or_unpark(self) -> None:
+        # Hooks out for a step that records nothing; in for one that records.
+        if self._enabled or not (self._park_ok and self._attached):
+            self._park.unpark()
+        elif not self._park.parked and _compile_callback_installed():
+            self._park.park()
 
     def _finish_step(self) -> None:
         order = self._execution_order()  # taken even when the step is dropped
@@ -1529,19 +1590,19 @@ class Monitor:
             return hook
 
         if self.timing:  # global hooks run in registration order: the end mark first
-            self._handles.append(mm.register_module_forward_hook(
+            self._add_module_hook(mm.register_module_forward_hook(
                 named(lambda n, t: timing_of(n)[1])))
         if "input" in self.capture:
-            self._handles.append(mm.register_module_forward_pre_hook(
+            self._add_module_hook(mm.register_module_forward_pre_hook(
                 named(lambda n, t: (lambda mod, args: self._input_hook(n, t)(mod, args, {})))))
         if "output" in self.capture or "grad_output" in self.capture:
-            self._handles.append(mm.register_module_forward_hook(named(self._output_hook)))
+            self._add_module_hook(mm.register_module_forward_hook(named(self._output_hook)))
         if "grad_input" in self.capture:
-            self._handles.append(mm.register_module_forward_pre_hook(
+            self._add_module_hook(mm.register_module_forward_pre_hook(
                 named(lambda n, t: args_only(grad_input_of(n, t)[0]))))
-            self._handles.append(mm.register_module_forward_hook(
+            self._add_module_hook(mm.register_module_forward_hook(
                 named(lambda n, t: grad_input_of(n, t)[1])))
         if self.timing:  # ... and the start mark last
-            self._handles.append(mm.register_module_forward_pre_hook(
+            self._add_module_hook(mm.register_module_forward_pre_hook(
                 named(lambda n, t: args_only(timing_of(n)[0]))))
 
