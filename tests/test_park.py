@@ -241,3 +241,19 @@ def test_model_first_compiled_during_an_off_step_still_records():
         assert h["count"][i, c] == ref.numel()
         assert h["max"][i, c] == pytest.approx(ref.max().item(), rel=1e-6)
         assert h["sum"][i, c] == pytest.approx(ref.sum().item(), rel=1e-5, abs=1e-5)
+
+
+def test_model_compiled_at_a_recorded_step_keeps_its_hooks():
+    # Traced with the hooks in place: the Monitor stops parking (a dynamo that
+    # guards on module hooks would otherwise recompile at every change).
+    torch._dynamo.reset()
+    model = make_model()
+    mon = Monitor(model, capture="output", every=3).attach()
+    fn = torch.compile(model, fullgraph=True)
+    for _ in range(4):
+        fn(torch.randn(2, 6))
+        mon.step()
+        assert all(ours(mon, m._forward_hooks) for m in model.children())
+    mon.detach()
+    torch._dynamo.reset()
+    assert mon.history().steps.tolist() == [0, 3]
