@@ -1,7 +1,8 @@
 """End-to-end training-step overhead of hookcap and of the tools people use today.
 
 All configurations run in ONE process, interleaved round by round (each round
-runs a few steps of every configuration in turn), and the table reports the
+runs a few steps of every configuration in turn, in a new random order, with
+gc.collect() before each), and the table reports the
 median step time after warm-up, its ratio to the no-telemetry baseline and the
 overhead in %. Machines here are noisy: compare ratios, not absolute times.
 The ratio is paired by round: the median over rounds of (the configuration's
@@ -16,7 +17,8 @@ Workloads (random init, synthetic data):
         torchvision is missing), SGD, full step.
 
 Usage:
-  python benchmarks/bench_overhead.py [--workloads gpt2,cnn] [--rounds 6] [--threads 2]
+  python benchmarks/bench_overhead.py [--workloads gpt2,cnn] [--rounds 8] [--threads 2]
+                                      [--steps-per-round 4] [--configs every=10,hookcap]
                                       [--device cpu|cuda] [--json benchmarks/results/overhead.json]
 """
 
@@ -24,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -206,7 +210,9 @@ class ItemStats(Config):
             h.remove()
 
 
-def configs(skip):
+def configs(skip, only=None):
+    """The configurations to measure; ``only``: names containing one of
+    these substrings (the baseline is always kept)."""
     out = [
         Baseline("no telemetry"),
         Hookcap("hookcap every=1 log2 hist"),
@@ -218,6 +224,8 @@ def configs(skip):
         WandbWatch("wandb.watch(log=all)"),
         ItemStats("torch-op stats + .item()"),
     ]
+    if only:
+        out = [c for c in out if isinstance(c, Baseline) or any(k in c.name for k in only)]
     avail = []
     for c in out:
         try:
@@ -254,18 +262,23 @@ def timer(device):
     return run
 
 
-def measure(workload, device, rounds, steps_per_round, warm_rounds):
+def measure(workload, device, rounds, steps_per_round, warm_rounds, only=None):
     model, loss_fn = WORKLOADS[workload](device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     skip = {}
-    cfgs = configs(skip)
+    cfgs = configs(skip, only)
     times = {c.name: [] for c in cfgs}
     by_round = {c.name: [] for c in cfgs}  # per measured round: that round's samples
     clock = timer(device)
+    order = random.Random(0)
     for r in range(rounds + warm_rounds):
-        # Rotate the order every round: no configuration always follows the
-        # same one (a slow peer leaves caches and the allocator disturbed).
-        for c in cfgs[r % len(cfgs):] + cfgs[:r % len(cfgs)]:
+        # A new order every round, and a collected heap before each
+        # configuration: a rotation keeps each configuration behind the same
+        # one, and a peer's garbage (or its allocator and cache footprint)
+        # then lands in one configuration's steps every round (seen here:
+        # hookcap every=10 read -1.5 % on both workloads, run after run).
+        for c in order.sample(cfgs, len(cfgs)):
+            gc.collect()
             c.attach(model)
 
             def step():
@@ -406,6 +419,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None)
+    p.add_argument("--configs", default=None,
+                   help="comma-separated substrings: measure only the configurations whose name "
+                        "contains one (the baseline always runs), e.g. 'every=10'")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -417,7 +433,8 @@ def main(argv=None):
                           "device": str(device), "build": hookcap.build_info()}, "workloads": {}}
     print(f"# {cpu}, {args.threads} threads, torch {torch.__version__}, device {device}")
     for w in args.workloads.split(","):
-        rows, extra = measure(w, device, args.rounds, args.steps_per_round, args.warm_rounds)
+        rows, extra = measure(w, device, args.rounds, args.steps_per_round, args.warm_rounds,
+                              [k for k in args.configs.split(",") if k] if args.configs else None)
         result["workloads"][w] = {"rows": rows, **extra}
         print(table(rows, f"\n## {w} ({extra['model']})"))
         if "sync_check" in extra:
