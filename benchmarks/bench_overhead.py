@@ -17,8 +17,8 @@ Workloads (random init, synthetic data):
         torchvision is missing), SGD, full step.
 
 Usage:
-  python benchmarks/bench_overhead.py [--workloads gpt2,cnn] [--rounds 8] [--threads 2]
-                                      [--steps-per-round 4] [--configs every=10,hookcap]
+  python benchmarks/bench_overhead.py [--workloads gpt2,cnn] [--rounds 16] [--threads 2]
+                                      [--steps-per-round 6] [--configs every=10,hookcap]
                                       [--device cpu|cuda] [--json benchmarks/results/overhead.json]
 """
 
@@ -413,8 +413,8 @@ def table(rows, title):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="gpt2,cnn")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--steps-per-round", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=16)
+    p.add_argument("--steps-per-round", type=int, default=6)
     p.add_argument("--warm-rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")

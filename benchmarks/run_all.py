@@ -1,6 +1,7 @@
 """Run every benchmark, write benchmarks/results/*.json and print the tables.
 
-  python benchmarks/run_all.py            # kernel (64M float32, 1 and 2 threads) + end-to-end overhead
+  python benchmarks/run_all.py            # kernel (64M float32, 1 and 2 threads), end-to-end
+                                          # overhead, every=10 split step by step (CPU)
   python benchmarks/run_all.py --sweep    # also the kernel size x dtype x threads sweep
 """
 
@@ -32,6 +33,9 @@ def main():
     if args.sweep:
         run("bench_kernel.py", *dev, "--sweep", "--json", out("kernel_sweep"))
     run("bench_overhead.py", *dev, "--json", out("overhead"))
+    if args.device == "cpu":  # host clocks: the step-level every=10 split is CPU-only
+        for w in ("cnn", "gpt2"):
+            run("bench_every.py", "--workload", w, "--json", out(f"every_{w}"))
 
 
 if __name__ == "__main__":
