@@ -165,8 +165,9 @@ def _compiled_row(mon_id: int, name: str, kind: str, path: str, device: str, sha
 @torch._dynamo.assume_constant_result
 def _hooks_traced(mon_id: int) -> int:
     """Run by dynamo when it traces one of a Monitor's hooks: from then on
-    the Monitor keeps its module hooks in place during off-steps (removing
-    them would fail dynamo's guards on the hook dicts and recompile)."""
+    the Monitor keeps its module hooks in place during off-steps (the graph
+    holds them already, and where dynamo guards on module hooks, i.e.
+    ``skip_nnmodule_hook_guards=False``, removing them would recompile)."""
     mon = _MONITORS.get(mon_id)
     if mon is not None:
         mon._park_ok = False
@@ -398,8 +399,9 @@ class Monitor:
         self._lock = threading.Lock()
         self._handles: list = []
         # Module hooks leave during off-steps (every > 1) for nn.Module's fast
-        # call path (hookcap/_park.py); never once torch.compile traced them
-        # (dynamo guards on the hook dicts: parking would recompile).
+        # call path (hookcap/_park.py); never once dynamo traced them (the
+        # graph holds them already; with module-hook guards on, parking would
+        # recompile).
         self._park = HookPark()
         self._park_ok = True
         self._attached = False
