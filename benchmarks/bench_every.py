@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
 
 import hookcap
+from bench_kernel import machine_info
 from bench_overhead import WORKLOADS
 
 
@@ -82,9 +82,7 @@ def main(argv=None):
     print(f"off-step overhead {summary['off_step_pct']:+.2f} %, recorded step "
           f"{summary['recorded_step_pct']:+.2f} %, mean over a cycle {summary['cycle_mean_pct']:+.2f} %")
     if args.json:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-                   platform.processor())
-        result = {"machine": {"cpu": cpu, "threads": args.threads, "torch": torch.__version__},
+        result = {"machine": {**machine_info("cpu"), "threads": args.threads},
                   "workload": args.workload, "every": n, "cycles": args.cycles,
                   "median_ms": {k: statistics.median(v) * 1e3 for k, v in t.items()},
                   "samples": {k: len(v) for k, v in t.items()}, **summary}

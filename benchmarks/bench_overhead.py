@@ -29,7 +29,6 @@ import contextlib
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -39,6 +38,7 @@ import torch
 import torch.nn as nn
 
 import hookcap
+from bench_kernel import machine_info
 
 # -- workloads -----------------------------------------------------------------
 
@@ -268,7 +268,7 @@ def measure(workload, device, rounds, steps_per_round, warm_rounds, only=None):
     skip = {}
     cfgs = configs(skip, only)
     times = {c.name: [] for c in cfgs}
-    by_round = {c.name: [] for c in cfgs}  # per measured round: that round's samples
+    by_round = {c.name: [] for c in cfgs}  # per measured round: the median of its samples
     clock = timer(device)
     order = random.Random(0)
     for r in range(rounds + warm_rounds):
@@ -427,8 +427,7 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device is available")
     torch.set_num_threads(args.threads)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
+    cpu = machine_info(args.device)["cpu"]
     result = {"machine": {"cpu": cpu, "threads": args.threads, "torch": torch.__version__,
                           "device": str(device), "build": hookcap.build_info()}, "workloads": {}}
     print(f"# {cpu}, {args.threads} threads, torch {torch.__version__}, device {device}")
