@@ -27,6 +27,8 @@
 #include <utility>
 #include <vector>
 
+#include "hookcap/row_id.h"
+
 namespace hookcap {
 namespace {
 
@@ -35,6 +37,19 @@ using AccumulateFn = void(const at::Tensor&, at::Tensor&, const at::Tensor&, int
 
 struct RingRef {
   at::Tensor ring, state;
+};
+
+// Decoding a row id (hookcap/row_id.h).
+constexpr int64_t ring_of(int64_t rid) { return rid >> kRowBits; }
+constexpr int64_t row_of(int64_t rid) { return rid & ((int64_t{1} << kRowBits) - 1); }
+
+constexpr int64_t kNoRow = -1;  // "no row": that part of a call is not recorded
+
+// A hook's failure, reported to Python at the step's end.
+struct HookError {
+  int64_t rid;
+  bool timing;  // a timing mark's row failed (else a metric's row)
+  std::string message;
 };
 
 // One per Monitor: its rings (by the Monitor's ring index), histogram
@@ -46,23 +61,25 @@ struct GradSink {
   double hist_lo = 0, hist_hi = 0;
   at::Tensor python_writes;  // int64 [1]: rows Python has logged this step
   std::atomic<bool> active{true};
-  std::vector<int64_t> log_tokens, log_after;  // token, Python rows logged before it
-  std::vector<std::pair<int64_t, std::string>> errors;
-  std::unordered_set<int64_t> skipped;  // tokens whose gradient is no longer captured
+  std::vector<int64_t> log_rids, log_after;  // row id, Python rows logged before it
+  std::vector<HookError> errors;
+  std::unordered_set<int64_t> skipped;  // row ids whose gradient is no longer captured
   // Forward fast path (output_fast); touched only under the GIL.
   bool recording = false;         // the Monitor is attached and records this step
   bool force_python_grad = false;  // Python gradient hooks (env or compiled-autograd config)
   struct FastRows {
     bool valid = false;
     c10::Device device{c10::kCPU};
-    int64_t out = -1, grad = -1;  // tokens, -1: not recorded
+    int64_t out = kNoRow, grad = kNoRow;  // row ids
   };
   std::vector<std::vector<FastRows>> fast;  // [hook id][call index]
   std::vector<int64_t> calls;               // [hook id]: calls this step
 };
 
 std::mutex g_mu;
-std::vector<std::shared_ptr<GradSink>> g_sinks;  // index = id; nullptr once freed
+// Process-global table of the live sinks (index = id); a freed id is reused
+// by the next sink, so the table is as long as the most Monitors alive at once.
+std::vector<std::shared_ptr<GradSink>> g_sinks;
 
 std::shared_ptr<GradSink> sink_of(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mu);
@@ -80,8 +97,6 @@ void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Ten
 }
 
 using TimeMarkFn = void(at::Tensor&, const at::Tensor&, int64_t, int64_t, bool);
-// Marks an error of a timing hook in GradSink::errors (not a metric's token).
-constexpr int64_t kTimeErrorFlag = int64_t{1} << 62;
 
 // The time_mark op on `row` of `ref` (timing=True), through the dispatcher.
 void time_mark_into(RingRef& ref, int64_t row, int64_t phase, bool start) {
@@ -99,32 +114,33 @@ std::string message_of(const std::exception& e) {
 
 // Logs a row's write for the host's execution order, with the number of
 // rows Python logged itself (op-path writes) before it.
-void log_write(GradSink& s, int64_t token) {
+void log_write(GradSink& s, int64_t rid) {
   std::lock_guard<std::mutex> lock(s.mu);
-  s.log_tokens.push_back(token);
+  s.log_rids.push_back(rid);
   s.log_after.push_back(s.python_writes.data_ptr<int64_t>()[0]);
 }
 
-// token = ring index << 32 | row.
-void on_grad(GradSink& s, int64_t token, const at::Tensor& grad) {
+// The ring `rid` names, read now: the ring may have grown since a hook was
+// registered.
+RingRef ring_now(GradSink& s, int64_t rid) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.rings[ring_of(rid)];
+}
+
+void on_grad(GradSink& s, int64_t rid, const at::Tensor& grad) {
   if (!s.active.load(std::memory_order_relaxed) || !grad.defined()) return;
-  const int64_t ri = token >> 32, row = token & 0xffffffff;
-  RingRef ref;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    ref = s.rings[ri];  // the ring may have grown since the hook was registered
-  }
+  RingRef ref = ring_now(s, rid);
   try {
     TORCH_CHECK(grad.layout() == c10::kStrided && !grad.is_quantized() && !grad.is_nested(),
                 "gradient layout ", grad.layout(), " is not supported");
-    accumulate_into(s, ref, row, grad);
+    accumulate_into(s, ref, row_of(rid), grad);
   } catch (const std::exception& e) {  // telemetry must never take the run down
     std::lock_guard<std::mutex> lock(s.mu);
-    s.errors.emplace_back(token, message_of(e));
-    s.skipped.insert(token);
+    s.errors.push_back({rid, false, message_of(e)});
+    s.skipped.insert(rid);
     return;
   }
-  log_write(s, token);
+  log_write(s, rid);
 }
 
 bool unpack_tensor(PyObject* o, at::Tensor& out, const char* what) {
@@ -143,22 +159,22 @@ std::shared_ptr<GradSink> sink_arg(PyObject* o) {
   return s;
 }
 
-// The ring a token names, or nullopt (Python error set).
-std::optional<RingRef> token_ring(GradSink& s, int64_t token) {
+// The ring a row id names, or nullopt (Python error set).
+std::optional<RingRef> checked_ring(GradSink& s, int64_t rid) {
   std::lock_guard<std::mutex> lock(s.mu);
-  if (token < 0 || (token >> 32) >= static_cast<int64_t>(s.rings.size())) {
-    PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink", static_cast<long long>(token >> 32));
+  if (rid < 0 || ring_of(rid) >= static_cast<int64_t>(s.rings.size())) {
+    PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink", static_cast<long long>(ring_of(rid)));
     return std::nullopt;
   }
-  return s.rings[token >> 32];
+  return s.rings[ring_of(rid)];
 }
 
-// Arguments (tensor, sink id, token) of _accumulate_row and _capture_grad,
-// with the ring the token names. Empty (Python error set) if any is invalid.
+// Arguments (sink id, tensor, row id) of _accumulate_row and _capture_grad,
+// with the ring the row id names. Empty (Python error set) if any is invalid.
 struct RowArgs {
-  at::Tensor t;
   std::shared_ptr<GradSink> sink;
-  int64_t token = 0;
+  at::Tensor t;
+  int64_t rid = 0;
   RingRef ref;
 };
 
@@ -168,12 +184,12 @@ std::optional<RowArgs> row_args(PyObject* const* args, Py_ssize_t nargs, const c
     return std::nullopt;
   }
   RowArgs a;
-  if (!unpack_tensor(args[0], a.t, "the tensor")) return std::nullopt;
-  a.sink = sink_arg(args[1]);
+  a.sink = sink_arg(args[0]);
   if (!a.sink) return std::nullopt;
-  a.token = PyLong_AsLongLong(args[2]);
+  if (!unpack_tensor(args[1], a.t, "the tensor")) return std::nullopt;
+  a.rid = PyLong_AsLongLong(args[2]);
   if (PyErr_Occurred()) return std::nullopt;
-  auto ref = token_ring(*a.sink, a.token);
+  auto ref = checked_ring(*a.sink, a.rid);
   if (!ref) return std::nullopt;
   a.ref = std::move(*ref);
   return a;
@@ -194,6 +210,11 @@ PyObject* grad_sink_new(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return PyErr_Format(PyExc_ValueError, "python_writes must be a CPU int64 tensor");
   }
   std::lock_guard<std::mutex> lock(g_mu);
+  auto free_slot = std::find(g_sinks.begin(), g_sinks.end(), nullptr);
+  if (free_slot != g_sinks.end()) {
+    *free_slot = std::move(s);
+    return PyLong_FromSsize_t(static_cast<Py_ssize_t>(free_slot - g_sinks.begin()));
+  }
   g_sinks.push_back(std::move(s));
   return PyLong_FromSsize_t(static_cast<Py_ssize_t>(g_sinks.size()) - 1);
 }
@@ -224,20 +245,20 @@ PyObject* grad_sink_active(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// _grad_sink_take(id) -> (tokens, after, [(token, message)]), cleared
+// _grad_sink_take(id) -> (row ids, after, [(row id, timing, message)]), cleared
 PyObject* grad_sink_take(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 1) return PyErr_Format(PyExc_TypeError, "_grad_sink_take takes 1 argument");
   auto s = sink_of(PyLong_AsLongLong(args[0]));
   if (PyErr_Occurred()) return nullptr;
-  std::vector<int64_t> tokens, after;
-  std::vector<std::pair<int64_t, std::string>> errors;
+  std::vector<int64_t> rids, after;
+  std::vector<HookError> errors;
   if (s) {
     std::lock_guard<std::mutex> lock(s->mu);
-    tokens.swap(s->log_tokens);
+    rids.swap(s->log_rids);
     after.swap(s->log_after);
     errors.swap(s->errors);
   }
-  PyObject* t = PyList_New(static_cast<Py_ssize_t>(tokens.size()));
+  PyObject* t = PyList_New(static_cast<Py_ssize_t>(rids.size()));
   PyObject* a = PyList_New(static_cast<Py_ssize_t>(after.size()));
   PyObject* e = PyList_New(static_cast<Py_ssize_t>(errors.size()));
   if (!t || !a || !e) {
@@ -246,13 +267,13 @@ PyObject* grad_sink_take(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_XDECREF(e);
     return nullptr;
   }
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    PyList_SET_ITEM(t, i, PyLong_FromLongLong(tokens[i]));
+  for (size_t i = 0; i < rids.size(); ++i) {
+    PyList_SET_ITEM(t, i, PyLong_FromLongLong(rids[i]));
     PyList_SET_ITEM(a, i, PyLong_FromLongLong(after[i]));
   }
   for (size_t i = 0; i < errors.size(); ++i) {
-    PyList_SET_ITEM(e, i, Py_BuildValue("(Ls)", static_cast<long long>(errors[i].first),
-                                        errors[i].second.c_str()));
+    PyList_SET_ITEM(e, i, Py_BuildValue("(LNs)", static_cast<long long>(errors[i].rid),
+                                        PyBool_FromLong(errors[i].timing), errors[i].message.c_str()));
   }
   return Py_BuildValue("(NNN)", t, a, e);
 }
@@ -270,43 +291,43 @@ PyObject* grad_sink_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// _accumulate_row(x, id, token): the accumulate op into the row named by
-// token, for the forward hooks: one C call with three arguments instead of
+// _accumulate_row(id, x, rid): the accumulate op into the row named by
+// rid, for the forward hooks: one C call with three arguments instead of
 // the Python op wrapper with eight. Errors raise RuntimeError.
 PyObject* accumulate_row(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto a = row_args(args, nargs, "_accumulate_row");
   if (!a) return nullptr;
   try {
-    accumulate_into(*a->sink, a->ref, a->token & 0xffffffff, a->t);
+    accumulate_into(*a->sink, a->ref, row_of(a->rid), a->t);
   } catch (const std::exception& e) {
     return PyErr_Format(PyExc_RuntimeError, "%s", message_of(e).c_str());
   }
-  log_write(*a->sink, a->token);
+  log_write(*a->sink, a->rid);
   Py_RETURN_NONE;
 }
 
-// t's gradient will be merged into the row named by token. The hook owns the
+// t's gradient will be merged into the row named by rid. The hook owns the
 // sink (not the tensor): freeing the Monitor's handle leaves pending hooks
-// harmless. A failure marks the token skipped and rethrows.
+// harmless. A failure marks the row skipped and rethrows.
 void register_grad_hook(const std::shared_ptr<GradSink>& sink, const at::Tensor& t,
-                        int64_t token) {
+                        int64_t rid) {
   try {
-    t.register_hook([s = sink, token](const at::Tensor& grad) { on_grad(*s, token, grad); });
+    t.register_hook([s = sink, rid](const at::Tensor& grad) { on_grad(*s, rid, grad); });
   } catch (...) {
     std::lock_guard<std::mutex> lock(sink->mu);
-    sink->skipped.insert(token);
+    sink->skipped.insert(rid);
     throw;
   }
 }
 
-// _capture_grad(t, id, token) -> bool: t's gradient will be merged into the
-// row named by token (ring index << 32 | row). False if t gets no gradient.
+// _capture_grad(id, t, rid) -> bool: t's gradient will be merged into the
+// row named by rid. False if t gets no gradient.
 PyObject* capture_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto a = row_args(args, nargs, "_capture_grad");
   if (!a) return nullptr;
   if (!a->t.requires_grad()) Py_RETURN_FALSE;
   try {
-    register_grad_hook(a->sink, a->t, a->token);
+    register_grad_hook(a->sink, a->t, a->rid);
   } catch (const std::exception& e) {
     return PyErr_Format(PyExc_RuntimeError, "hookcap: %s", message_of(e).c_str());
   }
@@ -359,20 +380,16 @@ PyObject* output_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     f.valid = false;  // relearned by the general path for the new device
     return PyLong_FromLongLong(ci);
   }
-  bool grad = f.grad >= 0 && t.requires_grad();
+  bool grad = f.grad != kNoRow && t.requires_grad();
   if (grad) {
     std::lock_guard<std::mutex> lock(s->mu);
     grad = s->skipped.count(f.grad) == 0;
   }
   if (grad && (s->force_python_grad || compiled_autograd_on())) return PyLong_FromLongLong(ci);
   try {
-    if (f.out >= 0) {
-      RingRef ref;
-      {
-        std::lock_guard<std::mutex> lock(s->mu);
-        ref = s->rings[f.out >> 32];
-      }
-      accumulate_into(*s, ref, f.out & 0xffffffff, t);
+    if (f.out != kNoRow) {
+      RingRef ref = ring_now(*s, f.out);
+      accumulate_into(*s, ref, row_of(f.out), t);
       log_write(*s, f.out);
     }
   } catch (const std::exception&) {
@@ -384,14 +401,14 @@ PyObject* output_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       register_grad_hook(s, t, f.grad);
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(s->mu);
-      s->errors.emplace_back(f.grad, message_of(e));  // warned at the step's end
+      s->errors.push_back({f.grad, false, message_of(e)});  // warned at the step's end
     }
   }
   return PyLong_FromLong(kDone);
 }
 
-// _fast_learn(id, hook, call, output, out_token, grad_token): cache the rows
-// of a module call (tokens -1: not recorded) for output_fast.
+// _fast_learn(id, hook, call, output, out_rid, grad_rid): cache the rows
+// of a module call (kNoRow: not recorded) for output_fast.
 PyObject* fast_learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 6) return PyErr_Format(PyExc_TypeError, "_fast_learn takes 6 arguments");
   auto s = sink_arg(args[0]);
@@ -404,10 +421,10 @@ PyObject* fast_learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return PyErr_Format(PyExc_ValueError, "bad hook id or call index");
   }
   std::lock_guard<std::mutex> lock(s->mu);
-  for (int64_t token : {out, grad}) {
-    if (token >= 0 && (token >> 32) >= static_cast<int64_t>(s->rings.size())) {
+  for (int64_t rid : {out, grad}) {
+    if (rid != kNoRow && (rid < 0 || ring_of(rid) >= static_cast<int64_t>(s->rings.size()))) {
       return PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink",
-                          static_cast<long long>(token >> 32));
+                          static_cast<long long>(ring_of(rid)));
     }
   }
   if (static_cast<int64_t>(s->fast.size()) <= hook) s->fast.resize(hook + 1);
@@ -417,54 +434,49 @@ PyObject* fast_learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// _time_mark(id, token, phase, start): the time_mark op on the timing row
-// named by token, from the forward timing hooks: one C call instead of the
+// _time_mark(id, rid, phase, start): the time_mark op on the timing row
+// named by rid, from the forward timing hooks: one C call instead of the
 // Python op wrapper. Errors raise RuntimeError.
 PyObject* time_mark_row(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4) return PyErr_Format(PyExc_TypeError, "_time_mark takes 4 arguments");
   auto s = sink_arg(args[0]);
   if (!s) return nullptr;
-  const int64_t token = PyLong_AsLongLong(args[1]), phase = PyLong_AsLongLong(args[2]);
+  const int64_t rid = PyLong_AsLongLong(args[1]), phase = PyLong_AsLongLong(args[2]);
   const bool start = PyObject_IsTrue(args[3]) == 1;
   if (PyErr_Occurred()) return nullptr;
-  auto ref = token_ring(*s, token);
+  auto ref = checked_ring(*s, rid);
   if (!ref) return nullptr;
   try {
-    time_mark_into(*ref, token & 0xffffffff, phase, start);
+    time_mark_into(*ref, row_of(rid), phase, start);
   } catch (const std::exception& e) {
     return PyErr_Format(PyExc_RuntimeError, "%s", message_of(e).c_str());
   }
   Py_RETURN_NONE;
 }
 
-// _time_grad_hook(t, id, token, start) -> bool: when t's gradient arrives, a
-// backward time mark (start or end) on the timing row named by token, from a
+// _time_grad_hook(id, t, rid, start) -> bool: when t's gradient arrives, a
+// backward time mark (start or end) on the timing row named by rid, from a
 // C++ tensor hook (no Python in the backward pass). False if t gets no
-// gradient. A failing mark is reported through the sink's errors with
-// kTimeErrorFlag set in the token.
+// gradient. A failing mark is reported through the sink's errors.
 PyObject* time_grad_hook(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4) return PyErr_Format(PyExc_TypeError, "_time_grad_hook takes 4 arguments");
-  at::Tensor t;
-  if (!unpack_tensor(args[0], t, "the tensor")) return nullptr;
-  auto s = sink_arg(args[1]);
+  auto s = sink_arg(args[0]);
   if (!s) return nullptr;
-  const int64_t token = PyLong_AsLongLong(args[2]);
+  at::Tensor t;
+  if (!unpack_tensor(args[1], t, "the tensor")) return nullptr;
+  const int64_t rid = PyLong_AsLongLong(args[2]);
   const bool start = PyObject_IsTrue(args[3]) == 1;
-  if (PyErr_Occurred() || !token_ring(*s, token)) return nullptr;
+  if (PyErr_Occurred() || !checked_ring(*s, rid)) return nullptr;
   if (!t.requires_grad()) Py_RETURN_FALSE;
   try {
-    t.register_hook([s, token, start](const at::Tensor&) {
+    t.register_hook([s, rid, start](const at::Tensor&) {
       if (!s->active.load(std::memory_order_relaxed)) return;
-      RingRef ref;
-      {
-        std::lock_guard<std::mutex> lock(s->mu);
-        ref = s->rings[token >> 32];  // the ring may have grown since
-      }
+      RingRef ref = ring_now(*s, rid);
       try {
-        time_mark_into(ref, token & 0xffffffff, 1, start);
+        time_mark_into(ref, row_of(rid), 1, start);
       } catch (const std::exception& e) {  // telemetry must never take the run down
         std::lock_guard<std::mutex> lock(s->mu);
-        s->errors.emplace_back(token | kTimeErrorFlag, message_of(e));
+        s->errors.push_back({rid, true, message_of(e)});
       }
     });
   } catch (const std::exception& e) {

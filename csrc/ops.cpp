@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "hookcap/op_checks.h"
+#include "hookcap/row_id.h"
 #include "hookcap/state.h"
 #include "hookcap/stats_math.h"
 
@@ -21,14 +22,19 @@ extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
                                           hookcap::grad_hook_methods()};
-  return PyModule_Create(&module_def);
+  PyObject* m = PyModule_Create(&module_def);
+  if (m && PyModule_AddIntConstant(m, "ROW_BITS", hookcap::kRowBits) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }
 }
 
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 2;
+constexpr int64_t kAbiVersion = 3;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.

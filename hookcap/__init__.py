@@ -15,8 +15,7 @@ from .histogram import Histogram  # noqa: E402
 from . import sinks  # noqa: E402
 from .anomaly import Anomaly, AnomalyError, Dead, NonFinite, Spike, Underflow  # noqa: E402
 from .drained import DrainedStep  # noqa: E402
-from .history import History  # noqa: E402
-from .io import load  # noqa: E402
+from .history import History, load  # noqa: E402
 from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
 from .summary import ModelSummary, summary  # noqa: E402
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _raw = list(torch.ops.hookcap.layout())
 if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer entries

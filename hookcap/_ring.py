@@ -21,6 +21,10 @@ from .functional import new_state
 
 log = logging.getLogger("hookcap")
 
+# DeviceRing.metric_of_row entries that are not a metric index:
+UNNAMED = -1  # a metric's row named at its first write (a gradient written in C++)
+TIMING = -2  # a timing row (Monitor(timing=True)); timer_of_row says whose
+
 
 def next_host_state(step: int, slot: int, every: int, slots: int) -> tuple[int, bool, int]:
     """Host mirror of the device's next_state (csrc/hookcap/state.h)."""
@@ -41,23 +45,29 @@ class _Pending:
 
 
 class DeviceRing:
-    def __init__(self, device: torch.device, slots: int, width: int, rows: int = 64):
+    """``index``: the ring's position in its Monitor's ring list (the high
+    part of its rows' ids, hookcap/_fastpath.py)."""
+
+    def __init__(self, device: torch.device, slots: int, width: int, index: int = 0, rows: int = 64):
         self.device = device
+        self.index = index
         self.slots = slots
         self.width = width
         self.is_cuda = device.type == "cuda"
         self.ring = torch.empty((slots, rows, width), dtype=torch.int64, device=device)
         self.state = new_state(device)
         self.nrows = 0
-        self.metric_of_row: list[int] = []  # global metric index per row
+        self.metric_of_row: list[int] = []  # metric index per row, or UNNAMED / TIMING
+        self.timer_of_row: dict[int, int] = {}  # timing row -> timing index of its module
         self.pending: deque[_Pending] = deque()
         self._side = torch.cuda.Stream(device) if self.is_cuda else None
         self._pinned: dict[int, torch.Tensor] = {}
         _ops.reset_slot(self.ring, self.state)
 
     # -- rows -----------------------------------------------------------------
-    def add_row(self, metric: int) -> int:
-        """A new row for a metric (grows the ring outside the steady state)."""
+    def add_row(self, metric: int, timer: int | None = None) -> int:
+        """A new row for a metric index (or UNNAMED), or for the timing index
+        ``timer`` (grows the ring outside the steady state)."""
         rows = self.ring.shape[1]
         if self.nrows == rows:
             grown = torch.empty((self.slots, rows * 2, self.width), dtype=torch.int64,
@@ -66,9 +76,13 @@ class DeviceRing:
             self.ring = grown
             self._pinned.clear()
             _ops.reset_rows(self.ring, self.state, rows, rows * 2)
+        row = self.nrows
+        if timer is not None:
+            self.timer_of_row[row] = timer
+            metric = TIMING
         self.metric_of_row.append(metric)
         self.nrows += 1
-        return self.nrows - 1
+        return row
 
     # -- drain ------------------------------------------------------------------
     def finish(self, step: int, slot: int) -> bool:

@@ -1,38 +1,48 @@
-"""Find the floating-point tensors inside a module's inputs or outputs."""
+"""The one walker over nested module inputs and outputs: which tensors a
+value holds, and the path that names each in a metric."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
 _MAX_DEPTH = 8
 
 
-def floating_tensors(obj, path: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(path, tensor)`` for every floating-point tensor in ``obj``.
+def tensor_leaves(obj, floating_only: bool = True, traced: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """``[(path, tensor)]`` for the tensors inside ``obj``, in order.
 
     Paths join keys / indices with dots (``"0"``, ``"1.attn"``, ``"logits"``);
-    a bare tensor has path ``""``. Tuples, lists, dicts (incl. HF ``ModelOutput``)
-    and dataclasses are walked; None, non-tensors and non-floating tensors are
-    skipped; generators are never consumed.
+    a bare tensor has path ``""``. Tuples, lists, mappings (incl. HF
+    ``ModelOutput``) and dataclasses are walked, at most 8 levels deep; None
+    and other values are skipped; generators are never consumed.
+
+    ``floating_only``: only floating-point tensors (and quantized ones, which
+    hold real values: the Monitor says once that it does not record them).
+    ``traced``: the form dynamo traces (plain dicts, tuples and lists only),
+    for hooks running inside ``torch.compile``.
     """
+    out: list = []
+    _walk(obj, "", 0, floating_only, traced, out)
+    return out
+
+
+def _walk(obj, path: str, depth: int, floating_only: bool, traced: bool, out: list) -> None:
     if isinstance(obj, torch.Tensor):
-        # Quantized tensors hold real values too: yield them so the Monitor
-        # can say (once) that it does not record them.
-        if obj.is_floating_point() or obj.is_quantized:
-            yield path, obj
+        if not floating_only or obj.is_floating_point() or (not traced and obj.is_quantized):
+            out.append((path, obj))
         return
     if depth >= _MAX_DEPTH or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
         return
-    join = (lambda k: f"{path}.{k}") if path else str
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            yield from floating_tensors(v, join(k), depth + 1)
+    if isinstance(obj, dict) or (not traced and isinstance(obj, Mapping)):
+        items = obj.items()
     elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            yield from floating_tensors(v, join(i), depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from floating_tensors(getattr(obj, f.name, None), join(f.name), depth + 1)
+        items = enumerate(obj)
+    elif not traced and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
+    else:
+        return
+    for k, v in items:
+        _walk(v, f"{path}.{k}" if path else str(k), depth + 1, floating_only, traced, out)

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from . import _layout
-from .history import History, StepRecord, make_record
+from ._record import StepRecord, make_record
+from .history import History
 
 _I64_MAX = np.iinfo(np.int64).max
 _SUM_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS, _layout.CALLS]

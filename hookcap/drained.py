@@ -6,7 +6,7 @@ import numpy as np
 
 from . import _layout
 from .histogram import Histogram
-from .history import StepRecord
+from ._record import StepRecord
 
 
 class DrainedStep:

@@ -1,59 +1,15 @@
-"""Host-side history of recorded steps."""
+"""The read view of recorded steps: :class:`History`, and :func:`load` to
+read one back from a file."""
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import os
 
 import numpy as np
 
-from . import _layout
+from . import _layout, io
+from .anomaly import Anomaly
 from .histogram import Histogram
-
-
-@dataclass
-class StepRecord:
-    """One recorded step: header columns of every metric written in it, and
-    its histogram counts trimmed to the band of bins that are non-zero."""
-
-    step: int
-    metrics: np.ndarray  # int64 [k] global metric indices
-    header: np.ndarray  # int64 [k, HEADER]
-    hist_lo: int  # first stored bin
-    hist: np.ndarray  # int64 [k, nb]
-    order: np.ndarray  # int64 [k'] metric indices in first-execution order this step
-    calls: np.ndarray  # int64 [c] metric index of every call, in execution order
-    calls_nonfinite: np.ndarray  # bool [c] whether that call saw NaN/Inf
-    # float64 [k, 2] (forward, backward) ns of the module owning each metric
-    # (Monitor(timing=True)); NaN where not measured. None: recorded without timing.
-    time_ns: np.ndarray | None = None
-
-
-def make_record(step: int, metrics: np.ndarray, rows: np.ndarray, order, calls=None,
-                calls_nonfinite=None) -> StepRecord:
-    """Build a record from raw ring rows [k, width] (rows never written this
-    step, calls == 0, are left out)."""
-    written = rows[:, _layout.CALLS] > 0
-    metrics, rows = metrics[written], rows[written]
-    hist = rows[:, _layout.HEADER:]
-    nz = np.flatnonzero(hist.any(axis=0)) if hist.size else np.empty(0, dtype=np.int64)
-    lo, hi = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
-    order = np.asarray(order, dtype=np.int64)
-    calls = order if calls is None else np.asarray(calls, dtype=np.int64)
-    if calls_nonfinite is None:
-        calls_nonfinite = np.zeros(len(calls), dtype=bool)
-    return StepRecord(step, metrics, rows[:, : _layout.HEADER].copy(), lo, hist[:, lo:hi].copy(),
-                      order, calls, np.asarray(calls_nonfinite, dtype=bool))
-
-
-class HostStore:
-    """Bounded store of the newest ``capacity`` recorded steps."""
-
-    def __init__(self, capacity: int):
-        self.records: deque[StepRecord] = deque(maxlen=capacity)
-
-    def add(self, rec: StepRecord) -> None:
-        self.records.append(rec)
 
 
 class History:
@@ -70,7 +26,7 @@ class History:
         self.names: list[str] = list(names)
         self._metas = dict(metas)
         self._histogram = histogram
-        self.anomalies: list = []  # hookcap.Anomaly list (from Monitor.history / load)
+        self.anomalies: list[Anomaly] = []  # set by Monitor.history and load
         self.extra: dict = {}
         self._index = {n: i for i, n in enumerate(self.names)}
         self.steps = np.array([r.step for r in self._records], dtype=np.int64)
@@ -164,10 +120,10 @@ class History:
         return pd.DataFrame(data)
 
     def save(self, path, extra: dict | None = None) -> str:
-        """Write this history to one ``.npz`` file; read it back with ``hookcap.load``."""
-        from .io import save
-
-        return save(self, path, extra)
+        """Write this history to one ``.npz`` file (``.npz`` is appended if
+        missing); ``extra`` (JSON-serialisable) is stored in its header. Read it
+        back with ``hookcap.load``. Returns the path written."""
+        return io.write(self._records, self.names, self._metas, self._histogram, path, extra)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, History):
@@ -190,3 +146,13 @@ class History:
 
     def __repr__(self) -> str:
         return f"History(steps={len(self)}, metrics={len(self.names)})"
+
+
+def load(path: str | os.PathLike) -> History:
+    """Read a History written by :meth:`History.save` (or ``Monitor.dump``),
+    with its ``extra`` header and the ``anomalies`` stored there."""
+    records, names, metas, histogram, extra = io.read(path)
+    h = History(records, names, metas, histogram)
+    h.extra = extra
+    h.anomalies = [Anomaly.from_dict(d) for d in extra.get("anomalies", [])]
+    return h

@@ -1,5 +1,7 @@
-"""Saving and loading a History: one self-describing, versioned ``.npz`` file
-(arrays + a JSON header)."""
+"""The history file codec: step records, metric names and metadata, the
+histogram spec and a JSON ``extra`` header in one self-describing, versioned
+``.npz`` file (arrays + a JSON header). Building a History from them is
+``hookcap.history``'s job."""
 
 from __future__ import annotations
 
@@ -9,28 +11,31 @@ import os
 import numpy as np
 
 from . import _layout
+from ._record import StepRecord
 from .histogram import Histogram
-from .history import History, StepRecord
 
 FORMAT = "hookcap-history"
 VERSION = 1
 
 
-def save(history: History, path: str | os.PathLike, extra: dict | None = None) -> str:
-    """Write ``history`` to ``path`` (``.npz`` is appended if missing). ``extra``
+def write(records: list[StepRecord], names: list[str], metas: dict, histogram: Histogram | None,
+          path: str | os.PathLike, extra: dict | None = None) -> str:
+    """Write ``records`` (StepRecords whose metric indices refer to ``names``)
+    to ``path`` (``.npz`` is appended if missing). ``metas``: name ->
+    ``{"module_type", "kind", "shape", "dtype"}``; ``extra``
     (JSON-serialisable) is stored in the header. Returns the path written."""
     path = os.fspath(path)
     if not path.endswith(".npz"):
         path += ".npz"
-    recs = history._records
-    h = history.histogram_spec
+    recs = list(records)
     header = {
         "format": FORMAT,
         "version": VERSION,
         "layout_header": _layout.HEADER,
-        "names": history.names,
-        "metas": {n: history.meta(n) for n in history.names},
-        "histogram": None if h is None else {"kind": h.kind, "lo": h.lo, "hi": h.hi, "bins": h.bins},
+        "names": list(names),
+        "metas": {n: {**metas[n], "shape": list(metas[n]["shape"])} for n in names},
+        "histogram": None if histogram is None else {
+            "kind": histogram.kind, "lo": histogram.lo, "hi": histogram.hi, "bins": histogram.bins},
         "extra": extra or {},
     }
     arrays = {
@@ -50,8 +55,6 @@ def save(history: History, path: str | os.PathLike, extra: dict | None = None) -
     if any(r.time_ns is not None for r in recs):  # Monitor(timing=True)
         arrays["time_ns"] = np.concatenate(
             [r.time_ns if r.time_ns is not None else np.full((len(r.metrics), 2), np.nan) for r in recs])
-    for k, v in header["metas"].items():
-        v["shape"] = list(v["shape"])
     tmp = path + ".tmp.npz"
     np.savez_compressed(tmp, meta_json=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
     os.replace(tmp, path)
@@ -62,8 +65,9 @@ def _cat(parts, empty_shape):
     return np.concatenate(parts) if parts else np.empty(empty_shape, dtype=np.int64)
 
 
-def load(path: str | os.PathLike) -> History:
-    """Read a History written by :func:`save` (or ``Monitor.dump``)."""
+def read(path: str | os.PathLike) -> tuple[list[StepRecord], list[str], dict, Histogram | None, dict]:
+    """Read a file written by :func:`write`: ``(records, names, metas,
+    histogram, extra)``."""
     with np.load(os.fspath(path)) as z:
         if "meta_json" not in z.files:
             raise ValueError(f"{path}: not a hookcap history file")
@@ -91,9 +95,4 @@ def load(path: str | os.PathLike) -> History:
         hist = Histogram.log2(int(spec["lo"]), int(spec["hi"])) if spec["kind"] == "log2" else \
             Histogram.linear(spec["lo"], spec["hi"], spec["bins"])
     metas = {n: {**m, "shape": tuple(m["shape"])} for n, m in header["metas"].items()}
-    h = History(recs, header["names"], metas, hist)
-    h.extra = header.get("extra", {})
-    from .anomaly import Anomaly
-
-    h.anomalies = [Anomaly.from_dict(d) for d in h.extra.get("anomalies", [])]
-    return h
+    return recs, header["names"], metas, hist, header.get("extra", {})

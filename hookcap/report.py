@@ -27,6 +27,7 @@ import numpy as np
 
 from ._layout import STAT_NAMES
 from .histogram import Histogram
+from .history import History, load
 
 
 @dataclass
@@ -55,7 +56,7 @@ class RunData:
         return self._hist.histogram(name)
 
 
-def from_history(h, source: str = "<History>") -> RunData:
+def from_history(h: History, source: str = "<History>") -> RunData:
     orders = {int(r.step): [h.names[i] for i in r.order] for r in h._records}  # h.order(s), in one pass
     return RunData(source, h.steps.copy(), list(h.names), {s: h[s] for s in STAT_NAMES},
                    orders, h.histogram_spec, list(h.anomalies), h)
@@ -108,14 +109,10 @@ def read_jsonl(path) -> RunData:
 
 def load_run(source) -> RunData:
     """A History, a dump path (``.npz``) or a JSONL path -> RunData."""
-    from .history import History
-
     if isinstance(source, History):
         return from_history(source)
     path = os.fspath(source)
     if path.endswith(".npz"):
-        from .io import load
-
         return from_history(load(path), path)
     return read_jsonl(path)
 

@@ -3,38 +3,15 @@ of every module's output from one forward (and optional backward) pass."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from ._layout import STAT_NAMES
-from ._tree import floating_tensors
+from ._tree import tensor_leaves
 from .histogram import Histogram
 from .monitor import ROOT_NAME, Monitor
-
-
-def _tensors(obj, path: str = "", depth: int = 0):
-    """Every tensor (floating or not) in ``obj`` with the path naming used by
-    the Monitor (``hookcap._tree``), for the shape/dtype columns."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-        return
-    if depth >= 8 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
-        return
-    join = (lambda k: f"{path}.{k}") if path else str
-    if isinstance(obj, Mapping):
-        items = obj.items()
-    elif isinstance(obj, (tuple, list)):
-        items = enumerate(obj)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = ((f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj))
-    else:
-        return
-    for k, v in items:
-        yield from _tensors(v, join(k), depth + 1)
 
 
 def _fmt(v) -> str:
@@ -161,7 +138,7 @@ def summary(model: nn.Module, *example_inputs, backward: bool = False, loss_fn=N
         n = names[mod]
         if n not in outputs:  # shapes as first seen, like the Monitor's metas
             outputs[n] = [(p, tuple(t.shape), str(t.dtype).replace("torch.", ""), t.is_floating_point())
-                          for p, t in _tensors(out)]
+                          for p, t in tensor_leaves(out, floating_only=False)]
 
     devices = sorted({t.device.index or 0 for t in [*params, *_flat(example_inputs, forward_kwargs)]
                       if t.device.type == "cuda"})
@@ -213,11 +190,11 @@ def summary(model: nn.Module, *example_inputs, backward: bool = False, loss_fn=N
 
 
 def _flat(args, kwargs):
-    return [t for _, t in _tensors((list(args), dict(kwargs)))]
+    return [t for _, t in tensor_leaves((list(args), dict(kwargs)), floating_only=False)]
 
 
 def _sum_outputs(out) -> torch.Tensor:
-    ts = [t for _, t in floating_tensors(out) if t.requires_grad]
+    ts = [t for _, t in tensor_leaves(out) if t.requires_grad]
     if not ts:
         raise ValueError("summary(backward=True): no floating output of the model requires grad; "
                          "pass loss_fn= or inputs/parameters that require grad")

@@ -61,3 +61,15 @@ def abs_sum(x: torch.Tensor) -> float:
     return float(a[torch.isfinite(a)].abs().sum())
 
 
+def stall_reader(mon):
+    """Inject a stuck host reader into ``mon``'s drain: polls that do not
+    wait find nothing (copies stay queued, and the ring overwrites unread
+    slots). Returns the function that unsticks it."""
+    drain = mon._drain
+    real = drain.collect
+    drain.collect = lambda rings, wait: real(rings, wait) if wait else []
+
+    def undo():
+        del drain.collect
+
+    return undo

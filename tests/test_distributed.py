@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import hookcap
+from conftest import stall_reader
 from hookcap import Monitor
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
@@ -215,7 +216,7 @@ def _merged_worker(rank, world, store, out):
     mon_a.attach()
     mon_b.attach()
     if rank == 1:
-        mon_b._reader_stalled = True
+        stall_reader(mon_b)
     for x in batches(3):
         with torch.no_grad():
             model(x[rank * 4:(rank + 1) * 4])
@@ -369,7 +370,7 @@ def test_rank_sinks_single_process_unchanged(tmp_path):
                 model(x)
                 mon.step()
         assert sink.rank is None and sink.path == str(tmp_path / f"{mode}.jsonl")
-        assert [d.rank for d in got] == [None, None] and mon._merge_group is None
+        assert [d.rank for d in got] == [None, None] and not mon._ranks.merging
         with open(sink.path) as f:
             lines = [json.loads(line) for line in f]
         h = mon.history()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import hookcap
 from hookcap import Monitor
-from hookcap._tree import floating_tensors
+from hookcap._tree import tensor_leaves
 
 LAYERS = ["linear", "tanh", "relu", "relu_inplace", "dropout", "layernorm", "gelu", "conv"]
 
@@ -60,7 +60,7 @@ def run(model, xs, monitored, inject_at=None, inj=None, timing=False):
     if monitored:
         for i, m in enumerate(model):
             def keep(mod, args, out, i=i):
-                for _, t in floating_tensors(out):
+                for _, t in tensor_leaves(out):
                     ref_values.setdefault((cur[0], f"{i}/output"), []).append(
                         t.detach().double().reshape(-1).numpy().copy())
             ref_handles.append(m.register_forward_hook(keep))

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import hookcap
-import hookcap.monitor as monitor_mod
+import hookcap._compile as compile_mod
 from hookcap import Monitor
 
 
@@ -29,22 +29,22 @@ class Deep(nn.Module):
 
 
 def run(python_hooks, monkeypatch, steps=3, micro=2):
-    monkeypatch.setattr(monitor_mod, "_PYTHON_GRAD_HOOKS", python_hooks)
+    monkeypatch.setattr(compile_mod, "PYTHON_GRAD_HOOKS", python_hooks)
     torch.manual_seed(0)
     model = Deep()
     g = torch.Generator().manual_seed(1)
     xs = [[torch.randn(4, 8, generator=g) for _ in range(micro)] for _ in range(steps)]
-    mon = Monitor(model, capture=("output", "grad_output", "param_grad")).attach()
+    calls = []  # per step: the metric of every call, in execution order
+    mon = Monitor(model, capture=("output", "grad_output", "param_grad"),
+                  sinks=[hookcap.sinks.Callback(lambda d: calls.append(list(d.calls)))]).attach()
     for batch in xs:
         for x in batch:  # microbatches: forward, backward, forward, backward
             model(x).pow(2).sum().backward()
         model.zero_grad()
         mon.step()
     mon.detach()
-    recs = list(mon._store.records)
-    orders = [[mon._names[m] for m in r.order] for r in recs]
-    calls = [[mon._names[m] for m in r.calls] for r in recs]
-    return mon.history(), orders, calls
+    h = mon.history()
+    return h, [h.order(s) for s in h.steps.tolist()], calls
 
 
 def test_cpp_and_python_gradient_paths_agree(monkeypatch):
@@ -166,7 +166,7 @@ def test_backward_after_step_into_off_step_records_nothing(python_hooks, monkeyp
     # every=2: the forward of step 0 is recorded, its backward runs after
     # step() (step 1 records nothing), then step 2 runs normally. Both
     # gradient paths must leave step 0 without gradients and step 2 intact.
-    monkeypatch.setattr(monitor_mod, "_PYTHON_GRAD_HOOKS", python_hooks)
+    monkeypatch.setattr(compile_mod, "PYTHON_GRAD_HOOKS", python_hooks)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     mon = Monitor(model, every=2).attach()
@@ -181,8 +181,7 @@ def test_backward_after_step_into_off_step_records_nothing(python_hooks, monkeyp
     assert h.steps.tolist() == [0, 2]
     g = h.column("0/grad_output")
     assert np.isnan(h["count"][0, g]) and h["count"][1, g] == 12
-    rec = list(mon._store.records)[1]
-    assert [mon._names[m] for m in rec.order] == ["0/output", "1/output", "1/grad_output", "0/grad_output"]
+    assert h.order(2) == ["0/output", "1/output", "1/grad_output", "0/grad_output"]
 
 
 def test_cached_output_rows_follow_grad_mode_changes():
@@ -227,11 +226,12 @@ def test_failing_gradient_kernel_warns_and_never_breaks_backward(caplog):
     ref(x).sum().backward()
     mon = Monitor(model).attach()
     y = model(x)
-    ring = mon._ring_list[0]
+    rec = mon._recorder
+    ring = rec.ring_list[0]
     bad = torch.zeros(ring.ring.shape[0], ring.ring.shape[1], 3, dtype=torch.int64)
-    _C._grad_sink_ring(mon._grad_sink, ring.index, bad, ring.state)
+    rec.fast.set_ring(ring.index, bad, ring.state)
     y.sum().backward()
-    _C._grad_sink_ring(mon._grad_sink, ring.index, ring.ring, ring.state)
+    rec.fast.set_ring(ring.index, ring.ring, ring.state)
     with caplog.at_level("WARNING", logger="hookcap"):
         mon.step()
         model(x).sum().backward()
@@ -254,8 +254,8 @@ def test_steady_state_forward_takes_the_c_path_with_reference_values(monkeypatch
     model(torch.randn(4, 8, generator=g)).sum().backward()
     mon.step()
     writes = []
-    real_write = mon._write
-    monkeypatch.setattr(mon, "_write", lambda *a, **k: (writes.append(a[:2]), real_write(*a, **k)))
+    real_write = mon._recorder.write
+    monkeypatch.setattr(mon._recorder, "write", lambda *a, **k: (writes.append(a[:2]), real_write(*a, **k)))
     x = torch.randn(4, 8, generator=g)
     model(x).sum().backward()
     mon.step()
@@ -286,12 +286,13 @@ def test_failing_forward_kernel_in_the_c_path_warns_and_skips_the_row(caplog):
     mon = Monitor(model).attach()
     model(x).sum().backward()
     mon.step()
-    ring = mon._ring_list[0]
+    rec = mon._recorder
+    ring = rec.ring_list[0]
     bad = torch.zeros(ring.ring.shape[0], ring.ring.shape[1], 3, dtype=torch.int64)
-    _C._grad_sink_ring(mon._grad_sink, ring.index, bad, ring.state)
+    rec.fast.set_ring(ring.index, bad, ring.state)
     with caplog.at_level("WARNING", logger="hookcap"):
         y = model(x)
-    _C._grad_sink_ring(mon._grad_sink, ring.index, ring.ring, ring.state)
+    rec.fast.set_ring(ring.index, ring.ring, ring.state)
     y.sum().backward()
     mon.step()
     model(x).sum().backward()

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_stats_match
+from conftest import assert_stats_match, stall_reader
 from torch.utils.checkpoint import checkpoint
 
 import hookcap
 from hookcap import Histogram, Monitor
-from hookcap._tree import floating_tensors
+from hookcap._tree import tensor_leaves
 from hookcap.models import TinyResNet, TinyTransformer
 
 transformers = pytest.importorskip("transformers")
@@ -43,7 +43,7 @@ class RefRecorder:
         def hook(mod, args, out):
             if torch._C._current_graph_task_id() != -1:
                 return
-            for path, t in floating_tensors(out):
+            for path, t in tensor_leaves(out):
                 key = f"{name}/output" + (f".{path}" if path else "")
                 self.values[(self.step, key)].append(t.detach().double().reshape(-1).numpy().copy())
                 if t.requires_grad:
@@ -208,14 +208,14 @@ def test_capacity_keeps_newest():
 def test_dropped_steps_counted_when_reader_stalls(caplog):
     model = nn.Sequential(nn.Linear(3, 3))
     mon = Monitor(model, capture="output").attach()
-    mon._reader_stalled = True
+    unstall = stall_reader(mon)
     for _ in range(10):
         model(torch.randn(2, 3))
         mon.step()
     # 4 ring slots, one of them holding the open step 10: steps 0..6 were
     # overwritten unread, 7..9 are still in the ring.
     assert mon.dropped_steps == 7
-    mon._reader_stalled = False
+    unstall()
     assert mon.history().steps.tolist() == [7, 8, 9]
     assert sum("dropped" in r.message for r in caplog.records) == 1
     mon.detach()

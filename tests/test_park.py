@@ -15,7 +15,7 @@ from hookcap.reference import stats_from_values
 
 def ours(mon, d):
     """Keys of dict ``d`` that belong to the Monitor's hook handles."""
-    ids = {h.id for h in mon._handles if hasattr(h, "id")}
+    ids = {h.id for h in mon._hooks.handles if hasattr(h, "id")}
     return [k for k in d if k in ids]
 
 
@@ -231,7 +231,7 @@ def test_model_first_compiled_during_an_off_step_still_records():
         graphs.append(counters["stats"]["unique_graphs"])
     mon.detach()
     torch._dynamo.reset()
-    assert not mon._park_ok
+    assert not mon._hooks.park_ok
     assert graphs[0] == graphs[-1]  # traced once, with the hooks: no recompile
     h = mon.history()
     assert h.steps.tolist() == [3, 6, 9]

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import hookcap
+from conftest import stall_reader
 from hookcap import Monitor
 
 
@@ -240,11 +241,11 @@ def test_soak_10k_steps_bounded_memory():
             mon.step()
             if i in (1000, 9999):
                 rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-        mon._reader_stalled = True
+        unstall = stall_reader(mon)
         for _ in range(10):
             model(x).sum().backward()
             mon.step()
-        mon._reader_stalled = False
+        unstall()
     h = mon.history()
     assert len(h) == 256 and h.steps[-1] == 10_009
     assert mon.dropped_steps == 7  # 10 stalled steps, 3 still in the ring

@@ -452,9 +452,9 @@ class Reference:
 
     def _post(self, name, grads):
         def hook(mod, args, out):
-            from hookcap._tree import floating_tensors
+            from hookcap._tree import tensor_leaves
 
-            for path, t in floating_tensors(out):
+            for path, t in tensor_leaves(out):
                 key = f"{name}/output.{path}" if path else f"{name}/output"
                 # Copied now: an in-place op later (ReLU(inplace=True)) must not change it.
                 self.values.setdefault(key, []).append(hookcap.reference.to_float64(t))

@@ -77,7 +77,7 @@ def col(h, name):
 def test_forward_and_backward_durations_bound_the_sleeps(monkeypatch, python_hooks):
     # Backward marks come from C++ tensor hooks, or Python ones where C++
     # hooks cannot run (compiled autograd; HOOKCAP_PYTHON_GRAD_HOOKS=1).
-    monkeypatch.setattr(hookcap.monitor, "_PYTHON_GRAD_HOOKS", python_hooks)
+    monkeypatch.setattr(hookcap._compile, "PYTHON_GRAD_HOOKS", python_hooks)
     torch.manual_seed(0)
     model = Net()
     mon = Monitor(model, modules=["first", "slow", "last"], timing=True).attach()
@@ -173,10 +173,11 @@ def test_failing_backward_mark_is_reported_not_raised(caplog):
     model(x).sum().backward()
     mon.step()
     y = model(x)
-    ring = mon._ring_list[0]
-    _C._grad_sink_ring(mon._grad_sink, ring.index, ring.ring.int(), ring.state)
+    rec = mon._recorder
+    ring = rec.ring_list[0]
+    rec.fast.set_ring(ring.index, ring.ring.int(), ring.state)
     y.sum().backward()
-    _C._grad_sink_ring(mon._grad_sink, ring.index, ring.ring, ring.state)
+    rec.fast.set_ring(ring.index, ring.ring, ring.state)
     with caplog.at_level("WARNING", logger="hookcap"):
         mon.step()
     assert [r for r in caplog.records if "1 is no longer timed" in r.getMessage()]

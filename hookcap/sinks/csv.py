@@ -8,7 +8,7 @@ import math
 import os
 
 from ..drained import DrainedStep
-from .jsonl import COUNT_STATS, _TextFileSink
+from ._base import COUNT_STATS, _TextFileSink
 
 
 class CSV(_TextFileSink):

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..drained import DrainedStep
 from ..histogram import Histogram
-from . import Sink
+from ._base import Sink
 from ._hist import band, finite_edges
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..drained import DrainedStep
-from . import Sink
+from ._base import Sink
 from ._hist import band, finite_edges
 
 MAX_BINS = 512  # wandb.Histogram's limit

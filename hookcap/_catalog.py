@@ -1,0 +1,53 @@
+"""The metrics a Monitor has named: their indices, metadata and owning module,
+and the modules it times. The recorder adds to it; the drain, the consumers
+and rank merging read it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class Catalog:
+    """``names[i]`` is metric ``i`` (first-execution order); ``metas[name]``
+    its ``module_type``/``kind``/``shape``/``dtype`` as first seen;
+    ``module_of[name]`` the module (or parameter) it belongs to.
+    ``timed[t]`` is the module of timing index ``t`` (``timing=True``)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.metas: dict[str, dict] = {}
+        self.module_of: dict[str, str] = {}
+        self._index: dict[str, int] = {}
+        self.timed: list[str] = []
+        self._timed_index: dict[str, int] = {}
+        self._time_of_metric = np.empty(0, dtype=np.int64)
+        self._time_of_metric_key = (0, 0)
+
+    def index(self, metric: str) -> int | None:
+        return self._index.get(metric)
+
+    def add(self, metric: str, meta: dict) -> int:
+        """The index of ``metric``, named now if new."""
+        idx = self._index.get(metric)
+        if idx is None:
+            idx = self._index[metric] = len(self.names)
+            self.names.append(metric)
+            self.metas[metric] = meta
+        return idx
+
+    def timing_index(self, module: str) -> int:
+        """The timing index of ``module``, added if new."""
+        t = self._timed_index.get(module)
+        if t is None:
+            t = self._timed_index[module] = len(self.timed)
+            self.timed.append(module)
+        return t
+
+    def time_of_metric(self) -> np.ndarray:
+        """int64 [len(names)]: the timing index of each metric's module, -1 if untimed."""
+        key = (len(self.names), len(self.timed))
+        if key != self._time_of_metric_key:  # new metrics or timed modules
+            self._time_of_metric = np.array(
+                [self._timed_index.get(self.module_of.get(n), -1) for n in self.names], dtype=np.int64)
+            self._time_of_metric_key = key
+        return self._time_of_metric

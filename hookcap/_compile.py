@@ -1,0 +1,164 @@
+"""torch.compile support, and hookcap's process-global state.
+
+Inside a compiled region a hook's body is traced into the graph, so it must
+be traceable: no host-side cadence check (the kernels read the device's
+enabled flag, so ``every`` causes no recompiles), no per-step Python
+bookkeeping, and rows are registered by a function dynamo runs once at trace
+time (``assume_constant_result``) with the row id baked into the graph.
+Gradient kinds register a tensor hook bound to its row (a ``functools.partial``
+of a module-level function: dynamo lifts it into the backward, which calls it
+eagerly or, under compiled autograd, traces it).
+
+Process-global state, all of it:
+
+- ``_HOOKS``: the live Monitors' hook sets by id, so that traced code (which
+  can only pass plain values) reaches its Monitor's rows.
+- ``_compiled_autograd_config``: ``torch._dynamo.config.compiled_autograd`` as of
+  the last ``attach()``/recording ``step()`` (reading it costs ~5 us: too
+  much per hook).
+- ``PYTHON_GRAD_HOOKS``: ``HOOKCAP_PYTHON_GRAD_HOOKS=1`` at import sends
+  gradients through Python tensor hooks instead of the C++ ones (an escape
+  hatch).
+- dynamo's compile-start callback :func:`unpark_for_compile`, registered
+  while some Monitor parks its hooks.
+- elsewhere: ``hookcap._ranks.HANDSHAKE_SEQ`` (c10d store keys of the rank
+  handshakes), the atexit and SIGTERM/SIGINT handlers of ``dump_on_exit``
+  (``hookcap._exit``), and the C++ table of gradient sinks
+  (``csrc/grad_hooks.cpp``, one live entry per Monitor, freed ids reused).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import weakref
+
+import torch
+
+from ._fastpath import row_of
+from ._tree import tensor_leaves
+
+_HOOKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Hooks
+PYTHON_GRAD_HOOKS = os.environ.get("HOOKCAP_PYTHON_GRAD_HOOKS") == "1"
+_compiled_autograd_config = False
+_OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
+
+
+def register(hooks) -> int:
+    """Make a Monitor's hook set reachable from traced code; returns its key."""
+    key = id(hooks)
+    _HOOKS[key] = hooks
+    return key
+
+
+def refresh_compiled_autograd_config() -> bool:
+    global _compiled_autograd_config
+    cfg = sys.modules.get("torch._dynamo.config")
+    _compiled_autograd_config = bool(cfg is not None and cfg.compiled_autograd)
+    return _compiled_autograd_config
+
+
+def compiled_autograd_on() -> bool:
+    """Compiled autograd's context is active, or ``torch._dynamo.config.
+    compiled_autograd`` was set as of the last ``attach()`` or ``step()``."""
+    if _compiled_autograd_config:
+        return True
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and ca.compiled_autograd_enabled
+
+
+def cpp_grad_hooks_ok() -> bool:
+    """Whether gradients may go through C++ tensor hooks. Compiled autograd
+    cannot trace C++ hooks: while it is on, Python hooks are used."""
+    return not (PYTHON_GRAD_HOOKS or compiled_autograd_on())
+
+
+def in_backward() -> bool:
+    """Inside the autograd engine: forward hooks that fire there are
+    activation-checkpoint recomputation, already recorded in the forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@torch._dynamo.assume_constant_result
+def _compiled_row(key: int, name: str, kind: str, path: str, device: str, shape: tuple,
+                  dtype: str, mtype: str) -> int:
+    """The row id of a metric, registering it (-1: the Monitor is gone). Run
+    by dynamo at trace time only; its result is a constant of the graph."""
+    hooks = _HOOKS.get(key)
+    if hooks is None:
+        return -1
+    dev = torch.device(device)
+    return hooks.recorder.register_row((name, kind, path, dev, 0), dev, shape, dtype, mtype)
+
+
+@torch._dynamo.assume_constant_result
+def hooks_traced(key: int) -> int:
+    """Run by dynamo when it traces one of a Monitor's hooks: from then on
+    the Monitor keeps its module hooks in place during off-steps (the graph
+    holds them already, and where dynamo guards on module hooks, i.e.
+    ``skip_nnmodule_hook_guards=False``, removing them would recompile)."""
+    hooks = _HOOKS.get(key)
+    if hooks is not None:
+        hooks.park_ok = False
+    return 0
+
+
+def unpark_for_compile(args=None) -> None:
+    """Dynamo's compile-start callback: a Monitor whose hooks are parked
+    puts them back for good before the trace begins. With dynamo's default
+    ``skip_nnmodule_hook_guards`` a graph traced without the hooks would never
+    see them again, so its recorded steps would silently record nothing."""
+    for hooks in list(_HOOKS.values()):
+        if hooks.park.parked:
+            hooks.park_ok = False
+            hooks.park.unpark()
+
+
+def compile_callback_installed() -> bool:
+    """Installs :func:`unpark_for_compile` (again: ``torch._dynamo.reset()``
+    clears the callbacks); False where dynamo has no callback API, and then
+    nothing may be parked."""
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    starts = getattr(handler, "start_callbacks", None)
+    if not isinstance(starts, list) or not callable(getattr(handler, "register_start_callback", None)):
+        return False
+    if unpark_for_compile not in starts:
+        handler.register_start_callback(unpark_for_compile)
+    return True
+
+
+def _grad_hook(ring, row: int, hist_args: tuple, grad):
+    """Tensor hook of a gradient kind registered inside a compiled region
+    (``ring.ring`` is read at call time, so a grown ring is used). Returns the
+    gradient unchanged (compiled autograd needs the explicit return)."""
+    if grad is not None:
+        torch.ops.hookcap.accumulate(grad, ring.ring, ring.state, row, *hist_args)
+    return grad
+
+
+def _ring_row(hooks, name, kind, path, t, mtype):
+    """(DeviceRing, row) of a metric inside a compiled region, or None."""
+    rid = _compiled_row(hooks.key, name, kind, path, str(t.device), tuple(t.shape), str(t.dtype), mtype)
+    if rid < 0:
+        return None
+    return hooks.recorder.ring_of(rid), row_of(rid)
+
+
+def write_all(hooks, name: str, kind: str, obj, mtype: str) -> None:
+    """Traced: merge every floating tensor of ``obj`` into its row."""
+    for path, t in tensor_leaves(obj, traced=True):
+        hit = _ring_row(hooks, name, kind, path, t, mtype)
+        if hit is not None:
+            ring, row = hit
+            _OP_ACCUMULATE(t, ring.ring, ring.state, row, *hooks.recorder.config.hist_args)
+
+
+def grad_hooks(hooks, name: str, kind: str, obj, mtype: str, path: str | None = None) -> None:
+    """Traced: a gradient hook on every floating tensor of ``obj`` that
+    requires grad (``path`` given: ``obj`` is that one tensor)."""
+    tensors = ((path, obj),) if path is not None else tensor_leaves(obj, traced=True)
+    for p, t in tensors:
+        hit = _ring_row(hooks, name, kind, p, t, mtype) if t.requires_grad else None
+        if hit is not None:
+            t.register_hook(functools.partial(_grad_hook, *hit, hooks.recorder.config.hist_args))

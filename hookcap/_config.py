@@ -1,0 +1,103 @@
+"""A Monitor's settings: argument validation, the module filter, metric
+naming and the constants every part of the Monitor shares."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from . import _layout
+from .histogram import Histogram
+
+CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad")
+DEFAULT_HISTOGRAM = Histogram.log2()
+ROOT_NAME = "model"
+RANK_SINKS = ("merged", "all")
+SLOTS = 4  # step slots per device ring: the drain may trail training by this many recorded steps
+
+
+def metric_name(name: str, kind: str, path: str = "") -> str:
+    """``f"{name}/{kind}"``, with ``.{path}`` for a tensor inside a nested value."""
+    return f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a Monitor records, validated once."""
+
+    capture: tuple[str, ...]
+    histogram: Histogram | None
+    capacity: int
+    every: int
+    timing: bool
+    rank_sinks: str
+    modules: object  # the ``modules`` argument as given (for messages)
+    select: Callable[[str, nn.Module], bool]  # which modules are hooked
+    hist_args: tuple  # the histogram's op arguments (kind, lo, hi, bins)
+    width: int  # int64 values per ring row: header + bins
+
+    @property
+    def all_params(self) -> bool:
+        """``modules=None``: ``param``/``param_grad`` cover every parameter."""
+        return self.modules is None
+
+
+def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks) -> Config:
+    """Validate the Monitor's arguments; ``ValueError`` naming the argument."""
+    if isinstance(capture, str):
+        capture = (capture,)
+    capture = tuple(capture)
+    bad = [c for c in capture if c not in CAPTURE_KINDS]
+    if bad or not capture:
+        raise ValueError(f"capture: unknown kind(s) {bad or capture!r}; allowed: {', '.join(CAPTURE_KINDS)}")
+    if histogram is not None and not isinstance(histogram, Histogram):
+        raise ValueError(
+            "histogram: expected hookcap.Histogram.log2(...), Histogram.linear(...) or None, "
+            f"got {type(histogram).__name__}"
+        )
+    if not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity: must be an int >= 1 (steps kept on the host), got {capacity!r}")
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"every: must be an int >= 1 (record every N-th step), got {every!r}")
+    if modules is not None and not (
+        isinstance(modules, str) or callable(modules) or isinstance(modules, (list, tuple))
+    ):
+        raise ValueError(
+            "modules: expected None, a glob or list of globs over qualified names, a tuple of "
+            f"nn.Module types, or callable(name, module) -> bool; got {type(modules).__name__}"
+        )
+    if not isinstance(timing, bool):
+        raise ValueError(f"timing: expected True or False, got {timing!r}")
+    if not (isinstance(rank_sinks, str) and rank_sinks in RANK_SINKS):
+        raise ValueError(f"rank_sinks: expected 'merged' (rank 0 writes records merged across "
+                         f"ranks) or 'all' (every rank writes its own), got {rank_sinks!r}")
+    hist_args = (0, 0.0, 0.0, 0) if histogram is None else histogram.op_args()
+    width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
+    return Config(capture, histogram, capacity, every, timing, rank_sinks, modules,
+                  module_filter(modules), hist_args, width)
+
+
+def module_filter(modules) -> Callable[[str, nn.Module], bool]:
+    """``select(qualified_name, module) -> bool`` for the ``modules`` argument."""
+    if modules is None:
+        return lambda name, m: next(m.children(), None) is None  # leaf modules
+    if isinstance(modules, str):
+        modules = [modules]
+    if isinstance(modules, (list, tuple)) and modules and all(isinstance(t, type) for t in modules):
+        types = tuple(modules)
+        return lambda name, m: isinstance(m, types)
+    if isinstance(modules, (list, tuple)):
+        if not all(isinstance(g, str) for g in modules):
+            raise ValueError("modules: a list must hold only glob strings or only nn.Module types")
+        globs = list(modules)
+        return lambda name, m: any(fnmatch.fnmatchcase(name, g) for g in globs)
+    return modules
+
+
+def example_names(model: nn.Module, k: int = 4) -> str:
+    """A few qualified module names of ``model``, for error messages."""
+    names = [q or ROOT_NAME for q, _ in model.named_modules()][:k]
+    return ", ".join(repr(n) for n in names)

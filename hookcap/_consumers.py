@@ -1,0 +1,134 @@
+"""What happens to a drained step on the host: the history store keeps it,
+detectors look at it, anomalies are reported (warn, raise, callback, a dump),
+and sinks receive it — directly, or merged across ranks by the rank merger
+that stands in front of them."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+from . import _layout
+from ._catalog import Catalog
+from ._config import Config
+from ._record import HostStore, StepRecord
+from .anomaly import Anomaly, NonFinite, Underflow, as_anomalies
+from .drained import DrainedStep
+
+log = logging.getLogger("hookcap")
+
+
+class Sinks:
+    """The Monitor's sinks. A sink that raises is disabled (logged once) and
+    kept in ``failed`` with its error; training and the history go on."""
+
+    def __init__(self, sinks):
+        self.active: list = list(sinks or [])
+        self.failed: list = []
+
+    def write(self, drained: DrainedStep) -> None:
+        for sink in list(self.active):
+            try:
+                if sink.wants(drained) if hasattr(sink, "wants") else True:
+                    sink.write(drained)
+            except Exception as e:  # a sink must never stop training
+                self.disable(sink, e)
+
+    def disable(self, sink, e: Exception) -> None:
+        self.active.remove(sink)
+        self.failed.append((sink, e))
+        log.error("hookcap: sink %r failed and was disabled: %s: %s (the history "
+                  "keeps every step)", sink, type(e).__name__, e)
+
+    def bind_rank(self, rank: int | None) -> None:
+        for sink in list(self.active):
+            bind = getattr(sink, "bind_rank", None)
+            if callable(bind):
+                try:
+                    bind(rank)
+                except Exception as e:
+                    self.disable(sink, e)
+
+    def close(self) -> None:
+        for sink in list(self.active):
+            try:
+                sink.close()
+            except Exception as e:
+                log.error("hookcap: closing sink %r failed: %s: %s", sink, type(e).__name__, e)
+
+
+class Consumers:
+    """Store, detectors and anomaly handling of one Monitor. ``ranks`` (a
+    rank merger) decides whether the sinks get a step now or merged later;
+    ``dump(path)`` writes the Monitor's flight record (``dump_on_anomaly``)."""
+
+    def __init__(self, config: Config, catalog: Catalog, sinks: Sinks, ranks, detectors, on_anomaly,
+                 dump_on_anomaly, dump: Callable[[str], str]):
+        self.config = config
+        self.catalog = catalog
+        self.store = HostStore(config.capacity)
+        self.detectors = [NonFinite()] if detectors is None else list(detectors)
+        for d in self.detectors:
+            if not callable(d):
+                raise ValueError(f"detectors: {d!r} is not callable")
+            if isinstance(d, Underflow):
+                d.check_histogram(config.histogram)
+        if not (on_anomaly in ("warn", "raise", None) or callable(on_anomaly)):
+            raise ValueError(f"on_anomaly: expected 'warn', 'raise', None or a callable, got {on_anomaly!r}")
+        self.on_anomaly = on_anomaly
+        self.dump_on_anomaly = dump_on_anomaly
+        self.sinks = sinks
+        self.ranks = ranks
+        self.anomalies: list[Anomaly] = []
+        self._dump = dump
+        self._dumped = False
+        self._warned: set[tuple[str, str]] = set()
+        self._raise: Anomaly | None = None
+
+    def consume(self, rec: StepRecord) -> None:
+        self.store.add(rec)
+        direct = not self.ranks.hold(rec)  # merged rank_sinks: the sinks get it later, merged
+        sinks = direct and bool(self.sinks.active)
+        # The default detector alone only cares about steps with NaN/Inf.
+        quiet = not sinks and not rec.calls_nonfinite.any() and not rec.header[
+            :, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].any() and all(
+            type(d) is NonFinite for d in self.detectors)
+        if (self.detectors or sinks) and not quiet:
+            drained = DrainedStep(rec, self.catalog.names, self.catalog.metas, self.config.histogram,
+                                  self.ranks.rank)
+            for det in self.detectors:
+                for a in as_anomalies(det(drained)):
+                    self._report(a)
+            if sinks:
+                self.sinks.write(drained)
+
+    def raise_pending(self) -> Anomaly | None:
+        """The first anomaly not raised yet (``on_anomaly="raise"``), once."""
+        a, self._raise = self._raise, None
+        return a
+
+    def _report(self, a: Anomaly) -> None:
+        self.anomalies.append(a)
+        if self.dump_on_anomaly is not None and not self._dumped:
+            self._dumped = True
+            try:
+                self._dump(self._dump_path(a))
+            except Exception as e:
+                log.error("hookcap: dump_on_anomaly failed: %s: %s", type(e).__name__, e)
+        if self.on_anomaly == "warn":
+            if (a.name, a.kind) not in self._warned:
+                self._warned.add((a.name, a.kind))
+                log.warning("hookcap anomaly (%s): %s", a.kind, a.message)
+        elif self.on_anomaly == "raise":
+            if self._raise is None:
+                self._raise = a
+        elif callable(self.on_anomaly):
+            self.on_anomaly(a)
+
+    def _dump_path(self, a: Anomaly) -> str:
+        p = os.fspath(self.dump_on_anomaly)
+        if os.path.isdir(p) or p.endswith(os.sep):
+            os.makedirs(p, exist_ok=True)
+            return os.path.join(p, f"hookcap-anomaly-step{a.step}.npz")
+        return p

@@ -1,0 +1,152 @@
+"""Moving finished steps from the device rings to the host: hand a step's slot
+over at ``step()``, advance the rings, collect the copies that have landed,
+and turn each complete step's rows into a :class:`StepRecord`. Steps the
+host cannot keep up with are dropped, counted and warned about once. The
+drain returns records; what consumes them is not its concern."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _layout
+from ._catalog import Catalog
+from ._config import SLOTS, Config
+from ._fastpath import ring_index_of, row_of
+from ._record import StepRecord, make_record
+from ._ring import next_host_state
+from ._timing import time_of
+
+log = logging.getLogger("hookcap")
+
+# A step's rows are merged by key: a metric row's key is its metric index, a
+# timing row's _TIMER_KEY + its module's timing index (never a metric index),
+# so a module's timing rows on several devices merge like a metric's rows.
+_TIMER_KEY = 1 << 40
+
+
+@dataclass
+class _StepPlan:
+    keys: np.ndarray  # merge key of each row of the step's concatenated rows
+    call_rows: np.ndarray  # row of every call, in execution order
+    calls: np.ndarray  # metric of every call, in execution order
+    order: np.ndarray  # metrics in first-execution order
+    groups: _layout.GroupPlan
+
+
+class Drain:
+    """``dropped``: recorded steps the host could not keep (never recorded in
+    the history). A step is complete once every ring that held it has
+    delivered its rows."""
+
+    def __init__(self, config: Config, catalog: Catalog):
+        self.config = config
+        self.catalog = catalog
+        self.dropped = 0
+        self._warned_drop = False
+        self._expect: dict[int, set[int]] = {}  # step -> ring indices still to deliver
+        self._partial: dict[int, list] = {}  # step -> [order, (ring index, keys, rows)...]
+        self._plans: dict[tuple, _StepPlan] = {}
+
+    def finish(self, rings, step: int, slot: int, order: list[int]) -> None:
+        """Hand over the slot of ``step`` (just closed) on every ring."""
+        expect = set()
+        for ring in rings:
+            if ring.finish(step, slot):
+                expect.add(ring.index)
+            else:
+                self._drop(step)
+                return
+        self._expect[step] = expect
+        self._partial[step] = [order]
+
+    def advance(self, rings, step: int, slot: int) -> tuple[int, bool, int]:
+        """Move every ring to the next step; returns its (step, enabled, slot)."""
+        step, enabled, slot = next_host_state(step, slot, self.config.every, SLOTS)
+        if enabled:
+            for ring in rings:
+                if not ring.is_cuda:
+                    dropped = ring.drop_unread(slot)
+                    if dropped is not None:
+                        self._drop(dropped)
+        for ring in rings:
+            ring.advance(self.config.every)
+        return step, enabled, slot
+
+    def watermark(self, current_step: int) -> int:
+        """Every recorded step up to this one is complete here (or dropped)."""
+        return min(self._partial) - 1 if self._partial else current_step
+
+    def collect(self, rings, wait: bool) -> list[StepRecord]:
+        """The steps completed since the last call, oldest first. ``wait``:
+        wait for copies in flight (the explicit read)."""
+        done = []
+        for ring in rings:
+            for step, rows in ring.ready(wait=wait):
+                parts = self._partial.get(step)
+                if parts is None:
+                    continue  # dropped
+                n = rows.shape[0]
+                keys = np.asarray(ring.metric_of_row[:n], dtype=np.int64)
+                for row, timer in ring.timer_of_row.items():
+                    if row < n:
+                        keys[row] = _TIMER_KEY + timer
+                parts.append((ring.index, keys, rows))
+                self._expect[step].discard(ring.index)
+                if not self._expect[step]:
+                    done.append(self._complete(step))
+        done.sort(key=lambda r: r.step)
+        return done
+
+    def _drop(self, step: int) -> None:
+        self.dropped += 1
+        self._expect.pop(step, None)
+        self._partial.pop(step, None)
+        if not self._warned_drop:
+            self._warned_drop = True
+            log.warning("hookcap: the host fell behind; step %d was dropped (counted in "
+                        "Monitor.dropped_steps; logged once)", step)
+
+    def _step_plan(self, order, chunks, keys) -> _StepPlan:
+        """Execution order, per-call metric and row, and the merge plan of a
+        step's rows: the same every step of a steady training loop, so cached
+        by the step's call pattern."""
+        key = (tuple(order), tuple((ri, len(k)) for ri, k, _ in chunks))
+        plan = self._plans.get(key)
+        if plan is not None and np.array_equal(plan.keys, keys):
+            return plan
+        offset, pos = {}, 0
+        for ri, k, _ in chunks:
+            offset[ri] = pos
+            pos += len(k)
+        call_rows = np.array([offset[ring_index_of(rid)] + row_of(rid) for rid in order], dtype=np.int64)
+        calls = keys[call_rows] if len(call_rows) else np.empty(0, np.int64)
+        _, first = np.unique(calls, return_index=True)
+        plan = _StepPlan(keys.copy(), call_rows, calls, calls[np.sort(first)], _layout.GroupPlan(keys))
+        if len(self._plans) >= 8:  # patterns keep changing: keep only the newest
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def _complete(self, step: int) -> StepRecord:
+        order, *chunks = self._partial.pop(step)
+        del self._expect[step]
+        keys = np.concatenate([k for _, k, _ in chunks]) if chunks else np.empty(0, np.int64)
+        rows = (np.concatenate([r for _, _, r in chunks]) if chunks
+                else np.empty((0, self.config.width), np.int64))
+        plan = self._step_plan(order, chunks, keys)
+        # Which calls saw NaN/Inf (one entry per call-row, in execution order).
+        calls_bad = (rows[:, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].sum(axis=1) > 0)[plan.call_rows]
+        if not plan.groups.trivial:  # several calls or devices per metric
+            keys, rows = _layout.merge_groups(rows, keys, plan.groups)
+        timed = keys >= _TIMER_KEY
+        timers = time_rows = None
+        if timed.any():  # timing rows (timing=True) are not metrics
+            timers, time_rows = keys[timed] - _TIMER_KEY, rows[timed]
+            keys, rows = keys[~timed], rows[~timed]
+        rec = make_record(step, keys, rows, plan.order, plan.calls, calls_bad)
+        if self.config.timing:
+            rec.time_ns = time_of(self.catalog, rec.metrics, timers, time_rows)
+        return rec

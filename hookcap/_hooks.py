@@ -1,0 +1,382 @@
+"""The hooks a Monitor registers: module forward (pre-)hooks per capture kind,
+tensor hooks for gradients, parameter hooks, global module hooks
+(``Monitor.everything``), and parking them out of PyTorch's hook dicts during
+steps that record nothing. Hooks hand tensors to the recorder; they decide
+nothing else."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from . import _compile
+from ._config import ROOT_NAME, Config, example_names, metric_name
+from ._park import HookPark
+from ._recorder import Recorder
+from ._timing import Timing, inplace_grad_node
+from ._tree import tensor_leaves
+
+
+def _view_geometry(t: torch.Tensor, base: torch.Tensor):
+    """None when ``t`` is ``base`` itself, else where ``t`` sits in ``base``:
+    (size, stride, storage offset from base's, base shape, base stride)."""
+    if t is base:
+        return None
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset(),
+            tuple(base.shape), tuple(base.stride()))
+
+
+def _input_obj(args, kwargs):
+    """What "input" records: the single positional argument itself, else the
+    positional arguments (paths 0, 1, ...) and keyword arguments (by name)."""
+    if len(args) == 1 and not kwargs:
+        return args[0]
+    return {**dict(enumerate(args)), **kwargs} if kwargs else args
+
+
+def _skip(*args):
+    return None
+
+
+class Hooks:
+    """All hooks of one Monitor. ``handles`` removes them; ``park`` holds
+    those parked on off-steps; ``park_ok`` turns False for good once dynamo
+    traced them. ``key``: this hook set's key in hookcap._compile."""
+
+    def __init__(self, config: Config, recorder: Recorder, model: nn.Module | None):
+        self.config = config
+        self.recorder = recorder
+        self.model = model
+        self.key = _compile.register(self)
+        self.handles: list = []
+        # Module hooks leave during off-steps (every > 1) for nn.Module's fast
+        # call path (hookcap/_park.py); never once dynamo traced them (the
+        # graph holds them already; with module-hook guards on, parking would
+        # recompile).
+        self.park = HookPark()
+        self.park_ok = True
+        self.open_calls: list[list] = []  # per pre/post hook pair: its forward calls in flight
+        self.timing = Timing(recorder, self.open_calls, self.key)
+        self.params: list[tuple[str, torch.Tensor]] = []
+        # Monitor.everything: module -> name, and per-class counters for unnamed modules.
+        self.global_names: weakref.WeakKeyDictionary | None = None
+        self._class_counts: dict[str, int] = {}
+
+    # -- registration -------------------------------------------------------------
+    def attach(self) -> None:
+        """Register every hook; ``ValueError`` if ``modules`` matched no module."""
+        if self.global_names is not None:
+            self._attach_global()
+            return
+        cfg = self.config
+        matched = 0
+        for qual, mod in self.model.named_modules():
+            name = qual or ROOT_NAME
+            if cfg.select(name, mod):
+                self._hook_module(name, mod)
+                matched += 1
+        if matched == 0 and not cfg.all_params:
+            raise ValueError(f"modules: {cfg.modules!r} matched no module of the model "
+                             f"(qualified names look like {example_names(self.model)})")
+        if "param" in cfg.capture or "param_grad" in cfg.capture:
+            self.params = [(n, p) for n, p in self._watched_params() if p.is_floating_point()]
+        if "param_grad" in cfg.capture:
+            for pname, p in self.params:
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(pname)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.park.clear()
+        self.open_calls.clear()
+
+    def new_step(self) -> None:
+        for open_calls in self.open_calls:  # a forward that raised never closed its call
+            open_calls.clear()
+
+    def park_or_unpark(self, attached: bool) -> None:
+        """Hooks out for a step that records nothing; in for one that records."""
+        if self.recorder.enabled or not (self.park_ok and attached):
+            self.park.unpark()
+        elif not self.park.parked and _compile.compile_callback_installed():
+            self.park.park()
+
+    def record_params(self) -> None:
+        """``param``: each watched parameter's values, at ``step()``."""
+        if "param" in self.config.capture:
+            with torch.no_grad():
+                for pname, p in self.params:
+                    self.recorder.write(pname, "param", "", p.detach(), "Parameter", 0)
+
+    def _watched_params(self) -> Iterable[tuple[str, nn.Parameter]]:
+        """All parameters when ``modules`` is None, else those owned directly by
+        the selected modules."""
+        if self.config.all_params:
+            yield from self.model.named_parameters()
+            return
+        seen = set()
+        for qual, mod in self.model.named_modules():
+            if not self.config.select(qual or ROOT_NAME, mod):
+                continue
+            for pn, p in mod.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{qual}.{pn}" if qual else pn), p
+
+    def _add(self, handle) -> None:
+        self.handles.append(handle)
+        self.park.add(handle)
+
+    def _hook_module(self, name: str, mod: nn.Module) -> None:
+        mtype = type(mod).__name__
+        capture = self.config.capture
+        if "input" in capture:
+            self._add(mod.register_forward_pre_hook(self._input_hook(name, mtype), with_kwargs=True))
+        if "output" in capture or "grad_output" in capture:
+            self._add(mod.register_forward_hook(self._output_hook(name, mtype)))
+        if "grad_input" in capture:
+            pre, post = self._grad_input_hooks(name, mtype)
+            self._add(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            self._add(mod.register_forward_hook(post))
+        if self.config.timing:
+            # The start mark last among the pre-hooks and the end mark first
+            # among the forward hooks: the stats work stays out of the time.
+            pre, post = self.timing.hooks(name)
+            self._add(mod.register_forward_pre_hook(pre, with_kwargs=True))
+            self._add(mod.register_forward_hook(post, prepend=True))
+
+    # -- hooks (hot path) ---------------------------------------------------------
+    def _input_hook(self, name, mtype):
+        rec = self.recorder
+
+        def hook(mod, args, kwargs):
+            if torch.compiler.is_compiling():
+                _compile.hooks_traced(self.key)
+                _compile.write_all(self, name, "input", _input_obj(args, kwargs), mtype)
+                return None
+            if rec.recording and not _compile.in_backward():
+                ci = rec.call_index(name, "input")
+                for path, t in tensor_leaves(_input_obj(args, kwargs)):
+                    rec.write(name, "input", path, t, mtype, ci)
+            return None
+
+        return hook
+
+    def _output_hook(self, name, mtype):
+        rec = self.recorder
+        want_out = "output" in self.config.capture
+        want_grad = "grad_output" in self.config.capture
+        hid = rec.hook_id(name)
+        output_fast = rec.fast.output_fast
+
+        def hook(mod, args, output):
+            if torch.compiler.is_compiling():
+                _compile.hooks_traced(self.key)
+                if want_out:
+                    _compile.write_all(self, name, "output", output, mtype)
+                if want_grad:
+                    _compile.grad_hooks(self, name, "grad_output", output, mtype)
+                return None
+            # Steady state in one C call (grad_hooks.cpp): a cached plain
+            # output is merged and its gradient hook registered there. It
+            # also counts the call (ci) and says whether this step records.
+            ci = output_fast(hid, output)
+            if ci < 0:  # _fastpath.DONE or NOT_RECORDING; else the call's index
+                return None
+            # Checkpoint recomputation: the values were recorded in the forward
+            # pass; only reentrant checkpointing, whose first forward ran
+            # without grad, needs the gradient hooks registered now (hooks on
+            # a non-reentrant recomputation's discarded graph never fire).
+            recompute = _compile.in_backward()
+            plain = type(output) is torch.Tensor
+            if plain and output.is_floating_point():
+                pairs = (("", output),)
+            else:
+                pairs = tensor_leaves(output)
+            for path, t in pairs:
+                if want_out and not recompute:
+                    rec.write(name, "output", path, t, mtype, ci)
+                if want_grad and t.requires_grad:
+                    if type(t) is torch.Tensor and _compile.cpp_grad_hooks_ok():
+                        rec.capture_grad(name, path, t, mtype, ci)
+                    else:
+                        t.register_hook(self._grad_tensor_hook(name, path, mtype, ci))
+            if plain and not recompute:
+                rec.learn_fast_output(name, hid, ci, output, want_out, want_grad)
+            return None
+
+        return hook
+
+    def _grad_tensor_hook(self, name, path, mtype, ci, kind="grad_output"):
+        # Gradient w.r.t. one module output (or input alias). A tensor hook
+        # rather than a full backward hook: it changes nothing in the graph, so
+        # in-place ops after the module (ReLU(inplace=True)) keep working.
+        rec = self.recorder
+
+        def hook(grad):
+            if rec.recording and grad is not None:
+                rec.write(name, kind, path, grad, mtype, ci, via_op=True)
+            return None
+
+        return hook
+
+    def _grad_input_hooks(self, name, mtype):
+        # The module receives a view-alias of each input that requires grad;
+        # the alias's gradient is exactly what this module sends back to that
+        # input. (Full backward hooks wrap outputs in a custom Function and make
+        # any later in-place op, e.g. ReLU(inplace=True), raise.) Values are
+        # unchanged: an alias is the same memory. The forward hook catches a
+        # module that modified its input in place (see inplace_grad_node).
+        rec = self.recorder
+        open_calls: list = []  # per call in flight: [(alias, its grad_fn, view geometry, hook)]
+        self.open_calls.append(open_calls)
+
+        def alias(path, t, ci, made):
+            a = t.view_as(t)
+            fn = self._grad_tensor_hook(name, path, mtype, ci, kind="grad_input")
+            a.register_hook(fn)
+            made.append((a, a.grad_fn, _view_geometry(t, a._base), fn))
+            return a
+
+        def compiled_alias(path, t):
+            a = t.view_as(t)
+            _compile.grad_hooks(self, name, "grad_input", a, mtype, path)
+            return a
+
+        def pre(mod, args, kwargs):
+            compiling = torch.compiler.is_compiling()
+            if compiling:
+                _compile.hooks_traced(self.key)
+            if not (torch.is_grad_enabled() and (compiling or rec.recording)):
+                if not compiling:
+                    open_calls.append(None)
+                return None
+            single = len(args) == 1 and not kwargs
+            ci = 0 if compiling else rec.call_index(name, "grad_input")
+            made: list = []
+
+            def wrap(path, v):
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
+                    return compiled_alias(path, v) if compiling else alias(path, v, ci, made)
+                return v
+
+            new_args = tuple(wrap("" if single else str(i), v) for i, v in enumerate(args))
+            new_kwargs = {k: wrap(k, v) for k, v in kwargs.items()}
+            if not compiling:
+                open_calls.append(made or None)
+            return new_args, new_kwargs
+
+        def post(mod, args, output):
+            if torch.compiler.is_compiling() or not open_calls:
+                return None
+            made = open_calls.pop()
+            for a, node0, geom, fn in made or ():
+                node = inplace_grad_node(a, node0)
+                if node is not None:
+                    node.register_hook(functools.partial(self._inplace_grad_input, name, geom, fn))
+            return None
+
+        return pre, post
+
+    def _inplace_grad_input(self, name, geom, fn, grad_inputs, grad_outputs):
+        # grad_inputs[0]: the gradient w.r.t. the whole base of the input.
+        g = grad_inputs[0] if grad_inputs else None
+        if g is None:
+            return None
+        if geom is not None:  # the input is a view of a larger base: its part of g
+            size, stride, offset, base_shape, base_stride = geom
+            if tuple(g.shape) != base_shape or tuple(g.stride()) != base_stride:
+                self.recorder.warn_once(
+                    ("grad_input_inplace", name),
+                    f"hookcap: {metric_name(name, 'grad_input')} not recorded: the module modifies a "
+                    "view of a larger tensor in place and the gradient's layout differs from it")
+                return None
+            g = g.as_strided(size, stride, g.storage_offset() + offset)
+        fn(g)
+        return None
+
+    def _param_grad_hook(self, pname):
+        rec = self.recorder
+
+        def hook(p):
+            if rec.recording and p.grad is not None:
+                # Fires after every accumulation: the row is replaced so the
+                # step keeps the final accumulated gradient, once.
+                rec.write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True, via_op=True)
+
+        return hook
+
+    # -- global capture (Monitor.everything) ----------------------------------------
+    def capture_everything(self, models: Iterable[nn.Module]) -> None:
+        """Hook every module that runs in the process; modules of ``models``
+        are named by their qualified names, any other ``f"{ClassName}#{k}"``."""
+        self.global_names = weakref.WeakKeyDictionary()
+        for model in models:
+            for qual, mod in model.named_modules():
+                self.global_names[mod] = qual or ROOT_NAME
+
+    def _global_name(self, mod: nn.Module) -> str:
+        name = self.global_names.get(mod)
+        if name is None:
+            cname = type(mod).__name__
+            k = self._class_counts.get(cname, 0)
+            self._class_counts[cname] = k + 1
+            name = f"{cname}#{k}"
+            self.global_names[mod] = name
+        return name
+
+    def _attach_global(self) -> None:
+        from torch.nn.modules import module as mm
+
+        def named(factory):
+            cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+            def dispatch(mod, *args):
+                fn = cache.get(mod)
+                if fn is None:
+                    name = self._global_name(mod)
+                    fn = factory(name, type(mod).__name__) if self.config.select(name, mod) else _skip
+                    cache[mod] = fn
+                return fn(mod, *args)
+
+            return dispatch
+
+        pairs: dict[tuple, tuple] = {}  # (kind, module name) -> its (pre, post) hooks sharing a stack
+
+        def timing_of(n):
+            if ("timing", n) not in pairs:
+                pairs[("timing", n)] = self.timing.hooks(n)
+            return pairs[("timing", n)]
+
+        def grad_input_of(n, t):
+            if ("grad_input", n) not in pairs:
+                pairs[("grad_input", n)] = self._grad_input_hooks(n, t)
+            return pairs[("grad_input", n)]
+
+        def args_only(pre):
+            # Global pre-hooks get no kwargs: adapt a (mod, args, kwargs) pre-hook.
+            def hook(mod, args):
+                res = pre(mod, args, {})
+                return None if res is None else res[0]
+
+            return hook
+
+        capture = self.config.capture
+        if self.config.timing:  # global hooks run in registration order: the end mark first
+            self._add(mm.register_module_forward_hook(named(lambda n, t: timing_of(n)[1])))
+        if "input" in capture:
+            self._add(mm.register_module_forward_pre_hook(named(lambda n, t: args_only(self._input_hook(n, t)))))
+        if "output" in capture or "grad_output" in capture:
+            self._add(mm.register_module_forward_hook(named(self._output_hook)))
+        if "grad_input" in capture:
+            self._add(mm.register_module_forward_pre_hook(
+                named(lambda n, t: args_only(grad_input_of(n, t)[0]))))
+            self._add(mm.register_module_forward_hook(named(lambda n, t: grad_input_of(n, t)[1])))
+        if self.config.timing:  # ... and the start mark last
+            self._add(mm.register_module_forward_pre_hook(named(lambda n, t: args_only(timing_of(n)[0]))))

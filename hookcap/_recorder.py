@@ -1,0 +1,298 @@
+"""The rows a Monitor's hooks write: one device ring per device, one row per
+(metric, device, call) of a step, registered on first use; the writes
+themselves; the step state the rings share; and each step's execution order.
+
+Every row has one identity, its row id (hookcap/_fastpath.py), used by the
+Python hooks, the C++ fast path and the execution-order log alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from torch import nn
+
+from . import _compile
+from ._catalog import Catalog
+from ._config import SLOTS, Config, metric_name
+from ._fastpath import NO_ROW, FastPath, ring_index_of, row_id, row_of
+from ._ring import UNNAMED, DeviceRing
+
+log = logging.getLogger("hookcap")
+
+SKIPPED = -1  # Recorder.rows value of a (metric, device, call) that is not recorded
+_OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
+_RESET_ROWS = torch.ops.hookcap.reset_rows.default
+
+
+def plain_tensor(t):
+    """A plain strided tensor to record for ``t`` (a Parameter's data, a
+    DTensor's local shard), else ``t`` itself."""
+    if isinstance(t, nn.Parameter):
+        return t.detach()
+    to_local = getattr(t, "to_local", None)
+    if callable(to_local):  # DTensor: record this rank's local shard
+        return to_local()
+    return t
+
+
+def skip_reason(t) -> str | None:
+    """Why ``t`` cannot be recorded, or None."""
+    if t.layout != torch.strided:
+        return f"layout {t.layout} is not supported"
+    if t.is_quantized:
+        return "quantized tensors are not supported"
+    if t.is_nested:
+        return "nested tensors are not supported"
+    if t.device.type == "meta":
+        return "meta tensors hold no values"
+    if type(t) is not torch.Tensor:
+        return f"tensor subclass {type(t).__name__} is not supported"
+    return None
+
+
+class Recorder:
+    """Rows, writes and step state.
+
+    ``step``/``slot``/``enabled`` mirror the rings' device state (the step
+    being recorded, its ring slot, whether it records); ``recording`` is
+    ``enabled`` while the Monitor is attached: the hooks write only then.
+    ``rows`` maps ``(name, kind, path, device, call)`` to a row id, or
+    ``SKIPPED``."""
+
+    def __init__(self, config: Config, catalog: Catalog):
+        self.config = config
+        self.catalog = catalog
+        self.fast = FastPath(config.hist_args)
+        self.rings: dict[torch.device, DeviceRing] = {}
+        self.ring_list: list[DeviceRing] = []  # by ring index
+        self.rows: dict[tuple, int] = {}
+        self.step = 0
+        self.slot = 0
+        self.enabled = True
+        self.attached = False
+        self.recording = False
+        # Row ids written through the Python op wrapper this step, in first-
+        # write order; every other write is logged by the C++ sink.
+        self._order: dict[int, None] = {}
+        self._calls: dict[tuple[str, str], int] = {}
+        self._replaced: set[int] = set()  # param_grad rows written this step
+        self.skipped: set[int] = set()  # rows whose C++ gradient capture failed
+        self._unnamed: dict[int, tuple[str, dict]] = {}  # rows awaiting their first write
+        self._time_rows: dict[tuple[str, torch.device], int] = {}
+        self._hook_ids: dict[str, int] = {}
+        self._warned: set = set()
+        self._lock = threading.Lock()
+
+    # -- state ------------------------------------------------------------------
+    def set_attached(self, attached: bool) -> None:
+        self.attached = attached
+        self.fast.set_active(attached)
+        self._sync(new_step=False)
+
+    def new_step(self, step: int, enabled: bool, slot: int) -> None:
+        """Open ``step`` (the rings have advanced to it)."""
+        self.step, self.enabled, self.slot = step, enabled, slot
+        self._order = {}
+        self._calls = {}
+        self._replaced.clear()
+        self._sync(new_step=True)
+
+    def _sync(self, new_step: bool) -> None:
+        self.recording = self.enabled and self.attached
+        # The compiled-autograd config matters only to a recording step; an
+        # off-step skips reading it (~5 us warm, tens of us with cold caches).
+        self.fast.set_recording(self.recording, _compile.PYTHON_GRAD_HOOKS or (
+            self.recording and _compile.refresh_compiled_autograd_config()), new_step)
+
+    def warn_once(self, what, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(message)
+
+    # -- rows -------------------------------------------------------------------
+    def ring_of(self, rid: int) -> DeviceRing:
+        return self.ring_list[ring_index_of(rid)]
+
+    def hook_id(self, name: str) -> int:
+        """The C++ fast path's id of ``name``'s output hook."""
+        return self._hook_ids.setdefault(name, len(self._hook_ids))
+
+    def call_index(self, name: str, kind: str) -> int:
+        # Each call of a module in a step writes its own row (merged by name
+        # on the host), so a NaN from the 2nd call of a reused module is
+        # placed at that call's position in the execution order.
+        ci = self._calls.get((name, kind), 0)
+        self._calls[(name, kind)] = ci + 1
+        return ci
+
+    def register(self, key: tuple, t: torch.Tensor, mtype: str, defer_name: bool = False) -> int:
+        """The row id of ``key`` = (name, kind, path, device, call) for tensor
+        ``t``, or SKIPPED (warned once) if ``t`` cannot be recorded."""
+        reason = skip_reason(t)
+        if reason is not None:
+            self.rows[key] = SKIPPED
+            self.warn_once(key[:3], f"hookcap: not recording {metric_name(*key[:3])}: {reason}")
+            return SKIPPED
+        return self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name)
+
+    def register_row(self, key, device, shape, dtype, mtype, defer_name=False) -> int:
+        """The row id of a metric's call, created on first use.
+        ``defer_name``: a row whose first write happens in C++ (a gradient)
+        gets its metric name when that write is seen (``take_order``), so
+        metrics never written stay out of ``names``, and names keep their
+        first-execution order."""
+        name, kind, path = key[:3]
+        metric = metric_name(name, kind, path)
+        meta = {"module_type": mtype, "kind": kind, "shape": shape, "dtype": dtype}
+        with self._lock:
+            if key in self.rows:
+                return self.rows[key]
+            idx = self.catalog.index(metric)
+            if idx is None:
+                idx = UNNAMED if defer_name else self.catalog.add(metric, meta)
+            self.catalog.module_of[metric] = name
+            rid = self._add_row(device, idx)
+            if idx == UNNAMED:
+                self._unnamed[rid] = (metric, meta)
+            self.rows[key] = rid
+            return rid
+
+    def time_row(self, name: str, device: torch.device) -> int:
+        """The row id of module ``name``'s timing row on ``device``."""
+        rid = self._time_rows.get((name, device))
+        if rid is None:
+            with self._lock:
+                rid = self._add_row(device, None, self.catalog.timing_index(name))
+                self._time_rows[(name, device)] = rid
+        return rid
+
+    def _add_row(self, device: torch.device, metric: int | None, timer: int | None = None) -> int:
+        """A new row of ``device``'s ring (created on first use). Caller holds the lock."""
+        ring = self.rings.get(device)
+        if ring is None:
+            ring = DeviceRing(device, SLOTS, self.config.width, index=len(self.ring_list))
+            # A ring created mid-run starts at the current step.
+            ring.state.copy_(torch.tensor([self.step, int(self.enabled), self.slot]))
+            torch.ops.hookcap.reset_slot(ring.ring, ring.state)
+            self.rings[device] = ring
+            self.ring_list.append(ring)
+            self.fast.set_ring(ring.index, ring.ring, ring.state)
+        buf = ring.ring
+        row = ring.add_row(metric, timer)
+        if ring.ring is not buf:  # grown: C++ hooks read the new buffer
+            self.fast.set_ring(ring.index, ring.ring, ring.state)
+        return row_id(ring.index, row)
+
+    # -- writes (hot path) --------------------------------------------------------
+    def write(self, name, kind, path, t, mtype, ci, replace=False, via_op=False) -> None:
+        """Merge ``t`` into its row. ``replace``: the row keeps only the last
+        write of the step (``param_grad``). ``via_op``: through the dispatcher
+        op, traceable by compiled autograd (gradient hooks), logged here;
+        else through the C++ sink, which logs it."""
+        if type(t) is not torch.Tensor:
+            t = plain_tensor(t)
+        key = (name, kind, path, t.device, ci)
+        rid = self.rows.get(key)
+        if rid is None:
+            rid = self.register(key, t, mtype)
+        if rid == SKIPPED:
+            return
+        if replace:
+            if rid in self._replaced:
+                ring, row = self.ring_of(rid), row_of(rid)
+                _RESET_ROWS(ring.ring, ring.state, row, row + 1)
+            else:
+                self._replaced.add(rid)
+        try:
+            if via_op:
+                ring = self.ring_of(rid)
+                _OP_ACCUMULATE(t, ring.ring, ring.state, row_of(rid), *self.config.hist_args)
+            else:
+                self.fast.accumulate_row(t, rid)
+        except Exception as e:  # telemetry must never take the run down
+            self.rows[key] = SKIPPED
+            self.warn_once(key[:3], f"hookcap: {key[0]}/{key[1]} is no longer recorded: "
+                                    f"{type(e).__name__}: {e}")
+            return
+        if via_op and rid not in self._order:
+            self._order[rid] = None
+            self.fast.note_python_write()
+
+    def capture_grad(self, name: str, path: str, t: torch.Tensor, mtype: str, ci: int) -> None:
+        """Register ``t``'s gradient for its ``grad_output`` row through a C++
+        tensor hook. The row is registered now, from the output's metadata
+        (its gradient has the same shape, dtype and device); rows a backward
+        never writes are left out of the step's record."""
+        key = (name, "grad_output", path, t.device, ci)
+        rid = self.rows.get(key)
+        if rid is None:
+            rid = self.register(key, t, mtype, defer_name=True)
+        if rid == SKIPPED or rid in self.skipped:
+            return
+        try:
+            self.fast.capture_grad(t, rid)
+        except Exception as e:  # telemetry must never take the run down
+            self.skipped.add(rid)
+            self.warn_once((name, "grad_output", path),
+                           f"hookcap: {metric_name(name, 'grad_output', path)} is no longer recorded: "
+                           f"{type(e).__name__}: {e}")
+
+    def learn_fast_output(self, name: str, hid: int, ci: int, t: torch.Tensor, want_out: bool,
+                          want_grad: bool) -> None:
+        """A module call whose output is one plain tensor: once its rows exist,
+        the C++ sink caches them and later calls take ``output_fast`` (the
+        same work as ``write`` and ``capture_grad``, without Python: in a
+        training step every Python line runs on cold caches)."""
+        if not t.is_floating_point():
+            return
+        dev = t.device
+        out = self.rows.get((name, "output", "", dev, ci), SKIPPED) if want_out else None
+        grad = self.rows.get((name, "grad_output", "", dev, ci), SKIPPED) if want_grad else None
+        # Only once every wanted row exists (a gradient row appears at the
+        # first call whose output requires grad).
+        if out == SKIPPED or grad == SKIPPED:
+            return
+        self.fast.learn(hid, ci, t, NO_ROW if out is None else out, NO_ROW if grad is None else grad)
+
+    # -- the step's execution order -------------------------------------------------
+    def take_order(self) -> tuple[list[int], list[tuple[str, str]]]:
+        """Row ids in first-write order this step (the writes logged in C++
+        with Python's op-path writes placed where they happened), naming
+        new gradient metrics in that order; and ``(module, message)`` of
+        each timing mark that failed."""
+        rids, after, errors = self.fast.take()
+        failed_timers = []
+        for rid, timing, message in errors:
+            if timing:
+                failed_timers.append((self.catalog.timed[self.ring_of(rid).timer_of_row[row_of(rid)]], message))
+                continue
+            self.skipped.add(rid)
+            pending = self._unnamed.get(rid)
+            metric = pending[0] if pending else self.catalog.names[self.ring_of(rid).metric_of_row[row_of(rid)]]
+            self.warn_once(("cpp", rid), f"hookcap: {metric} is no longer recorded: {message}")
+        order = list(self._order)
+        if not rids:
+            return order, failed_timers
+        if after[0] == len(order):
+            # The usual step: every C++ write came after the last Python write.
+            merged = order + list(dict.fromkeys(rids))
+        else:
+            merged, seen, i = [], set(), 0
+            for rid, k in zip(rids, after):
+                merged.extend(order[i:k])
+                i = max(i, k)
+                if rid not in seen:
+                    seen.add(rid)
+                    merged.append(rid)
+            merged.extend(order[i:])
+        if self._unnamed:  # name new gradient metrics in execution order
+            with self._lock:
+                for rid in merged:
+                    pending = self._unnamed.pop(rid, None)
+                    if pending is not None:
+                        self.ring_of(rid).metric_of_row[row_of(rid)] = self.catalog.add(*pending)
+        return merged, failed_timers
+

@@ -1,0 +1,146 @@
+"""What every sink builds on: the :class:`Sink` base class, :class:`Callback`,
+and the lazily opened, per-rank text file that JSONL and CSV write."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+
+from .._layout import STAT_NAMES, TIMING_NAMES
+from ..drained import DrainedStep
+
+# Stats that are whole counts: text sinks write them as integers.
+COUNT_STATS = frozenset(("count", "nan", "posinf", "neginf", "inf", "zeros", "finite"))
+
+
+class Sink:
+    """Base class. ``stats``: stat names to write (default: all of
+    ``hookcap.STAT_NAMES``; ``"fwd_ms"``/``"bwd_ms"`` may be added, recorded by
+    ``Monitor(timing=True)``, NaN otherwise);
+    ``every``: write only steps whose number is a multiple of ``every``.
+
+    ``rank``: the rank whose own records this sink receives, set by the
+    Monitor through :meth:`bind_rank` in a multi-rank run; None for records
+    merged across ranks and in a single process (the default)."""
+
+    rank: int | None = None
+
+    def __init__(self, stats: Iterable[str] | None = None, every: int = 1):
+        stats = tuple(STAT_NAMES if stats is None else stats)
+        bad = [s for s in stats if s not in STAT_NAMES and s not in TIMING_NAMES]
+        if bad:
+            raise ValueError(f"stats: unknown stat(s) {bad}; allowed: "
+                             f"{', '.join(STAT_NAMES + TIMING_NAMES)}")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every: must be an int >= 1, got {every!r}")
+        self.stats = stats
+        self.every = every
+
+    def bind_rank(self, rank: int | None) -> None:
+        """Called by the Monitor once in a multi-rank run (torch.distributed
+        initialised, world size > 1), before the first write: ``rank`` when this
+        sink will receive that rank's own records (``rank_sinks="all"``, or the
+        per-rank fallback), None when it receives records merged across ranks.
+        File sinks use it to keep ranks apart (see :class:`JSONL`). Duck-typed
+        sinks may define it too; it is optional."""
+        self.rank = rank
+
+    def wants(self, step: DrainedStep) -> bool:
+        return step.step % self.every == 0
+
+    def write(self, step: DrainedStep) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.flush()
+
+
+class Callback(Sink):
+    """Calls ``fn(step: DrainedStep)`` for every written step."""
+
+    def __init__(self, fn: Callable[[DrainedStep], None], stats=None, every: int = 1):
+        super().__init__(stats, every)
+        self.fn = fn
+
+    def write(self, step: DrainedStep) -> None:
+        self.fn(step)
+
+
+def rank_path(path: str, rank: int | None) -> str:
+    """The file a sink of ``rank`` writes: ``{rank}`` in ``path`` is replaced
+    by the rank; otherwise ``.rank{r}`` goes before the extension
+    (``stats.jsonl`` -> ``stats.rank1.jsonl``). ``rank=None``: ``path`` as given."""
+    if rank is None:
+        return path
+    if "{rank}" in path:
+        return path.replace("{rank}", str(int(rank)))
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{int(rank)}{ext}"
+
+
+class _TextFileSink(Sink):
+    """Opens ``path`` lazily at the first write (creating parent folders),
+    writes each step with one ``write`` and flushes it, so the data is on disk
+    without ``close()``. After ``close()`` a later write appends.
+
+    In a multi-rank run with per-rank records (``Monitor(rank_sinks="all")``)
+    each rank writes its own file, named by :func:`rank_path`: ``{rank}`` in
+    the path is replaced by the rank, else ``.rank{r}`` is inserted before the
+    extension (``stats.jsonl`` -> ``stats.rank1.jsonl``); ``self.path`` is the
+    file actually written. Records merged across ranks and single-process runs
+    write ``path`` as given."""
+
+    def __init__(self, path, stats=None, every=1, append=False):
+        super().__init__(stats, every)
+        self.path_template = os.fspath(path)
+        self.path = self.path_template
+        self.append = bool(append)
+        self._f = None
+        self._opened_once = False
+
+    def bind_rank(self, rank: int | None) -> None:
+        super().bind_rank(rank)
+        self.path = rank_path(self.path_template, rank)
+
+    def _open(self):
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        mode = "a" if (self.append or self._opened_once) else "w"
+        f = open(self.path, mode, encoding="utf-8", newline="")
+        self._opened_once = True
+        return f
+
+    def _write_text(self, text: str) -> None:
+        if self._f is None:
+            self._f = self._open()
+            text = self._preamble() + text
+        try:
+            self._f.write(text)
+            self._f.flush()
+        except BaseException:
+            # A failed write (disk full, ...) disables the sink in the Monitor,
+            # which then never calls close(): release the file now.
+            f, self._f = self._f, None
+            try:
+                f.close()
+            except OSError:
+                pass
+            raise
+
+    def _preamble(self) -> str:
+        return ""
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            f, self._f = self._f, None
+            f.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r})"
