@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable
 
 from . import _layout
@@ -81,7 +82,8 @@ class Consumers:
         self.sinks = sinks
         self.ranks = ranks
         self.anomalies: list[Anomaly] = []
-        self._dump = dump
+        # Weak: the Monitor owns this object, and a bound method would make a cycle.
+        self._dump = weakref.WeakMethod(dump) if hasattr(dump, "__self__") else (lambda: dump)
         self._dumped = False
         self._warned: set[tuple[str, str]] = set()
         self._raise: Anomaly | None = None
@@ -113,7 +115,9 @@ class Consumers:
         if self.dump_on_anomaly is not None and not self._dumped:
             self._dumped = True
             try:
-                self._dump(self._dump_path(a))
+                dump = self._dump()
+                if dump is not None:
+                    dump(self._dump_path(a))
             except Exception as e:
                 log.error("hookcap: dump_on_anomaly failed: %s: %s", type(e).__name__, e)
         if self.on_anomaly == "warn":
