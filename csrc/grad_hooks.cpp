@@ -63,7 +63,7 @@ struct GradSink {
   std::atomic<bool> active{true};
   std::vector<int64_t> log_rids, log_after;  // row id, Python rows logged before it
   std::vector<HookError> errors;
-  std::unordered_set<int64_t> skipped;  // row ids whose gradient is no longer captured
+  std::unordered_set<int64_t> skipped;  // row ids whose gradient hook could not be registered
   // Forward fast path (output_fast); touched only under the GIL.
   bool recording = false;         // the Monitor is attached and records this step
   bool force_python_grad = false;  // Python gradient hooks (env or compiled-autograd config)
@@ -131,13 +131,14 @@ void on_grad(GradSink& s, int64_t rid, const at::Tensor& grad) {
   if (!s.active.load(std::memory_order_relaxed) || !grad.defined()) return;
   RingRef ref = ring_now(s, rid);
   try {
-    TORCH_CHECK(grad.layout() == c10::kStrided && !grad.is_quantized() && !grad.is_nested(),
-                "gradient layout ", grad.layout(), " is not supported");
+    TORCH_CHECK(grad.layout() == c10::kStrided, "layout ", grad.layout(), " is not supported");
+    TORCH_CHECK(!grad.is_nested(), "nested tensors are not supported");
+    TORCH_CHECK(!grad.is_quantized(), "quantized tensors are not supported");
     accumulate_into(s, ref, row_of(rid), grad);
   } catch (const std::exception& e) {  // telemetry must never take the run down
+    // This gradient is not recorded; the row stays for later ones.
     std::lock_guard<std::mutex> lock(s.mu);
     s.errors.push_back({rid, false, message_of(e)});
-    s.skipped.insert(rid);
     return;
   }
   log_write(s, rid);

@@ -14,8 +14,13 @@ from .histogram import Histogram
 
 CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad")
 DEFAULT_HISTOGRAM = Histogram.log2()
-ROOT_NAME = "model"
+# The root module's name: "." is no qualified name of a child (those are
+# non-empty, dot-joined attribute names), so the root never merges with one
+# (HF's *ForCausalLM has a child called "model").
+ROOT_NAME = "."
 RANK_SINKS = ("merged", "all")
+EVAL_FORWARDS = ("separate", "skip", "merge")
+EVAL_PREFIX = "eval/"  # metrics of forwards of modules in eval mode, eval_forwards="separate"
 SLOTS = 4  # step slots per device ring: the drain may trail training by this many recorded steps
 
 
@@ -34,6 +39,7 @@ class Config:
     every: int
     timing: bool
     rank_sinks: str
+    eval_forwards: str
     modules: object  # the ``modules`` argument as given (for messages)
     select: Callable[[str, nn.Module], bool]  # which modules are hooked
     hist_args: tuple  # the histogram's op arguments (kind, lo, hi, bins)
@@ -45,7 +51,8 @@ class Config:
         return self.modules is None
 
 
-def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks) -> Config:
+def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks,
+                eval_forwards="separate") -> Config:
     """Validate the Monitor's arguments; ``ValueError`` naming the argument."""
     if isinstance(capture, str):
         capture = (capture,)
@@ -74,16 +81,21 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
     if not (isinstance(rank_sinks, str) and rank_sinks in RANK_SINKS):
         raise ValueError(f"rank_sinks: expected 'merged' (rank 0 writes records merged across "
                          f"ranks) or 'all' (every rank writes its own), got {rank_sinks!r}")
+    if not (isinstance(eval_forwards, str) and eval_forwards in EVAL_FORWARDS):
+        raise ValueError(f"eval_forwards: expected 'separate' (eval-mode forwards recorded as eval/... "
+                         f"metrics), 'skip' or 'merge', got {eval_forwards!r}")
     hist_args = (0, 0.0, 0.0, 0) if histogram is None else histogram.op_args()
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
-    return Config(capture, histogram, capacity, every, timing, rank_sinks, modules,
+    return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
                   module_filter(modules), hist_args, width)
 
 
 def module_filter(modules) -> Callable[[str, nn.Module], bool]:
     """``select(qualified_name, module) -> bool`` for the ``modules`` argument."""
     if modules is None:
-        return lambda name, m: next(m.children(), None) is None  # leaf modules
+        return default_module
+    if isinstance(modules, type):  # a bare module type, as a 1-tuple
+        modules = (modules,)
     if isinstance(modules, str):
         modules = [modules]
     if isinstance(modules, (list, tuple)) and modules and all(isinstance(t, type) for t in modules):
@@ -95,6 +107,27 @@ def module_filter(modules) -> Callable[[str, nn.Module], bool]:
         globs = list(modules)
         return lambda name, m: any(fnmatch.fnmatchcase(name, g) for g in globs)
     return modules
+
+
+def default_module(name: str, m: nn.Module) -> bool:
+    """``modules=None``: a leaf, or a module that owns a parameter directly
+    (``nn.MultiheadAttention``) or is parametrized (``weight_norm``,
+    ``spectral_norm``). Parametrization internals are excluded by
+    :func:`parametrization_internals`."""
+    if next(m.children(), None) is None:
+        return True
+    return next(m.parameters(recurse=False), None) is not None or "parametrizations" in m._modules
+
+
+def parametrization_internals(model: nn.Module) -> set[int]:
+    """``id`` of every module inside a parametrization container of ``model``
+    (``m.parametrizations``): they compute a parameter, not an activation."""
+    out: set[int] = set()
+    for m in model.modules():
+        p = m._modules.get("parametrizations")
+        if p is not None:
+            out.update(id(x) for x in p.modules())
+    return out
 
 
 def example_names(model: nn.Module, k: int = 4) -> str:

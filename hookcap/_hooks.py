@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import _compile
-from ._config import ROOT_NAME, Config, example_names, metric_name
+from ._config import EVAL_PREFIX, ROOT_NAME, Config, example_names, metric_name, parametrization_internals
 from ._park import HookPark
 from ._recorder import Recorder
 from ._timing import Timing, inplace_grad_node
@@ -40,6 +40,69 @@ def _input_obj(args, kwargs):
 
 def _skip(*args):
     return None
+
+
+def _by_mode(train, ev):
+    """A hook running ``train`` for modules in train mode, else ``ev`` (None: nothing)."""
+    if ev is None:
+        def hook(mod, *args):
+            return train(mod, *args) if mod.training else None
+    else:
+        def hook(mod, *args):
+            return train(mod, *args) if mod.training else ev(mod, *args)
+    return hook
+
+
+def innermost_optimizer(optimizer):
+    """The ``torch.optim.Optimizer`` inside wrappers (accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, HF's
+    wrappers: ``.optimizer`` / ``._optimizer``), else ``optimizer`` itself."""
+    seen = set()
+    while id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            inner = getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer or not hasattr(inner, "step"):
+            break
+        optimizer = inner
+    return optimizer
+
+
+class _StepWrapper:
+    """The handle of an optimizer whose ``step`` is wrapped (it has no
+    ``register_step_post_hook``): ``remove()`` restores it."""
+
+    def __init__(self, optimizer, after_step):
+        self.optimizer = optimizer
+        had = "step" in vars(optimizer)
+        self._own = vars(optimizer)["step"] if had else None
+        inner = optimizer.step
+
+        @functools.wraps(inner)
+        def step(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            after_step()
+            return out
+
+        optimizer.step = step
+
+    def remove(self) -> None:
+        if self._own is not None:
+            self.optimizer.step = self._own
+        else:
+            vars(self.optimizer).pop("step", None)
+
+
+def after_optimizer_step(optimizer, fn):
+    """Call ``fn()`` after each step of ``optimizer`` (or of the optimizer it
+    wraps); returns a handle with ``remove()``."""
+    opt = innermost_optimizer(optimizer)
+    if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_post_hooks"):
+        return opt.register_step_post_hook(lambda *a, **k: fn())
+    if not callable(getattr(opt, "step", None)):
+        raise ValueError(f"optimizer: {type(optimizer).__name__} has no step() to follow")
+    return _StepWrapper(opt, fn)
 
 
 class Hooks:
@@ -73,10 +136,11 @@ class Hooks:
             self._attach_global()
             return
         cfg = self.config
+        internals = parametrization_internals(self.model) if cfg.modules is None else set()
         matched = 0
         for qual, mod in self.model.named_modules():
             name = qual or ROOT_NAME
-            if cfg.select(name, mod):
+            if id(mod) not in internals and cfg.select(name, mod):
                 self._hook_module(name, mod)
                 matched += 1
         if matched == 0 and not cfg.all_params:
@@ -88,6 +152,9 @@ class Hooks:
             for pname, p in self.params:
                 if p.requires_grad:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(pname)))
+        if not self.handles and not ("param" in cfg.capture and self.params):
+            self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="
+                                    f"{cfg.capture!r}, modules={cfg.modules!r}): it will record nothing")
 
     def remove(self) -> None:
         for h in self.handles:
@@ -101,8 +168,9 @@ class Hooks:
             open_calls.clear()
 
     def park_or_unpark(self, attached: bool) -> None:
-        """Hooks out for a step that records nothing; in for one that records."""
-        if self.recorder.enabled or not (self.park_ok and attached):
+        """Hooks out for a step that records nothing (an off-step, a paused
+        block); in for one that records."""
+        if self.recorder.recording or not (self.park_ok and attached):
             self.park.unpark()
         elif not self.park.parked and _compile.compile_callback_installed():
             self.park.park()
@@ -137,19 +205,32 @@ class Hooks:
         mtype = type(mod).__name__
         capture = self.config.capture
         if "input" in capture:
-            self._add(mod.register_forward_pre_hook(self._input_hook(name, mtype), with_kwargs=True))
+            self._add(mod.register_forward_pre_hook(self._phased(self._input_hook, name, mtype), with_kwargs=True))
         if "output" in capture or "grad_output" in capture:
             self._add(mod.register_forward_hook(self._output_hook(name, mtype)))
         if "grad_input" in capture:
-            pre, post = self._grad_input_hooks(name, mtype)
+            pre, post = self._phased(self._grad_input_hooks, name, mtype)
             self._add(mod.register_forward_pre_hook(pre, with_kwargs=True))
             self._add(mod.register_forward_hook(post))
         if self.config.timing:
             # The start mark last among the pre-hooks and the end mark first
             # among the forward hooks: the stats work stays out of the time.
-            pre, post = self.timing.hooks(name)
+            pre, post = self._phased(self.timing.hooks, name)
             self._add(mod.register_forward_pre_hook(pre, with_kwargs=True))
             self._add(mod.register_forward_hook(post, prepend=True))
+
+    def _phased(self, factory, name: str, *args):
+        """``factory(name, *args)``'s hook, or (pre, post) pair, split by the
+        module's mode at each call: train mode records under ``name``, eval
+        mode as ``eval_forwards`` says (under ``eval/{name}``, or not at all)."""
+        train = factory(name, *args)
+        mode = self.config.eval_forwards
+        if mode == "merge":
+            return train
+        ev = factory(EVAL_PREFIX + name, *args) if mode == "separate" else None
+        if isinstance(train, tuple):
+            return tuple(_by_mode(t, None if ev is None else e) for t, e in zip(train, ev or train))
+        return _by_mode(train, ev)
 
     # -- hooks (hot path) ---------------------------------------------------------
     def _input_hook(self, name, mtype):
@@ -168,14 +249,20 @@ class Hooks:
 
         return hook
 
-    def _output_hook(self, name, mtype):
+    def _output_hook(self, name, mtype, phase_split=True):
         rec = self.recorder
         want_out = "output" in self.config.capture
         want_grad = "grad_output" in self.config.capture
         hid = rec.hook_id(name)
         output_fast = rec.fast.output_fast
+        # The eval split inlined (not _phased): this is the hottest hook.
+        mode = self.config.eval_forwards
+        split = phase_split and mode != "merge"
+        ev = self._output_hook(EVAL_PREFIX + name, mtype, False) if split and mode == "separate" else _skip
 
         def hook(mod, args, output):
+            if split and not mod.training:
+                return ev(mod, args, output)
             if torch.compiler.is_compiling():
                 _compile.hooks_traced(self.key)
                 if want_out:
@@ -260,10 +347,18 @@ class Hooks:
             single = len(args) == 1 and not kwargs
             ci = 0 if compiling else rec.call_index(name, "grad_input")
             made: list = []
+            # A tensor passed several times gets one alias, recorded at its
+            # first position: modules test identity (MultiheadAttention's
+            # `query is key` picks its self-attention path).
+            aliases: dict[int, torch.Tensor] = {}
 
             def wrap(path, v):
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
-                    return compiled_alias(path, v) if compiling else alias(path, v, ci, made)
+                    a = aliases.get(id(v))
+                    if a is None:
+                        a = compiled_alias(path, v) if compiling else alias(path, v, ci, made)
+                        aliases[id(v)] = a
+                    return a
                 return v
 
             new_args = tuple(wrap("" if single else str(i), v) for i, v in enumerate(args))
@@ -351,12 +446,12 @@ class Hooks:
 
         def timing_of(n):
             if ("timing", n) not in pairs:
-                pairs[("timing", n)] = self.timing.hooks(n)
+                pairs[("timing", n)] = self._phased(self.timing.hooks, n)
             return pairs[("timing", n)]
 
         def grad_input_of(n, t):
             if ("grad_input", n) not in pairs:
-                pairs[("grad_input", n)] = self._grad_input_hooks(n, t)
+                pairs[("grad_input", n)] = self._phased(self._grad_input_hooks, n, t)
             return pairs[("grad_input", n)]
 
         def args_only(pre):
@@ -371,7 +466,7 @@ class Hooks:
         if self.config.timing:  # global hooks run in registration order: the end mark first
             self._add(mm.register_module_forward_hook(named(lambda n, t: timing_of(n)[1])))
         if "input" in capture:
-            self._add(mm.register_module_forward_pre_hook(named(lambda n, t: args_only(self._input_hook(n, t)))))
+            self._add(mm.register_module_forward_pre_hook(named(lambda n, t: args_only(self._phased(self._input_hook, n, t)))))
         if "output" in capture or "grad_output" in capture:
             self._add(mm.register_module_forward_hook(named(self._output_hook)))
         if "grad_input" in capture:

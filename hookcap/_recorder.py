@@ -22,7 +22,7 @@ from ._ring import UNNAMED, DeviceRing
 
 log = logging.getLogger("hookcap")
 
-SKIPPED = -1  # Recorder.rows value of a (metric, device, call) that is not recorded
+SKIPPED = -1  # Recorder.register's answer for a call that is not recorded
 _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
 
@@ -58,21 +58,24 @@ class Recorder:
 
     ``step``/``slot``/``enabled`` mirror the rings' device state (the step
     being recorded, its ring slot, whether it records); ``recording`` is
-    ``enabled`` while the Monitor is attached: the hooks write only then.
-    ``rows`` maps ``(name, kind, path, device, call)`` to a row id, or
-    ``SKIPPED``."""
+    ``enabled`` while the Monitor is attached and not ``paused``: the hooks
+    write only then.
+    ``rows`` maps ``(name, kind, path, device, call)`` to a row id. A value
+    that cannot be recorded (a nested tensor, a failing op) skips that call
+    only, with one warning per metric and reason."""
 
-    def __init__(self, config: Config, catalog: Catalog):
+    def __init__(self, config: Config, catalog: Catalog, start_step: int = 0):
         self.config = config
         self.catalog = catalog
         self.fast = FastPath(config.hist_args)
         self.rings: dict[torch.device, DeviceRing] = {}
         self.ring_list: list[DeviceRing] = []  # by ring index
         self.rows: dict[tuple, int] = {}
-        self.step = 0
+        self.step = start_step
         self.slot = 0
-        self.enabled = True
+        self.enabled = start_step % config.every == 0
         self.attached = False
+        self.paused = False
         self.recording = False
         # Row ids written through the Python op wrapper this step, in first-
         # write order; every other write is logged by the C++ sink.
@@ -89,7 +92,16 @@ class Recorder:
     # -- state ------------------------------------------------------------------
     def set_attached(self, attached: bool) -> None:
         self.attached = attached
-        self.fast.set_active(attached)
+        self.fast.set_active(attached and not self.paused)
+        self._sync(new_step=False)
+
+    def set_paused(self, paused: bool) -> None:
+        """Record nothing while paused: hooks, C++ gradient hooks and the
+        kernels of compiled code (through the device flag) all stay quiet."""
+        self.paused = paused
+        self.fast.set_active(self.attached and not paused)
+        for ring in self.ring_list:
+            ring.set_enabled(self.enabled and not paused)
         self._sync(new_step=False)
 
     def new_step(self, step: int, enabled: bool, slot: int) -> None:
@@ -98,10 +110,24 @@ class Recorder:
         self._order = {}
         self._calls = {}
         self._replaced.clear()
+        if self.paused and enabled:  # the device's advance enabled it
+            for ring in self.ring_list:
+                ring.set_enabled(False)
+        self._sync(new_step=True)
+
+    def jump_to(self, step: int) -> None:
+        """Number the open step ``step`` (a resumed run); its writes so far are dropped."""
+        self.step, self.enabled = step, step % self.config.every == 0
+        for ring in self.ring_list:
+            ring.set_state(step, self.enabled and not self.paused, self.slot)
+        self._order = {}
+        self._calls = {}
+        self._replaced.clear()
+        self.fast.take()
         self._sync(new_step=True)
 
     def _sync(self, new_step: bool) -> None:
-        self.recording = self.enabled and self.attached
+        self.recording = self.enabled and self.attached and not self.paused
         # The compiled-autograd config matters only to a recording step; an
         # off-step skips reading it (~5 us warm, tens of us with cold caches).
         self.fast.set_recording(self.recording, _compile.PYTHON_GRAD_HOOKS or (
@@ -133,10 +159,17 @@ class Recorder:
         ``t``, or SKIPPED (warned once) if ``t`` cannot be recorded."""
         reason = skip_reason(t)
         if reason is not None:
-            self.rows[key] = SKIPPED
-            self.warn_once(key[:3], f"hookcap: not recording {metric_name(*key[:3])}: {reason}")
+            self.skip_call(metric_name(*key[:3]), reason)
             return SKIPPED
         return self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name)
+
+    def skip_call(self, metric: str, reason: str) -> None:
+        """One call of ``metric`` is not recorded: warned once per metric and
+        reason (its first line: dispatcher errors run to dozens)."""
+        reason = reason.strip().splitlines()[0] if reason.strip() else reason
+        self.warn_once(("skip", metric, reason),
+                       f"hookcap: {metric}: a call was not recorded: {reason} (warned once per metric "
+                       "and reason; other calls are recorded)")
 
     def register_row(self, key, device, shape, dtype, mtype, defer_name=False) -> int:
         """The row id of a metric's call, created on first use.
@@ -174,9 +207,7 @@ class Recorder:
         ring = self.rings.get(device)
         if ring is None:
             ring = DeviceRing(device, SLOTS, self.config.width, index=len(self.ring_list))
-            # A ring created mid-run starts at the current step.
-            ring.state.copy_(torch.tensor([self.step, int(self.enabled), self.slot]))
-            torch.ops.hookcap.reset_slot(ring.ring, ring.state)
+            ring.set_state(self.step, self.enabled and not self.paused, self.slot)  # it starts mid-run
             self.rings[device] = ring
             self.ring_list.append(ring)
             self.fast.set_ring(ring.index, ring.ring, ring.state)
@@ -198,8 +229,8 @@ class Recorder:
         rid = self.rows.get(key)
         if rid is None:
             rid = self.register(key, t, mtype)
-        if rid == SKIPPED:
-            return
+            if rid == SKIPPED:
+                return
         if replace:
             if rid in self._replaced:
                 ring, row = self.ring_of(rid), row_of(rid)
@@ -213,9 +244,7 @@ class Recorder:
             else:
                 self.fast.accumulate_row(t, rid)
         except Exception as e:  # telemetry must never take the run down
-            self.rows[key] = SKIPPED
-            self.warn_once(key[:3], f"hookcap: {key[0]}/{key[1]} is no longer recorded: "
-                                    f"{type(e).__name__}: {e}")
+            self.skip_call(metric_name(*key[:3]), skip_reason(t) or f"{type(e).__name__}: {e}")
             return
         if via_op and rid not in self._order:
             self._order[rid] = None
@@ -227,15 +256,19 @@ class Recorder:
         (its gradient has the same shape, dtype and device); rows a backward
         never writes are left out of the step's record."""
         key = (name, "grad_output", path, t.device, ci)
+        reason = skip_reason(t)
+        if reason is not None:
+            self.skip_call(metric_name(name, "grad_output", path), reason)
+            return
         rid = self.rows.get(key)
         if rid is None:
-            rid = self.register(key, t, mtype, defer_name=True)
-        if rid == SKIPPED or rid in self.skipped:
+            rid = self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name=True)
+        if rid in self.skipped:
             return
         try:
             self.fast.capture_grad(t, rid)
         except Exception as e:  # telemetry must never take the run down
-            self.skipped.add(rid)
+            self.skipped.add(rid)  # registering its hook fails: structural, not this value
             self.warn_once((name, "grad_output", path),
                            f"hookcap: {metric_name(name, 'grad_output', path)} is no longer recorded: "
                            f"{type(e).__name__}: {e}")
@@ -269,10 +302,9 @@ class Recorder:
             if timing:
                 failed_timers.append((self.catalog.timed[self.ring_of(rid).timer_of_row[row_of(rid)]], message))
                 continue
-            self.skipped.add(rid)
             pending = self._unnamed.get(rid)
             metric = pending[0] if pending else self.catalog.names[self.ring_of(rid).metric_of_row[row_of(rid)]]
-            self.warn_once(("cpp", rid), f"hookcap: {metric} is no longer recorded: {message}")
+            self.skip_call(metric, message)
         order = list(self._order)
         if not rids:
             return order, failed_timers

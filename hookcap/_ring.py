@@ -84,6 +84,17 @@ class DeviceRing:
         self.nrows += 1
         return row
 
+    def set_state(self, step: int, enabled: bool, slot: int) -> None:
+        """Put the device state at (step, enabled, slot) and reset that slot
+        (a ring created mid-run, a resumed step counter)."""
+        self.state.copy_(torch.tensor([step, int(enabled), slot]))
+        _ops.reset_slot(self.ring, self.state)
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Whether the kernels write this step (also code compiled with the
+        hooks inside, which reads only the device flag). Stream-ordered, no sync."""
+        self.state[1].fill_(int(enabled))
+
     # -- drain ------------------------------------------------------------------
     def finish(self, step: int, slot: int) -> bool:
         """Queue slot ``slot`` (holding step ``step``) for the host. Returns False

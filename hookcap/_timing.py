@@ -124,7 +124,7 @@ class Timing:
                     # The backward ends when the gradient w.r.t. the module's
                     # first input that requires grad is complete: seen on an
                     # alias of it (the same memory) that only this module uses.
-                    key, v = first_grad_input(args, kwargs)
+                    _, v = first_grad_input(args, kwargs)
                     if v is None:
                         pass
                     elif name in inplace and v._base is None:
@@ -138,10 +138,10 @@ class Timing:
                     else:
                         a = v.view_as(v)
                         grad_mark(a, rid, False)
-                        if type(key) is int:
-                            new = (args[:key] + (a,) + args[key + 1:], kwargs)
-                        else:
-                            new = (args, {**kwargs, key: a})
+                        # Every occurrence, so identity tests inside the module
+                        # (MultiheadAttention's `query is key`) still hold.
+                        new = (tuple(a if x is v else x for x in args),
+                               {k: a if x is v else x for k, x in kwargs.items()})
                         end = (a, a.grad_fn)
             except Exception as e:  # telemetry must never take the run down
                 self.failed(name, e)

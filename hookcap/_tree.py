@@ -15,7 +15,8 @@ def tensor_leaves(obj, floating_only: bool = True, traced: bool = False) -> list
     """``[(path, tensor)]`` for the tensors inside ``obj``, in order.
 
     Paths join keys / indices with dots (``"0"``, ``"1.attn"``, ``"logits"``);
-    a bare tensor has path ``""``. Tuples, lists, mappings (incl. HF
+    a bare tensor has path ``""``; a namedtuple's items are named by field.
+    Tuples, lists, mappings (incl. HF
     ``ModelOutput``) and dataclasses are walked, at most 8 levels deep; None
     and other values are skipped; generators are never consumed.
 
@@ -38,6 +39,8 @@ def _walk(obj, path: str, depth: int, floating_only: bool, traced: bool, out: li
         return
     if isinstance(obj, dict) or (not traced and isinstance(obj, Mapping)):
         items = obj.items()
+    elif isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # a namedtuple
+        items = zip(type(obj)._fields, obj)
     elif isinstance(obj, (tuple, list)):
         items = enumerate(obj)
     elif not traced and dataclasses.is_dataclass(obj) and not isinstance(obj, type):

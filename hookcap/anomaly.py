@@ -49,16 +49,38 @@ class AnomalyError(RuntimeError):
 class NonFinite:
     """NaN or +-Inf values. Reports the FIRST metric in execution order that
     holds any (forward kinds in hook order, then backward kinds in backward
-    order), i.e. where the non-finite values appeared, not where they spread."""
+    order), i.e. where the non-finite values appeared, not where they spread.
+
+    Each metric is reported once, at the first step it is that first
+    offender; a run that stays diverged adds no anomaly per step. ``counts``
+    (metric name -> steps) counts every recorded step in which a metric held
+    NaN/Inf, reported or not."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.reported: set[str] = set()
+
+    def state_dict(self) -> dict:
+        return {"counts": dict(self.counts), "reported": sorted(self.reported)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counts = {str(k): int(v) for k, v in state["counts"].items()}
+        self.reported = set(state["reported"])
 
     def __call__(self, step: DrainedStep):
         bad = np.flatnonzero((step.stats["nan"] + step.stats["inf"]) > 0)
         if bad.size == 0:
             return None
+        for i in bad:
+            name = step.names[i]
+            self.counts[name] = self.counts.get(name, 0) + 1
         # Per-call order first: a module called twice is placed where the
         # call that produced the NaN ran, not where its first call ran.
         hit = np.flatnonzero(step.calls_nonfinite)
         first = step.calls[hit[0]] if hit.size else step.names[bad[0]]
+        if first in self.reported:
+            return None
+        self.reported.add(first)
         s = step.stats_of(first)
         more = f"; {bad.size - 1} later metric(s) affected" if bad.size > 1 else ""
         return Anomaly(step.step, first, "nonfinite",
@@ -81,6 +103,13 @@ class Spike:
             raise ValueError("Spike: need z > 0, window >= 2 and 1 <= warmup <= window")
         self.stat, self.z, self.window, self.warmup = stat, z, window, warmup
         self._hist: dict[str, deque] = {}
+
+    def state_dict(self) -> dict:
+        """Each metric's window of recent values (a resumed run continues them)."""
+        return {"window": {k: list(v) for k, v in self._hist.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._hist = {k: deque(map(float, v), maxlen=self.window) for k, v in state["window"].items()}
 
     def __call__(self, step: DrainedStep):
         out = []
@@ -151,6 +180,12 @@ class Dead:
             raise ValueError("Dead: need 0 < zero_frac <= 1 and steps >= 1")
         self.zero_frac, self.steps = zero_frac, steps
         self._run: dict[str, int] = {}
+
+    def state_dict(self) -> dict:
+        return {"run": dict(self._run)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._run = {str(k): int(v) for k, v in state["run"].items()}
 
     def __call__(self, step: DrainedStep):
         out = []

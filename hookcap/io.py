@@ -21,12 +21,14 @@ VERSION = 1
 def write(records: list[StepRecord], names: list[str], metas: dict, histogram: Histogram | None,
           path: str | os.PathLike, extra: dict | None = None) -> str:
     """Write ``records`` (StepRecords whose metric indices refer to ``names``)
-    to ``path`` (``.npz`` is appended if missing). ``metas``: name ->
+    to ``path`` (``.npz`` is appended if missing; missing parent folders are
+    created). ``metas``: name ->
     ``{"module_type", "kind", "shape", "dtype"}``; ``extra``
     (JSON-serialisable) is stored in the header. Returns the path written."""
     path = os.fspath(path)
     if not path.endswith(".npz"):
         path += ".npz"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     recs = list(records)
     header = {
         "format": FORMAT,
@@ -67,8 +69,12 @@ def _cat(parts, empty_shape):
 
 def read(path: str | os.PathLike) -> tuple[list[StepRecord], list[str], dict, Histogram | None, dict]:
     """Read a file written by :func:`write`: ``(records, names, metas,
-    histogram, extra)``."""
-    with np.load(os.fspath(path)) as z:
+    histogram, extra)``. ``path`` may omit the ``.npz`` that :func:`write`
+    appended."""
+    path = os.fspath(path)
+    if not os.path.exists(path) and os.path.exists(path + ".npz"):
+        path += ".npz"
+    with np.load(path) as z:
         if "meta_json" not in z.files:
             raise ValueError(f"{path}: not a hookcap history file")
         header = json.loads(bytes(z["meta_json"]).decode())

@@ -9,6 +9,7 @@ hookcap._consumers, _ranks).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -19,7 +20,7 @@ from ._config import CAPTURE_KINDS, DEFAULT_HISTOGRAM, RANK_SINKS, ROOT_NAME, ma
 from ._consumers import Consumers, Sinks
 from ._drain import Drain
 from ._exit import ExitDump
-from ._hooks import Hooks
+from ._hooks import Hooks, after_optimizer_step, innermost_optimizer
 from ._ranks import RankMerger
 from ._recorder import Recorder
 from .anomaly import Anomaly, AnomalyError
@@ -44,10 +45,12 @@ class Monitor:
 
     Args:
         model: the module to watch (its qualified names name the metrics; the
-            root is ``"model"``).
-        modules: ``None`` (every leaf module), a glob or list of globs over
-            qualified names (fnmatch), a tuple of ``nn.Module`` types, or
-            ``callable(name, module) -> bool``.
+            root is ``"."``, which no child's qualified name can be).
+        modules: ``None`` (every module that is a leaf, owns a parameter
+            directly, e.g. ``nn.MultiheadAttention``, or is parametrized, e.g.
+            by ``weight_norm``; parametrization internals excluded), a glob or
+            list of globs over qualified names (fnmatch), an ``nn.Module`` type
+            or tuple of types, or ``callable(name, module) -> bool``.
         capture: any of ``"input"`` (forward pre-hook, so in-place ops inside the
             module cannot alter it), ``"output"``, ``"grad_input"`` (the gradient
             the module sends to each floating input that requires grad),
@@ -57,7 +60,11 @@ class Monitor:
         histogram: ``Histogram.log2()`` (default), ``Histogram.linear(...)`` or None.
         capacity: recorded steps kept on the host (oldest dropped first).
         every: record every N-th step; other steps launch nothing.
-        optimizer: if given, ``step()`` runs after each ``optimizer.step()``.
+        optimizer: if given, ``step()`` runs after each optimizer step. A
+            wrapper (accelerate's ``AcceleratedOptimizer``, Lightning's
+            ``LightningOptimizer``) is followed to the innermost
+            ``torch.optim.Optimizer``; an optimizer without step post-hooks
+            has its ``step`` wrapped until ``detach()``.
         detectors: callables run on every drained step (default
             ``[hookcap.NonFinite()]``; ``[]`` for none).
         on_anomaly: ``"warn"`` (one log warning per metric and kind), ``"raise"``
@@ -117,9 +124,23 @@ class Monitor:
               ``stats.rank1.jsonl``); ``TensorBoard`` writes under
               ``log_dir/rank{r}``; ``WandB`` prefixes its keys with ``rank{r}/``.
 
+        eval_forwards: forwards of modules in eval mode (``module.training``
+            False at the call, e.g. after ``model.eval()``; a frozen
+            BatchNorm in eval mode counts too) never merge into a training
+            step's rows. ``"separate"`` (default): recorded as metrics named
+            ``f"eval/{qualname}/{kind}"``, a series of their own for
+            detectors; ``"skip"``: not recorded; ``"merge"``: recorded like
+            training forwards (for models only ever run in eval). Forwards
+            in train mode under ``no_grad`` (a teacher, ``generate()``
+            without ``eval()``) count as training; wrap them in
+            ``with mon.paused():`` to leave them out.
+        start_step: the number of the first step (a resumed run; see also
+            :meth:`state_dict`).
+
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
-    ``"logits"``), and ``f"{param_qualname}/param"`` / ``"/param_grad"``.
+    ``"logits"``; namedtuple items by field), ``f"{param_qualname}/param"`` /
+    ``"/param_grad"``, and ``eval/`` before the name of an eval-mode forward.
     """
 
     def __init__(
@@ -138,15 +159,22 @@ class Monitor:
         dump_on_exit=None,
         rank_sinks: str = "merged",
         timing: bool = False,
+        eval_forwards: str = "separate",
+        start_step: int = 0,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
-        config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks)
+        config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks, eval_forwards)
+        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
+            raise ValueError(f"start_step: expected an int >= 0 (the number of the first step), got {start_step!r}")
+        if optimizer is not None and not callable(getattr(innermost_optimizer(optimizer), "step", None)):
+            raise ValueError(f"optimizer: expected a torch optimizer or a wrapper of one, "
+                             f"got {type(optimizer).__name__}")
         self.model = model
         self.optimizer = optimizer
         self._config = config
         self._catalog = Catalog()
-        self._recorder = Recorder(config, self._catalog)
+        self._recorder = Recorder(config, self._catalog, start_step)
         self._hooks = Hooks(config, self._recorder, model)
         self._drain = Drain(config, self._catalog)
         self._sinks = Sinks(sinks)
@@ -155,6 +183,7 @@ class Monitor:
                                     dump_on_anomaly, self.dump)
         self._exit = ExitDump(dump_on_exit, self.dump)
         self._attached = False
+        self._with_depth = 0  # nested `with mon:` blocks; the outermost one detaches
 
     # -- settings and results (read-only unless stated) ----------------------------
     capture = property(lambda self: self._config.capture, doc="Capture kinds, as a tuple.")
@@ -163,6 +192,8 @@ class Monitor:
     every = property(lambda self: self._config.every, doc="Record every N-th step.")
     timing = property(lambda self: self._config.timing, doc="Whether module durations are recorded.")
     rank_sinks = property(lambda self: self._config.rank_sinks, doc="``'merged'`` or ``'all'``.")
+    eval_forwards = property(lambda self: self._config.eval_forwards,
+                             doc="``'separate'``, ``'skip'`` or ``'merge'``.")
     detectors = property(lambda self: self._consumers.detectors, doc="Detectors run on each drained step.")
     anomalies = property(lambda self: self._consumers.anomalies, doc="Every Anomaly found so far.")
     failed_sinks = property(lambda self: self._sinks.failed,
@@ -217,10 +248,13 @@ class Monitor:
     # -- attach / detach --------------------------------------------------------
     def __enter__(self) -> Monitor:
         self.attach()
+        self._with_depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        self.detach()
+        self._with_depth -= 1
+        if self._with_depth == 0:
+            self.detach()
 
     def attach(self) -> Monitor:
         """Register the hooks. Idempotent. On an error nothing stays registered."""
@@ -231,7 +265,7 @@ class Monitor:
         try:
             self._hooks.attach()
             if self.optimizer is not None:
-                self._hooks.handles.append(self.optimizer.register_step_post_hook(lambda *a, **k: self.step()))
+                self._hooks.handles.append(after_optimizer_step(self.optimizer, self.step))
         except BaseException:
             self._hooks.remove()
             self._attached = False
@@ -263,6 +297,9 @@ class Monitor:
         With ``rank_sinks="merged"`` in a multi-rank run, also a (host-only)
         collective on every rank: see the class docstring."""
         rec, hooks = self._recorder, self._hooks
+        if not self._attached:
+            rec.warn_once("step unattached", "hookcap: step() on a Monitor that is not attached: it "
+                                             "records nothing (call attach() or use `with mon:`)")
         if not self._ranks.decided:
             self._ranks.setup(RANK_HANDSHAKE_TIMEOUT_S)
         if rec.enabled:
@@ -284,6 +321,48 @@ class Monitor:
         anomaly = self._consumers.raise_pending()
         if anomaly is not None:
             raise AnomalyError(anomaly)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """``with mon.paused():`` records nothing inside the block (forwards,
+        backwards, compiled code) and costs nothing there: the module hooks
+        are parked as on an off-step. Steps keep their numbers."""
+        rec = self._recorder
+        was = rec.paused
+        rec.set_paused(True)
+        self._hooks.park_or_unpark(self._attached)
+        try:
+            yield self
+        finally:
+            rec.set_paused(was)
+            self._hooks.park_or_unpark(self._attached)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs (plain Python data, picklable and JSON-able):
+        the open step's number, each detector's state (Spike windows, Dead
+        runs, NonFinite counts) and the anomalies so far."""
+        return {"format": "hookcap-monitor", "version": 1, "step": self.current_step,
+                "detectors": [d.state_dict() if callable(getattr(d, "state_dict", None)) else None
+                              for d in self.detectors],
+                "anomalies": [a.to_dict() for a in self.anomalies]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`: the open step takes the saved
+        number, the detectors (matched by position) their state, and
+        ``anomalies`` becomes the saved list."""
+        if not (isinstance(state, dict) and state.get("format") == "hookcap-monitor"):
+            raise ValueError("state: expected a dict from Monitor.state_dict()")
+        if state.get("version", 0) > 1:
+            raise ValueError(f"state: version {state['version']} is newer than this hookcap (1)")
+        if len(state["detectors"]) != len(self.detectors):
+            raise ValueError(f"state: saved with {len(state['detectors'])} detectors, this Monitor "
+                             f"has {len(self.detectors)}")
+        self._recorder.jump_to(int(state["step"]))
+        for det, s in zip(self.detectors, state["detectors"]):
+            if s is not None and callable(getattr(det, "load_state_dict", None)):
+                det.load_state_dict(s)
+        self.anomalies[:] = [Anomaly.from_dict(d) for d in state["anomalies"]]
+        self._hooks.park_or_unpark(self._attached)
 
     def _consume(self, wait: bool) -> None:
         for record in self._drain.collect(self._recorder.ring_list, wait):

@@ -192,9 +192,31 @@ def _norm(values: np.ndarray):
     return LogNorm(vmin=lo, vmax=hi if hi > lo else lo * 10), "log scale"
 
 
+_NO_FINITE_COLOUR = "#e7298a"  # magenta: recorded, but no finite value (all NaN/Inf)
+
+
+def no_finite_cells(run: RunData) -> np.ndarray | None:
+    """bool [S, M]: recorded cells that held no finite value, or None when
+    the source lacks the counts to tell."""
+    st = run.stats
+    if "count" not in st:
+        return None
+    count = st["count"]
+    if "finite" in st:
+        finite = st["finite"]
+    else:
+        bad = _nonfinite_counts(run)
+        if bad is None:
+            return None
+        finite = count - bad
+    with np.errstate(invalid="ignore"):
+        return (count > 0) & (finite == 0)
+
+
 def plot_heatmap(run: RunData, stat: str, path: str) -> str:
     Figure = _import_mpl()
     import matplotlib
+    from matplotlib.colors import ListedColormap
 
     v = run.stats[stat].T  # [M, S]
     norm, how = _norm(v)
@@ -209,9 +231,15 @@ def plot_heatmap(run: RunData, stat: str, path: str) -> str:
     im = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", cmap=cmap, norm=norm)
     fig.colorbar(im, ax=ax, extend="min" if isinstance(norm, matplotlib.colors.LogNorm) else "neither",
                  label=stat)
+    dead = no_finite_cells(run)
+    magenta = ""
+    if dead is not None and dead.any():  # drawn over whatever the stat reads (NaN, or 0 for l2norm)
+        ax.imshow(np.ma.masked_where(~dead.T, np.ones(v.shape)), aspect="auto",
+                  cmap=ListedColormap([_NO_FINITE_COLOUR]), vmin=0, vmax=1, interpolation="nearest")
+        magenta = ", magenta: no finite value"
     _label_axes(ax, run, run.names)
     ax.set_title(f"{stat} per metric and step ({how}; grey: not recorded"
-                 f"{', white: 0' if isinstance(norm, matplotlib.colors.LogNorm) else ''})")
+                 f"{', white: 0' if isinstance(norm, matplotlib.colors.LogNorm) else ''}{magenta})")
     fig.savefig(path)
     return path
 
@@ -285,7 +313,7 @@ def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
         return None
     Figure = _import_mpl()
     import matplotlib
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import ListedColormap, LogNorm
 
     counts = run.histogram(metric).astype(np.float64)  # [S, B]
     used = np.flatnonzero(counts.sum(axis=0))
@@ -302,10 +330,17 @@ def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
     im = ax.imshow(np.ma.masked_less_equal(share, 0), aspect="auto", origin="lower",
                    cmap=cmap, norm=LogNorm(vmin=max(float(pos.min()), 1e-9), vmax=1.0))
     fig.colorbar(im, ax=ax, label="share of finite values")
+    dead = no_finite_cells(run)
+    magenta = ""
+    if dead is not None and metric in run.names and dead[:, run.names.index(metric)].any():
+        cols = np.broadcast_to(dead[:, run.names.index(metric)], share.shape)  # steps with no finite value
+        ax.imshow(np.ma.masked_where(~cols, np.ones(share.shape)), aspect="auto", origin="lower",
+                  cmap=ListedColormap([_NO_FINITE_COLOUR]), vmin=0, vmax=1, interpolation="nearest")
+        magenta = ", magenta: no finite value"
     _label_axes(ax, run, labels)
     what = "log2 bins of |x|" if run.hist_spec.kind == "log2" else "linear bins"
     ax.set_ylabel("bin (lower edge)")
-    ax.set_title(f"{metric}: histogram over time ({what}; white: empty)")
+    ax.set_title(f"{metric}: histogram over time ({what}; white: empty{magenta})")
     fig.savefig(path)
     return path
 

@@ -143,8 +143,9 @@ def summary(model: nn.Module, *example_inputs, backward: bool = False, loss_fn=N
     devices = sorted({t.device.index or 0 for t in [*params, *_flat(example_inputs, forward_kwargs)]
                       if t.device.type == "cuda"})
     capture = ("output", "grad_output") if backward else ("output",)
+    # One pass in whatever mode the model is in: nothing to keep apart.
     mon = Monitor(model, modules=lambda n, m: True, capture=capture, histogram=histogram,
-                  capacity=1, detectors=[])
+                  capacity=1, detectors=[], eval_forwards="merge")
     try:
         with torch.random.fork_rng(devices=devices):
             if train is not None:

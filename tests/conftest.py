@@ -73,3 +73,20 @@ def stall_reader(mon):
         del drain.collect
 
     return undo
+
+
+def assert_recorded(h, step, name, values):
+    """``name``'s statistics (and histogram) at ``step`` in History ``h``
+    equal the float64 reference of ``values`` (arrays or tensors, joined)."""
+    import hookcap
+
+    vals = np.concatenate([np.asarray(torch.as_tensor(v).detach().double()).reshape(-1) for v in values])
+    s = h.steps.tolist().index(step)
+    m = h.column(name)
+    want = hookcap.reference.stats_from_values(vals, h.histogram_spec)
+    got = {k: h[k][s, m] for k in hookcap.STAT_NAMES}
+    if h.histogram_spec is not None:
+        got["hist"], got["bin_edges"] = h.histogram(name)[s], h.bin_edges
+    else:
+        want.pop("hist", None)
+    assert_stats_match(got, want, rtol_sum=1e-6, abs_sum=float(np.abs(vals[np.isfinite(vals)]).sum()))

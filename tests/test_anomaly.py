@@ -114,7 +114,8 @@ def test_grad_only_injection_localised_in_backward_order(make, batch, layer):
 
 def test_warn_once_per_metric_and_kind(caplog):
     model = nn.Sequential(nn.Linear(3, 3))
-    with Monitor(model, capture="output") as mon:
+    every_step = lambda s: hookcap.Anomaly(s.step, "0/output", "custom", "again")  # noqa: E731
+    with Monitor(model, capture="output", detectors=[every_step]) as mon:
         with caplog.at_level(logging.WARNING, logger="hookcap"):
             for _ in range(4):
                 model(torch.full((2, 3), float("nan")))

@@ -174,3 +174,107 @@ def test_timing_under_compiled_autograd_times_forward_only():
     assert np.all(h["fwd_ms"][:, c] >= 0)
     assert np.all(np.isnan(h["bwd_ms"][:2, c])) and h["bwd_ms"][2, c] >= 0
     mon.detach()
+
+
+class Breaky(nn.Module):
+    """Two compiled regions split by a graph break of the given kind."""
+
+    def __init__(self, brk):
+        super().__init__()
+        self.brk = brk
+        self.a = nn.Linear(4, 8)
+        self.act = nn.Tanh()
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.act(self.a(x))
+        if self.brk == "graph_break":
+            torch._dynamo.graph_break()
+        elif self.brk == "item":
+            h = h * (1.0 + 0.0 * float(h.sum().item()))
+        elif self.brk == "print":
+            print(end="")
+        return self.b(h)
+
+
+def break_run(model, xs, compiled, capture, every=1):
+    """Train steps; returns (History, outputs, gradients, unique graphs per step)."""
+    mon = Monitor(model, capture=capture, every=every).attach() if capture else None
+    fn = torch.compile(model) if compiled else model
+    start = counters["stats"]["unique_graphs"]
+    outs, grads, graphs = [], [], []
+    for x in xs:
+        y = fn(x)
+        y.pow(2).sum().backward()
+        outs.append(y.detach().clone())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+        if mon is not None:
+            mon.step()
+        graphs.append(counters["stats"]["unique_graphs"] - start)
+    if mon is not None:
+        mon.detach()
+    return (mon.history() if mon else None), outs, grads, graphs
+
+
+def assert_same_history(comp, eager):
+    assert comp.steps.tolist() == eager.steps.tolist()
+    assert sorted(comp.names) == sorted(eager.names)
+    for name in eager.names:
+        e, c = eager.column(name), comp.column(name)
+        for stat in ("count", "nan", "zeros", "finite"):
+            np.testing.assert_array_equal(comp[stat][:, c], eager[stat][:, e], err_msg=f"{name} {stat}")
+        for stat in ("mean", "std", "min", "max", "l2norm"):
+            np.testing.assert_allclose(comp[stat][:, c], eager[stat][:, e], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{name} {stat}")
+        np.testing.assert_array_equal(comp.histogram(name), eager.histogram(name), err_msg=name)
+
+
+@pytest.mark.parametrize("brk", ["graph_break", "item", "print"])
+@pytest.mark.parametrize("capture", [("output", "grad_output"), hookcap.CAPTURE_KINDS])
+def test_graph_breaks_train_and_equal_eager(brk, capture):
+    torch.manual_seed(0)
+    model = Breaky(brk)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(5, 4, generator=g) for _ in range(4)]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    eager, *_ = break_run(model, xs, False, capture, every=2)
+    torch._dynamo.reset()
+    model.load_state_dict(state)
+    comp, outs, grads, graphs = break_run(model, xs, True, capture, every=2)
+    assert_same_history(comp, eager)
+    assert graphs[1] == graphs[-1]  # every: no recompiles
+    # Telemetry changes nothing: a compiled twin without a Monitor, bit for bit.
+    torch._dynamo.reset()
+    model.load_state_dict(state)
+    _, outs0, grads0, _ = break_run(model, xs, True, None)
+    for a, b in zip(outs, outs0):
+        assert torch.equal(a, b)
+    for ga, gb in zip(grads, grads0):
+        assert all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+
+def test_hf_gpt2_with_cache_compiled_trains_and_equals_eager():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randint(97, (2, 12), generator=g) for _ in range(2)]
+
+    def steps(compiled):
+        mon = Monitor(model).attach()
+        fn = torch.compile(model) if compiled else model
+        for x in xs:
+            fn(input_ids=x, labels=x).loss.backward()
+            model.zero_grad()
+            mon.step()
+        mon.detach()
+        return mon.history()
+
+    eager = steps(False)
+    torch._dynamo.reset()
+    comp = steps(True)
+    assert len(eager.names) > 20
+    assert_same_history(comp, eager)

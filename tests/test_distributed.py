@@ -121,10 +121,10 @@ def test_ddp_activation_stats_merge_to_global_batch(tmp_path):
         np.testing.assert_array_equal(merged.histogram(n)[0], ref.histogram(n)[0])
     # Rank 0 merged its model Monitor with rank 1's Monitor of another module:
     # every metric gets a row, holding only the data of the rank that had it.
-    assert other.names == ["0/output", "1/output", "2/output", "model/output"]
-    assert other["count"][0, other.column("model/output")] == 2
+    assert other.names == ["0/output", "1/output", "2/output", "./output"]
+    assert other["count"][0, other.column("./output")] == 2
     assert other["count"][0, other.column("0/output")] == 4 * 16
-    assert np.isnan(other["count"][1, other.column("model/output")])
+    assert np.isnan(other["count"][1, other.column("./output")])
 
 
 def _fsdp_worker(rank, world, store, out):
@@ -263,7 +263,7 @@ def test_rank_sinks_merged_rank0_writes_merged_records(tmp_path):
                 for k in ("count", "sum", "min", "max", "sumsq", "nan"):
                     assert stats[k] == mstats[k], (step, name, k)
                 assert hist == mhist, (step, name)
-                want = ref_extra[step]["model/output"] if name == "extra/output" else ref[step][name]
+                want = ref_extra[step]["./output"] if name == "extra/output" else ref[step][name]
                 assert stats["count"] == want[0]["count"], (step, name)
                 assert sum(hist) == want[0]["count"]
                 # Batches of 4 and of 8 round the float32 matmuls differently.

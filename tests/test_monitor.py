@@ -37,7 +37,7 @@ class RefRecorder:
         self.handles = []
         for qual, mod in model.named_modules():
             if next(mod.children(), None) is None:
-                self.handles.append(mod.register_forward_hook(self._hook(qual or "model")))
+                self.handles.append(mod.register_forward_hook(self._hook(qual or ".")))
 
     def _hook(self, name):
         def hook(mod, args, out):
@@ -111,13 +111,13 @@ def test_stats_match_plain_hook_reference(make, batches):
 
 def test_nested_output_names_gpt2():
     model = gpt2()
-    with Monitor(model, modules=["model", "transformer.h.0.attn", "transformer.h.0"]) as mon:
+    with Monitor(model, modules=[".", "transformer.h.0.attn", "transformer.h.0"]) as mon:
         train_steps(model, mon, lm_batches(1))
     names = set(mon.history().names)
-    assert "model/output.logits" in names
+    assert "./output.logits" in names
     assert "transformer.h.0.attn/output.0" in names
     assert any(n.startswith("transformer.h.0/output") for n in names)
-    assert "model/grad_output.logits" in names
+    assert "./grad_output.logits" in names
     assert not any("past_key_values" in n and "None" in n for n in names)
 
 
@@ -320,7 +320,7 @@ def test_eval_no_grad_inference_mode_autocast():
     model = TinyTransformer()
     model.eval()
     idx = torch.randint(256, (2, 8))
-    with Monitor(model, capture=("input", "output", "grad_output")) as mon:
+    with Monitor(model, capture=("input", "output", "grad_output"), eval_forwards="merge") as mon:  # inference
         with torch.no_grad():
             model(idx)
         mon.step()
@@ -348,7 +348,7 @@ def test_everything_global_capture_names():
         other(torch.randn(2, 3))
         mon.step()
     names = mon.history().names
-    assert "0/output" in names and "model/output" in names
+    assert "0/output" in names and "./output" in names
     assert "Sequential#0/output" in names and "Linear#0/output" in names and "ReLU#0/output" in names
     other(torch.randn(2, 3))  # detached: nothing recorded
     assert len(mon.names) == len(names)

@@ -443,7 +443,7 @@ class Reference:
 
     def __init__(self, model, grads):
         self.order, self.values, self.grads, self.meta = [], {}, {}, {}
-        names = {m: q or "model" for q, m in model.named_modules()}
+        names = {m: q or "." for q, m in model.named_modules()}
         self.handles = []
         for mod, name in names.items():
             self.handles.append(mod.register_forward_pre_hook(
@@ -521,7 +521,7 @@ def test_summary_matches_independent_float64(case, backward, train_mode, capsys)
 
     assert list(dict.fromkeys(r["name"] for r in rows)) == ref.order  # execution (call) order
     assert {r["metric"] for r in rows} == set(ref.values)
-    mods = {q or "model": m for q, m in model.named_modules()}
+    mods = {q or ".": m for q, m in model.named_modules()}
     for r in rows:
         key = r["metric"]
         assert (tuple(r["shape"]), r["dtype"]) == ref.meta[key]

@@ -113,7 +113,7 @@ def test_host_clock_matches_an_independent_stopwatch():
     # Forward time of a whole model (its root module) against perf_counter
     # around the same call: the marks sit inside the stopwatch's interval.
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
-    mon = Monitor(model, modules=lambda n, m: n == "model", timing=True).attach()
+    mon = Monitor(model, modules=lambda n, m: n == ".", timing=True).attach()
     walls = []
     for _ in range(3):
         x = torch.randn(256, 64)
@@ -121,7 +121,7 @@ def test_host_clock_matches_an_independent_stopwatch():
         model(x)
         walls.append((time.perf_counter() - t0) * 1e3)
         mon.step()
-    got = mon.history()["fwd_ms"][:, col(mon.history(), "model/output")]
+    got = mon.history()["fwd_ms"][:, col(mon.history(), "./output")]
     assert np.all(got > 0) and np.all(got <= np.array(walls))
     mon.detach()
 
@@ -149,7 +149,7 @@ def test_forward_that_raises_reads_nan_then_recovers():
             return self.lin(x)
 
     model = Flaky()
-    mon = Monitor(model, modules=lambda n, m: n == "model", timing=True).attach()
+    mon = Monitor(model, modules=lambda n, m: n == ".", timing=True).attach()
     x = torch.randn(2, 8)
     with pytest.raises(RuntimeError):
         model(x)
@@ -158,7 +158,7 @@ def test_forward_that_raises_reads_nan_then_recovers():
     model(x).sum().backward()
     mon.step()
     h = mon.history()
-    f = h["fwd_ms"][:, col(h, "model/output")]
+    f = h["fwd_ms"][:, col(h, "./output")]
     assert math.isnan(f[0]) and np.isfinite(f[1]) and f[1] >= 0
     mon.detach()
 

@@ -1,0 +1,80 @@
+"""``HookcapCallback`` for the Hugging Face ``transformers.Trainer``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..monitor import Monitor
+from ._common import check_monitor_kwargs, rank_suffix
+
+log = logging.getLogger("hookcap")
+
+
+class HookcapCallback(TrainerCallback):
+    """A Monitor on the model the Trainer trains.
+
+    ``HookcapCallback(**monitor_kwargs)`` takes the :class:`hookcap.Monitor`
+    arguments except ``model``, ``optimizer`` and ``start_step``, which it
+    sets. ``.monitor`` is the Monitor (None before training starts).
+
+    - One hookcap step per optimizer step: the micro-batches of gradient
+      accumulation merge into it. Steps are numbered as the Trainer numbers
+      the step it logs the loss for (``state.global_step`` after the optimizer
+      step: 1, 2, ...).
+    - Evaluation runs the model in eval mode, so its forwards follow
+      ``eval_forwards`` (default: ``eval/...`` metrics, never training rows).
+    - At each checkpoint: ``hookcap.npz`` (the Monitor's dump) and
+      ``hookcap_state.json`` (:meth:`Monitor.state_dict`) in the checkpoint
+      folder; at the end of training ``hookcap.npz`` in ``output_dir``. On
+      ranks other than 0 the names get ``.rank{r}`` before the extension.
+    - ``trainer.train(resume_from_checkpoint=...)`` resumes from the
+      checkpoint's ``hookcap_state.json`` (looked up in ``output_dir``):
+      numbering and detector windows continue.
+    """
+
+    def __init__(self, **monitor_kwargs):
+        self.monitor_kwargs = check_monitor_kwargs(monitor_kwargs)
+        self.monitor: Monitor | None = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.monitor is None:
+            self.monitor = Monitor(model, start_step=state.global_step + 1, **self.monitor_kwargs)
+            if state.global_step > 0:
+                self._resume(args, state)
+        self.monitor.attach()
+
+    def _resume(self, args, state) -> None:
+        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
+                            f"hookcap_state{rank_suffix()}.json")
+        if not os.path.exists(path):
+            log.warning("hookcap: resuming at step %d without %s: numbering continues, detector "
+                        "windows start empty", state.global_step, path)
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        # The Trainer's counter is the authority on numbering.
+        self.monitor.load_state_dict({**saved, "step": state.global_step + 1})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.monitor is not None:
+            self.monitor.step()
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.monitor is None:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        suffix = rank_suffix()
+        self.monitor.dump(os.path.join(folder, f"hookcap{suffix}.npz"))
+        with open(os.path.join(folder, f"hookcap_state{suffix}.json"), "w") as f:
+            json.dump(self.monitor.state_dict(), f)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.monitor is None:
+            return
+        self.monitor.detach()
+        self.monitor.dump(os.path.join(args.output_dir, f"hookcap{rank_suffix()}.npz"))
