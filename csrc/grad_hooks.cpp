@@ -16,6 +16,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -127,7 +128,7 @@ RingRef ring_now(GradSink& s, int64_t rid) {
   return s.rings[ring_of(rid)];
 }
 
-void on_grad(GradSink& s, int64_t rid, const at::Tensor& grad) {
+void write_logged(GradSink& s, int64_t rid, const at::Tensor& grad) {
   if (!s.active.load(std::memory_order_relaxed) || !grad.defined()) return;
   RingRef ref = ring_now(s, rid);
   try {
@@ -143,6 +144,25 @@ void on_grad(GradSink& s, int64_t rid, const at::Tensor& grad) {
   }
   log_write(s, rid);
 }
+
+// The record op (CPU and CUDA kernel; a no-op Meta kernel in ops.cpp): x
+// merged into the row named by rid of the sink named by `sink`, the ring read
+// now, the write logged. Compiled code calls it (torch.compile hooks): the
+// graph holds two ints, never the ring, so no snapshot of the ring is saved
+// for backward and nothing is written back over later writes.
+void record_kernel(const at::Tensor& x, int64_t sink, int64_t rid) {
+  auto s = sink_of(sink);
+  if (!s) return;  // the Monitor is gone
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    TORCH_CHECK(rid >= 0 && ring_of(rid) < static_cast<int64_t>(s->rings.size()),
+                "hookcap.record: no ring ", ring_of(rid), " in sink ", sink);
+  }
+  write_logged(*s, rid, x);
+}
+
+TORCH_LIBRARY_IMPL(hookcap, CPU, m) { m.impl("record", &record_kernel); }
+TORCH_LIBRARY_IMPL(hookcap, CUDA, m) { m.impl("record", &record_kernel); }
 
 bool unpack_tensor(PyObject* o, at::Tensor& out, const char* what) {
   if (!THPVariable_Check(o)) {
@@ -313,7 +333,7 @@ PyObject* accumulate_row(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 void register_grad_hook(const std::shared_ptr<GradSink>& sink, const at::Tensor& t,
                         int64_t rid) {
   try {
-    t.register_hook([s = sink, rid](const at::Tensor& grad) { on_grad(*s, rid, grad); });
+    t.register_hook([s = sink, rid](const at::Tensor& grad) { write_logged(*s, rid, grad); });
   } catch (...) {
     std::lock_guard<std::mutex> lock(sink->mu);
     sink->skipped.insert(rid);

@@ -56,6 +56,11 @@ void time_mark_meta(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   check_time_mark(ring, state, row, phase);
 }
 
+void record_meta(const at::Tensor& x, int64_t sink, int64_t rid) {
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "hookcap.record: only floating-point tensors, got ",
+              x.scalar_type());
+}
+
 void advance_meta(at::Tensor& ring, at::Tensor& state, int64_t every) {
   check_ring_state(ring, state);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
@@ -83,6 +88,9 @@ TORCH_LIBRARY(hookcap, m) {
   m.def("reset_rows(Tensor(a!) ring, Tensor state, int begin, int end) -> ()");
   m.def("advance(Tensor(a!) ring, Tensor(b!) state, int every=1) -> ()");
   m.def("time_mark(Tensor(a!) ring, Tensor state, int row, int phase, bool start) -> ()");
+  // Side effect only (registered as effectful from Python, so compiled
+  // graphs keep it in order): x into the row `rid` of gradient sink `sink`.
+  m.def("record(Tensor x, int sink, int rid) -> ()");
   m.def("layout() -> int[]", &layout);
 }
 
@@ -92,12 +100,13 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("reset_rows", &reset_rows_meta);
   m.impl("advance", &advance_meta);
   m.impl("time_mark", &time_mark_meta);
+  m.impl("record", &record_meta);
 }
 
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "reset_slot", "reset_rows", "advance", "time_mark"}) {
+  for (const char* op : {"accumulate", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -5,9 +5,12 @@ be traceable: no host-side cadence check (the kernels read the device's
 enabled flag, so ``every`` causes no recompiles), no per-step Python
 bookkeeping, and rows are registered by a function dynamo runs once at trace
 time (``assume_constant_result``) with the row id baked into the graph.
-Gradient kinds register a tensor hook bound to its row (a ``functools.partial``
-of a module-level function: dynamo lifts it into the backward, which calls it
-eagerly or, under compiled autograd, traces it).
+Traced code writes through the ``record`` op, which names the row by the
+Monitor's sink id and row id (two ints): the graph never holds the ring, so
+graph breaks, eager writes between graphs and backward passes all see the
+ring as it is when they run. Gradient kinds register a tensor hook bound to
+its row (a ``functools.partial`` of a module-level function that dynamo
+traces into the backward graph, or compiled autograd traces at backward).
 
 Process-global state, all of it:
 
@@ -37,12 +40,14 @@ import weakref
 import torch
 
 from ._fastpath import row_of
+from ._ops import RECORD_IS_EFFECTFUL
 from ._tree import tensor_leaves
 
 _HOOKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Hooks
 PYTHON_GRAD_HOOKS = os.environ.get("HOOKCAP_PYTHON_GRAD_HOOKS") == "1"
 _compiled_autograd_config = False
 _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
+_RECORD = torch.ops.hookcap.record.default
 
 
 def register(hooks) -> int:
@@ -128,37 +133,55 @@ def compile_callback_installed() -> bool:
     return True
 
 
-def _grad_hook(ring, row: int, hist_args: tuple, grad):
-    """Tensor hook of a gradient kind registered inside a compiled region
-    (``ring.ring`` is read at call time, so a grown ring is used). Returns the
-    gradient unchanged (compiled autograd needs the explicit return)."""
+def _record_grad(sink: int, rid: int, grad):
+    """Tensor hook of a gradient kind registered inside a compiled region:
+    two ints, no tensor, so the traced backward saves nothing of the ring.
+    Returns the gradient unchanged (compiled autograd needs the explicit return)."""
+    if grad is not None:
+        _RECORD(grad, sink, rid)
+    return grad
+
+
+def _grad_hook_on_ring(ring, row: int, hist_args: tuple, grad):
+    """``_record_grad`` where torch cannot keep the record op (no effect API):
+    the ring is captured, which is exact only for a graph without breaks."""
     if grad is not None:
         torch.ops.hookcap.accumulate(grad, ring.ring, ring.state, row, *hist_args)
     return grad
 
 
-def _ring_row(hooks, name, kind, path, t, mtype):
-    """(DeviceRing, row) of a metric inside a compiled region, or None."""
-    rid = _compiled_row(hooks.key, name, kind, path, str(t.device), tuple(t.shape), str(t.dtype), mtype)
-    if rid < 0:
-        return None
-    return hooks.recorder.ring_of(rid), row_of(rid)
+def _row(hooks, name, kind, path, t, mtype) -> int:
+    """The row id of a metric inside a compiled region, or -1. Its shape
+    meta reads -1 per dimension: sizes may be symbolic there (dynamic
+    shapes), and dynamo cannot hand a symbolic size to a constant function."""
+    return _compiled_row(hooks.key, name, kind, path, str(t.device), (-1,) * t.dim(), str(t.dtype), mtype)
 
 
 def write_all(hooks, name: str, kind: str, obj, mtype: str) -> None:
     """Traced: merge every floating tensor of ``obj`` into its row."""
+    rec = hooks.recorder
     for path, t in tensor_leaves(obj, traced=True):
-        hit = _ring_row(hooks, name, kind, path, t, mtype)
-        if hit is not None:
-            ring, row = hit
-            _OP_ACCUMULATE(t, ring.ring, ring.state, row, *hooks.recorder.config.hist_args)
+        rid = _row(hooks, name, kind, path, t, mtype)
+        if rid < 0:
+            continue
+        if RECORD_IS_EFFECTFUL:
+            _RECORD(t, rec.fast.id, rid)
+        else:
+            ring = rec.ring_of(rid)
+            _OP_ACCUMULATE(t, ring.ring, ring.state, row_of(rid), *rec.config.hist_args)
 
 
 def grad_hooks(hooks, name: str, kind: str, obj, mtype: str, path: str | None = None) -> None:
     """Traced: a gradient hook on every floating tensor of ``obj`` that
     requires grad (``path`` given: ``obj`` is that one tensor)."""
+    rec = hooks.recorder
     tensors = ((path, obj),) if path is not None else tensor_leaves(obj, traced=True)
     for p, t in tensors:
-        hit = _ring_row(hooks, name, kind, p, t, mtype) if t.requires_grad else None
-        if hit is not None:
-            t.register_hook(functools.partial(_grad_hook, *hit, hooks.recorder.config.hist_args))
+        rid = _row(hooks, name, kind, p, t, mtype) if t.requires_grad else -1
+        if rid < 0:
+            continue
+        if RECORD_IS_EFFECTFUL:
+            t.register_hook(functools.partial(_record_grad, rec.fast.id, rid))
+        else:
+            t.register_hook(functools.partial(_grad_hook_on_ring, rec.ring_of(rid), row_of(rid),
+                                              rec.config.hist_args))

@@ -350,14 +350,16 @@ class Hooks:
             # A tensor passed several times gets one alias, recorded at its
             # first position: modules test identity (MultiheadAttention's
             # `query is key` picks its self-attention path).
-            aliases: dict[int, torch.Tensor] = {}
+            # (`is`, not id(): under dynamo id() of a tensor would be guarded on.)
+            aliases: list[tuple[torch.Tensor, torch.Tensor]] = []
 
             def wrap(path, v):
                 if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
-                    a = aliases.get(id(v))
-                    if a is None:
-                        a = compiled_alias(path, v) if compiling else alias(path, v, ci, made)
-                        aliases[id(v)] = a
+                    for seen, a in aliases:
+                        if seen is v:
+                            return a
+                    a = compiled_alias(path, v) if compiling else alias(path, v, ci, made)
+                    aliases.append((v, a))
                     return a
                 return v
 

@@ -58,5 +58,34 @@ def time_mark(ring: torch.Tensor, state: torch.Tensor, row: int, phase: int, sta
     _ops.time_mark(ring, state, row, phase, start)
 
 
+def record(x: torch.Tensor, sink: int, rid: int) -> None:
+    """Merge ``x`` into the row ``rid`` of a Monitor's gradient sink ``sink``
+    (hookcap/_fastpath.py), reading the sink's ring when it runs and logging
+    the write for the step's execution order. The op compiled code calls: its
+    graph holds two ints and no ring, and the op is registered as effectful,
+    so compiled graphs keep it, in order, forward and backward."""
+    _ops.record(x, sink, rid)
+
+
+def _register_record_effectful() -> bool:
+    """Without an effect, graph passes would drop an op that returns
+    nothing and mutates no argument. False where torch has no effect API."""
+    try:
+        from torch._higher_order_ops.effects import _EffectType
+    except ImportError:
+        return False
+    register = getattr(torch.library, "_register_effectful_op", None)
+    if register is None:
+        try:
+            from torch._higher_order_ops.effects import _register_effectful_op as register
+        except ImportError:
+            return False
+    register(_ops.record.default, _EffectType.ORDERED)
+    return True
+
+
+RECORD_IS_EFFECTFUL = _register_record_effectful()
+
+
 def layout() -> list[int]:
     return list(_ops.layout())

@@ -64,3 +64,18 @@ def test_fake_tensor_mode_runs_ops():
         st = torch.zeros(3, dtype=torch.int64)
         torch.ops.hookcap.accumulate(x, ring, st, 0, *H.op_args())
         torch.ops.hookcap.advance(ring, st, 1)
+
+
+def test_opcheck_record_and_its_effect():
+    from torch import nn
+
+    model = nn.Linear(3, 3)
+    mon = hookcap.Monitor(model, capture="output").attach()
+    model(torch.randn(2, 3))
+    rec = mon._recorder
+    rid = next(iter(rec.rows.values()))
+    torch.library.opcheck(torch.ops.hookcap.record.default, (torch.randn(2, 3), rec.fast.id, rid))
+    assert hookcap._ops.RECORD_IS_EFFECTFUL  # compiled graphs keep it
+    with pytest.raises(RuntimeError, match="no ring"):
+        torch.ops.hookcap.record(torch.randn(2), rec.fast.id, 5 << 32)
+    mon.detach()
