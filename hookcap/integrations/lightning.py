@@ -34,10 +34,17 @@ class HookcapCallback(Callback):
         if self.monitor is None:
             self.monitor = Monitor(pl_module, start_step=trainer.global_step, **self.monitor_kwargs)
         if self._loaded is not None:
-            # Lightning's counter is the authority on numbering.
-            self.monitor.load_state_dict({**self._loaded, "step": trainer.global_step})
+            self.monitor.load_state_dict(self._loaded)
             self._loaded = None
         self.monitor.attach()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # A resumed fit restores its step counter after on_fit_start: Lightning's
+        # counter is the authority on numbering (the sanity check's eval
+        # forwards of a resumed fit are dropped with the renumbered step).
+        mon = self.monitor
+        if mon is not None and mon.current_step != trainer.global_step:
+            mon.load_state_dict({**mon.state_dict(), "step": trainer.global_step})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         mon = self.monitor

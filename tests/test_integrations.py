@@ -1,0 +1,217 @@
+"""hookcap inside the real training stacks: HF Trainer, Lightning and
+accelerate. Each run records a float64 reference of one module's training
+outputs with a plain forward hook, tagged with the step the framework is in,
+and compares the Monitor's record at a named step with it."""
+
+import collections
+import json
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import assert_recorded
+
+import hookcap
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from hookcap.integrations.transformers import HookcapCallback as HFCallback  # noqa: E402
+
+
+# -- HF Trainer -------------------------------------------------------------------
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n, seed, vocab=64, length=12):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(vocab, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class StepTag(transformers.TrainerCallback):
+    """The step a forward belongs to, numbered like the Trainer's logged loss."""
+
+    def __init__(self):
+        self.step = 1
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step = state.global_step + 1
+
+
+def trainer_for(model, out, callbacks, max_steps, save_steps=None):
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=2, per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2, max_steps=max_steps, eval_strategy="steps", eval_steps=2,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, logging_steps=1,
+        report_to=[], use_cpu=True, dataloader_num_workers=0, seed=0, learning_rate=1e-2,
+        disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=TokenData(32, 1),
+                                eval_dataset=TokenData(8, 2), callbacks=callbacks)
+
+
+def test_hf_trainer_records_training_steps_against_float64(tmp_path):
+    model = tiny_llama()
+    tag = StepTag()
+    seen = collections.defaultdict(list)
+    model.model.embed_tokens.register_forward_hook(
+        lambda m, a, out: seen[(tag.step, m.training)].append(out.detach().double().clone()))
+    cb = HFCallback(capture=("output", "grad_output"))
+    trainer_for(model, tmp_path, [tag, cb], max_steps=4).train()
+    h = cb.monitor.history()
+    assert h.steps.tolist() == [1, 2, 3, 4]  # as the Trainer numbers the logged loss
+    for step in (1, 3):
+        train = seen[(step, True)]
+        assert len(train) == 2  # gradient accumulation: two micro-batches, one hookcap step
+        assert_recorded(h, step, "model.embed_tokens/output", train)
+    # Evaluation (after steps 2 and 4, so inside steps 3 and 5) never enters training rows.
+    assert_recorded(h, 3, "eval/model.embed_tokens/output", seen[(3, False)])
+    assert os.path.exists(tmp_path / "hookcap.npz")
+    assert hookcap.load(tmp_path / "hookcap.npz").steps.tolist() == [1, 2, 3, 4]
+
+
+def test_hf_trainer_resume_continues_numbering_and_detector_windows(tmp_path):
+    spike = lambda: hookcap.Spike("l2norm", window=50, warmup=40)  # noqa: E731  (never fires here)
+    cb = HFCallback(capture="output", detectors=[spike()])
+    trainer_for(tiny_llama(), tmp_path, [cb], max_steps=2, save_steps=2).train()
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / "hookcap.npz").exists() and (ckpt / "hookcap_state.json").exists()
+    saved = json.loads((ckpt / "hookcap_state.json").read_text())
+    assert saved["step"] == 3 and len(saved["detectors"][0]["window"]["model.norm/output"]) == 2
+    cb2 = HFCallback(capture="output", detectors=[spike()])
+    trainer_for(tiny_llama(), tmp_path, [cb2], max_steps=4, save_steps=2).train(resume_from_checkpoint=str(ckpt))
+    assert cb2.monitor.history().steps.tolist() == [3, 4]
+    assert len(cb2.monitor.detectors[0].state_dict()["window"]["model.norm/output"]) == 4
+
+
+def test_callbacks_check_monitor_arguments_early():
+    with pytest.raises(ValueError, match="capture"):
+        HFCallback(capture="outputs")
+    with pytest.raises(ValueError, match="model"):
+        HFCallback(model=nn.Linear(2, 2))
+
+
+# -- Lightning --------------------------------------------------------------------
+
+
+def lightning_module():
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return nn.functional.mse_loss(self(x), y)
+
+        def validation_step(self, batch, i):
+            x, y = batch
+            self.log("val", nn.functional.mse_loss(self(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return pl, Net()
+
+
+def loaders():
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 6, generator=g), torch.randn(32, 1, generator=g))
+    return (torch.utils.data.DataLoader(data, batch_size=4), torch.utils.data.DataLoader(data, batch_size=8))
+
+
+def test_lightning_records_training_steps_against_float64(tmp_path):
+    pl, module = lightning_module()
+    from hookcap.integrations.lightning import HookcapCallback
+
+    cb = HookcapCallback(capture=("output", "grad_output"))
+    seen = collections.defaultdict(list)
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, num_sanity_val_steps=1, val_check_interval=4,
+                         limit_val_batches=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                         default_root_dir=str(tmp_path), callbacks=[cb])
+    module.net[0].register_forward_hook(
+        lambda m, a, out: seen[(trainer.global_step, m.training)].append(out.detach().double().clone()))
+    train, val = loaders()
+    trainer.fit(module, train, val)
+    h = cb.monitor.history()
+    assert h.steps.tolist() == [0, 1, 2]  # as Lightning logs them
+    for step in (0, 1, 2):
+        assert len(seen[(step, True)]) == 2
+        assert_recorded(h, step, "net.0/output", seen[(step, True)])
+    # The sanity check ran before step 0's batches, validation after step 1's.
+    assert_recorded(h, 0, "eval/net.0/output", seen[(0, False)])
+    assert_recorded(h, 2, "eval/net.0/output", seen[(2, False)])
+
+
+def test_lightning_checkpoint_resume_continues_numbering(tmp_path):
+    pl, module = lightning_module()
+    from hookcap.integrations.lightning import HookcapCallback
+
+    def trainer(steps, cb):
+        return pl.Trainer(max_steps=steps, accumulate_grad_batches=2, num_sanity_val_steps=0,
+                          limit_val_batches=0, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                          default_root_dir=str(tmp_path), callbacks=[cb])
+
+    cb = HookcapCallback(capture="output", detectors=[hookcap.Spike(window=50, warmup=40)])
+    t1 = trainer(2, cb)
+    t1.fit(module, loaders()[0])
+    t1.save_checkpoint(tmp_path / "a.ckpt")
+    cb2 = HookcapCallback(capture="output", detectors=[hookcap.Spike(window=50, warmup=40)])
+    _, module2 = lightning_module()
+    trainer(4, cb2).fit(module2, loaders()[0], ckpt_path=str(tmp_path / "a.ckpt"))
+    assert cb2.monitor.history().steps.tolist() == [2, 3]
+    assert len(cb2.monitor.detectors[0].state_dict()["window"]["net.0/output"]) == 4
+
+
+# -- accelerate -------------------------------------------------------------------
+
+
+def test_accelerate_optimizer_drives_step(caplog):
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, opt = acc.prepare(model, opt)
+    assert type(opt).__name__ == "AcceleratedOptimizer"
+    seen = collections.defaultdict(list)
+    step = [0]
+    model[0].register_forward_hook(lambda m, a, out: seen[step[0]].append(out.detach().double().clone()))
+    with caplog.at_level(logging.WARNING, logger="hookcap"):
+        mon = hookcap.Monitor(model, capture="output", optimizer=opt).attach()
+    g = torch.Generator().manual_seed(1)
+    for i in range(6):
+        with acc.accumulate(model):
+            acc.backward(model(torch.randn(3, 4, generator=g)).sum())
+            opt.step()  # accelerate steps the inner optimizer every 2nd micro-batch
+            opt.zero_grad()
+        if i % 2 == 1:
+            step[0] += 1
+    mon.detach()
+    h = mon.history()
+    assert h.steps.tolist() == [0, 1, 2]
+    for s in range(3):
+        assert len(seen[s]) == 2
+        assert_recorded(h, s, "0/output", seen[s])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
