@@ -310,6 +310,8 @@ class Monitor:
                 hooks.timing.failed(module, RuntimeError(message))
             if rec.ring_list:
                 self._drain.finish(rec.ring_list, rec.step, rec.slot, order)
+            elif self._attached:
+                self._warn_empty(rec.step)
         else:  # gradients that arrived in an off-step wrote nothing: forget them
             rec.fast.take()
         self._consume(wait=False)
@@ -366,7 +368,13 @@ class Monitor:
 
     def _consume(self, wait: bool) -> None:
         for record in self._drain.collect(self._recorder.ring_list, wait):
+            if not len(record.metrics):
+                self._warn_empty(record.step)
             self._consumers.consume(record)
+
+    def _warn_empty(self, step: int) -> None:
+        self._recorder.warn_once("empty step", f"hookcap: recorded step {step} recorded nothing: no hooked "
+                                 "module ran while the Monitor recorded (logged once)")
 
     # -- reading ------------------------------------------------------------------
     def history(self, all_ranks: bool = False, group=None) -> History:

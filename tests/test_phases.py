@@ -149,7 +149,8 @@ def test_every_with_start_step_keeps_the_cadence():
     assert mon.history().steps.tolist() == [6, 9]
 
 
-def test_padded_transformer_encoder_eval_keeps_every_layer_metric(caplog):
+@pytest.mark.parametrize("eval_first", [False, True])
+def test_padded_transformer_encoder_eval_keeps_every_layer_metric(caplog, eval_first):
     # nn.TransformerEncoder turns a padded eval batch into nested tensors: that
     # call is skipped with one warning per metric and reason, never the metric.
     torch.manual_seed(0)
@@ -164,8 +165,9 @@ def test_padded_transformer_encoder_eval_keeps_every_layer_metric(caplog):
     with caplog.at_level(logging.WARNING, logger="hookcap"):
         mon = Monitor(enc, modules="layers.*", capture="output", eval_forwards="merge").attach()
         for s in range(3):
-            enc.train(s != 1)  # train, padded eval, train
-            if s == 1:
+            is_eval = s == (0 if eval_first else 1)  # padded eval first, or between two training steps
+            enc.train(not is_eval)
+            if is_eval:
                 with torch.no_grad():
                     enc(x, src_key_padding_mask=pad)
                     enc(x, src_key_padding_mask=pad)
@@ -177,7 +179,7 @@ def test_padded_transformer_encoder_eval_keeps_every_layer_metric(caplog):
     for hk in hooks:
         hk.remove()
     h = mon.history()
-    for s in (0, 2):
+    for s in ((1, 2) if eval_first else (0, 2)):
         for i in range(2):
             assert_recorded(h, s, f"layers.{i}/output", seen[(s, True)][i::2])
     skips = [r.getMessage() for r in caplog.records if "not recorded" in r.getMessage()]
@@ -377,3 +379,40 @@ def test_wrapped_optimizers_drive_step_and_attach_is_all_or_nothing():
         Monitor(model, optimizer=object())
     with pytest.raises(ValueError, match="eval_forwards"):
         Monitor(model, eval_forwards="drop")
+
+
+def test_a_recorded_step_that_recorded_nothing_warns_once(caplog):
+    model = mlp()
+    with caplog.at_level(logging.WARNING, logger="hookcap"):
+        with Monitor(model, capture="output") as mon:
+            mon.step()  # nothing ran yet
+            model(torch.randn(2, 6))
+            mon.step()
+            mon.step()  # nothing ran in this one either
+            mon.step()
+    msgs = [r.getMessage() for r in caplog.records if "recorded nothing" in r.getMessage()]
+    assert len(msgs) == 1 and "step 0" in msgs[0]
+    assert mon.history().steps.tolist() == [1, 2, 3]  # steps 2 and 3 are kept, empty
+
+
+def test_an_optimizer_without_step_hooks_gets_its_step_wrapped_until_detach():
+    model = mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Bare:  # no register_step_post_hook, wraps nothing
+        def __init__(self):
+            self.steps = 0
+
+        def step(self):
+            sgd.step()
+            self.steps += 1
+
+    opt = Bare()
+    mon = Monitor(model, capture="output", optimizer=opt).attach()
+    for _ in range(2):
+        model(torch.randn(2, 6)).sum().backward()
+        opt.step()
+    mon.detach()
+    opt.step()  # restored: no Monitor step any more
+    assert opt.steps == 3 and "step" not in vars(opt)
+    assert mon.history().steps.tolist() == [0, 1] and mon.current_step == 2
