@@ -82,7 +82,7 @@ class Recorder:
         self._order: dict[int, None] = {}
         self._calls: dict[tuple[str, str], int] = {}
         self._replaced: set[int] = set()  # param_grad rows written this step
-        self.skipped: set[int] = set()  # rows whose C++ gradient capture failed
+        self.skipped: set[int] = set()  # rows whose C++ gradient hook could not be registered
         self._unnamed: dict[int, tuple[str, dict]] = {}  # rows awaiting their first write
         self._time_rows: dict[tuple[str, torch.device], int] = {}
         self._hook_ids: dict[str, int] = {}
@@ -107,9 +107,7 @@ class Recorder:
     def new_step(self, step: int, enabled: bool, slot: int) -> None:
         """Open ``step`` (the rings have advanced to it)."""
         self.step, self.enabled, self.slot = step, enabled, slot
-        self._order = {}
-        self._calls = {}
-        self._replaced.clear()
+        self._forget_step()
         if self.paused and enabled:  # the device's advance enabled it
             for ring in self.ring_list:
                 ring.set_enabled(False)
@@ -120,11 +118,15 @@ class Recorder:
         self.step, self.enabled = step, step % self.config.every == 0
         for ring in self.ring_list:
             ring.set_state(step, self.enabled and not self.paused, self.slot)
+        self._forget_step()
+        self.fast.take()
+        self._sync(new_step=True)
+
+    def _forget_step(self) -> None:
+        """The per-step log of the step just closed: write order, call counts, replaced rows."""
         self._order = {}
         self._calls = {}
         self._replaced.clear()
-        self.fast.take()
-        self._sync(new_step=True)
 
     def _sync(self, new_step: bool) -> None:
         self.recording = self.enabled and self.attached and not self.paused
