@@ -27,6 +27,7 @@ import numpy as np
 
 from ._layout import STAT_NAMES
 from .histogram import Histogram
+from .sinks.jsonl import full_histogram
 from .history import History, load
 
 
@@ -103,7 +104,7 @@ def read_jsonl(path) -> RunData:
                 stats[s][i, j] = float(v)
         if spec is not None and d.get("hist") is not None:
             a = hist.setdefault(d["name"], np.zeros((len(steps), spec.nbins), dtype=np.int64))
-            a[i] = np.asarray(d["hist"], dtype=np.int64)
+            a[i] = full_histogram(d, spec.nbins)
     return RunData(path, np.array(steps, dtype=np.int64), names, stats, orders, spec, [], hist)
 
 

@@ -19,7 +19,7 @@ import hookcap
 from conftest import assert_stats_match
 from hookcap import Histogram, Monitor, STAT_NAMES, sinks
 from hookcap.models import TinyResNet, TinyTransformer
-from hookcap.sinks.jsonl import json_number
+from hookcap.sinks.jsonl import full_histogram, json_number
 
 NAN = float("nan")
 
@@ -109,11 +109,14 @@ def test_jsonl_and_csv_equal_history(tmp_path):
     assert any(d["nan"] > 0 for d in lines) and any(d["mean"] is None for d in lines)  # NaN -> null
     spec = {"kind": "log2", "lo": -30, "hi": 10}
     for d, (s, _, c, name) in zip(lines, cells):
-        assert list(d) == ["step", "name", *STAT_NAMES, "hist", "hist_spec"]
+        assert list(d) == ["step", "name", *STAT_NAMES, "hist_offset", "hist", "hist_spec"]
         for stat in STAT_NAMES:
             want = h[stat][s, c]
             assert same(NAN if d[stat] is None else d[stat], want), (name, stat, d[stat], want)
-        assert d["hist"] == h.histogram(name)[s].tolist() and d["hist_spec"] == spec
+        full = h.histogram(name)[s]
+        assert full_histogram(d, full.size).tolist() == full.tolist() and d["hist_spec"] == spec
+        nz = np.flatnonzero(full)  # only the band from the first to the last non-empty bin
+        assert d["hist_offset"] == (nz[0] if nz.size else 0) and len(d["hist"]) == (nz[-1] + 1 - nz[0] if nz.size else 0)
         assert sum(d["hist"]) == d["finite"]
     rows = read_csv(tmp_path / "run.csv")
     assert rows[0] == ["step", "name", *STAT_NAMES]

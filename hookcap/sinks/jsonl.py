@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 from ..drained import DrainedStep
 # rank_path: documented as hookcap.sinks.jsonl.rank_path.
 from ._base import COUNT_STATS, _TextFileSink, rank_path  # noqa: F401
@@ -28,6 +30,16 @@ def histogram_spec_dict(spec) -> dict:
     return d
 
 
+def full_histogram(line: dict, nbins: int) -> np.ndarray:
+    """np.int64 [nbins]: every bin's count from a JSONL line's ``hist_offset``
+    and ``hist`` band (``nbins``: ``Histogram.nbins`` of its ``hist_spec``)."""
+    out = np.zeros(nbins, dtype=np.int64)
+    lo = int(line.get("hist_offset", 0))
+    band = np.asarray(line["hist"], dtype=np.int64)
+    out[lo:lo + band.size] = band
+    return out
+
+
 class JSONL(_TextFileSink):
     """``hookcap.sinks.JSONL(path, stats=None, every=1, append=False, histogram=False)``
 
@@ -37,9 +49,12 @@ class JSONL(_TextFileSink):
     ``"step"`` (absent for merged and single-process records).
     Floats are written in their shortest round-trip form (they read back
     bit-exact); NaN is ``null``; count stats are integers. With
-    ``histogram=True`` each line also holds ``"hist"`` (all bin counts) and
-    ``"hist_spec"`` (``{"kind", "lo", "hi"[, "bins"]}``, see
-    ``hookcap.Histogram``), so the line is readable on its own.
+    ``histogram=True`` each line also holds ``"hist_offset"`` and ``"hist"``:
+    the counts of bins ``hist_offset`` … ``hist_offset + len(hist) - 1``, the
+    band from the first to the last non-empty bin (every other bin is 0;
+    :func:`full_histogram` expands it), and ``"hist_spec"`` (``{"kind",
+    "lo", "hi"[, "bins"]}``, see ``hookcap.Histogram``), so the line is
+    readable on its own.
     ``append=True`` continues an existing file instead of truncating it.
     """
 
@@ -60,7 +75,11 @@ class JSONL(_TextFileSink):
                 x = float(v[i])
                 parts.append(f'"{s}": ' + (str(int(x)) if is_count and math.isfinite(x) else json_number(x)))
             if spec is not None:
-                parts.append('"hist": [' + ", ".join(map(str, step.histogram(name).tolist())) + "]")
+                h = step.histogram(name)
+                nz = np.flatnonzero(h)
+                lo, hi = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
+                parts.append(f'"hist_offset": {lo}')
+                parts.append('"hist": [' + ", ".join(map(str, h[lo:hi].tolist())) + "]")
                 parts.append(f'"hist_spec": {spec_json}')
             lines.append("{" + ", ".join(parts) + "}\n")
         self._write_text("".join(lines))
