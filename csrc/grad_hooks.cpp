@@ -24,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -78,14 +79,17 @@ struct GradSink {
 };
 
 std::mutex g_mu;
-// Process-global table of the live sinks (index = id); a freed id is reused
-// by the next sink, so the table is as long as the most Monitors alive at once.
-std::vector<std::shared_ptr<GradSink>> g_sinks;
+// Process-global table of the live sinks by id. Ids are never reused: a graph
+// compiled for a Monitor that is gone still names its sink id (the record
+// op), and must then find nothing rather than another Monitor's rows. Freed
+// entries are erased, so the table holds only the Monitors alive.
+std::unordered_map<int64_t, std::shared_ptr<GradSink>> g_sinks;
+int64_t g_next_sink = 0;
 
 std::shared_ptr<GradSink> sink_of(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mu);
-  if (id < 0 || id >= static_cast<int64_t>(g_sinks.size()) || !g_sinks[id]) return nullptr;
-  return g_sinks[id];
+  auto it = g_sinks.find(id);
+  return it == g_sinks.end() ? nullptr : it->second;
 }
 
 // The accumulate op into `row` of `ref`, through the dispatcher (CPU or CUDA
@@ -231,13 +235,9 @@ PyObject* grad_sink_new(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return PyErr_Format(PyExc_ValueError, "python_writes must be a CPU int64 tensor");
   }
   std::lock_guard<std::mutex> lock(g_mu);
-  auto free_slot = std::find(g_sinks.begin(), g_sinks.end(), nullptr);
-  if (free_slot != g_sinks.end()) {
-    *free_slot = std::move(s);
-    return PyLong_FromSsize_t(static_cast<Py_ssize_t>(free_slot - g_sinks.begin()));
-  }
-  g_sinks.push_back(std::move(s));
-  return PyLong_FromSsize_t(static_cast<Py_ssize_t>(g_sinks.size()) - 1);
+  const int64_t id = g_next_sink++;
+  g_sinks.emplace(id, std::move(s));
+  return PyLong_FromLongLong(id);
 }
 
 // _grad_sink_ring(id, ring_index, ring, state): set (or replace, after growth)
@@ -305,9 +305,10 @@ PyObject* grad_sink_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t id = PyLong_AsLongLong(args[0]);
   if (PyErr_Occurred()) return nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
-  if (id >= 0 && id < static_cast<int64_t>(g_sinks.size()) && g_sinks[id]) {
-    g_sinks[id]->active.store(false);
-    g_sinks[id].reset();
+  auto it = g_sinks.find(id);
+  if (it != g_sinks.end()) {
+    it->second->active.store(false);
+    g_sinks.erase(it);
   }
   Py_RETURN_NONE;
 }

@@ -27,7 +27,8 @@ Process-global state, all of it:
 - elsewhere: ``hookcap._ranks.HANDSHAKE_SEQ`` (c10d store keys of the rank
   handshakes), the atexit and SIGTERM/SIGINT handlers of ``dump_on_exit``
   (``hookcap._exit``), and the C++ table of gradient sinks
-  (``csrc/grad_hooks.cpp``, one live entry per Monitor, freed ids reused).
+  (``csrc/grad_hooks.cpp``, one live entry per Monitor; ids are never reused,
+  so a graph compiled for a Monitor that is gone finds no sink).
 """
 
 from __future__ import annotations

@@ -323,3 +323,29 @@ def test_eager_writes_around_a_compiled_region_are_kept():
     assert_recorded(h, 0, "1/grad_output", [2 * y for y in ys])
     assert_recorded(h, 0, "0.0/output", a)
     assert_recorded(h, 0, "0.1/output", [torch.tanh(t) for t in a])
+
+
+def test_a_graph_compiled_for_a_gone_monitor_writes_nowhere():
+    # The record op names its Monitor by sink id; ids are never reused, so the
+    # write of a cached graph whose Monitor is gone lands nowhere, not in the
+    # rows of a Monitor created since.
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    old = Monitor(model, modules=["2"], capture="output").attach()
+    model(x)
+    stale = (old._recorder.fast.id, next(iter(old._recorder.rows.values())))
+    old.detach()
+    del old
+    gc.collect()
+    new = Monitor(model, modules=["2"], capture="output").attach()
+    y = model(x)
+    assert new._recorder.fast.id != stale[0]
+    torch.ops.hookcap.record(torch.full((5, 3), 7.0), *stale)  # what a stale graph would run
+    new.step()
+    new.detach()
+    h = new.history()
+    assert h.names == ["2/output"]
+    assert_recorded(h, 0, "2/output", [y])
