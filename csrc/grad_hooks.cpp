@@ -125,6 +125,11 @@ void log_write(GradSink& s, int64_t rid) {
   s.log_after.push_back(s.python_writes.data_ptr<int64_t>()[0]);
 }
 
+// Whether `rid` names one of the sink's rings. Caller holds s.mu.
+bool has_ring(const GradSink& s, int64_t rid) {
+  return rid >= 0 && ring_of(rid) < static_cast<int64_t>(s.rings.size());
+}
+
 // The ring `rid` names, read now: the ring may have grown since a hook was
 // registered.
 RingRef ring_now(GradSink& s, int64_t rid) {
@@ -159,8 +164,7 @@ void record_kernel(const at::Tensor& x, int64_t sink, int64_t rid) {
   if (!s) return;  // the Monitor is gone
   {
     std::lock_guard<std::mutex> lock(s->mu);
-    TORCH_CHECK(rid >= 0 && ring_of(rid) < static_cast<int64_t>(s->rings.size()),
-                "hookcap.record: no ring ", ring_of(rid), " in sink ", sink);
+    TORCH_CHECK(has_ring(*s, rid), "hookcap.record: no ring ", ring_of(rid), " in sink ", sink);
   }
   write_logged(*s, rid, x);
 }
@@ -187,7 +191,7 @@ std::shared_ptr<GradSink> sink_arg(PyObject* o) {
 // The ring a row id names, or nullopt (Python error set).
 std::optional<RingRef> checked_ring(GradSink& s, int64_t rid) {
   std::lock_guard<std::mutex> lock(s.mu);
-  if (rid < 0 || ring_of(rid) >= static_cast<int64_t>(s.rings.size())) {
+  if (!has_ring(s, rid)) {
     PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink", static_cast<long long>(ring_of(rid)));
     return std::nullopt;
   }
@@ -444,7 +448,7 @@ PyObject* fast_learn(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   std::lock_guard<std::mutex> lock(s->mu);
   for (int64_t rid : {out, grad}) {
-    if (rid != kNoRow && (rid < 0 || ring_of(rid) >= static_cast<int64_t>(s->rings.size()))) {
+    if (rid != kNoRow && !has_ring(*s, rid)) {
       return PyErr_Format(PyExc_ValueError, "hookcap: no ring %lld in the sink",
                           static_cast<long long>(ring_of(rid)));
     }

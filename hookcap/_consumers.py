@@ -59,6 +59,12 @@ class Sinks:
                 log.error("hookcap: closing sink %r failed: %s: %s", sink, type(e).__name__, e)
 
 
+def check_on_anomaly(value) -> None:
+    """``ValueError`` naming the argument unless ``value`` is a valid ``on_anomaly``."""
+    if not (value in ("warn", "raise", None) or callable(value)):
+        raise ValueError(f"on_anomaly: expected 'warn', 'raise', None or a callable, got {value!r}")
+
+
 class Consumers:
     """Store, detectors and anomaly handling of one Monitor. ``ranks`` (a
     rank merger) decides whether the sinks get a step now or merged later;
@@ -75,8 +81,7 @@ class Consumers:
                 raise ValueError(f"detectors: {d!r} is not callable")
             if isinstance(d, Underflow):
                 d.check_histogram(config.histogram)
-        if not (on_anomaly in ("warn", "raise", None) or callable(on_anomaly)):
-            raise ValueError(f"on_anomaly: expected 'warn', 'raise', None or a callable, got {on_anomaly!r}")
+        check_on_anomaly(on_anomaly)
         self.on_anomaly = on_anomaly
         self.dump_on_anomaly = dump_on_anomaly
         self.sinks = sinks

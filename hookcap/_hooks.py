@@ -75,8 +75,7 @@ class _StepWrapper:
 
     def __init__(self, optimizer, after_step):
         self.optimizer = optimizer
-        had = "step" in vars(optimizer)
-        self._own = vars(optimizer)["step"] if had else None
+        self._own = vars(optimizer).get("step")  # an instance attribute to put back, if any
         inner = optimizer.step
 
         @functools.wraps(inner)

@@ -26,16 +26,12 @@ from ._tree import tensor_leaves
 _TIME_MARK = torch.ops.hookcap.time_mark.default
 
 
-def first_grad_input(args: tuple, kwargs: dict):
-    """(position or keyword, tensor) of a call's first plain tensor argument
-    that requires grad, else (None, None)."""
-    for i, v in enumerate(args):
+def first_grad_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A call's first plain tensor argument that requires grad, else None."""
+    for v in itertools.chain(args, kwargs.values()):
         if type(v) is torch.Tensor and v.requires_grad:
-            return i, v
-    for k, v in kwargs.items():
-        if type(v) is torch.Tensor and v.requires_grad:
-            return k, v
-    return None, None
+            return v
+    return None
 
 
 def call_device(args, kwargs, mod: nn.Module) -> torch.device:
@@ -124,7 +120,7 @@ class Timing:
                     # The backward ends when the gradient w.r.t. the module's
                     # first input that requires grad is complete: seen on an
                     # alias of it (the same memory) that only this module uses.
-                    _, v = first_grad_input(args, kwargs)
+                    v = first_grad_input(args, kwargs)
                     if v is None:
                         pass
                     elif name in inplace and v._base is None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ._catalog import Catalog
 from ._config import CAPTURE_KINDS, DEFAULT_HISTOGRAM, RANK_SINKS, ROOT_NAME, make_config
-from ._consumers import Consumers, Sinks
+from ._consumers import Consumers, Sinks, check_on_anomaly
 from ._drain import Drain
 from ._exit import ExitDump
 from ._hooks import Hooks, after_optimizer_step, innermost_optimizer
@@ -213,8 +213,7 @@ class Monitor:
 
     @on_anomaly.setter
     def on_anomaly(self, value) -> None:
-        if not (value in ("warn", "raise", None) or callable(value)):
-            raise ValueError(f"on_anomaly: expected 'warn', 'raise', None or a callable, got {value!r}")
+        check_on_anomaly(value)
         self._consumers.on_anomaly = value
 
     @property

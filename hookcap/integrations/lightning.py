@@ -33,18 +33,17 @@ class HookcapCallback(Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.monitor is None:
             self.monitor = Monitor(pl_module, start_step=trainer.global_step, **self.monitor_kwargs)
-        if self._loaded is not None:
-            self.monitor.load_state_dict(self._loaded)
-            self._loaded = None
         self.monitor.attach()
 
     def on_train_start(self, trainer, pl_module) -> None:
-        # A resumed fit restores its step counter after on_fit_start: Lightning's
-        # counter is the authority on numbering (the sanity check's eval
-        # forwards of a resumed fit are dropped with the renumbered step).
-        mon = self.monitor
-        if mon is not None and mon.current_step != trainer.global_step:
-            mon.load_state_dict({**mon.state_dict(), "step": trainer.global_step})
+        # A resumed fit restores its step counter after on_fit_start, so a
+        # checkpoint's state is applied here, numbered by Lightning's counter
+        # (the sanity check's eval forwards of a resumed fit go with the
+        # renumbered step).
+        mon, state = self.monitor, self._loaded
+        self._loaded = None
+        if mon is not None and (state is not None or mon.current_step != trainer.global_step):
+            mon.load_state_dict({**(state or mon.state_dict()), "step": trainer.global_step})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         mon = self.monitor
