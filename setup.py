@@ -119,7 +119,7 @@ cxx_flags = [
 ]
 nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--fmad=false"]
 define_macros = []
-sources = ["csrc/ops.cpp", "csrc/grad_hooks.cpp", "csrc/cpu/stats_cpu.cpp"]
+sources = ["csrc/ops.cpp", "csrc/grad_hooks.cpp", "csrc/host_pack.cpp", "csrc/cpu/stats_cpu.cpp"]
 
 if BUILD_CUDA:
     # torch guessed CUDA_HOME at import; point it at the toolkit we chose.

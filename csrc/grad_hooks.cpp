@@ -270,7 +270,8 @@ PyObject* grad_sink_active(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// _grad_sink_take(id) -> (row ids, after, [(row id, timing, message)]), cleared
+// _grad_sink_take(id) -> (row ids first written, after: int64 bytes, [(row id, timing, message)]),
+// cleared
 PyObject* grad_sink_take(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 1) return PyErr_Format(PyExc_TypeError, "_grad_sink_take takes 1 argument");
   auto s = sink_of(PyLong_AsLongLong(args[0]));
@@ -279,22 +280,49 @@ PyObject* grad_sink_take(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<HookError> errors;
   if (s) {
     std::lock_guard<std::mutex> lock(s->mu);
-    rids.swap(s->log_rids);
-    after.swap(s->log_after);
+    // Copied, not swapped: the log keeps its capacity, so the hooks of the
+    // next step do not grow it again.
+    rids.assign(s->log_rids.begin(), s->log_rids.end());
+    after.assign(s->log_after.begin(), s->log_after.end());
+    s->log_rids.clear();
+    s->log_after.clear();
     errors.swap(s->errors);
   }
-  PyObject* t = PyList_New(static_cast<Py_ssize_t>(rids.size()));
-  PyObject* a = PyList_New(static_cast<Py_ssize_t>(after.size()));
+  // First writes only: the host wants the order in which rows were first
+  // written; a Python write logged before a repeat lands before the next first
+  // write instead, which is the same place in that order.
+  {
+    std::vector<std::vector<uint8_t>> seen;
+    size_t kept = 0;
+    for (size_t i = 0; i < rids.size(); ++i) {
+      const int64_t rid = rids[i];
+      const int64_t ri = ring_of(rid), row = row_of(rid);
+      if (ri >= 0) {
+        if (seen.size() <= static_cast<size_t>(ri)) seen.resize(ri + 1);
+        auto& v = seen[ri];
+        if (v.size() <= static_cast<size_t>(row)) v.resize(std::max<size_t>(row + 1, 2 * v.size()));
+        if (v[row]) continue;
+        v[row] = 1;
+      }
+      rids[kept] = rid;
+      after[kept] = after[i];
+      ++kept;
+    }
+    rids.resize(kept);
+    after.resize(kept);
+  }
+  // Thousands of entries a step: raw int64 bytes (numpy reads them without
+  // a Python int per entry).
+  PyObject* t = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(rids.data()),
+                                          static_cast<Py_ssize_t>(rids.size() * sizeof(int64_t)));
+  PyObject* a = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(after.data()),
+                                          static_cast<Py_ssize_t>(after.size() * sizeof(int64_t)));
   PyObject* e = PyList_New(static_cast<Py_ssize_t>(errors.size()));
   if (!t || !a || !e) {
     Py_XDECREF(t);
     Py_XDECREF(a);
     Py_XDECREF(e);
     return nullptr;
-  }
-  for (size_t i = 0; i < rids.size(); ++i) {
-    PyList_SET_ITEM(t, i, PyLong_FromLongLong(rids[i]));
-    PyList_SET_ITEM(a, i, PyLong_FromLongLong(after[i]));
   }
   for (size_t i = 0; i < errors.size(); ++i) {
     PyList_SET_ITEM(e, i, Py_BuildValue("(LNs)", static_cast<long long>(errors[i].rid),

@@ -13,17 +13,19 @@
 
 namespace hookcap {
 PyMethodDef* grad_hook_methods();  // grad_hooks.cpp
+PyMethodDef* host_pack_methods();  // host_pack.cpp
 }
 
 // The importable Python module: `import hookcap._C` loads the library and
-// runs the static registrations below; its only functions are the gradient
-// capture entry points (grad_hooks.cpp).
+// runs the static registrations below; its functions are the gradient
+// capture entry points (grad_hooks.cpp) and host encoding helpers (host_pack.cpp).
 extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1,
                                           hookcap::grad_hook_methods()};
   PyObject* m = PyModule_Create(&module_def);
-  if (m && PyModule_AddIntConstant(m, "ROW_BITS", hookcap::kRowBits) < 0) {
+  if (m && (PyModule_AddIntConstant(m, "ROW_BITS", hookcap::kRowBits) < 0 ||
+            PyModule_AddFunctions(m, hookcap::host_pack_methods()) < 0)) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -4,9 +4,11 @@ naming and the constants every part of the Monitor shares."""
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from torch import nn
 
 from . import _layout
@@ -29,13 +31,37 @@ def metric_name(name: str, kind: str, path: str = "") -> str:
     return f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+DEFAULT_CAPACITY = "256MiB"
+
+
+def parse_capacity(capacity) -> tuple[int | None, int | None]:
+    """``capacity`` -> (max steps, max bytes), one of them None. An int is a
+    number of recorded steps; a string is a size in bytes: ``"512MB"`` (10**6),
+    ``"256MiB"`` (2**20), also kB/GB/TB, KiB/GiB/TiB, or plain bytes."""
+    if isinstance(capacity, (int, np.integer)) and not isinstance(capacity, bool):
+        if capacity < 1:
+            raise ValueError(f"capacity: a step count must be >= 1, got {capacity!r}")
+        return int(capacity), None
+    if isinstance(capacity, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", capacity)
+        if m and m.group(2).lower() in _UNITS:
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            if n >= 1:
+                return None, n
+    raise ValueError(f"capacity: expected a number of recorded steps (an int >= 1) or a size in "
+                     f"bytes such as '512MB' or '256MiB', got {capacity!r}")
+
+
+
 @dataclass(frozen=True)
 class Config:
     """What a Monitor records, validated once."""
 
     capture: tuple[str, ...]
     histogram: Histogram | None
-    capacity: int
+    capacity: int | str  # recorded steps, or a byte size ("512MB")
     every: int
     timing: bool
     rank_sinks: str
@@ -65,8 +91,7 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
             "histogram: expected hookcap.Histogram.log2(...), Histogram.linear(...) or None, "
             f"got {type(histogram).__name__}"
         )
-    if not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity: must be an int >= 1 (steps kept on the host), got {capacity!r}")
+    parse_capacity(capacity)
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"every: must be an int >= 1 (record every N-th step), got {every!r}")
     if modules is not None and not (

@@ -10,7 +10,6 @@ import os
 import weakref
 from collections.abc import Callable
 
-from . import _layout
 from ._catalog import Catalog
 from ._config import Config
 from ._record import HostStore, StepRecord
@@ -98,9 +97,7 @@ class Consumers:
         direct = not self.ranks.hold(rec)  # merged rank_sinks: the sinks get it later, merged
         sinks = direct and bool(self.sinks.active)
         # The default detector alone only cares about steps with NaN/Inf.
-        quiet = not sinks and not rec.calls_nonfinite.any() and not rec.header[
-            :, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].any() and all(
-            type(d) is NonFinite for d in self.detectors)
+        quiet = not sinks and all(type(d) is NonFinite for d in self.detectors) and not rec.any_nonfinite()
         if (self.detectors or sinks) and not quiet:
             drained = DrainedStep(rec, self.catalog.names, self.catalog.metas, self.config.histogram,
                                   self.ranks.rank)

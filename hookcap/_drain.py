@@ -49,8 +49,9 @@ class Drain:
         self._expect: dict[int, set[int]] = {}  # step -> ring indices still to deliver
         self._partial: dict[int, list] = {}  # step -> [order, (ring index, keys, rows)...]
         self._plans: dict[tuple, _StepPlan] = {}
+        self._keys: dict[int, tuple] = {}  # ring index -> (rows_version, ring, merge keys)
 
-    def finish(self, rings, step: int, slot: int, order: list[int]) -> None:
+    def finish(self, rings, step: int, slot: int, order: np.ndarray) -> None:
         """Hand over the slot of ``step`` (just closed) on every ring."""
         expect = set()
         for ring in rings:
@@ -89,16 +90,25 @@ class Drain:
                 if parts is None:
                     continue  # dropped
                 n = rows.shape[0]
-                keys = np.asarray(ring.metric_of_row[:n], dtype=np.int64)
-                for row, timer in ring.timer_of_row.items():
-                    if row < n:
-                        keys[row] = _TIMER_KEY + timer
+                keys = self._ring_keys(ring)[:n]
                 parts.append((ring.index, keys, rows))
                 self._expect[step].discard(ring.index)
                 if not self._expect[step]:
                     done.append(self._complete(step))
         done.sort(key=lambda r: r.step)
         return done
+
+    def _ring_keys(self, ring) -> np.ndarray:
+        """The merge key of each of the ring's rows (cached while its rows stay as they are)."""
+        cached = self._keys.get(ring.index)
+        if cached is not None and cached[0] == ring.rows_version and cached[1] is ring:
+            return cached[2]
+        keys = np.asarray(ring.metric_of_row, dtype=np.int64)
+        for row, timer in ring.timer_of_row.items():
+            keys[row] = _TIMER_KEY + timer
+        keys.flags.writeable = False
+        self._keys[ring.index] = (ring.rows_version, ring, keys)
+        return keys
 
     def _drop(self, step: int) -> None:
         self.dropped += 1
@@ -113,7 +123,8 @@ class Drain:
         """Execution order, per-call metric and row, and the merge plan of a
         step's rows: the same every step of a steady training loop, so cached
         by the step's call pattern."""
-        key = (tuple(order), tuple((ri, len(k)) for ri, k, _ in chunks))
+        order = np.asarray(order, dtype=np.int64)
+        key = (order.tobytes(), tuple((ri, len(k)) for ri, k, _ in chunks))
         plan = self._plans.get(key)
         if plan is not None and np.array_equal(plan.keys, keys):
             return plan
@@ -121,7 +132,10 @@ class Drain:
         for ri, k, _ in chunks:
             offset[ri] = pos
             pos += len(k)
-        call_rows = np.array([offset[ring_index_of(rid)] + row_of(rid) for rid in order], dtype=np.int64)
+        ring_offset = np.zeros(max(offset, default=0) + 1, dtype=np.int64)
+        for ri, o in offset.items():
+            ring_offset[ri] = o
+        call_rows = ring_offset[ring_index_of(order)] + row_of(order)
         calls = keys[call_rows] if len(call_rows) else np.empty(0, np.int64)
         _, first = np.unique(calls, return_index=True)
         plan = _StepPlan(keys.copy(), call_rows, calls, calls[np.sort(first)], _layout.GroupPlan(keys))
@@ -133,9 +147,12 @@ class Drain:
     def _complete(self, step: int) -> StepRecord:
         order, *chunks = self._partial.pop(step)
         del self._expect[step]
-        keys = np.concatenate([k for _, k, _ in chunks]) if chunks else np.empty(0, np.int64)
-        rows = (np.concatenate([r for _, _, r in chunks]) if chunks
-                else np.empty((0, self.config.width), np.int64))
+        if len(chunks) == 1:  # one ring: its rows as they are (a view, no copy)
+            keys, rows = chunks[0][1], chunks[0][2]
+        else:
+            keys = np.concatenate([k for _, k, _ in chunks]) if chunks else np.empty(0, np.int64)
+            rows = (np.concatenate([r for _, _, r in chunks]) if chunks
+                    else np.empty((0, self.config.width), np.int64))
         plan = self._step_plan(order, chunks, keys)
         # Which calls saw NaN/Inf (one entry per call-row, in execution order).
         calls_bad = (rows[:, [_layout.NAN, _layout.POSINF, _layout.NEGINF]].sum(axis=1) > 0)[plan.call_rows]
@@ -146,7 +163,10 @@ class Drain:
         if timed.any():  # timing rows (timing=True) are not metrics
             timers, time_rows = keys[timed] - _TIMER_KEY, rows[timed]
             keys, rows = keys[~timed], rows[~timed]
-        rec = make_record(step, keys, rows, plan.order, plan.calls, calls_bad)
-        if self.config.timing:
-            rec.time_ns = time_of(self.catalog, rec.metrics, timers, time_rows)
-        return rec
+        written = rows[:, _layout.CALLS] > 0
+        if not written.all():
+            keys, rows = keys[written], rows[written]
+        time_ns = time_of(self.catalog, keys, timers, time_rows) if self.config.timing else None
+        hist = self.config.histogram
+        return make_record(step, keys, rows, plan.order, plan.calls, calls_bad, time_ns,
+                           zero_bin=hist is not None and hist.kind == "log2")

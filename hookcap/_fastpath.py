@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import weakref
 
+import numpy as np
 import torch
 
 from . import _C
@@ -81,9 +82,12 @@ class FastPath:
     def note_python_write(self) -> None:
         self._python_writes_np[0] += 1
 
-    def take(self) -> tuple[list[int], list[int], list[tuple[int, bool, str]]]:
-        """The step's log, cleared: row ids written in C++ in order, the number
-        of Python-logged writes before each, and ``(rid, timing, message)`` of
-        each hook that failed. Also restarts the Python write count."""
+    def take(self) -> tuple[np.ndarray, np.ndarray, list[tuple[int, bool, str]]]:
+        """The step's log, cleared: row ids written in C++ in order of their
+        first write (int64, each once), the number of Python-logged writes
+        before each (int64), and ``(rid,
+        timing, message)`` of each hook that failed. Also restarts the Python
+        write count."""
         self._python_writes_np[0] = 0
-        return _C._grad_sink_take(self.id)
+        rids, after, errors = _C._grad_sink_take(self.id)
+        return np.frombuffer(rids, dtype=np.int64), np.frombuffer(after, dtype=np.int64), errors

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -293,11 +294,11 @@ class Recorder:
         self.fast.learn(hid, ci, t, NO_ROW if out is None else out, NO_ROW if grad is None else grad)
 
     # -- the step's execution order -------------------------------------------------
-    def take_order(self) -> tuple[list[int], list[tuple[str, str]]]:
-        """Row ids in first-write order this step (the writes logged in C++
-        with Python's op-path writes placed where they happened), naming
-        new gradient metrics in that order; and ``(module, message)`` of
-        each timing mark that failed."""
+    def take_order(self) -> tuple[np.ndarray, list[tuple[str, str]]]:
+        """Row ids (int64) in first-write order this step (the writes logged
+        in C++ with Python's op-path writes placed where they happened),
+        naming new gradient metrics in that order; and ``(module, message)``
+        of each timing mark that failed."""
         rids, after, errors = self.fast.take()
         failed_timers = []
         for rid, timing, message in errors:
@@ -307,26 +308,27 @@ class Recorder:
             pending = self._unnamed.get(rid)
             metric = pending[0] if pending else self.catalog.names[self.ring_of(rid).metric_of_row[row_of(rid)]]
             self.skip_call(metric, message)
-        order = list(self._order)
-        if not rids:
+        order = np.fromiter(self._order, dtype=np.int64, count=len(self._order))
+        if not len(rids):
             return order, failed_timers
         if after[0] == len(order):
             # The usual step: every C++ write came after the last Python write.
-            merged = order + list(dict.fromkeys(rids))
+            merged = np.concatenate([order, rids]) if len(order) else rids
         else:
-            merged, seen, i = [], set(), 0
-            for rid, k in zip(rids, after):
-                merged.extend(order[i:k])
+            py, out, seen, i = order.tolist(), [], set(), 0
+            for rid, k in zip(rids.tolist(), after.tolist()):
+                out.extend(py[i:k])
                 i = max(i, k)
                 if rid not in seen:
                     seen.add(rid)
-                    merged.append(rid)
-            merged.extend(order[i:])
+                    out.append(rid)
+            out.extend(py[i:])
+            merged = np.array(out, dtype=np.int64)
         if self._unnamed:  # name new gradient metrics in execution order
             with self._lock:
-                for rid in merged:
+                for rid in merged.tolist():
                     pending = self._unnamed.pop(rid, None)
                     if pending is not None:
-                        self.ring_of(rid).metric_of_row[row_of(rid)] = self.catalog.add(*pending)
+                        self.ring_of(rid).name_row(row_of(rid), self.catalog.add(*pending))
         return merged, failed_timers
 

@@ -58,6 +58,7 @@ class DeviceRing:
         self.state = new_state(device)
         self.nrows = 0
         self.metric_of_row: list[int] = []  # metric index per row, or UNNAMED / TIMING
+        self.rows_version = 0  # changes whenever metric_of_row or timer_of_row does
         self.timer_of_row: dict[int, int] = {}  # timing row -> timing index of its module
         self.pending: deque[_Pending] = deque()
         self._side = torch.cuda.Stream(device) if self.is_cuda else None
@@ -70,19 +71,27 @@ class DeviceRing:
         ``timer`` (grows the ring outside the steady state)."""
         rows = self.ring.shape[1]
         if self.nrows == rows:
-            grown = torch.empty((self.slots, rows * 2, self.width), dtype=torch.int64,
-                                device=self.device)
+            # Grown by a quarter: every recorded step resets (and the host
+            # reads) whole slots, so spare rows cost time every step.
+            more = rows + max(64, rows // 4)
+            grown = torch.empty((self.slots, more, self.width), dtype=torch.int64, device=self.device)
             grown[:, :rows].copy_(self.ring)
             self.ring = grown
             self._pinned.clear()
-            _ops.reset_rows(self.ring, self.state, rows, rows * 2)
+            _ops.reset_rows(self.ring, self.state, rows, more)
         row = self.nrows
         if timer is not None:
             self.timer_of_row[row] = timer
             metric = TIMING
         self.metric_of_row.append(metric)
         self.nrows += 1
+        self.rows_version += 1
         return row
+
+    def name_row(self, row: int, metric: int) -> None:
+        """Give an UNNAMED row its metric index."""
+        self.metric_of_row[row] = metric
+        self.rows_version += 1
 
     def set_state(self, step: int, enabled: bool, slot: int) -> None:
         """Put the device state at (step, enabled, slot) and reset that slot

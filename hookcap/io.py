@@ -7,29 +7,51 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 
 import numpy as np
+from numpy.lib import format as npformat
 
 from . import _layout
-from ._record import StepRecord
+from ._pack import PackedStep
+from ._record import StepRecord, pack_record
 from .histogram import Histogram
 
 FORMAT = "hookcap-history"
-VERSION = 1
+VERSION = 2  # 1: int64 rows and bands (still read)
 
 
-def write(records: list[StepRecord], names: list[str], metas: dict, histogram: Histogram | None,
+def write(records, names: list[str], metas: dict, histogram: Histogram | None,
           path: str | os.PathLike, extra: dict | None = None) -> str:
-    """Write ``records`` (StepRecords whose metric indices refer to ``names``)
-    to ``path`` (``.npz`` is appended if missing; missing parent folders are
-    created). ``metas``: name ->
+    """Write ``records`` (StepRecords or PackedSteps whose metric indices refer
+    to ``names``) to ``path`` (``.npz`` is appended if missing; missing parent
+    folders are created). ``metas``: name ->
     ``{"module_type", "kind", "shape", "dtype"}``; ``extra``
-    (JSON-serialisable) is stored in the header. Returns the path written."""
+    (JSON-serialisable) is stored in the header. Returns the path written.
+
+    The steps are written in their compact encoding (``hookcap._pack``),
+    streamed one after another into an uncompressed ``.npz``: no copy of the
+    whole history is made, and the file is about the size of the host store.
+    The file appears complete or not at all (written to a temporary name)."""
     path = os.fspath(path)
     if not path.endswith(".npz"):
         path += ".npz"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    recs = list(records)
+    steps = [r if isinstance(r, PackedStep) else pack_record(r) for r in records]
+    descs: dict[tuple, int] = {}
+    desc_id = np.array([descs.setdefault(p.desc, len(descs)) for p in steps], dtype=np.int64)
+    pats: dict[int, int] = {}  # id(array) -> pattern index: the store shares equal arrays
+    pat_arrays: list[np.ndarray] = []
+    pat = np.empty((len(steps), 3), dtype=np.int64)
+    for s, p in enumerate(steps):
+        for j, a in enumerate((p.metrics, p.order, p.calls)):
+            i = pats.get(id(a))
+            if i is None and pat_arrays and np.array_equal(pat_arrays[-1], a):
+                i = len(pat_arrays) - 1
+            if i is None:
+                i = pats[id(a)] = len(pat_arrays)
+                pat_arrays.append(a)
+            pat[s, j] = i
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -39,28 +61,35 @@ def write(records: list[StepRecord], names: list[str], metas: dict, histogram: H
         "histogram": None if histogram is None else {
             "kind": histogram.kind, "lo": histogram.lo, "hi": histogram.hi, "bins": histogram.bins},
         "extra": extra or {},
+        "descs": [[d[0], list(d[1]), None if d[2] is None else list(d[2]), d[3], d[4]] for d in descs],
     }
-    arrays = {
-        "steps": np.array([r.step for r in recs], dtype=np.int64),
-        "n_metrics": np.array([len(r.metrics) for r in recs], dtype=np.int64),
-        "metrics": _cat([r.metrics for r in recs], (0,)),
-        "rows": _cat([r.header for r in recs], (0, _layout.HEADER)),
-        "hist_lo": np.array([r.hist_lo for r in recs], dtype=np.int64),
-        "hist_width": np.array([r.hist.shape[1] for r in recs], dtype=np.int64),
-        "hist": _cat([r.hist.reshape(-1) for r in recs], (0,)),
-        "n_order": np.array([len(r.order) for r in recs], dtype=np.int64),
-        "order": _cat([r.order for r in recs], (0,)),
-        "n_calls": np.array([len(r.calls) for r in recs], dtype=np.int64),
-        "calls": _cat([r.calls for r in recs], (0,)),
-        "calls_nonfinite": _cat([r.calls_nonfinite.astype(np.int64) for r in recs], (0,)),
+    small = {
+        "steps": np.array([p.step for p in steps], dtype=np.int64),
+        "desc_id": desc_id,
+        "blob_len": np.array([p.blob.nbytes for p in steps], dtype=np.int64),
+        "pat": pat,
+        "pat_len": np.array([len(a) for a in pat_arrays], dtype=np.int64),
     }
-    if any(r.time_ns is not None for r in recs):  # Monitor(timing=True)
-        arrays["time_ns"] = np.concatenate(
-            [r.time_ns if r.time_ns is not None else np.full((len(r.metrics), 2), np.nan) for r in recs])
     tmp = path + ".tmp.npz"
-    np.savez_compressed(tmp, meta_json=np.frombuffer(json.dumps(header).encode(), dtype=np.uint8), **arrays)
+    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        _entry(zf, "meta_json", np.frombuffer(json.dumps(header).encode(), dtype=np.uint8))
+        for name, a in small.items():
+            _entry(zf, name, a)
+        _entry(zf, "pat_data", pat_arrays, np.int64, (int(small["pat_len"].sum()),))
+        _entry(zf, "blob", [p.blob for p in steps], np.uint8, (int(small["blob_len"].sum()),))
     os.replace(tmp, path)
     return path
+
+
+def _entry(zf: zipfile.ZipFile, name: str, parts, dtype=None, shape=None) -> None:
+    """One ``.npy`` member of the ``.npz``, written part by part (no concatenation)."""
+    if isinstance(parts, np.ndarray):
+        dtype, shape, parts = parts.dtype, parts.shape, [parts]
+    with zf.open(name + ".npy", "w", force_zip64=True) as f:
+        npformat.write_array_header_2_0(f, {"descr": npformat.dtype_to_descr(np.dtype(dtype)),
+                                            "fortran_order": False, "shape": tuple(shape)})
+        for a in parts:
+            f.write(np.ascontiguousarray(a, dtype=dtype).data)
 
 
 def _cat(parts, empty_shape):
@@ -84,6 +113,35 @@ def read(path: str | os.PathLike) -> tuple[list[StepRecord], list[str], dict, Hi
             raise ValueError(f"{path}: format version {header['version']} is newer than this hookcap "
                              f"({VERSION}); upgrade hookcap")
         a = {k: z[k] for k in z.files if k != "meta_json"}
+    if header["version"] >= 2:
+        recs = _read_packed(header, a)
+    else:
+        recs = _read_v1(a)
+    spec = header["histogram"]
+    hist = None
+    if spec is not None:
+        hist = Histogram.log2(int(spec["lo"]), int(spec["hi"])) if spec["kind"] == "log2" else \
+            Histogram.linear(spec["lo"], spec["hi"], spec["bins"])
+    metas = {n: {**m, "shape": tuple(m["shape"])} for n, m in header["metas"].items()}
+    return recs, header["names"], metas, hist, header.get("extra", {})
+
+
+def _read_packed(header: dict, a: dict) -> list[StepRecord]:
+    descs = [(d[0], tuple(d[1]), None if d[2] is None else (d[2][0], bool(d[2][1]), *d[2][2:]), d[3],
+              bool(d[4])) for d in header["descs"]]
+    ends = np.cumsum(a["pat_len"])
+    pats = [a["pat_data"][e - n:e] for e, n in zip(ends, a["pat_len"])]
+    recs, off = [], 0
+    for s, step in enumerate(a["steps"]):
+        n = int(a["blob_len"][s])
+        m, o, c = (pats[i] for i in a["pat"][s])
+        p = PackedStep(int(step), a["blob"][off:off + n], descs[int(a["desc_id"][s])], m, o, c)
+        recs.append(StepRecord.from_packed(p))
+        off += n
+    return recs
+
+
+def _read_v1(a: dict) -> list[StepRecord]:
     recs = []
     mi = hi = oi = ci = 0
     for s, step in enumerate(a["steps"]):
@@ -95,10 +153,4 @@ def read(path: str | os.PathLike) -> tuple[list[StepRecord], list[str], dict, Hi
             a["calls_nonfinite"][ci:ci + nc].astype(bool),
             a["time_ns"][mi:mi + k] if "time_ns" in a else None))
         mi, hi, oi, ci = mi + k, hi + k * w, oi + no, ci + nc
-    spec = header["histogram"]
-    hist = None
-    if spec is not None:
-        hist = Histogram.log2(int(spec["lo"]), int(spec["hi"])) if spec["kind"] == "log2" else \
-            Histogram.linear(spec["lo"], spec["hi"], spec["bins"])
-    metas = {n: {**m, "shape": tuple(m["shape"])} for n, m in header["metas"].items()}
-    return recs, header["names"], metas, hist, header.get("extra", {})
+    return recs

@@ -15,8 +15,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from . import io
 from ._catalog import Catalog
-from ._config import CAPTURE_KINDS, DEFAULT_HISTOGRAM, RANK_SINKS, ROOT_NAME, make_config
+from ._config import CAPTURE_KINDS, DEFAULT_CAPACITY, DEFAULT_HISTOGRAM, RANK_SINKS, ROOT_NAME, make_config
 from ._consumers import Consumers, Sinks, check_on_anomaly
 from ._drain import Drain
 from ._exit import ExitDump
@@ -58,7 +59,9 @@ class Monitor:
             ``"param"`` (values at ``step()``), ``"param_grad"`` (final
             accumulated gradient of each step).
         histogram: ``Histogram.log2()`` (default), ``Histogram.linear(...)`` or None.
-        capacity: recorded steps kept on the host (oldest dropped first).
+        capacity: how much history the host keeps: a size in bytes (``"256MiB"``,
+            ``"512MB"``, ``"2GiB"``; the default) or a number of recorded steps.
+            The oldest steps are dropped first (``evicted_steps`` counts them).
         every: record every N-th step; other steps launch nothing.
         optimizer: if given, ``step()`` runs after each optimizer step. A
             wrapper (accelerate's ``AcceleratedOptimizer``, Lightning's
@@ -149,7 +152,7 @@ class Monitor:
         modules=None,
         capture=("output", "grad_output"),
         histogram: Histogram | None = DEFAULT_HISTOGRAM,
-        capacity: int = 1024,
+        capacity: int | str = DEFAULT_CAPACITY,
         every: int = 1,
         optimizer: torch.optim.Optimizer | None = None,
         detectors=None,
@@ -188,7 +191,12 @@ class Monitor:
     # -- settings and results (read-only unless stated) ----------------------------
     capture = property(lambda self: self._config.capture, doc="Capture kinds, as a tuple.")
     histogram = property(lambda self: self._config.histogram, doc="The Histogram spec, or None.")
-    capacity = property(lambda self: self._config.capacity, doc="Recorded steps kept on the host.")
+    capacity = property(lambda self: self._config.capacity,
+                        doc="The host history's bound as given: recorded steps (int) or bytes (str).")
+    evicted_steps = property(lambda self: self._consumers.store.evicted,
+                             doc="Recorded steps dropped from the host history by ``capacity``, oldest first.")
+    history_bytes = property(lambda self: self._consumers.store.nbytes,
+                             doc="Bytes the host history holds now (encoded steps).")
     every = property(lambda self: self._config.every, doc="Record every N-th step.")
     timing = property(lambda self: self._config.timing, doc="Whether module durations are recorded.")
     rank_sinks = property(lambda self: self._config.rank_sinks, doc="``'merged'`` or ``'all'``.")
@@ -384,7 +392,7 @@ class Monitor:
         summed, extrema combined) with one packed MIN and one packed SUM
         all-reduce; metric rows agree even when a rank lacks a metric."""
         self._consume(wait=True)
-        h = History(self._consumers.store.records, self._catalog.names, self._catalog.metas,
+        h = History(self._consumers.store.records(), self._catalog.names, self._catalog.metas,
                     self._config.histogram)
         h.anomalies = list(self.anomalies)
         if all_ranks:
@@ -397,9 +405,12 @@ class Monitor:
         """Write every retained step of every metric, the metadata, execution
         order and anomalies to one file (read back with ``hookcap.load``).
         Returns the path written."""
-        return self.history().save(path, extra={
+        self._consume(wait=True)
+        return io.write(self._consumers.store.steps, self._catalog.names, self._catalog.metas,
+                        self._config.histogram, path, extra={
             "anomalies": [a.to_dict() for a in self.anomalies],
             "dropped_steps": self.dropped_steps,
+            "evicted_steps": self.evicted_steps,
             "capture": list(self.capture),
             "every": self.every,
         })

@@ -775,9 +775,11 @@ void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& 
 }
 
 void reset_rows(int64_t* base, int64_t rows, int64_t width, int64_t step) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < width; ++c) base[r * width + c] = reset_value(c, step);
-  }
+  if (rows <= 0) return;
+  // One row built from reset_value, then copied: a per-value switch over every
+  // bin of thousands of rows costs more than the copy itself.
+  for (int64_t c = 0; c < width; ++c) base[c] = reset_value(c, step);
+  for (int64_t r = 1; r < rows; ++r) std::memcpy(base + r * width, base, width * sizeof(int64_t));
 }
 
 void reset_slot_cpu(at::Tensor& ring, const at::Tensor& state) {

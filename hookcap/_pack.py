@@ -1,0 +1,261 @@
+"""Lossless compact encoding of one recorded step for the host store and the
+history file: what a step costs to keep is what its numbers need, not 8
+bytes per header value and per histogram bin.
+
+- Header columns, each chosen per step: a constant; small integers as an
+  offset from the column's minimum in 1, 2 or 4 bytes; doubles (and the
+  ordered keys of min/max) as float32 when every value of the column is
+  exactly a float32 (extrema of float32/bf16/fp16 tensors always are); the
+  abs-max key left out when it equals max(-min, max) for every row; else raw.
+- Histograms: per row the band from its first to its last non-empty bin, in
+  the narrowest unsigned width that fits the step's counts; the log2 zero bin
+  is left out when it equals the zeros count (it always does).
+Decoding gives back the int64 rows bit for bit; ``pack`` checks each choice
+on the values themselves, so an encoding never loses a bit."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _C, _layout
+
+H = _layout.HEADER
+_F64_LIST = [_layout.SHIFT, _layout.S1, _layout.S2, _layout.SUM, _layout.SUMSQ]
+_KEY_LIST = [_layout.MIN, _layout.MAX, _layout.ABSMAX]
+
+# Column codes.
+CONST, U8, U16, U32, RAW, F32, KEY32, ABSMAX = range(8)
+_UINT = {U8: np.uint8, U16: np.uint16, U32: np.uint32}
+_ITEM = {CONST: 0, U8: 1, U16: 2, U32: 4, RAW: 8, F32: 4, KEY32: 4, ABSMAX: 0}
+_U_OF_WIDTH = ((0xFF, U8), (0xFFFF, U16), (0xFFFFFFFF, U32))
+
+_descs: dict[tuple, tuple] = {}  # interned descriptors: a steady run shares one
+
+
+def _uint_code(span: int) -> int:
+    for limit, code in _U_OF_WIDTH:
+        if span <= limit:
+            return code
+    return RAW
+
+
+def _f32_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 [n, k], ok [n]): per row of float64 bit patterns, whether
+    every value is exactly a float32 (NaN payloads and -0.0 included)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        f32 = bits.view(np.float64).astype(np.float32)
+    return f32, (f32.astype(np.float64).view(np.int64) == bits).all(axis=1)
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+class PackedStep:
+    """One recorded step, encoded. ``nbytes``: bytes of its own data (the
+    metric, order and call index arrays are shared with the step before when
+    equal; see HostStore). Decoding methods return fresh arrays."""
+
+    __slots__ = ("step", "blob", "desc", "metrics", "order", "calls")
+
+    def __init__(self, step, blob, desc, metrics, order, calls):
+        self.step = step
+        self.blob = blob  # np.uint8 [n]
+        self.desc = desc  # (k, column codes, hist desc, n nonfinite bytes, has time)
+        self.metrics, self.order, self.calls = metrics, order, calls
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.nbytes
+
+    def _sections(self):
+        """Yield (name, dtype, count, byte offset) of each section of the blob."""
+        k, codes, hist, n_bad, has_time = self.desc
+        off = 0
+        yield "consts", np.int64, H, off
+        off += 8 * H
+        for c, code in enumerate(codes):
+            n = _ITEM[code] * k
+            if n:
+                yield c, None, k, off
+                off = _pad8(off + n)
+        if hist is not None:
+            _, _, lo_code, n_counts, cnt_code = hist
+            dt = _UINT[lo_code]
+            yield "first", dt, k, off
+            off = _pad8(off + k * dt().itemsize)
+            yield "len", dt, k, off
+            off = _pad8(off + k * dt().itemsize)
+            dt = _UINT.get(cnt_code, np.int64)
+            yield "counts", dt, n_counts, off
+            off = _pad8(off + n_counts * dt().itemsize)
+        if n_bad:
+            yield "bad", np.uint8, n_bad, off
+            off = _pad8(off + n_bad)
+        if has_time:
+            yield "time", np.float64, 2 * k, off
+
+    def _view(self, dtype, count, off):
+        return np.frombuffer(self.blob, dtype=dtype, count=count, offset=off)
+
+    def header(self) -> np.ndarray:
+        """int64 [k, HEADER], bit for bit the rows that were packed."""
+        k, codes = self.desc[0], self.desc[1]
+        out = np.empty((k, H), dtype=np.int64)
+        consts = None
+        for name, dt, count, off in self._sections():
+            if name == "consts":
+                consts = self._view(np.int64, H, off)
+            elif isinstance(name, int):
+                code = codes[name]
+                if code == RAW:
+                    out[:, name] = self._view(np.int64, count, off)
+                elif code == F32:
+                    out[:, name] = self._view(np.float32, count, off).astype(np.float64).view(np.int64)
+                elif code == KEY32:
+                    out[:, name] = _layout.order_key(self._view(np.float32, count, off).astype(np.float64))
+                else:
+                    out[:, name] = self._view(_UINT[code], count, off).astype(np.int64) + consts[name]
+        for c, code in enumerate(codes):
+            if code == CONST:
+                out[:, c] = consts[c]
+            elif code == ABSMAX:
+                mn = _layout._unkey(out[:, _layout.MIN])
+                mx = _layout._unkey(out[:, _layout.MAX])
+                out[:, c] = _layout.order_key(np.where(-mn > mx, -mn, mx))
+        return out
+
+    def histogram(self, header: np.ndarray | None = None) -> tuple[int, np.ndarray]:
+        """(first bin, int64 [k, width]): the step's band of every non-empty bin."""
+        hist = self.desc[2]
+        k = self.desc[0]
+        if hist is None:
+            return 0, np.zeros((k, 0), dtype=np.int64)
+        zero_from_zeros = hist[1]
+        sec = {name: (dt, count, off) for name, dt, count, off in self._sections() if isinstance(name, str)}
+        first = self._view(*sec["first"]).astype(np.int64)
+        lens = self._view(*sec["len"]).astype(np.int64)
+        counts = self._view(*sec["counts"])
+        zeros = None
+        if zero_from_zeros:
+            zeros = (self.header() if header is None else header)[:, _layout.ZEROS]
+        has = lens > 0
+        lo = int(first[has].min()) if has.any() else 0
+        hi = int((first + lens)[has].max()) if has.any() else 0
+        if zeros is not None and zeros.any():
+            lo, hi = 0, max(hi, 1)
+        out = np.zeros((k, hi - lo), dtype=np.int64)
+        if len(counts):
+            starts = np.repeat(np.arange(k) * (hi - lo) + first - lo, lens)
+            within = np.arange(len(counts)) - np.repeat(np.cumsum(lens) - lens, lens)
+            out.reshape(-1)[starts + within] = counts
+        if zeros is not None and zeros.any():
+            out[:, 0] = zeros
+        return lo, out
+
+    def calls_nonfinite(self) -> np.ndarray:
+        n_calls = len(self.calls)
+        for name, dt, count, off in self._sections():
+            if name == "bad":
+                return np.unpackbits(self._view(dt, count, off), count=n_calls).astype(bool)
+        return np.zeros(n_calls, dtype=bool)
+
+    def time_ns(self) -> np.ndarray | None:
+        for name, dt, count, off in self._sections():
+            if name == "time":
+                return self._view(dt, count, off).reshape(-1, 2).copy()
+        return None
+
+    def any_nonfinite(self) -> bool:
+        """Whether any metric or call of the step saw NaN/Inf (decodes nothing
+        when the NaN/Inf columns are constant, as in a healthy step)."""
+        if self.desc[3]:
+            return True
+        codes = self.desc[1]
+        consts = self._view(np.int64, H, 0)
+        cols = (_layout.NAN, _layout.POSINF, _layout.NEGINF)
+        if all(codes[c] == CONST for c in cols):
+            return bool(any(consts[c] for c in cols))
+        return bool(self.header()[:, list(cols)].any())
+
+
+def pack(step: int, metrics, rows: np.ndarray, order, calls, calls_nonfinite, time_ns,
+         zero_bin: bool) -> PackedStep:
+    """Encode raw rows [k, width] (header + histogram bins; C-contiguous or
+    not) of one step. ``zero_bin``: the histogram's bin 0 counts zeros (log2),
+    so it may be left out when it equals the zeros column."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not rows.flags.c_contiguous:
+        rows = np.ascontiguousarray(rows)
+    k, width = rows.shape
+    head = np.ascontiguousarray(rows[:, :H].T)  # [H, k]: one contiguous column each
+    parts: list[tuple[int, np.ndarray]] = []  # (offset, array) to copy into the blob
+    codes = [CONST] * H
+    data: dict[int, np.ndarray] = {}
+    if k:
+        consts = head.min(axis=1)
+        vary = consts != head.max(axis=1)
+        # Every varying float column at once: float32 where that is exact.
+        fc = [c for c in _F64_LIST if vary[c]]
+        if fc:
+            bits = head[fc]
+            f32, ok = _f32_rows(bits)
+            for i, c in enumerate(fc):
+                codes[c], data[c] = (F32, f32[i]) if ok[i] else (RAW, head[c])
+        kc = [c for c in _KEY_LIST if vary[c]]
+        if kc:
+            vals = _layout._unkey(head[kc])
+            if vary[_layout.ABSMAX]:
+                mn, mx = _layout._unkey(head[_layout.MIN]), _layout._unkey(head[_layout.MAX])
+                if np.array_equal(_layout.order_key(np.where(-mn > mx, -mn, mx)), head[_layout.ABSMAX]):
+                    codes[_layout.ABSMAX] = ABSMAX
+            f32, ok = _f32_rows(vals.view(np.int64))
+            for i, c in enumerate(kc):
+                if codes[c] == ABSMAX:
+                    continue
+                codes[c], data[c] = (KEY32, f32[i]) if ok[i] else (RAW, head[c])
+        for c in np.flatnonzero(vary).tolist():
+            if codes[c] != CONST:
+                continue
+            code = _uint_code(int(head[c].max()) - int(consts[c]))  # Python ints: no wrap
+            codes[c], data[c] = (RAW, head[c]) if code == RAW else (code, (head[c] - consts[c]).astype(_UINT[code]))
+    else:
+        consts = np.zeros(H, dtype=np.int64)
+    off = 8 * H
+    for c in range(H):
+        if c in data:
+            parts.append((off, data[c]))
+            off = _pad8(off + data[c].nbytes)
+    hist_desc = None
+    nb = width - H
+    if nb:
+        zero_from_zeros = bool(zero_bin and k and np.array_equal(rows[:, H], head[_layout.ZEROS]))
+        first, lens = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int64)
+        total, cmax_h, cmin_h = _C._hist_bands(rows, H, zero_from_zeros, first, lens)
+        cnt_code = _uint_code(cmax_h) if cmin_h >= 0 else RAW
+        counts = np.empty(total, dtype=_UINT.get(cnt_code, np.int64))
+        _C._hist_gather(rows, H, first, lens, counts)
+        lo_code = U8 if nb <= 0xFF else (U16 if nb <= 0xFFFF else U32)
+        for a in (first.astype(_UINT[lo_code]), lens.astype(_UINT[lo_code]), counts):
+            parts.append((off, a))
+            off = _pad8(off + a.nbytes)
+        hist_desc = (nb, zero_from_zeros, lo_code, len(counts), cnt_code)
+    bad = np.asarray(calls_nonfinite, dtype=bool)
+    n_bad = 0
+    if bad.any():
+        packed_bad = np.packbits(bad)
+        n_bad = len(packed_bad)
+        parts.append((off, packed_bad))
+        off = _pad8(off + n_bad)
+    if time_ns is not None:
+        t = np.ascontiguousarray(time_ns, dtype=np.float64)
+        parts.append((off, t))
+        off += t.nbytes
+    blob = np.empty(off, dtype=np.uint8)
+    blob[: 8 * H] = np.ascontiguousarray(consts, dtype=np.int64).view(np.uint8)
+    for o, a in parts:
+        blob[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
+    desc = (k, tuple(codes), hist_desc, n_bad, time_ns is not None)
+    desc = _descs.setdefault(desc, desc)
+    return PackedStep(int(step), blob, desc, np.asarray(metrics, dtype=np.int64),
+                      np.asarray(order, dtype=np.int64), np.asarray(calls, dtype=np.int64))
