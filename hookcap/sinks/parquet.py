@@ -205,16 +205,17 @@ class Parquet(Sink):
             self._hlen.append(np.zeros(m, dtype=np.int64))
             return
         nz = counts != 0
-        has = nz.any(axis=1)
-        first = nz.argmax(axis=1)
+        first = nz.argmax(axis=1)  # 0 for a row of zeros: told apart by `has`
+        has = nz[np.arange(m), first]
         last = w - 1 - nz[:, ::-1].argmax(axis=1)
+        lens = np.where(has, last - first + 1, 0)
         self._hoff.append(np.where(has, first + off, 0).astype(np.int32))
-        self._hlen.append(np.where(has, last - first + 1, 0))
-        if has.all() and (first == 0).all() and (last == w - 1).all():
-            vals = counts.reshape(-1)  # every band is the whole shared band
-        else:
-            cols = np.arange(w)
-            vals = counts[(cols >= first[:, None]) & (cols <= last[:, None]) & has[:, None]]
+        self._hlen.append(lens)
+        # Gather each row's band from the flat counts: bands are a few bins
+        # of the step's shared band, so indices beat a [m, w] mask.
+        ends = np.cumsum(lens)
+        idx = np.repeat(np.arange(m) * w + first - (ends - lens), lens) + np.arange(int(ends[-1]))
+        vals = counts.reshape(-1)[idx]
         self._hval.append(vals)
         self._nhist += vals.size
 
@@ -249,11 +250,14 @@ class Parquet(Sink):
         self._seq = parts[-1][0] + 1 if parts else 0
 
     def _dict_column(self, codes: np.ndarray, values: list[str]):
-        """A dictionary array of ``values[codes]`` holding only the used values."""
+        """A dictionary array of ``values[codes]`` holding only the used values
+        (O(rows): a presence mask, not a sort)."""
         pa = self._pa
-        used, idx = np.unique(codes, return_inverse=True)
-        return pa.DictionaryArray.from_arrays(pa.array(idx.astype(np.int32)),
-                                              pa.array([values[i] for i in used], type=pa.string()))
+        present = np.zeros(len(values), dtype=bool)
+        present[codes] = True
+        remap = (np.cumsum(present) - 1).astype(np.int32)
+        return pa.DictionaryArray.from_arrays(pa.array(remap[codes]), pa.array(
+            [values[i] for i in np.flatnonzero(present)], type=pa.string()))
 
     def _table(self):
         pa = self._pa
@@ -286,7 +290,9 @@ class Parquet(Sink):
             vals = np.concatenate(self._hval) if self._hval else np.empty(0, dtype=np.int64)
             cols["hist_offset"] = pa.array(np.concatenate(self._hoff) if self._hoff else np.empty(0, np.int32))
             cols["hist"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(vals.astype(np.int64, copy=False)))
-        return pa.table(cols), np.unique(codes)
+        present = np.zeros(len(self._names), dtype=bool)
+        present[codes] = True
+        return pa.table(cols), np.flatnonzero(present)
 
     def _write_group(self) -> None:
         if not self._steps:
@@ -308,8 +314,11 @@ class Parquet(Sink):
         try:
             with open(tmp, "wb") as f:
                 # store_schema=False: readers get plain string columns (not
-                # categoricals); Parquet still dictionary-encodes them.
-                with self._pq.ParquetWriter(f, table.schema, store_schema=False) as w:
+                # categoricals); Parquet still dictionary-encodes them. Only
+                # them: float stats are nearly all distinct, and trying a
+                # dictionary for them doubles the encode time.
+                with self._pq.ParquetWriter(f, table.schema, store_schema=False,
+                                            use_dictionary=["name", "module", "kind"]) as w:
                     w.write_table(table, row_group_size=max(table.num_rows, 1))
                     w.add_key_value_metadata(meta)
                 f.flush()
