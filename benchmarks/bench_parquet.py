@@ -84,6 +84,8 @@ def main() -> None:
         "bytes_per_metric_step": size / (m * args.steps),
         "load_s": t_load,
         "load1": os.getloadavg()[0],
+        "cpus": os.cpu_count(), "torch": torch.__version__,
+        "pyarrow": __import__("pyarrow").__version__,
     }
     print(f"{m} metrics, {args.steps} steps, row_group_steps={args.group}, step band {band.shape[1]} bins "
           f"(of {d.histogram_spec.nbins})")

@@ -299,21 +299,39 @@ def test_nan_and_inf_round_trip(tmp_path):
     assert got["finite"][1, c] == got["count"][1, c] - 3
     d = h.column("3/output")  # tanh of a NaN: NaN downstream
     assert got["nan"][1, d] >= 1
-    # Stats with no finite value are NaN in the file and read back as NaN.
+    # A metric with no finite value (stats NaN, empty histogram) beside ones with values.
     x = torch.full((3, 4), NAN)
     x[0, 0] = math.inf
-    lone = nn.Identity()
-    with Monitor(lone, capture="output", histogram=SPEC, sinks=[sinks.Parquet(tmp_path / "nan.parquet")],
+    y = torch.tensor([0.0, 1e-3, -2.0, 5.0])
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Identity(), nn.Identity(), nn.Identity()
+
+        def forward(self, x, y):
+            return self.a(y), self.b(x), self.c(y * 1e6 + 1e7)
+
+    two = Two()
+    with Monitor(two, capture="output", histogram=SPEC, sinks=[sinks.Parquet(tmp_path / "nan.parquet")],
                  on_anomaly=None) as mon:
-        lone(x)
-        mon.step()
+        for _ in range(2):
+            two(x, y)
+            mon.step()
     g2 = hookcap.load(tmp_path / "nan.parquet")
     assert_same_history(g2, mon.history())
-    assert np.isnan(g2["mean"][0, 0]) and np.isnan(g2["min"][0, 0]) and g2["posinf"][0, 0] == 1
+    assert g2.names == ["a/output", "b/output", "c/output"]
+    assert np.isnan(g2["mean"][0, 1]) and np.isnan(g2["min"][0, 1]) and g2["posinf"][0, 1] == 1
+    assert_recorded(g2, 1, "a/output", [y])
+    assert_recorded(g2, 1, "c/output", [y * 1e6 + 1e7])
     import pandas as pd
 
-    row = pd.read_parquet(tmp_path / "nan.parquet").iloc[0]
-    assert row["nan"] == 11 and math.isnan(row["std"]) and row["hist_offset"] == 0 and len(row["hist"]) == 0
+    df = pd.read_parquet(tmp_path / "nan.parquet")
+    row = df.iloc[1]
+    assert row["name"] == "b/output" and row["nan"] == 11 and math.isnan(row["std"])
+    assert row["hist_offset"] == 0 and len(row["hist"]) == 0
+    assert [len(v) for v in df["hist"]] == [len(df.iloc[0]["hist"]), 0, len(df.iloc[2]["hist"])] * 2
+    assert df.iloc[0]["hist_offset"] == 0 and df.iloc[2]["hist_offset"] > 0  # a has a 0: its band starts at bin 0
 
 
 def test_bad_arguments_and_used_directories(tmp_path, monkeypatch):
