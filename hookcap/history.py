@@ -190,9 +190,10 @@ class _ColumnHistory(History):
         return len(self.steps)
 
     def __getitem__(self, stat: str) -> np.ndarray:
-        if stat in self._stats or stat not in _layout.STAT_NAMES:
+        if stat in self._stats or stat not in _layout.STAT_NAMES + _layout.TIMING_NAMES:
             return super().__getitem__(stat)
-        raise KeyError(f"{stat!r} was not written to this file (its sink was given stats= without it); "
+        why = " (or recorded without Monitor(timing=True))" if stat in _layout.TIMING_NAMES else ""
+        raise KeyError(f"{stat!r} was not written to this file: its sink was given stats= without it{why}; "
                        f"available: {', '.join(self._stats)}")
 
     def histogram(self, name: str) -> np.ndarray:
@@ -219,7 +220,7 @@ class _ColumnHistory(History):
         return [[self.names[i] for i in o] for o in self._orders]
 
     def last(self, n: int) -> History:
-        k = slice(len(self.steps) - n, None) if n > 0 else slice(0, 0)
+        k = slice(max(len(self.steps) - n, 0), None) if n > 0 else slice(0, 0)
         hist = None if self._hist is None else tuple(a[k] for a in self._hist[:3]) + (self._hist[3],)
         return _ColumnHistory(self.steps[k], self.names, self._metas, self._histogram,
                               {s: v[k] for s, v in self._stats.items()}, self._recorded[k],

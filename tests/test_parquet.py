@@ -109,6 +109,7 @@ def test_round_trip_equals_history_and_float64_reference(tmp_path):
         assert_recorded(got, step, name, [x])
     # The rest of the History view.
     assert got.last(2) == h.last(2) and len(got.last(0)) == 0 and got.last(0).names == h.names
+    assert got.last(100) == h.last(100) == h
     assert got.last(2).histogram("0/output").shape == (2, SPEC.nbins)
     pd = pytest.importorskip("pandas")
     pd.testing.assert_frame_equal(got.to_pandas(), h.to_pandas(), check_dtype=False)
@@ -278,6 +279,8 @@ def test_every_stats_subset_and_no_histogram(tmp_path):
         ga["std"]
     with pytest.raises(KeyError, match="unknown stat"):
         ga["l3norm"]
+    with pytest.raises(KeyError, match="'fwd_ms' was not written.*timing"):
+        ga["fwd_ms"]
     assert "std" not in ga and "mean" in ga
     gb = hookcap.load(tmp_path / "b.parquet")
     assert "hist" not in pq.read_schema(part_files(str(tmp_path / "b.parquet"))[0][1]).names
@@ -386,6 +389,14 @@ def test_flush_close_append_and_refusal(tmp_path):
     s3 = sinks.Parquet(tmp_path / "x.parquet")
     s3.close()  # never written: nothing created
     assert not (tmp_path / "x.parquet").exists()
+    # Two sinks on one directory: the second never overwrites the first's part.
+    s4, s5 = sinks.Parquet(tmp_path / "y.parquet"), sinks.Parquet(tmp_path / "y.parquet")
+    s4.write(got[0])
+    s5.write(got[1])
+    s4.close()
+    with pytest.raises(FileExistsError, match="another sink or process"):
+        s5.close()
+    assert hookcap.load(tmp_path / "y.parquet").steps.tolist() == [0]
 
 
 # --------------------------------------------------------------------------- report
@@ -421,3 +432,14 @@ def test_report_from_directory_equals_report_from_dump(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(sub), "--stat", "mean"]) == 1
     assert "available: l2norm" in capsys.readouterr().err
+
+
+def test_timing_stats_round_trip(tmp_path):
+    path = tmp_path / "t.parquet"
+    sink = sinks.Parquet(path, stats=STAT_NAMES + ("fwd_ms", "bwd_ms"), row_group_steps=2)
+    h = train(Monitor(mlp(), histogram=SPEC, timing=True, sinks=[sink]), steps=3)
+    got = hookcap.load(path)
+    assert got.stat_names == h.stat_names == STAT_NAMES + ("fwd_ms", "bwd_ms")
+    assert_same_history(got, h)
+    assert pq.read_schema(part_files(str(path))[0][1]).field("fwd_ms").type == pa.float64()
+    assert np.isfinite(got["fwd_ms"]).any()

@@ -311,6 +311,9 @@ class Parquet(Sink):
         }
         name = f"part-{self._seq:06d}.parquet"
         final, tmp = os.path.join(self.path, name), os.path.join(self.path, TMP_PREFIX + name)
+        if os.path.exists(final):  # never overwrite: another writer uses this directory
+            raise FileExistsError(f"Parquet: {final!r} appeared while this sink was writing {self.path!r}; "
+                                  "is another sink or process writing there? Give each its own path")
         try:
             with open(tmp, "wb") as f:
                 # store_schema=False: readers get plain string columns (not
@@ -415,7 +418,7 @@ def read_dataset(path) -> dict:
         h = t["hist"].combine_chunks()
         lens = np.asarray(h.value_lengths().fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
         offset, length, start = (np.zeros((S, M), dtype=np.int64) for _ in range(3))
-        offset[block, mcol] = np.asarray(col("hist_offset"), dtype=np.int64)
+        offset[block, mcol] = t["hist_offset"].fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
         length[block, mcol] = lens
         start[block, mcol] = np.cumsum(lens) - lens
         values = np.asarray(h.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
