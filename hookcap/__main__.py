@@ -92,8 +92,10 @@ def main(argv=None) -> int:
     d.add_argument("--device", default="cpu")
     d.add_argument("--every", type=int, default=1)
     d.add_argument("--out", default="hookcap-demo")
-    r = sub.add_parser("report", help="PNG plots + index.html from a dump (.npz) or a JSONL sink file")
-    r.add_argument("path", help="a dump written by Monitor.dump / History.save, or a hookcap JSONL file")
+    r = sub.add_parser("report", help="PNG plots + index.html from a dump (.npz), a Parquet dataset "
+                       "directory or a JSONL sink file")
+    r.add_argument("path", help="a dump written by Monitor.dump / History.save, a directory written by "
+                   "hookcap.sinks.Parquet, or a hookcap JSONL file")
     r.add_argument("--stat", default="l2norm", help="stat of the heatmap (default l2norm)")
     r.add_argument("--metric", default=None, help="metric of the histogram plot (default: largest stat)")
     r.add_argument("--out", default=None, help="output folder (default: PATH without extension + '-report')")

@@ -147,10 +147,122 @@ class History:
     def __repr__(self) -> str:
         return f"History(steps={len(self)}, metrics={len(self.names)})"
 
+    def _step_orders(self) -> list[list[str]]:
+        """``order`` of every recorded step, by position (one pass)."""
+        return [[self.names[i] for i in r.order] for r in self._records]
+
+    @classmethod
+    def _from_columns(cls, steps, names, metas, histogram: Histogram | None, stats: dict, recorded,
+                      orders, hist=None) -> History:
+        """A History of decoded statistics (what ``hookcap.load`` reads from a
+        Parquet dataset) instead of raw step records: ``steps`` int64 [S];
+        ``names`` [M]; ``metas`` name -> meta; ``stats`` stat -> float64 [S, M]
+        (a subset of the stats is allowed; NaN where not recorded);
+        ``recorded`` bool [S, M]; ``orders`` int64 metric indices per step in
+        execution order; ``hist`` None or ``(offset, length, start, values)``:
+        int64 [S, M] arrays placing each cell's counts of bins ``offset`` …
+        ``offset + length - 1`` at ``values[start:start + length]``. It has no
+        per-call data (``calls``), and ``save()`` is not supported."""
+        return _ColumnHistory(steps, names, metas, histogram, stats, recorded, orders, hist)
+
+
+class _ColumnHistory(History):
+    """A :class:`History` built from decoded statistics (see
+    ``History._from_columns``): the same public view, no raw records."""
+
+    def __init__(self, steps, names, metas, histogram, stats, recorded, orders, hist=None):
+        self._records = None  # none: the methods that read records are overridden here
+        self.names = list(names)
+        self._metas = dict(metas)
+        self._histogram = histogram
+        self.anomalies = []
+        self.extra = {}
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self.steps = np.asarray(steps, dtype=np.int64)
+        self._recorded = np.asarray(recorded, dtype=bool)
+        known = _layout.STAT_NAMES + _layout.TIMING_NAMES
+        self._stats = {k: np.asarray(stats[k], dtype=np.float64) for k in known if k in stats}
+        self._timed = "fwd_ms" in self._stats
+        self._orders = [np.asarray(o, dtype=np.int64) for o in orders]
+        self._hist = hist if histogram is not None else None
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, stat: str) -> np.ndarray:
+        if stat in self._stats or stat not in _layout.STAT_NAMES + _layout.TIMING_NAMES:
+            return super().__getitem__(stat)
+        why = " (or recorded without Monitor(timing=True))" if stat in _layout.TIMING_NAMES else ""
+        raise KeyError(f"{stat!r} was not written to this file: its sink was given stats= without it{why}; "
+                       f"available: {', '.join(self._stats)}")
+
+    def histogram(self, name: str) -> np.ndarray:
+        if self._histogram is None:
+            raise ValueError("this history was recorded with histogram=None (or written without histograms)")
+        m = self.column(name)
+        out = np.zeros((len(self.steps), self._histogram.nbins), dtype=np.int64)
+        if self._hist is None:
+            return out
+        offset, length, start, values = self._hist
+        n = length[:, m]
+        rows = np.repeat(np.arange(len(n)), n)
+        within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        out[rows, np.repeat(offset[:, m], n) + within] = values[np.repeat(start[:, m], n) + within]
+        return out
+
+    def order(self, step: int) -> list[str]:
+        hit = np.flatnonzero(self.steps == step)
+        if not hit.size:
+            raise KeyError(f"step {step} is not in this history")
+        return [self.names[i] for i in self._orders[hit[0]]]
+
+    def _step_orders(self) -> list[list[str]]:
+        return [[self.names[i] for i in o] for o in self._orders]
+
+    def last(self, n: int) -> History:
+        k = slice(max(len(self.steps) - n, 0), None) if n > 0 else slice(0, 0)
+        hist = None if self._hist is None else tuple(a[k] for a in self._hist[:3]) + (self._hist[3],)
+        return _ColumnHistory(self.steps[k], self.names, self._metas, self._histogram,
+                              {s: v[k] for s, v in self._stats.items()}, self._recorded[k],
+                              self._orders[k], hist)
+
+    def save(self, path, extra: dict | None = None) -> str:
+        raise ValueError("this History was loaded from Parquet: it holds decoded statistics, not the raw "
+                         "step records that History.save writes to .npz; keep the Parquet dataset (or "
+                         "export with h.to_pandas())")
+
+    def __eq__(self, other) -> bool:
+        """Like ``History.__eq__`` without the per-call data a Parquet file does
+        not hold (``calls``, ``calls_nonfinite``); also decides comparisons with
+        a record History (Python asks the subclass first)."""
+        if not isinstance(other, History):
+            return NotImplemented
+        return (
+            self.names == other.names
+            and np.array_equal(self.steps, other.steps)
+            and self._metas == other._metas
+            and self._histogram == other._histogram
+            and self._stats.keys() == other._stats.keys()
+            and all(np.array_equal(self[k], other[k], equal_nan=True) for k in self._stats)
+            and all(np.array_equal(self.histogram(n), other.histogram(n)) for n in self.names
+                    if self._histogram is not None)
+            and self._step_orders() == other._step_orders()
+        )
+
+    __hash__ = None
+
 
 def load(path: str | os.PathLike) -> History:
     """Read a History written by :meth:`History.save` (or ``Monitor.dump``),
-    with its ``extra`` header and the ``anomalies`` stored there."""
+    with its ``extra`` header and the ``anomalies`` stored there; or a
+    Parquet dataset directory written by ``hookcap.sinks.Parquet`` (a
+    directory, or a path ending in ``.parquet``): its stats, histograms and
+    execution order, without per-call data or anomalies."""
+    p = os.fspath(path)
+    if os.path.isdir(p) or p.rstrip("/" + os.sep).endswith(".parquet"):
+        from .sinks.parquet import read_dataset  # pyarrow only when needed
+
+        return History._from_columns(**read_dataset(p))
     records, names, metas, histogram, extra = io.read(path)
     h = History(records, names, metas, histogram)
     h.extra = extra

@@ -1,5 +1,6 @@
 """``python -m hookcap report PATH``: PNG plots and an ``index.html`` from a
-dump (``.npz``, ``hookcap.load``) or a JSONL file written by
+dump (``.npz``, ``hookcap.load``), a Parquet dataset directory written by
+``hookcap.sinks.Parquet`` (``hookcap.load``) or a JSONL file written by
 ``hookcap.sinks.JSONL``. Needs matplotlib (``pip install 'hookcap[plot]'``).
 
 Plots (matplotlib, Agg canvas; the caller's pyplot backend is not touched):
@@ -33,7 +34,7 @@ from .history import History, load
 
 @dataclass
 class RunData:
-    """What the report needs, read from a dump or a JSONL file."""
+    """What the report needs, read from a dump, a Parquet dataset or a JSONL file."""
 
     source: str
     steps: np.ndarray  # int64 [S]
@@ -58,8 +59,8 @@ class RunData:
 
 
 def from_history(h: History, source: str = "<History>") -> RunData:
-    orders = {int(r.step): [h.names[i] for i in r.order] for r in h._records}  # h.order(s), in one pass
-    return RunData(source, h.steps.copy(), list(h.names), {s: h[s] for s in STAT_NAMES},
+    orders = dict(zip(h.steps.tolist(), h._step_orders()))  # h.order(s), in one pass
+    return RunData(source, h.steps.copy(), list(h.names), {s: h[s] for s in STAT_NAMES if s in h},
                    orders, h.histogram_spec, list(h.anomalies), h)
 
 
@@ -109,11 +110,12 @@ def read_jsonl(path) -> RunData:
 
 
 def load_run(source) -> RunData:
-    """A History, a dump path (``.npz``) or a JSONL path -> RunData."""
+    """A History, a dump path (``.npz``), a Parquet dataset directory (or a
+    path ending in ``.parquet``) or a JSONL path -> RunData."""
     if isinstance(source, History):
         return from_history(source)
     path = os.fspath(source)
-    if path.endswith(".npz"):
+    if path.endswith(".npz") or os.path.isdir(path) or path.rstrip("/" + os.sep).endswith(".parquet"):
         return from_history(load(path), path)
     return read_jsonl(path)
 
@@ -348,8 +350,9 @@ def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
 
 def report(source, out=None, stat: str = "l2norm", metric: str | None = None) -> dict:
     """Write the plots and ``index.html`` for ``source`` (a History, a dump
-    ``.npz`` or a JSONL file) into ``out`` (default: ``<source>-report`` next
-    to the file). Returns ``{"index", "heatmap", "nonfinite", "histogram"}``
+    ``.npz``, a Parquet dataset directory or a JSONL file) into ``out``
+    (default: ``<source>-report`` next to the file or directory, without its
+    extension). Returns ``{"index", "heatmap", "nonfinite", "histogram"}``
     -> path written (None for a plot the data cannot make)."""
     _import_mpl()
     run = load_run(source)
@@ -360,7 +363,8 @@ def report(source, out=None, stat: str = "l2norm", metric: str | None = None) ->
     if out is None:
         if not isinstance(source, (str, os.PathLike)):
             raise ValueError("report: out= is needed when the source is not a file")
-        out = os.path.splitext(os.fspath(source))[0] + "-report"
+        # Beside a dataset directory, never inside it ("run.parquet/" -> "run-report").
+        out = os.path.splitext(os.fspath(source).rstrip("/" + os.sep))[0] + "-report"
     os.makedirs(out, exist_ok=True)
     first = first_nonfinite(run)
     metric = metric or default_metric(run, stat)

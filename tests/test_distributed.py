@@ -199,7 +199,7 @@ def _cells(h):
     return out
 
 
-def _merged_worker(rank, world, store, out):
+def _merged_worker(rank, world, store, out, pq_path):
     import hookcap.monitor
 
     _init(rank, world, store)
@@ -212,8 +212,10 @@ def _merged_worker(rank, world, store, out):
                     sinks=[hookcap.sinks.Callback(lambda d: got_a.append(_plain(d)))] if rank == 0 else [])
     # Sinks on every rank (rank 1's get nothing); rank 1's drain is held back, so
     # no step is complete on every rank before detach() flushes them.
+    # A Parquet sink on every rank with one path: only rank 0 writes (merged records).
     mon_b = Monitor(model, capture="output",
-                    sinks=[hookcap.sinks.Callback(lambda d: got_b.append(_plain(d)))])
+                    sinks=[hookcap.sinks.Callback(lambda d: got_b.append(_plain(d))),
+                           hookcap.sinks.Parquet(pq_path, row_group_steps=2)])
     mon_a.attach()
     mon_b.attach()
     if rank == 1:
@@ -234,7 +236,8 @@ def _merged_worker(rank, world, store, out):
 
 
 def test_rank_sinks_merged_rank0_writes_merged_records(tmp_path):
-    r0, r1 = spawn_all(_merged_worker, tmp_path)
+    pq_path = tmp_path / "merged.parquet"
+    r0, r1 = spawn_all(_merged_worker, tmp_path, str(pq_path))
     # Reference: the global batch in one process (and rank 1's half through the extra head).
     model = Net()
     with Monitor(model, capture="output") as ref_mon:
@@ -272,27 +275,44 @@ def test_rank_sinks_merged_rank0_writes_merged_records(tmp_path):
                 assert stats["sum"] == pytest.approx(want[0]["sum"], rel=1e-5, abs=1e-6 * scale)
                 assert (stats["min"], stats["max"]) == pytest.approx((want[0]["min"], want[0]["max"]),
                                                                      rel=1e-5, abs=1e-6)
+    # The Parquet sink holds exactly rank 0's merged records (rank null), bit for bit.
+    pd = pytest.importorskip("pandas")
+    assert sorted(os.listdir(pq_path)) == ["part-000000.parquet", "part-000001.parquet"]
+    df = pd.read_parquet(pq_path)
+    assert df["rank"].isna().all()
+    assert [(s, n) for s, n in zip(df["step"], df["name"])] == [(s, n) for s, _, c in r0["got_b"] for n in c]
+    loaded = _cells(hookcap.load(pq_path))
+    assert sorted(loaded) == [0, 1, 2]
+    for step, _, cells in r0["got_b"]:
+        assert set(loaded[step]) == set(cells)
+        for name, (stats, hist) in cells.items():
+            lstats, lhist = loaded[step][name]
+            assert lhist == hist
+            assert all(np.array_equal(lstats[k], stats[k], equal_nan=True) for k in hookcap.STAT_NAMES), name
 
 
-def _all_worker(rank, world, store, out, path):
+def _all_worker(rank, world, store, out, path, pq_path):
     _init(rank, world, store)
     torch.set_num_threads(1)
     model = Net(use_extra=rank == 1)
     sink = hookcap.sinks.JSONL(path, histogram=True)  # the same path argument on every rank
-    with Monitor(model, capture="output", sinks=[sink], rank_sinks="all") as mon:
+    pq_sink = hookcap.sinks.Parquet(pq_path, row_group_steps=2)
+    with Monitor(model, capture="output", sinks=[sink, pq_sink], rank_sinks="all") as mon:
         for x in batches(3):
             with torch.no_grad():
                 model(x[rank * 4:(rank + 1) * 4])
             mon.step()
     with open(f"{out}.{rank}", "wb") as f:
-        pickle.dump({"h": _cells(mon.history()), "path": sink.path, "rank": sink.rank}, f)
+        pickle.dump({"h": _cells(mon.history()), "path": sink.path, "rank": sink.rank,
+                     "pq_path": pq_sink.path}, f)
     _finish()
 
 
 def test_rank_sinks_all_one_file_per_rank(tmp_path):
     path = tmp_path / "logs" / "stats.jsonl"
-    res = spawn_all(_all_worker, tmp_path, str(path))
-    assert not path.exists()
+    pq_path = tmp_path / "logs" / "stats.parquet"
+    res = spawn_all(_all_worker, tmp_path, str(path), str(pq_path))
+    assert not path.exists() and not pq_path.exists()
     for rank, r in enumerate(res):
         assert r["rank"] == rank and r["path"] == str(tmp_path / "logs" / f"stats.rank{rank}.jsonl")
         with open(r["path"]) as f:
@@ -306,6 +326,13 @@ def test_rank_sinks_all_one_file_per_rank(tmp_path):
             for k in ("count", "sum", "min", "max", "sumsq", "mean"):
                 assert d[k] == stats[k], (rank, d["step"], d["name"], k)
             assert full_histogram(d, len(hist)).tolist() == hist
+        # One Parquet dataset per rank, rank column = that rank, the same rows and values.
+        pd = pytest.importorskip("pandas")
+        assert r["pq_path"] == str(tmp_path / "logs" / f"stats.rank{rank}.parquet")
+        df = pd.read_parquet(r["pq_path"])
+        assert (df["rank"] == rank).all() and str(df["rank"].dtype) == "int32"
+        assert list(zip(df["step"], df["name"])) == [(d["step"], d["name"]) for d in lines]
+        assert _cells(hookcap.load(r["pq_path"])) == r["h"]
 
 
 class _Warnings(logging.Handler):

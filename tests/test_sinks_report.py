@@ -666,7 +666,7 @@ def test_package_import_is_cheap():
     import subprocess
 
     code = ("import sys, hookcap; print(sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'tensorboard', 'wandb', 'matplotlib'}))")
+            "{'tensorboard', 'wandb', 'matplotlib', 'pyarrow', 'polars', 'duckdb', 'pandas'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr

@@ -6,9 +6,10 @@ subclass :class:`Sink` for the ``stats=`` and ``every=`` options.
 A sink that raises is reported once and disabled by the Monitor; training,
 the other sinks and the history go on.
 
-Built in: :class:`JSONL`, :class:`CSV`, :class:`TensorBoard` (needs
-``tensorboard``), :class:`WandB` (needs ``wandb``), :class:`Callback`. The
-optional packages are imported when such a sink is created, not here.
+Built in: :class:`JSONL`, :class:`CSV`, :class:`Parquet` (needs ``pyarrow``),
+:class:`TensorBoard` (needs ``tensorboard``), :class:`WandB` (needs ``wandb``),
+:class:`Callback`. The optional packages are imported when such a sink is
+created, not here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 from ._base import Callback, Sink
 from .csv import CSV
 from .jsonl import JSONL
+from .parquet import Parquet
 from .tensorboard import TensorBoard
 from .wandb import WandB
 
-__all__ = ["CSV", "Callback", "JSONL", "Sink", "TensorBoard", "WandB"]
+__all__ = ["CSV", "Callback", "JSONL", "Parquet", "Sink", "TensorBoard", "WandB"]
