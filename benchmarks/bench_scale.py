@@ -6,9 +6,11 @@ recorded steps and reports:
 
 - ``step()`` µs per metric (median over the recorded steps, after warm-up);
 - host bytes per metric per recorded step held by the history store;
-- ``history()`` and ``dump()`` time, and the process's peak RSS growth during ``dump()``.
+- ``history()`` and ``dump()`` time, and the process's peak RSS growth during ``dump()``;
+- the cost of a ``hookcap.sinks.Parquet`` sink per metric per step (mean step() with the sink
+  minus mean step() without, part-file writes included).
 
-Usage: ``PYTHONPATH=. python benchmarks/bench_scale.py [--metrics 200,800,3200] [--steps 256]``
+Usage: ``PYTHONPATH=. python benchmarks/bench_scale.py [--metrics 200,800,2000,3200,5000] [--steps 1024]``
 """
 
 from __future__ import annotations
@@ -23,14 +25,6 @@ import tempfile
 import time
 
 
-def _record_bytes(rec) -> int:
-    n = rec.metrics.nbytes + rec.header.nbytes + rec.hist.nbytes + rec.order.nbytes + rec.calls.nbytes
-    n += rec.calls_nonfinite.nbytes
-    if rec.time_ns is not None:
-        n += rec.time_ns.nbytes
-    return n
-
-
 def child(metrics: int, steps: int) -> dict:
     import numpy as np
     import torch
@@ -43,20 +37,24 @@ def child(metrics: int, steps: int) -> dict:
     layers = max(1, metrics // 2)  # output + grad_output per layer
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
     x = torch.randn(2, 8)
+
+    def run(mon, n):
+        times = []
+        for i in range(n + 8):
+            model(x * (1 + i % 5)).sum().backward()
+            t0 = time.perf_counter()
+            mon.step()
+            if i >= 8:
+                times.append(time.perf_counter() - t0)
+        return np.asarray(times)
+
     mon = hookcap.Monitor(model, capture=("output", "grad_output"), capacity=steps).attach()
-    times = []
-    for i in range(steps + 8):
-        model(x).sum().backward()
-        t0 = time.perf_counter()
-        mon.step()
-        if i >= 8:
-            times.append(time.perf_counter() - t0)
+    times = run(mon, steps)
     t0 = time.perf_counter()
     h = mon.history()
     t_hist = time.perf_counter() - t0
-    recs = list(mon._consumers.store.records)
-    cells = sum(len(r.metrics) for r in recs)
-    stored = sum(_record_bytes(r) for r in recs)
+    store = mon._consumers.store
+    cells = sum(len(p.metrics) for p in store.steps)
     with tempfile.TemporaryDirectory() as d:
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t0 = time.perf_counter()
@@ -64,17 +62,29 @@ def child(metrics: int, steps: int) -> dict:
         t_dump = time.perf_counter() - t0
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         size = os.path.getsize(path)
-    mon.detach()
-    return {"metrics": len(h.names), "steps": len(h), "step_us_per_metric": float(np.median(times)) * 1e6 / len(h.names),
-            "bytes_per_metric_step": stored / max(cells, 1), "store_mb": stored / 2**20,
+        mon.detach()
+        # The same run with a Parquet sink (part files of 64 steps): its cost
+        # per step is the mean step() difference, part-file writes included.
+        n_pq = min(steps, 256)
+        pq = hookcap.Monitor(model, capture=("output", "grad_output"), capacity=steps,
+                             sinks=[hookcap.sinks.Parquet(os.path.join(d, "run.parquet"))]).attach()
+        with_sink = run(pq, n_pq)
+        pq.detach()
+        plain = hookcap.Monitor(model, capture=("output", "grad_output"), capacity=steps).attach()
+        without = run(plain, n_pq)
+        plain.detach()
+    M = len(h.names)
+    return {"metrics": M, "steps": len(h), "step_us_per_metric": float(np.median(times)) * 1e6 / M,
+            "bytes_per_metric_step": store.nbytes / max(cells, 1), "store_mb": store.nbytes / 2**20,
             "history_s": t_hist, "dump_s": t_dump, "dump_peak_rss_growth_mb": (rss1 - rss0) / 1024,
-            "file_mb": size / 2**20}
+            "file_mb": size / 2**20,
+            "parquet_us_per_metric_step": float(with_sink.mean() - without.mean()) * 1e6 / M}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--metrics", default="200,800,3200")
-    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--metrics", default="200,800,2000,3200,5000")
+    p.add_argument("--steps", type=int, default=1024)
     p.add_argument("--json", default=None)
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -88,11 +98,11 @@ def main(argv=None) -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"# {args.steps} recorded steps, capture output+grad_output, log2 histograms, CPU, 1 thread")
     print(f"{'metrics':>8} {'step() us/metric':>17} {'B/metric-step':>14} {'store MB':>9} "
-          f"{'history() s':>12} {'dump() s':>9} {'dump RSS +MB':>13} {'file MB':>8}")
+          f"{'history() s':>12} {'dump() s':>9} {'dump RSS +MB':>13} {'file MB':>8} {'Parquet us/metric':>18}")
     for r in rows:
         print(f"{r['metrics']:>8} {r['step_us_per_metric']:>17.2f} {r['bytes_per_metric_step']:>14.0f} "
               f"{r['store_mb']:>9.1f} {r['history_s']:>12.2f} {r['dump_s']:>9.2f} "
-              f"{r['dump_peak_rss_growth_mb']:>13.0f} {r['file_mb']:>8.1f}")
+              f"{r['dump_peak_rss_growth_mb']:>13.0f} {r['file_mb']:>8.1f} {r['parquet_us_per_metric_step']:>18.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"steps": args.steps, "rows": rows}, f, indent=2)

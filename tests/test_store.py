@@ -234,3 +234,34 @@ def test_version_1_files_still_load(tmp_path, monkeypatch):
     back = hookcap.load(path)
     assert back == h
     _assert_history_matches_raw(back, raw)
+
+
+def _off_step_calls(layers: int) -> int:
+    """Python-level calls made by one ordinary off-step ``step()``."""
+    import sys
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    x = torch.randn(2, 4)
+    mon = Monitor(model, capture=("output", "grad_output"), every=10).attach()
+    counts = []
+    for i in range(25):
+        model(x).sum().backward()
+        n = [0]
+
+        def prof(frame, event, arg):
+            if event in ("call", "c_call"):
+                n[0] += 1
+
+        if i % 10 in (3, 4, 5):  # neither a recorded step nor the one before it
+            sys.setprofile(prof)
+        mon.step()
+        sys.setprofile(None)
+        if i % 10 in (3, 4, 5):
+            counts.append(n[0])
+    mon.detach()
+    assert len(mon.history()) == 3
+    return max(counts)
+
+
+def test_off_step_work_does_not_grow_with_the_number_of_metrics():
+    assert _off_step_calls(400) == _off_step_calls(10)
