@@ -125,9 +125,8 @@ class History:
         back with ``hookcap.load``. Returns the path written."""
         return io.write(self._records, self.names, self._metas, self._histogram, path, extra)
 
-    def __eq__(self, other) -> bool:
-        if not isinstance(other, History):
-            return NotImplemented
+    def _same_view(self, other: History) -> bool:
+        """Equal names, steps, metadata, stats and histograms."""
         return (
             self.names == other.names
             and np.array_equal(self.steps, other.steps)
@@ -137,6 +136,13 @@ class History:
             and all(np.array_equal(self[k], other[k], equal_nan=True) for k in self._stats)
             and all(np.array_equal(self.histogram(n), other.histogram(n)) for n in self.names
                     if self._histogram is not None)
+        )
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, History):
+            return NotImplemented
+        return (
+            self._same_view(other)
             and all(np.array_equal(a.order, b.order) and np.array_equal(a.calls, b.calls)
                     and np.array_equal(a.calls_nonfinite, b.calls_nonfinite)
                     for a, b in zip(self._records, other._records))
@@ -237,17 +243,7 @@ class _ColumnHistory(History):
         a record History (Python asks the subclass first)."""
         if not isinstance(other, History):
             return NotImplemented
-        return (
-            self.names == other.names
-            and np.array_equal(self.steps, other.steps)
-            and self._metas == other._metas
-            and self._histogram == other._histogram
-            and self._stats.keys() == other._stats.keys()
-            and all(np.array_equal(self[k], other[k], equal_nan=True) for k in self._stats)
-            and all(np.array_equal(self.histogram(n), other.histogram(n)) for n in self.names
-                    if self._histogram is not None)
-            and self._step_orders() == other._step_orders()
-        )
+        return self._same_view(other) and self._step_orders() == other._step_orders()
 
     __hash__ = None
 
