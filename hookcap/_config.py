@@ -54,7 +54,6 @@ def parse_capacity(capacity) -> tuple[int | None, int | None]:
                      f"bytes such as '512MB' or '256MiB', got {capacity!r}")
 
 
-
 @dataclass(frozen=True)
 class Config:
     """What a Monitor records, validated once."""

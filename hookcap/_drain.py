@@ -163,9 +163,7 @@ class Drain:
         if timed.any():  # timing rows (timing=True) are not metrics
             timers, time_rows = keys[timed] - _TIMER_KEY, rows[timed]
             keys, rows = keys[~timed], rows[~timed]
-        written = rows[:, _layout.CALLS] > 0
-        if not written.all():
-            keys, rows = keys[written], rows[written]
+        # make_record leaves out rows never written this step (time_ns with them).
         time_ns = time_of(self.catalog, keys, timers, time_rows) if self.config.timing else None
         hist = self.config.histogram
         return make_record(step, keys, rows, plan.order, plan.calls, calls_bad, time_ns,

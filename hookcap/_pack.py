@@ -47,6 +47,12 @@ def _f32_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return f32, (f32.astype(np.float64).view(np.int64) == bits).all(axis=1)
 
 
+def _absmax_key(min_keys: np.ndarray, max_keys: np.ndarray) -> np.ndarray:
+    """The abs-max key as the kernels' absmax_of derives it: max(-min, max)."""
+    mn, mx = _layout._unkey(min_keys), _layout._unkey(max_keys)
+    return _layout.order_key(np.where(-mn > mx, -mn, mx))
+
+
 def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
@@ -120,9 +126,7 @@ class PackedStep:
             if code == CONST:
                 out[:, c] = consts[c]
             elif code == ABSMAX:
-                mn = _layout._unkey(out[:, _layout.MIN])
-                mx = _layout._unkey(out[:, _layout.MAX])
-                out[:, c] = _layout.order_key(np.where(-mn > mx, -mn, mx))
+                out[:, c] = _absmax_key(out[:, _layout.MIN], out[:, _layout.MAX])
         return out
 
     def histogram(self, header: np.ndarray | None = None) -> tuple[int, np.ndarray]:
@@ -205,10 +209,9 @@ def pack(step: int, metrics, rows: np.ndarray, order, calls, calls_nonfinite, ti
         kc = [c for c in _KEY_LIST if vary[c]]
         if kc:
             vals = _layout._unkey(head[kc])
-            if vary[_layout.ABSMAX]:
-                mn, mx = _layout._unkey(head[_layout.MIN]), _layout._unkey(head[_layout.MAX])
-                if np.array_equal(_layout.order_key(np.where(-mn > mx, -mn, mx)), head[_layout.ABSMAX]):
-                    codes[_layout.ABSMAX] = ABSMAX
+            if vary[_layout.ABSMAX] and np.array_equal(
+                    _absmax_key(head[_layout.MIN], head[_layout.MAX]), head[_layout.ABSMAX]):
+                codes[_layout.ABSMAX] = ABSMAX
             f32, ok = _f32_rows(vals.view(np.int64))
             for i, c in enumerate(kc):
                 if codes[c] == ABSMAX:

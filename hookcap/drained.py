@@ -43,8 +43,6 @@ class DrainedStep:
         pos = np.full(size, -1, dtype=np.int64)
         pos[metrics] = np.arange(len(metrics))
         order = order[order >= 0]
-        _, first = np.unique(order, return_index=True)
-        order = order[np.sort(first)]
         ordered = order[pos[order] >= 0]
         seen = np.zeros(size, dtype=bool)
         seen[ordered] = True

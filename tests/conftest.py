@@ -90,3 +90,23 @@ def assert_recorded(h, step, name, values):
     else:
         want.pop("hist", None)
     assert_stats_match(got, want, rtol_sum=1e-6, abs_sum=float(np.abs(vals[np.isfinite(vals)]).sum()))
+
+
+def mlp():
+    """The small MLP the sink tests train (seeded)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def train_steps(mon, steps, state):
+    """``steps`` forward + backward + ``mon.step()`` of ``mon.model`` on seeded
+    [4, 6] inputs, inside ``with mon``; ``state["step"]`` is the step being
+    run (for hooks that act at one step)."""
+    g = torch.Generator().manual_seed(1)
+    with mon:
+        for i in range(steps):
+            state["step"] = i
+            mon.model(torch.randn(4, 6, generator=g)).sum().backward()
+            mon.step()

@@ -20,7 +20,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 import hookcap  # noqa: E402
-from conftest import assert_recorded  # noqa: E402
+from conftest import assert_recorded, mlp, train_steps  # noqa: E402
 from hookcap import Histogram, Monitor, STAT_NAMES, sinks  # noqa: E402
 from hookcap._config import metric_name  # noqa: E402
 from hookcap.sinks.parquet import module_of, part_files  # noqa: E402
@@ -29,11 +29,6 @@ NAN = float("nan")
 COUNTS = ("count", "nan", "posinf", "neginf", "inf", "zeros", "finite")
 CAPTURE = ("output", "grad_output", "param", "param_grad")
 SPEC = Histogram.log2(-40, 10)
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
 def train(mon, steps=7, bad_at=None, keep=None):
@@ -53,13 +48,8 @@ def train(mon, steps=7, bad_at=None, keep=None):
 
     idx = {m: str(i) for i, m in enumerate(model)}
     handles = [m.register_forward_hook(hook) for m in model]
-    g = torch.Generator().manual_seed(1)
     try:
-        with mon:
-            for i in range(steps):
-                state["step"] = i
-                model(torch.randn(4, 6, generator=g)).sum().backward()
-                mon.step()
+        train_steps(mon, steps, state)
     finally:
         for h in handles:
             h.remove()

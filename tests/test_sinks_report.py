@@ -16,17 +16,12 @@ import torch
 import torch.nn as nn
 
 import hookcap
-from conftest import assert_stats_match
+from conftest import assert_stats_match, mlp, train_steps
 from hookcap import Histogram, Monitor, STAT_NAMES, sinks
 from hookcap.models import TinyResNet, TinyTransformer
 from hookcap.sinks.jsonl import full_histogram, json_number
 
 NAN = float("nan")
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
 def train(mon, steps=6, nan_at=None, layer=2, fill=False):
@@ -46,13 +41,8 @@ def train(mon, steps=6, nan_at=None, layer=2, fill=False):
         return None
 
     handle = model[layer].register_forward_hook(inject)
-    g = torch.Generator().manual_seed(1)
     try:
-        with mon:
-            for i in range(steps):
-                state["step"] = i
-                model(torch.randn(4, 6, generator=g)).sum().backward()
-                mon.step()
+        train_steps(mon, steps, state)
     finally:
         handle.remove()
     return mon.history()
