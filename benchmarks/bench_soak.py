@@ -58,12 +58,21 @@ def soak(steps: int, metrics: int, capacity: str, row_group_steps: int, folder: 
     mon.detach()  # closes the sink: the last group is written
     import pyarrow.dataset as ds
 
-    table = ds.dataset(path, format="parquet").to_table(columns=["step", "name", "l2norm"])
-    file_steps = np.unique(table.column("step").to_numpy())
-    per_step = np.bincount(table.column("step").to_numpy(), minlength=steps)
-    disk = hookcap.load(path).last(len(h))
-    same = bool(np.array_equal(disk["l2norm"], h["l2norm"], equal_nan=True)
-                and np.array_equal(disk.steps, h.steps))
+    # Streamed, one batch at a time: the dataset of a long run does not fit in memory.
+    dataset = ds.dataset(path, format="parquet")
+    per_step = np.zeros(steps, dtype=np.int64)
+    for batch in dataset.to_batches(columns=["step"]):
+        per_step += np.bincount(batch.column("step").to_numpy(), minlength=steps)[:steps]
+    file_steps = np.flatnonzero(per_step)
+    # The steps the history still holds, read back with a filter on step.
+    tail = dataset.to_table(columns=["step", "name", "l2norm"], filter=ds.field("step") >= int(h.steps[0]))
+    col = {n: j for j, n in enumerate(h.names)}
+    disk = np.full((len(h), len(h.names)), np.nan)
+    rows_of_step = np.searchsorted(h.steps, tail.column("step").to_numpy())
+    cols = np.array([col[n] for n in tail.column("name").to_pylist()])
+    disk[rows_of_step, cols] = tail.column("l2norm").to_numpy()
+    same = bool(np.array_equal(disk, h["l2norm"], equal_nan=True)
+                and np.array_equal(np.unique(tail.column("step").to_numpy()), h.steps))
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     step_s = np.asarray(step_s[min(50, steps // 2):])
     return {

@@ -1,12 +1,16 @@
 // Host-side helpers of the compact step encoding (hookcap/_pack.py): the
-// per-row histogram band (first and last non-empty bin) and its gather into
-// a narrow integer array. One pass over the rows in C++ instead of several
+// header columns and per-row histogram band (first and last non-empty bin),
+// and the band's gather into a narrow integer array. One pass over the rows in C++ instead of several
 // whole-matrix numpy passes: this runs in every recorded step() on the
 // training thread, over thousands of rows.
 #include <Python.h>
 
 #include <cstdint>
 #include <cstring>
+#include <exception>
+
+#include "hookcap/op_checks.h"
+#include "hookcap/stats_math.h"
 
 namespace hookcap {
 namespace {
@@ -33,55 +37,235 @@ struct Buffer {
   Py_ssize_t n() const { return view.len / view.itemsize; }
 };
 
-// _hist_bands(rows int64 [k, width], header, skip0, first int64 [k] out,
-// lens int64 [k] out) -> (total band bins, max count, min count). Bin b of
-// row r is rows[r, header + b]; skip0: bin 0 is left out of the band.
-PyObject* hist_bands(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5) return PyErr_Format(PyExc_TypeError, "_hist_bands takes 5 arguments");
-  const long long header = PyLong_AsLongLong(args[1]);
-  const int skip0 = PyObject_IsTrue(args[2]);
-  if (PyErr_Occurred()) return nullptr;
-  Buffer rows(args[0], false, 8, "rows"), first(args[3], true, 8, "first"),
-      lens(args[4], true, 8, "lens");
-  if (!rows.ok || !first.ok || !lens.ok) return nullptr;
-  const Py_ssize_t k = first.n();
-  if (rows.view.ndim != 2 || rows.view.shape[0] != k || lens.n() != k ||
-      rows.view.shape[1] < header) {
-    return PyErr_Format(PyExc_ValueError, "_hist_bands: shapes do not match");
+// Band [a, b] of one row's bins h[lo_bin, nb) by a full scan; false if empty.
+bool band_full(const int64_t* h, int64_t lo_bin, int64_t nb, int64_t& a, int64_t& b) {
+  a = lo_bin;
+  while (a < nb && h[a] == 0) ++a;
+  if (a >= nb) return false;
+  b = nb - 1;
+  while (h[b] == 0) --b;
+  return true;
+}
+
+// The same band, reading only the band's bins, for rows the kernels wrote:
+// each binned element is in exactly one bin, so the bins from lo_bin sum to
+// `expect`, and none lies above `start` (the bin of the largest magnitude).
+// The scan runs down from `start` and stops once the sum is reached. Returns
+// 0 (empty), 1 (band found) or -1 (the row breaks that rule: scan it whole).
+int band_bounded(const int64_t* h, int64_t lo_bin, int64_t start, int64_t expect, int64_t& a,
+                 int64_t& b) {
+  if (expect == 0) return 0;
+  int64_t i = start;
+  while (i >= lo_bin && h[i] == 0) --i;
+  if (i < lo_bin || expect < 0) return -1;
+  b = i;
+  int64_t sum = 0;
+  for (; i >= lo_bin; --i) {
+    if (h[i] < 0) return -1;
+    sum += h[i];
+    if (sum >= expect) break;
   }
-  const int64_t width = rows.view.shape[1];
-  const int64_t nb = width - header;
-  const int64_t lo_bin = skip0 ? 1 : 0;
-  const auto* base = static_cast<const int64_t*>(rows.view.buf);
-  auto* f = static_cast<int64_t*>(first.view.buf);
-  auto* l = static_cast<int64_t*>(lens.view.buf);
+  if (sum != expect) return -1;
+  a = i;
+  return 1;
+}
+
+// The highest bin a kernel row can have filled (see band_bounded): the bin of
+// its abs-max (log2) or max (linear); the last bin when that is not finite.
+int64_t top_bin(const int64_t* row, const HistSpec& h, int64_t nb) {
+  int64_t bin = -1;
+  if (h.kind == kHistLog2) {
+    bin = log2_bin<double>(key_value(row[kAbsMax]), static_cast<int32_t>(h.lo_exp),
+                           static_cast<int32_t>(h.hi_exp));
+  } else if (h.kind == kHistLinear) {
+    bin = linear_bin(key_value(row[kMax]), h);
+  }
+  return bin < 0 || bin >= nb ? nb - 1 : bin;
+}
+
+struct ScanResult {
   int64_t total = 0, mx = 0, mn = 0;
-  bool any = false;
-  for (Py_ssize_t r = 0; r < k; ++r) {
-    const int64_t* h = base + r * width + header;
-    int64_t a = lo_bin;
-    while (a < nb && h[a] == 0) ++a;
-    if (a >= nb) {
-      f[r] = l[r] = 0;
-      continue;
+  bool zeros_match = true;  // every row's bin 0 equals its zeros count
+};
+
+// Flags of a header column over all rows (_rows_scan's colstat).
+enum ColFlag : int64_t {
+  kBitsF32 = 1,    // each value, as double bits, is exactly a float32
+  kKeyF32 = 2,     // each value, as an order key, is a double exactly a float32
+  kAbsMaxOf = 4,   // (abs-max column) each equals the key of absmax_of(min, max)
+};
+
+C10_ALWAYS_INLINE bool f32_exact(double v) {
+  return dbits(static_cast<double>(static_cast<float>(v))) == dbits(v);
+}
+
+// Per-column min, max and ColFlag of the transposed header hd [kHeader, k].
+void column_stats(const int64_t* hd, int64_t k, int64_t* colstat) {
+  for (int64_t c = 0; c < kHeader; ++c) {
+    const int64_t* col = hd + c * k;
+    int64_t mn = INT64_MAX, mx = INT64_MIN;
+    bool bits_f32 = true, key_f32 = true;
+    for (int64_t r = 0; r < k; ++r) {
+      const int64_t v = col[r];
+      mn = v < mn ? v : mn;
+      mx = v > mx ? v : mx;
+      bits_f32 = bits_f32 && f32_exact(bitsd(v));
+      key_f32 = key_f32 && f32_exact(key_value(v));
     }
-    int64_t b = nb - 1;
-    while (h[b] == 0) --b;
+    colstat[c * 3] = mn;
+    colstat[c * 3 + 1] = mx;
+    colstat[c * 3 + 2] = (bits_f32 ? kBitsF32 : 0) | (key_f32 ? kKeyF32 : 0);
+  }
+  const int64_t *mins = hd + kMin * k, *maxs = hd + kMax * k, *amax = hd + kAbsMax * k;
+  bool of = true;
+  for (int64_t r = 0; r < k && of; ++r) {
+    const double mn = key_value(mins[r]), mx = key_value(maxs[r]);
+    of = order_key(-mn > mx ? -mn : mx) == amax[r];
+  }
+  if (of) colstat[kAbsMax * 3 + 2] |= kAbsMaxOf;
+}
+
+// The loop of _rows_scan (see there).
+ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, bool bounded,
+                     const HistSpec& spec, int64_t* hd, int64_t* f, int64_t* l) {
+  ScanResult res;
+  const int64_t nb = width - kHeader;
+  const int64_t lo_bin = skip0 ? 1 : 0;
+  bool any = false;
+  for (int64_t r = 0; r < k; ++r) {
+    const int64_t* row = base + r * width;
+    for (int64_t c = 0; c < kHeader; ++c) hd[c * k + r] = row[c];
+    f[r] = l[r] = 0;
+    if (nb <= 0) continue;
+    const int64_t* h = row + kHeader;
+    if (h[0] != row[kZeros]) {
+      res.zeros_match = false;
+      if (skip0) return res;  // the caller scans again, bin 0 included
+    }
+    int64_t a = 0, b = -1;
+    int found = -1;
+    if (bounded) {
+      const int64_t expect = row[kCount] - row[kNan] - row[kPosInf] - row[kNegInf] -
+                             (skip0 ? row[kZeros] : 0);
+      found = band_bounded(h, lo_bin, top_bin(row, spec, nb), expect, a, b);
+    }
+    if (found < 0) found = band_full(h, lo_bin, nb, a, b) ? 1 : 0;
+    if (!found) continue;
     f[r] = a;
     l[r] = b - a + 1;
-    total += b - a + 1;
+    res.total += b - a + 1;
     for (int64_t i = a; i <= b; ++i) {
       const int64_t v = h[i];
       if (!any) {
-        mx = mn = v;
+        res.mx = res.mn = v;
         any = true;
       }
-      mx = v > mx ? v : mx;
-      mn = v < mn ? v : mn;
+      res.mx = v > res.mx ? v : res.mx;
+      res.mn = v < res.mn ? v : res.mn;
     }
   }
-  return Py_BuildValue("(LLL)", static_cast<long long>(total), static_cast<long long>(mx),
-                       static_cast<long long>(mn));
+  return res;
+}
+
+// _rows_scan(rows int64 [k, width], zero_bin, hist_kind, hist_lo, hist_hi,
+// hist_bins, head int64 [kHeader, k] out, first int64 [k] out, lens int64
+// [k] out, colstat int64 [kHeader, 3] out) -> (skip0, total band bins, max
+// count, min count). One pass over the rows: the header, transposed into
+// head, each header column's min, max and ColFlag into colstat, and each
+// row's histogram band (first and last non-empty bin). zero_bin: bin 0 counts
+// zeros (log2), so it is left out of the bands (skip0) when it equals the
+// zeros column in every row. hist_kind < 0: rows of any content (every bin
+// is read); otherwise rows the kernels wrote with that histogram, whose band
+// is found reading only the band (band_bounded).
+PyObject* rows_scan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 10) return PyErr_Format(PyExc_TypeError, "_rows_scan takes 10 arguments");
+  const int zero_bin = PyObject_IsTrue(args[1]);
+  const long long kind = PyLong_AsLongLong(args[2]);
+  const double hlo = PyFloat_AsDouble(args[3]), hhi = PyFloat_AsDouble(args[4]);
+  const long long hbins = PyLong_AsLongLong(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  Buffer rows(args[0], false, 8, "rows"), head(args[6], true, 8, "head"),
+      first(args[7], true, 8, "first"), lens(args[8], true, 8, "lens"),
+      colstat(args[9], true, 8, "colstat");
+  if (!rows.ok || !head.ok || !first.ok || !lens.ok || !colstat.ok) return nullptr;
+  const Py_ssize_t k = first.n();
+  if (rows.view.ndim != 2 || rows.view.shape[0] != k || lens.n() != k ||
+      rows.view.shape[1] < kHeader || head.n() != kHeader * k || colstat.n() != kHeader * 3) {
+    return PyErr_Format(PyExc_ValueError, "_rows_scan: shapes do not match");
+  }
+  const int64_t width = rows.view.shape[1];
+  const bool bounded = kind > 0 && width > kHeader;
+  HistSpec spec{};
+  if (bounded) {
+    try {
+      spec = make_hist_spec(kind, hlo, hhi, hbins, width);
+    } catch (const std::exception& e) {
+      return PyErr_Format(PyExc_ValueError, "_rows_scan: %s", e.what());
+    }
+  }
+  const auto* base = static_cast<const int64_t*>(rows.view.buf);
+  auto* hd = static_cast<int64_t*>(head.view.buf);
+  auto* f = static_cast<int64_t*>(first.view.buf);
+  auto* l = static_cast<int64_t*>(lens.view.buf);
+  bool skip0 = zero_bin && width > kHeader && k > 0;
+  ScanResult res = scan_rows(base, k, width, skip0, bounded, spec, hd, f, l);
+  if (skip0 && !res.zeros_match) {
+    skip0 = false;
+    res = scan_rows(base, k, width, skip0, bounded, spec, hd, f, l);
+  }
+  column_stats(hd, k, static_cast<int64_t*>(colstat.view.buf));
+  return Py_BuildValue("(OLLL)", skip0 ? Py_True : Py_False, static_cast<long long>(res.total),
+                       static_cast<long long>(res.mx), static_cast<long long>(res.mn));
+}
+
+// _rows_reset(rows int64 [k, width], hist_kind, hist_lo, hist_hi, hist_bins,
+// tag): put rows just read back into their reset state for step `tag`
+// (reset_value), writing only what can differ from it: the header and the
+// histogram band (band_bounded; a row that breaks its rule is zeroed whole).
+// While the host has just read these rows they are in cache, so this costs a
+// fraction of the reset advance() would do over the whole slot; advance()
+// skips rows already reset for the step it opens.
+PyObject* rows_reset(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) return PyErr_Format(PyExc_TypeError, "_rows_reset takes 6 arguments");
+  const long long kind = PyLong_AsLongLong(args[1]);
+  const double hlo = PyFloat_AsDouble(args[2]), hhi = PyFloat_AsDouble(args[3]);
+  const long long hbins = PyLong_AsLongLong(args[4]);
+  const long long tag = PyLong_AsLongLong(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  Buffer rows(args[0], true, 8, "rows");
+  if (!rows.ok) return nullptr;
+  if (rows.view.ndim != 2 || rows.view.shape[1] < kHeader) {
+    return PyErr_Format(PyExc_ValueError, "_rows_reset: rows must be [k, width >= %d]",
+                        static_cast<int>(kHeader));
+  }
+  const int64_t k = rows.view.shape[0], width = rows.view.shape[1], nb = width - kHeader;
+  HistSpec spec{};
+  if (nb > 0) {
+    try {
+      spec = make_hist_spec(kind, hlo, hhi, hbins, width);
+    } catch (const std::exception& e) {
+      return PyErr_Format(PyExc_ValueError, "_rows_reset: %s", e.what());
+    }
+  }
+  int64_t fresh[kHeader];
+  for (int64_t c = 0; c < kHeader; ++c) fresh[c] = reset_value(c, tag);
+  auto* base = static_cast<int64_t*>(rows.view.buf);
+  for (int64_t r = 0; r < k; ++r) {
+    int64_t* row = base + r * width;
+    if (nb > 0) {
+      int64_t* h = row + kHeader;
+      const int64_t expect = row[kCount] - row[kNan] - row[kPosInf] - row[kNegInf];
+      int64_t a = 0, b = -1;
+      const int found = band_bounded(h, 0, top_bin(row, spec, nb), expect, a, b);
+      if (found < 0) {
+        a = 0;
+        b = nb - 1;
+      }
+      if (found != 0) std::memset(h + a, 0, static_cast<size_t>(b - a + 1) * sizeof(int64_t));
+    }
+    std::memcpy(row, fresh, sizeof(fresh));
+  }
+  Py_RETURN_NONE;
 }
 
 template <typename T>
@@ -131,7 +315,9 @@ PyObject* hist_gather(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyMethodDef kMethods[] = {
-    {"_hist_bands", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hist_bands)),
+    {"_rows_scan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rows_scan)),
+     METH_FASTCALL, nullptr},
+    {"_rows_reset", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rows_reset)),
      METH_FASTCALL, nullptr},
     {"_hist_gather", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(hist_gather)),
      METH_FASTCALL, nullptr},

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _layout
+from . import _C, _layout
 from ._catalog import Catalog
 from ._config import SLOTS, Config
 from ._fastpath import ring_index_of, row_of
@@ -83,18 +83,26 @@ class Drain:
     def collect(self, rings, wait: bool) -> list[StepRecord]:
         """The steps completed since the last call, oldest first. ``wait``:
         wait for copies in flight (the explicit read)."""
-        done = []
+        done, read = [], []
         for ring in rings:
-            for step, rows in ring.ready(wait=wait):
+            for step, rows, slot_rows in ring.ready(wait=wait):
                 parts = self._partial.get(step)
                 if parts is None:
                     continue  # dropped
                 n = rows.shape[0]
                 keys = self._ring_keys(ring)[:n]
-                parts.append((ring.index, keys, rows))
                 self._expect[step].discard(ring.index)
-                if not self._expect[step]:
+                complete = not self._expect[step]
+                if slot_rows is not None:
+                    if not complete:
+                        # Waits for another device: keep a copy, the slot is reused.
+                        rows = rows.copy()
+                    read.append((step, slot_rows))
+                parts.append((ring.index, keys, rows))
+                if complete:
                     done.append(self._complete(step))
+        for step, slot_rows in read:  # CPU slots read: reset while in cache
+            _C._rows_reset(slot_rows, *self.config.hist_args, step + SLOTS * self.config.every)
         done.sort(key=lambda r: r.step)
         return done
 
@@ -167,4 +175,5 @@ class Drain:
         time_ns = time_of(self.catalog, keys, timers, time_rows) if self.config.timing else None
         hist = self.config.histogram
         return make_record(step, keys, rows, plan.order, plan.calls, calls_bad, time_ns,
-                           zero_bin=hist is not None and hist.kind == "log2")
+                           zero_bin=hist is not None and hist.kind == "log2",
+                           hist_args=None if hist is None else self.config.hist_args)

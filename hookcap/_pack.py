@@ -22,6 +22,9 @@ from . import _C, _layout
 H = _layout.HEADER
 _F64_LIST = [_layout.SHIFT, _layout.S1, _layout.S2, _layout.SUM, _layout.SUMSQ]
 _KEY_LIST = [_layout.MIN, _layout.MAX, _layout.ABSMAX]
+_F64_SET, _KEY_SET = frozenset(_F64_LIST), frozenset(_KEY_LIST)
+# Column flags of _C._rows_scan (csrc/host_pack.cpp ColFlag).
+_C_BITS_F32, _C_KEY_F32, _C_ABSMAX_OF = 1, 2, 4
 
 # Column codes.
 CONST, U8, U16, U32, RAW, F32, KEY32, ABSMAX = range(8)
@@ -37,14 +40,6 @@ def _uint_code(span: int) -> int:
         if span <= limit:
             return code
     return RAW
-
-
-def _f32_rows(bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(float32 [n, k], ok [n]): per row of float64 bit patterns, whether
-    every value is exactly a float32 (NaN payloads and -0.0 included)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        f32 = bits.view(np.float64).astype(np.float32)
-    return f32, (f32.astype(np.float64).view(np.int64) == bits).all(axis=1)
 
 
 def _absmax_key(min_keys: np.ndarray, max_keys: np.ndarray) -> np.ndarray:
@@ -184,44 +179,46 @@ class PackedStep:
 
 
 def pack(step: int, metrics, rows: np.ndarray, order, calls, calls_nonfinite, time_ns,
-         zero_bin: bool) -> PackedStep:
+         zero_bin: bool, hist_args=None) -> PackedStep:
     """Encode raw rows [k, width] (header + histogram bins; C-contiguous or
     not) of one step. ``zero_bin``: the histogram's bin 0 counts zeros (log2),
-    so it may be left out when it equals the zeros column."""
+    so it may be left out when it equals the zeros column. ``hist_args``: the
+    rows are as the kernels wrote them with this histogram (its op arguments),
+    so each band is found reading only the band; None: rows of any content."""
     rows = np.asarray(rows, dtype=np.int64)
     if not rows.flags.c_contiguous:
         rows = np.ascontiguousarray(rows)
     k, width = rows.shape
-    head = np.ascontiguousarray(rows[:, :H].T)  # [H, k]: one contiguous column each
+    nb = width - H
+    # One pass over the rows: the header transposed ([H, k], a contiguous
+    # column each) and every row's histogram band.
+    head = np.empty((H, k), dtype=np.int64)
+    first, lens = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int64)
+    colstat = np.empty((H, 3), dtype=np.int64)  # per column: min, max, flags (_C_*)
+    kind, lo, hi, bins = hist_args if hist_args is not None and nb else (-1, 0.0, 0.0, 0)
+    zero_from_zeros, total, cmax_h, cmin_h = _C._rows_scan(rows, zero_bin, kind, float(lo), float(hi),
+                                                           bins, head, first, lens, colstat)
     parts: list[tuple[int, np.ndarray]] = []  # (offset, array) to copy into the blob
     codes = [CONST] * H
     data: dict[int, np.ndarray] = {}
     if k:
-        consts = head.min(axis=1)
-        vary = consts != head.max(axis=1)
-        # Every varying float column at once: float32 where that is exact.
-        fc = [c for c in _F64_LIST if vary[c]]
-        if fc:
-            bits = head[fc]
-            f32, ok = _f32_rows(bits)
-            for i, c in enumerate(fc):
-                codes[c], data[c] = (F32, f32[i]) if ok[i] else (RAW, head[c])
-        kc = [c for c in _KEY_LIST if vary[c]]
-        if kc:
-            vals = _layout._unkey(head[kc])
-            if vary[_layout.ABSMAX] and np.array_equal(
-                    _absmax_key(head[_layout.MIN], head[_layout.MAX]), head[_layout.ABSMAX]):
-                codes[_layout.ABSMAX] = ABSMAX
-            f32, ok = _f32_rows(vals.view(np.int64))
-            for i, c in enumerate(kc):
-                if codes[c] == ABSMAX:
-                    continue
-                codes[c], data[c] = (KEY32, f32[i]) if ok[i] else (RAW, head[c])
-        for c in np.flatnonzero(vary).tolist():
-            if codes[c] != CONST:
+        consts = colstat[:, 0].copy()
+        for c, (cmin, cmax, flags) in enumerate(colstat.tolist()):
+            if cmin == cmax:
                 continue
-            code = _uint_code(int(head[c].max()) - int(consts[c]))  # Python ints: no wrap
-            codes[c], data[c] = (RAW, head[c]) if code == RAW else (code, (head[c] - consts[c]).astype(_UINT[code]))
+            if c in _F64_SET:  # doubles: float32 where every value is exactly one
+                codes[c], data[c] = ((F32, head[c].view(np.float64).astype(np.float32))
+                                     if flags & _C_BITS_F32 else (RAW, head[c]))
+            elif c in _KEY_SET:  # order keys of min/max/abs-max
+                if c == _layout.ABSMAX and flags & _C_ABSMAX_OF:
+                    codes[c] = ABSMAX  # rebuilt from min and max
+                elif flags & _C_KEY_F32:
+                    codes[c], data[c] = KEY32, _layout._unkey(head[c]).astype(np.float32)
+                else:
+                    codes[c], data[c] = RAW, head[c]
+            else:
+                code = _uint_code(cmax - cmin)  # Python ints: no wrap
+                codes[c], data[c] = (RAW, head[c]) if code == RAW else (code, (head[c] - cmin).astype(_UINT[code]))
     else:
         consts = np.zeros(H, dtype=np.int64)
     off = 8 * H
@@ -230,11 +227,7 @@ def pack(step: int, metrics, rows: np.ndarray, order, calls, calls_nonfinite, ti
             parts.append((off, data[c]))
             off = _pad8(off + data[c].nbytes)
     hist_desc = None
-    nb = width - H
     if nb:
-        zero_from_zeros = bool(zero_bin and k and np.array_equal(rows[:, H], head[_layout.ZEROS]))
-        first, lens = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int64)
-        total, cmax_h, cmin_h = _C._hist_bands(rows, H, zero_from_zeros, first, lens)
         cnt_code = _uint_code(cmax_h) if cmin_h >= 0 else RAW
         counts = np.empty(total, dtype=_UINT.get(cnt_code, np.int64))
         _C._hist_gather(rows, H, first, lens, counts)

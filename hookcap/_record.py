@@ -79,11 +79,13 @@ class StepRecord:
 
 
 def make_record(step: int, metrics: np.ndarray, rows: np.ndarray, order, calls=None,
-                calls_nonfinite=None, time_ns=None, zero_bin: bool = False) -> StepRecord:
+                calls_nonfinite=None, time_ns=None, zero_bin: bool = False,
+                hist_args=None) -> StepRecord:
     """Build a record from raw ring rows [k, width] (rows never written this
     step, calls == 0, are left out; ``rows`` may be a view of a ring: the
     record keeps an encoded copy). ``zero_bin``: histogram bin 0 counts zeros
-    (log2). ``time_ns``: aligned with ``metrics``."""
+    (log2). ``time_ns``: aligned with ``metrics``. ``hist_args``: the rows
+    are as the kernels wrote them with this histogram (see ``pack``)."""
     written = rows[:, _layout.CALLS] > 0
     if not written.all():
         metrics, rows = metrics[written], rows[written]
@@ -92,7 +94,8 @@ def make_record(step: int, metrics: np.ndarray, rows: np.ndarray, order, calls=N
     calls = order if calls is None else np.asarray(calls, dtype=np.int64)
     if calls_nonfinite is None:
         calls_nonfinite = np.zeros(len(calls), dtype=bool)
-    return StepRecord.from_packed(pack(step, metrics, rows, order, calls, calls_nonfinite, time_ns, zero_bin))
+    return StepRecord.from_packed(pack(step, metrics, rows, order, calls, calls_nonfinite, time_ns, zero_bin,
+                                         hist_args))
 
 
 class HostStore:

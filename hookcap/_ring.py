@@ -16,8 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _ops
+from . import _layout, _ops
 from .functional import new_state
+
+# A step tag no step has: the CPU advance() leaves rows tagged with the step it
+# opens as they are (the host reset them after reading), so rows whose content
+# is unknown (new memory, a moved step counter) must carry no real step's tag.
+_UNTAGGED = -(1 << 62)
 
 log = logging.getLogger("hookcap")
 
@@ -39,6 +44,7 @@ class _Pending:
     slot: int
     nrows: int
     host: np.ndarray | None  # CPU: filled at finish
+    slot_rows: np.ndarray | None = None  # CPU: every row of the slot (a view), reset once read
     pinned: torch.Tensor | None = None  # CUDA: copy target
     event: torch.cuda.Event | None = None
     source: torch.Tensor | None = None  # keeps the ring alive until the copy is done
@@ -63,6 +69,7 @@ class DeviceRing:
         self.pending: deque[_Pending] = deque()
         self._side = torch.cuda.Stream(device) if self.is_cuda else None
         self._pinned: dict[int, torch.Tensor] = {}
+        self.ring[:, :, _layout.STEP_TAG] = _UNTAGGED
         _ops.reset_slot(self.ring, self.state)
 
     # -- rows -----------------------------------------------------------------
@@ -76,6 +83,7 @@ class DeviceRing:
             more = rows + max(64, rows // 4)
             grown = torch.empty((self.slots, more, self.width), dtype=torch.int64, device=self.device)
             grown[:, :rows].copy_(self.ring)
+            grown[:, rows:, _layout.STEP_TAG] = _UNTAGGED
             self.ring = grown
             self._pinned.clear()
             _ops.reset_rows(self.ring, self.state, rows, more)
@@ -97,6 +105,7 @@ class DeviceRing:
         """Put the device state at (step, enabled, slot) and reset that slot
         (a ring created mid-run, a resumed step counter)."""
         self.state.copy_(torch.tensor([step, int(enabled), slot]))
+        self.ring[:, :, _layout.STEP_TAG] = _UNTAGGED
         _ops.reset_slot(self.ring, self.state)
 
     def set_enabled(self, enabled: bool) -> None:
@@ -113,7 +122,8 @@ class DeviceRing:
             # A view, no copy: the host reads it in this step() (records copy
             # what they keep), and an unread slot is dropped before advance()
             # resets it (drop_unread).
-            self.pending.append(_Pending(step, slot, n, self.ring[slot, :n].numpy()))
+            slot_rows = self.ring[slot].numpy()
+            self.pending.append(_Pending(step, slot, n, slot_rows[:n], slot_rows))
             return True
         if any(p.slot == slot for p in self.pending):
             return False  # host is a whole ring behind: drop rather than wait
@@ -131,7 +141,10 @@ class DeviceRing:
         return True
 
     def ready(self, wait: bool = False):
-        """Yield (step, rows int64 [nrows, width]) of drained slots, oldest first."""
+        """Yield (step, rows int64 [nrows, width], slot_rows) of drained slots,
+        oldest first. CPU: ``rows`` is a view of the ring, and ``slot_rows``
+        (every row of that slot) is for the host to reset once it has read
+        them (see the drain); CUDA: ``rows`` is a host copy, ``slot_rows`` None."""
         while self.pending:
             p = self.pending[0]
             if p.event is not None:
@@ -140,7 +153,7 @@ class DeviceRing:
                 p.event.synchronize()
                 p.host = p.pinned[: p.nrows].numpy().copy()
             self.pending.popleft()
-            yield p.step, p.host
+            yield p.step, p.host, p.slot_rows
 
     def drop_unread(self, slot: int) -> int | None:
         """CPU: the slot is about to be reused while still unread — drop it.

@@ -77,6 +77,11 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t order_key(double v) {
   return b >= 0 ? b : (b ^ INT64_MAX);
 }
 
+// The double of an order key (order_key is its own inverse on the bits).
+C10_HOST_DEVICE C10_ALWAYS_INLINE double key_value(int64_t k) {
+  return bitsd(k >= 0 ? k : (k ^ INT64_MAX));
+}
+
 // ---------------------------------------------------------------------------
 // Per-element accumulation, written over references so the CUDA kernel can
 // pass the fields of one Acc and the CPU loop can pass its own (vectorised)
