@@ -86,12 +86,13 @@ int64_t top_bin(const int64_t* row, const HistSpec& h, int64_t nb) {
 struct ScanResult {
   int64_t total = 0, mx = 0, mn = 0;
   bool zeros_match = true;  // every row's bin 0 equals its zeros count
+  int64_t whole = 0;  // kernel rows that broke band_bounded's rule (scanned whole)
 };
 
 // Flags of a header column over all rows (_rows_scan's colstat).
 enum ColFlag : int64_t {
-  kBitsF32 = 1,    // each value, as double bits, is exactly a float32
-  kKeyF32 = 2,     // each value, as an order key, is a double exactly a float32
+  kBitsF32 = 1,    // (doubles) each value, as double bits, is exactly a float32
+  kKeyF32 = 2,     // (order keys) each value's double is exactly a float32
   kAbsMaxOf = 4,   // (abs-max column) each equals the key of absmax_of(min, max)
 };
 
@@ -99,22 +100,25 @@ C10_ALWAYS_INLINE bool f32_exact(double v) {
   return dbits(static_cast<double>(static_cast<float>(v))) == dbits(v);
 }
 
-// Per-column min, max and ColFlag of the transposed header hd [kHeader, k].
+// Per-column min, max and ColFlag of the transposed header hd [kHeader, k]
+// (the float32 flags only where _pack.py reads them: doubles, order keys).
 void column_stats(const int64_t* hd, int64_t k, int64_t* colstat) {
   for (int64_t c = 0; c < kHeader; ++c) {
     const int64_t* col = hd + c * k;
     int64_t mn = INT64_MAX, mx = INT64_MIN;
-    bool bits_f32 = true, key_f32 = true;
     for (int64_t r = 0; r < k; ++r) {
-      const int64_t v = col[r];
-      mn = v < mn ? v : mn;
-      mx = v > mx ? v : mx;
-      bits_f32 = bits_f32 && f32_exact(bitsd(v));
-      key_f32 = key_f32 && f32_exact(key_value(v));
+      mn = col[r] < mn ? col[r] : mn;
+      mx = col[r] > mx ? col[r] : mx;
+    }
+    const bool is_key = c == kMin || c == kMax || c == kAbsMax;
+    const bool is_double = c == kShift || c == kS1 || c == kS2 || c == kSum || c == kSumSq;
+    bool exact = mn != mx && (is_key || is_double);
+    for (int64_t r = 0; r < k && exact; ++r) {
+      exact = f32_exact(is_key ? key_value(col[r]) : bitsd(col[r]));
     }
     colstat[c * 3] = mn;
     colstat[c * 3 + 1] = mx;
-    colstat[c * 3 + 2] = (bits_f32 ? kBitsF32 : 0) | (key_f32 ? kKeyF32 : 0);
+    colstat[c * 3 + 2] = exact ? (is_key ? kKeyF32 : kBitsF32) : 0;
   }
   const int64_t *mins = hd + kMin * k, *maxs = hd + kMax * k, *amax = hd + kAbsMax * k;
   bool of = true;
@@ -125,6 +129,8 @@ void column_stats(const int64_t* hd, int64_t k, int64_t* colstat) {
   if (of) colstat[kAbsMax * 3 + 2] |= kAbsMaxOf;
 }
 
+constexpr int64_t kAhead = 8;  // rows prefetched ahead
+
 // The loop of _rows_scan (see there).
 ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, bool bounded,
                      const HistSpec& spec, int64_t* hd, int64_t* f, int64_t* l) {
@@ -134,6 +140,18 @@ ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, 
   bool any = false;
   for (int64_t r = 0; r < k; ++r) {
     const int64_t* row = base + r * width;
+    // Rows come from a ring slot that is mostly out of cache: fetch headers
+    // ahead, and the top of the band of a row whose header has arrived.
+    if (r + kAhead < k) {
+      __builtin_prefetch(row + kAhead * width);
+      __builtin_prefetch(row + kAhead * width + 8);
+    }
+    if (bounded && r + kAhead / 2 < k) {
+      const int64_t* next = row + (kAhead / 2) * width;
+      const int64_t top = top_bin(next, spec, nb);
+      __builtin_prefetch(next + kHeader + top);
+      if (top >= 8) __builtin_prefetch(next + kHeader + top - 8);
+    }
     for (int64_t c = 0; c < kHeader; ++c) hd[c * k + r] = row[c];
     f[r] = l[r] = 0;
     if (nb <= 0) continue;
@@ -149,7 +167,10 @@ ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, 
                              (skip0 ? row[kZeros] : 0);
       found = band_bounded(h, lo_bin, top_bin(row, spec, nb), expect, a, b);
     }
-    if (found < 0) found = band_full(h, lo_bin, nb, a, b) ? 1 : 0;
+    if (found < 0) {
+      res.whole += bounded;
+      found = band_full(h, lo_bin, nb, a, b) ? 1 : 0;
+    }
     if (!found) continue;
     f[r] = a;
     l[r] = b - a + 1;
@@ -170,7 +191,7 @@ ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, 
 // _rows_scan(rows int64 [k, width], zero_bin, hist_kind, hist_lo, hist_hi,
 // hist_bins, head int64 [kHeader, k] out, first int64 [k] out, lens int64
 // [k] out, colstat int64 [kHeader, 3] out) -> (skip0, total band bins, max
-// count, min count). One pass over the rows: the header, transposed into
+// count, min count, rows scanned whole although hist_kind > 0). One pass over the rows: the header, transposed into
 // head, each header column's min, max and ColFlag into colstat, and each
 // row's histogram band (first and last non-empty bin). zero_bin: bin 0 counts
 // zeros (log2), so it is left out of the bands (skip0) when it equals the
@@ -214,8 +235,9 @@ PyObject* rows_scan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     res = scan_rows(base, k, width, skip0, bounded, spec, hd, f, l);
   }
   column_stats(hd, k, static_cast<int64_t*>(colstat.view.buf));
-  return Py_BuildValue("(OLLL)", skip0 ? Py_True : Py_False, static_cast<long long>(res.total),
-                       static_cast<long long>(res.mx), static_cast<long long>(res.mn));
+  return Py_BuildValue("(OLLLL)", skip0 ? Py_True : Py_False, static_cast<long long>(res.total),
+                       static_cast<long long>(res.mx), static_cast<long long>(res.mn),
+                       static_cast<long long>(res.whole));
 }
 
 // _rows_reset(rows int64 [k, width], hist_kind, hist_lo, hist_hi, hist_bins,

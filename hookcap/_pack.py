@@ -196,8 +196,8 @@ def pack(step: int, metrics, rows: np.ndarray, order, calls, calls_nonfinite, ti
     first, lens = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int64)
     colstat = np.empty((H, 3), dtype=np.int64)  # per column: min, max, flags (_C_*)
     kind, lo, hi, bins = hist_args if hist_args is not None and nb else (-1, 0.0, 0.0, 0)
-    zero_from_zeros, total, cmax_h, cmin_h = _C._rows_scan(rows, zero_bin, kind, float(lo), float(hi),
-                                                           bins, head, first, lens, colstat)
+    zero_from_zeros, total, cmax_h, cmin_h, _ = _C._rows_scan(rows, zero_bin, kind, float(lo), float(hi),
+                                                              bins, head, first, lens, colstat)
     parts: list[tuple[int, np.ndarray]] = []  # (offset, array) to copy into the blob
     codes = [CONST] * H
     data: dict[int, np.ndarray] = {}

@@ -61,6 +61,7 @@ class DeviceRing:
         self.width = width
         self.is_cuda = device.type == "cuda"
         self.ring = torch.empty((slots, rows, width), dtype=torch.int64, device=device)
+        self._host_view = None if self.is_cuda else self.ring.numpy()  # CPU: the ring as numpy
         self.state = new_state(device)
         self.nrows = 0
         self.metric_of_row: list[int] = []  # metric index per row, or UNNAMED / TIMING
@@ -85,6 +86,7 @@ class DeviceRing:
             grown[:, :rows].copy_(self.ring)
             grown[:, rows:, _layout.STEP_TAG] = _UNTAGGED
             self.ring = grown
+            self._host_view = None if self.is_cuda else grown.numpy()
             self._pinned.clear()
             _ops.reset_rows(self.ring, self.state, rows, more)
         row = self.nrows
@@ -122,7 +124,7 @@ class DeviceRing:
             # A view, no copy: the host reads it in this step() (records copy
             # what they keep), and an unread slot is dropped before advance()
             # resets it (drop_unread).
-            slot_rows = self.ring[slot].numpy()
+            slot_rows = self._host_view[slot]
             self.pending.append(_Pending(step, slot, n, slot_rows[:n], slot_rows))
             return True
         if any(p.slot == slot for p in self.pending):
