@@ -4,7 +4,10 @@ For each metric count (a chain of small Linear layers, capture ``output`` and
 ``grad_output``, log2 histograms, CPU) one child process trains ``--steps``
 recorded steps and reports:
 
-- ``step()`` µs per metric (median over the recorded steps, after warm-up);
+- ``step()`` µs per metric (median over the recorded steps, after warm-up); and, on every
+  other step, the same with the heap settled first: glibc folds the small blocks the training
+  step freed into its free lists at the first large allocation after backward, whoever makes it
+  (about 0.3 ms for 1,600 layers here), and that allocation is usually step()'s;
 - host bytes per metric per recorded step held by the history store;
 - ``history()`` and ``dump()`` time, and the process's peak RSS growth during ``dump()``;
 - the cost of a ``hookcap.sinks.Parquet`` sink per metric per step (mean step() with the sink
@@ -25,6 +28,25 @@ import tempfile
 import time
 
 
+def _heap_settler():
+    """glibc only: a call that makes malloc fold the small blocks the training
+    step freed (its fastbins) now, as the first large allocation after
+    backward would anyway, whoever makes it; None elsewhere."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+
+    def settle():
+        libc.free(libc.malloc(1 << 17))
+
+    return settle
+
+
 def child(metrics: int, steps: int) -> dict:
     import numpy as np
     import torch
@@ -38,18 +60,24 @@ def child(metrics: int, steps: int) -> dict:
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
     x = torch.randn(2, 8)
 
-    def run(mon, n):
+    settle = _heap_settler()
+
+    def run(mon, n, settled=None):
         times = []
         for i in range(n + 8):
             model(x * (1 + i % 5)).sum().backward()
+            if settled is not None and i % 2 and settle is not None:
+                settle()
             t0 = time.perf_counter()
             mon.step()
             if i >= 8:
-                times.append(time.perf_counter() - t0)
+                (settled if settled is not None and i % 2 and settle is not None else times).append(
+                    time.perf_counter() - t0)
         return np.asarray(times)
 
     mon = hookcap.Monitor(model, capture=("output", "grad_output"), capacity=steps).attach()
-    times = run(mon, steps)
+    settled = []
+    times = run(mon, steps, settled)
     t0 = time.perf_counter()
     h = mon.history()
     t_hist = time.perf_counter() - t0
@@ -75,6 +103,7 @@ def child(metrics: int, steps: int) -> dict:
         plain.detach()
     M = len(h.names)
     return {"metrics": M, "steps": len(h), "step_us_per_metric": float(np.median(times)) * 1e6 / M,
+            "step_us_per_metric_heap_settled": (float(np.median(settled)) * 1e6 / M) if settled else None,
             "bytes_per_metric_step": store.nbytes / max(cells, 1), "store_mb": store.nbytes / 2**20,
             "history_s": t_hist, "dump_s": t_dump, "dump_peak_rss_growth_mb": (rss1 - rss0) / 1024,
             "file_mb": size / 2**20,
@@ -97,10 +126,12 @@ def main(argv=None) -> None:
                              capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"# {args.steps} recorded steps, capture output+grad_output, log2 histograms, CPU, 1 thread")
-    print(f"{'metrics':>8} {'step() us/metric':>17} {'B/metric-step':>14} {'store MB':>9} "
+    print(f"{'metrics':>8} {'step() us/metric':>17} {'heap settled':>13} {'B/metric-step':>14} {'store MB':>9} "
           f"{'history() s':>12} {'dump() s':>9} {'dump RSS +MB':>13} {'file MB':>8} {'Parquet us/metric':>18}")
     for r in rows:
-        print(f"{r['metrics']:>8} {r['step_us_per_metric']:>17.2f} {r['bytes_per_metric_step']:>14.0f} "
+        settled = r["step_us_per_metric_heap_settled"]
+        print(f"{r['metrics']:>8} {r['step_us_per_metric']:>17.2f} "
+              f"{'n/a' if settled is None else f'{settled:.2f}':>13} {r['bytes_per_metric_step']:>14.0f} "
               f"{r['store_mb']:>9.1f} {r['history_s']:>12.2f} {r['dump_s']:>9.2f} "
               f"{r['dump_peak_rss_growth_mb']:>13.0f} {r['file_mb']:>8.1f} {r['parquet_us_per_metric_step']:>18.2f}")
     if args.json:
