@@ -66,13 +66,13 @@ def child(metrics: int, steps: int) -> dict:
         times = []
         for i in range(n + 8):
             model(x * (1 + i % 5)).sum().backward()
-            if settled is not None and i % 2 and settle is not None:
+            settling = settled is not None and settle is not None and i % 2 == 1
+            if settling:
                 settle()
             t0 = time.perf_counter()
             mon.step()
             if i >= 8:
-                (settled if settled is not None and i % 2 and settle is not None else times).append(
-                    time.perf_counter() - t0)
+                (settled if settling else times).append(time.perf_counter() - t0)
         return np.asarray(times)
 
     mon = hookcap.Monitor(model, capture=("output", "grad_output"), capacity=steps).attach()

@@ -1,8 +1,9 @@
 // Host-side helpers of the compact step encoding (hookcap/_pack.py): the
 // header columns and per-row histogram band (first and last non-empty bin),
-// and the band's gather into a narrow integer array. One pass over the rows in C++ instead of several
-// whole-matrix numpy passes: this runs in every recorded step() on the
-// training thread, over thousands of rows.
+// the band's gather into a narrow integer array, and the reset of CPU rows
+// once read. One pass over the rows in C++ instead of several whole-matrix
+// numpy passes: this runs in every recorded step() on the training thread,
+// over thousands of rows.
 #include <Python.h>
 
 #include <cstdint>
@@ -70,6 +71,27 @@ int band_bounded(const int64_t* h, int64_t lo_bin, int64_t start, int64_t expect
   return 1;
 }
 
+// Elements a kernel row has binned: all but NaN and +-Inf.
+int64_t binned_count(const int64_t* row) {
+  return row[kCount] - row[kNan] - row[kPosInf] - row[kNegInf];
+}
+
+// The HistSpec of histogram op arguments args[0..3] (kind, lo, hi, bins) for
+// rows `width` wide; false with a Python ValueError set when they do not fit.
+bool hist_spec_of(PyObject* const* args, int64_t width, const char* who, HistSpec& spec) {
+  const long long kind = PyLong_AsLongLong(args[0]);
+  const double lo = PyFloat_AsDouble(args[1]), hi = PyFloat_AsDouble(args[2]);
+  const long long bins = PyLong_AsLongLong(args[3]);
+  if (PyErr_Occurred()) return false;
+  try {
+    spec = make_hist_spec(kind, lo, hi, bins, width);
+  } catch (const std::exception& e) {
+    PyErr_Format(PyExc_ValueError, "%s: %s", who, e.what());
+    return false;
+  }
+  return true;
+}
+
 // The highest bin a kernel row can have filled (see band_bounded): the bin of
 // its abs-max (log2) or max (linear); the last bin when that is not finite.
 int64_t top_bin(const int64_t* row, const HistSpec& h, int64_t nb) {
@@ -129,7 +151,8 @@ void column_stats(const int64_t* hd, int64_t k, int64_t* colstat) {
   if (of) colstat[kAbsMax * 3 + 2] |= kAbsMaxOf;
 }
 
-constexpr int64_t kAhead = 8;  // rows prefetched ahead
+constexpr int64_t kAhead = 8;       // rows whose header is prefetched ahead
+constexpr int64_t kBandAhead = 4;   // rows whose band top is prefetched ahead
 
 // The loop of _rows_scan (see there).
 ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, bool bounded,
@@ -137,6 +160,11 @@ ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, 
   ScanResult res;
   const int64_t nb = width - kHeader;
   const int64_t lo_bin = skip0 ? 1 : 0;
+  // top_bin of rows r .. r + kBandAhead - 1, at index (row % kBandAhead).
+  int64_t tops[kBandAhead] = {};
+  if (bounded) {
+    for (int64_t r = 0; r < k && r < kBandAhead; ++r) tops[r] = top_bin(base + r * width, spec, nb);
+  }
   bool any = false;
   for (int64_t r = 0; r < k; ++r) {
     const int64_t* row = base + r * width;
@@ -146,11 +174,13 @@ ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, 
       __builtin_prefetch(row + kAhead * width);
       __builtin_prefetch(row + kAhead * width + 8);
     }
-    if (bounded && r + kAhead / 2 < k) {
-      const int64_t* next = row + (kAhead / 2) * width;
-      const int64_t top = top_bin(next, spec, nb);
-      __builtin_prefetch(next + kHeader + top);
-      if (top >= 8) __builtin_prefetch(next + kHeader + top - 8);
+    const int64_t top = tops[r % kBandAhead];
+    if (bounded && r + kBandAhead < k) {
+      const int64_t* next = row + kBandAhead * width;
+      const int64_t next_top = top_bin(next, spec, nb);
+      tops[r % kBandAhead] = next_top;
+      __builtin_prefetch(next + kHeader + next_top);
+      if (next_top >= 8) __builtin_prefetch(next + kHeader + next_top - 8);
     }
     for (int64_t c = 0; c < kHeader; ++c) hd[c * k + r] = row[c];
     f[r] = l[r] = 0;
@@ -163,9 +193,8 @@ ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, 
     int64_t a = 0, b = -1;
     int found = -1;
     if (bounded) {
-      const int64_t expect = row[kCount] - row[kNan] - row[kPosInf] - row[kNegInf] -
-                             (skip0 ? row[kZeros] : 0);
-      found = band_bounded(h, lo_bin, top_bin(row, spec, nb), expect, a, b);
+      const int64_t expect = binned_count(row) - (skip0 ? row[kZeros] : 0);
+      found = band_bounded(h, lo_bin, top, expect, a, b);
     }
     if (found < 0) {
       res.whole += bounded;
@@ -191,19 +220,18 @@ ScanResult scan_rows(const int64_t* base, int64_t k, int64_t width, bool skip0, 
 // _rows_scan(rows int64 [k, width], zero_bin, hist_kind, hist_lo, hist_hi,
 // hist_bins, head int64 [kHeader, k] out, first int64 [k] out, lens int64
 // [k] out, colstat int64 [kHeader, 3] out) -> (skip0, total band bins, max
-// count, min count, rows scanned whole although hist_kind > 0). One pass over the rows: the header, transposed into
-// head, each header column's min, max and ColFlag into colstat, and each
-// row's histogram band (first and last non-empty bin). zero_bin: bin 0 counts
-// zeros (log2), so it is left out of the bands (skip0) when it equals the
-// zeros column in every row. hist_kind < 0: rows of any content (every bin
-// is read); otherwise rows the kernels wrote with that histogram, whose band
-// is found reading only the band (band_bounded).
+// count, min count, rows scanned whole although hist_kind > 0).
+// One pass over the rows: the header, transposed into head, each header
+// column's min, max and ColFlag into colstat, and each row's histogram band
+// (first and last non-empty bin). zero_bin: bin 0 counts zeros (log2), so it
+// is left out of the bands (skip0) when it equals the zeros column in every
+// row. hist_kind < 0: rows of any content (every bin is read); otherwise rows
+// the kernels wrote with that histogram, whose band is found reading only the
+// band (band_bounded).
 PyObject* rows_scan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 10) return PyErr_Format(PyExc_TypeError, "_rows_scan takes 10 arguments");
   const int zero_bin = PyObject_IsTrue(args[1]);
   const long long kind = PyLong_AsLongLong(args[2]);
-  const double hlo = PyFloat_AsDouble(args[3]), hhi = PyFloat_AsDouble(args[4]);
-  const long long hbins = PyLong_AsLongLong(args[5]);
   if (PyErr_Occurred()) return nullptr;
   Buffer rows(args[0], false, 8, "rows"), head(args[6], true, 8, "head"),
       first(args[7], true, 8, "first"), lens(args[8], true, 8, "lens"),
@@ -217,13 +245,7 @@ PyObject* rows_scan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t width = rows.view.shape[1];
   const bool bounded = kind > 0 && width > kHeader;
   HistSpec spec{};
-  if (bounded) {
-    try {
-      spec = make_hist_spec(kind, hlo, hhi, hbins, width);
-    } catch (const std::exception& e) {
-      return PyErr_Format(PyExc_ValueError, "_rows_scan: %s", e.what());
-    }
-  }
+  if (bounded && !hist_spec_of(args + 2, width, "_rows_scan", spec)) return nullptr;
   const auto* base = static_cast<const int64_t*>(rows.view.buf);
   auto* hd = static_cast<int64_t*>(head.view.buf);
   auto* f = static_cast<int64_t*>(first.view.buf);
@@ -249,9 +271,6 @@ PyObject* rows_scan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // skips rows already reset for the step it opens.
 PyObject* rows_reset(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 6) return PyErr_Format(PyExc_TypeError, "_rows_reset takes 6 arguments");
-  const long long kind = PyLong_AsLongLong(args[1]);
-  const double hlo = PyFloat_AsDouble(args[2]), hhi = PyFloat_AsDouble(args[3]);
-  const long long hbins = PyLong_AsLongLong(args[4]);
   const long long tag = PyLong_AsLongLong(args[5]);
   if (PyErr_Occurred()) return nullptr;
   Buffer rows(args[0], true, 8, "rows");
@@ -262,13 +281,7 @@ PyObject* rows_reset(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const int64_t k = rows.view.shape[0], width = rows.view.shape[1], nb = width - kHeader;
   HistSpec spec{};
-  if (nb > 0) {
-    try {
-      spec = make_hist_spec(kind, hlo, hhi, hbins, width);
-    } catch (const std::exception& e) {
-      return PyErr_Format(PyExc_ValueError, "_rows_reset: %s", e.what());
-    }
-  }
+  if (nb > 0 && !hist_spec_of(args + 1, width, "_rows_reset", spec)) return nullptr;
   int64_t fresh[kHeader];
   for (int64_t c = 0; c < kHeader; ++c) fresh[c] = reset_value(c, tag);
   auto* base = static_cast<int64_t*>(rows.view.buf);
@@ -276,9 +289,8 @@ PyObject* rows_reset(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     int64_t* row = base + r * width;
     if (nb > 0) {
       int64_t* h = row + kHeader;
-      const int64_t expect = row[kCount] - row[kNan] - row[kPosInf] - row[kNegInf];
       int64_t a = 0, b = -1;
-      const int found = band_bounded(h, 0, top_bin(row, spec, nb), expect, a, b);
+      const int found = band_bounded(h, 0, top_bin(row, spec, nb), binned_count(row), a, b);
       if (found < 0) {
         a = 0;
         b = nb - 1;

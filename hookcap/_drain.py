@@ -27,13 +27,6 @@ log = logging.getLogger("hookcap")
 _TIMER_KEY = 1 << 40
 
 
-def _same_cached(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether a and b are the same rows of one cached, read-only key array
-    (Drain._ring_keys: replaced, never written, when a ring's rows change)."""
-    return (a.base is not None and a.base is b.base and not a.base.flags.writeable
-            and a.shape == b.shape and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
-
-
 @dataclass
 class _StepPlan:
     keys: np.ndarray  # merge key of each row of the step's concatenated rows
@@ -141,7 +134,7 @@ class Drain:
         order = np.asarray(order, dtype=np.int64)
         key = (order.tobytes(), tuple((ri, len(k)) for ri, k, _ in chunks))
         plan = self._plans.get(key)
-        if plan is not None and (_same_cached(plan.keys, keys) or np.array_equal(plan.keys, keys)):
+        if plan is not None and np.array_equal(plan.keys, keys):
             return plan
         offset, pos = {}, 0
         for ri, k, _ in chunks:
@@ -153,8 +146,7 @@ class Drain:
         call_rows = ring_offset[ring_index_of(order)] + row_of(order)
         calls = keys[call_rows] if len(call_rows) else np.empty(0, np.int64)
         _, first = np.unique(calls, return_index=True)
-        plan = _StepPlan(keys if keys.base is not None and not keys.flags.writeable else keys.copy(),
-                         call_rows, calls, calls[np.sort(first)], _layout.GroupPlan(keys))
+        plan = _StepPlan(keys.copy(), call_rows, calls, calls[np.sort(first)], _layout.GroupPlan(keys))
         if len(self._plans) >= 8:  # patterns keep changing: keep only the newest
             self._plans.clear()
         self._plans[key] = plan

@@ -774,26 +774,21 @@ void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& 
       });
 }
 
-void reset_rows(int64_t* base, int64_t rows, int64_t width, int64_t step) {
-  if (rows <= 0) return;
+// Rows [0, rows) at `base` reset for `step`. keep_reset: leave out rows
+// already reset for `step` (the host resets the CPU rows it has read, while
+// they are in its cache: hookcap/_drain.py); only a reset writes kStepTag, so
+// a row tagged `step` has not been written since.
+void reset_rows(int64_t* base, int64_t rows, int64_t width, int64_t step, bool keep_reset = false) {
+  const auto stale = [&](int64_t r) { return !keep_reset || base[r * width + kStepTag] != step; };
+  int64_t r = 0;
+  while (r < rows && !stale(r)) ++r;
+  if (r == rows) return;
   // One row built from reset_value, then copied: a per-value switch over every
   // bin of thousands of rows costs more than the copy itself.
-  for (int64_t c = 0; c < width; ++c) base[c] = reset_value(c, step);
-  for (int64_t r = 1; r < rows; ++r) std::memcpy(base + r * width, base, width * sizeof(int64_t));
-}
-
-// reset_rows, leaving out rows already reset for `step` (the host resets the
-// rows it has read, while they are in its cache: hookcap/_drain.py). Only a
-// reset writes kStepTag, so a row tagged `step` has not been written since.
-void reset_stale_rows(int64_t* base, int64_t rows, int64_t width, int64_t step) {
-  int64_t r = 0;
-  while (r < rows && base[r * width + kStepTag] == step) ++r;
-  if (r == rows) return;
-  int64_t* tmpl = base + r * width;  // the first stale row becomes the template
+  int64_t* tmpl = base + r * width;
   for (int64_t c = 0; c < width; ++c) tmpl[c] = reset_value(c, step);
   for (++r; r < rows; ++r) {
-    int64_t* row = base + r * width;
-    if (row[kStepTag] != step) std::memcpy(row, tmpl, width * sizeof(int64_t));
+    if (stale(r)) std::memcpy(base + r * width, tmpl, width * sizeof(int64_t));
   }
 }
 
@@ -819,8 +814,8 @@ void advance_cpu(at::Tensor& ring, at::Tensor& state, int64_t every) {
   int64_t* st = state.data_ptr<int64_t>();
   const StepState next = next_state(st, every, ring.size(0));
   if (next.enabled) {
-    reset_stale_rows(ring.data_ptr<int64_t>() + next.slot * ring.size(1) * ring.size(2),
-                     ring.size(1), ring.size(2), next.step);
+    reset_rows(ring.data_ptr<int64_t>() + next.slot * ring.size(1) * ring.size(2),
+               ring.size(1), ring.size(2), next.step, /*keep_reset=*/true);
   }
   st[kStateStep] = next.step;
   st[kStateEnabled] = next.enabled;
