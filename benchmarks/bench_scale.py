@@ -2,12 +2,12 @@
 
 For each metric count (a chain of small Linear layers, capture ``output`` and
 ``grad_output``, log2 histograms, CPU) one child process trains ``--steps``
-recorded steps and reports:
+recorded steps (forward, backward, an SGD step, then ``Monitor.step()``) and reports:
 
 - ``step()`` µs per metric (median over the recorded steps, after warm-up); and, on every
   other step, the same with the heap settled first: glibc folds the small blocks the training
-  step freed into its free lists at the first large allocation after backward, whoever makes it
-  (about 0.3 ms for 1,600 layers here), and that allocation is usually step()'s;
+  step freed into its free lists at the first large allocation after them, whoever makes it
+  (up to 0.3 ms for 1,600 layers here), and that allocation may be step()'s;
 - host bytes per metric per recorded step held by the history store;
 - ``history()`` and ``dump()`` time, and the process's peak RSS growth during ``dump()``;
 - the cost of a ``hookcap.sinks.Parquet`` sink per metric per step (mean step() with the sink
@@ -30,8 +30,8 @@ import time
 
 def _heap_settler():
     """glibc only: a call that makes malloc fold the small blocks the training
-    step freed (its fastbins) now, as the first large allocation after
-    backward would anyway, whoever makes it; None elsewhere."""
+    step freed (its fastbins) now, as the first large allocation after the
+    training step would anyway, whoever makes it; None elsewhere."""
     import ctypes
 
     try:
@@ -59,6 +59,7 @@ def child(metrics: int, steps: int) -> dict:
     layers = max(1, metrics // 2)  # output + grad_output per layer
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
     x = torch.randn(2, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)  # tiny: 1,600 layers stay finite
 
     settle = _heap_settler()
 
@@ -66,6 +67,8 @@ def child(metrics: int, steps: int) -> dict:
         times = []
         for i in range(n + 8):
             model(x * (1 + i % 5)).sum().backward()
+            opt.step()
+            opt.zero_grad()
             settling = settled is not None and settle is not None and i % 2 == 1
             if settling:
                 settle()

@@ -287,6 +287,10 @@ PyObject* rows_reset(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   auto* base = static_cast<int64_t*>(rows.view.buf);
   for (int64_t r = 0; r < k; ++r) {
     int64_t* row = base + r * width;
+    if (r + kAhead < k) {  // rows read a while ago may have left the cache
+      __builtin_prefetch(row + kAhead * width, 1);
+      __builtin_prefetch(row + kAhead * width + 8, 1);
+    }
     if (nb > 0) {
       int64_t* h = row + kHeader;
       int64_t a = 0, b = -1;

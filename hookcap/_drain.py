@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _C, _layout
+from . import _layout
 from ._catalog import Catalog
 from ._config import SLOTS, Config
 from ._fastpath import ring_index_of, row_of
@@ -97,12 +97,12 @@ class Drain:
                     if not complete:
                         # Waits for another device: keep a copy, the slot is reused.
                         rows = rows.copy()
-                    read.append((step, slot_rows))
+                    read.append((ring, step, slot_rows))
                 parts.append((ring.index, keys, rows))
                 if complete:
                     done.append(self._complete(step))
-        for step, slot_rows in read:  # CPU slots read: reset while in cache
-            _C._rows_reset(slot_rows, *self.config.hist_args, step + SLOTS * self.config.every)
+        for ring, step, slot_rows in read:  # CPU slots read: reset while in cache
+            ring.reset_read(slot_rows, self.config.hist_args, step + SLOTS * self.config.every)
         done.sort(key=lambda r: r.step)
         return done
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _layout, _ops
+from . import _C, _layout, _ops
 from .functional import new_state
 
 # A step tag no step has: the CPU advance() leaves rows tagged with the step it
@@ -63,6 +63,10 @@ class DeviceRing:
         self.ring = torch.empty((slots, rows, width), dtype=torch.int64, device=device)
         self._host_view = None if self.is_cuda else self.ring.numpy()  # CPU: the ring as numpy
         self.state = new_state(device)
+        self._state_view = None if self.is_cuda else self.state.numpy()
+        # CPU: steps whose slot the host has wholly reset after reading it
+        # (reset_read); advance() opens them without visiting the rows.
+        self._reset_for: set[int] = set()
         self.nrows = 0
         self.metric_of_row: list[int] = []  # metric index per row, or UNNAMED / TIMING
         self.rows_version = 0  # changes whenever metric_of_row or timer_of_row does
@@ -87,6 +91,7 @@ class DeviceRing:
             grown[:, rows:, _layout.STEP_TAG] = _UNTAGGED
             self.ring = grown
             self._host_view = None if self.is_cuda else grown.numpy()
+            self._reset_for.clear()
             self._pinned.clear()
             _ops.reset_rows(self.ring, self.state, rows, more)
         row = self.nrows
@@ -107,6 +112,7 @@ class DeviceRing:
         """Put the device state at (step, enabled, slot) and reset that slot
         (a ring created mid-run, a resumed step counter)."""
         self.state.copy_(torch.tensor([step, int(enabled), slot]))
+        self._reset_for.clear()
         self.ring[:, :, _layout.STEP_TAG] = _UNTAGGED
         _ops.reset_slot(self.ring, self.state)
 
@@ -166,7 +172,29 @@ class DeviceRing:
                 return p.step
         return None
 
+    def reset_read(self, slot_rows: np.ndarray, hist_args: tuple, step: int) -> None:
+        """CPU: reset a slot's rows the host has just read (while they are in
+        its cache) for ``step``, the next step that slot holds. Only the header
+        and the histogram band are written; rows tagged ``step`` are known reset."""
+        _C._rows_reset(slot_rows, *hist_args, step)
+        view = self._host_view
+        if slot_rows.shape == view.shape[1:]:  # a whole slot of this ring (not one grown since)
+            offset = slot_rows.ctypes.data - view.ctypes.data
+            if 0 <= offset < view.nbytes:
+                if len(self._reset_for) > self.slots:  # steps never opened (a stopped run)
+                    self._reset_for.clear()
+                self._reset_for.add(step)
+
     def advance(self, every: int) -> None:
+        if not self.is_cuda:
+            st = self._state_view
+            step, enabled, slot = next_host_state(int(st[0]), int(st[2]), every, self.slots)
+            if enabled and step in self._reset_for:
+                # Every row of the slot is already reset for `step` (reset_read, and
+                # no write since): the op would only move the state.
+                self._reset_for.discard(step)
+                st[:] = (step, 1, slot)
+                return
         if self.is_cuda:
             # The reset of a reused slot must not overtake its copy to the host.
             main = torch.cuda.current_stream(self.device)
