@@ -1,0 +1,339 @@
+"""Static cost of hookcap's CUDA accumulate kernels, read from their SASS.
+
+Builds ``csrc/cuda/stats_launch.cu`` (the shipped launcher, so exactly the
+shipped specialisations) to a cubin for each architecture with the build's
+nvcc flags, then for every accumulate specialisation:
+
+- finds its steady-state loop: the innermost backward branch whose body holds
+  the loop's global loads (the 16-byte vector loop for dense inputs, the
+  element loop for strided ones), and counts per element: SASS instructions,
+  FP64-pipe instructions (D*, and F2F/I2F/F2I to or from 64-bit floats) and
+  global loads; the body is divided by the elements its loads bring in;
+- reports registers, spills (ptxas), static shared memory, resident blocks of
+  256 threads per SM, bytes of global loads in flight per SM (the loads issued
+  before the first instruction that reads one of their results, times the
+  resident threads), and the static issue-rate bound as a fraction of an
+  H100's HBM bandwidth.
+
+Assumptions of the bound (printed): H100 SXM, 132 SMs at 1.755 GHz, four
+schedulers each issuing one warp instruction per clock (128 thread
+instructions per SM per clock), FP64 pipe 64 lanes per SM per clock, HBM3
+3.35 TB/s. The bound is ``min(issue, FP64 pipe)`` elements per second times
+the element size; it ignores memory latency, shared-memory atomic conflicts and
+the per-launch start-up, which the GPU benchmark measures.
+
+Usage: ``python benchmarks/bench_sass.py [--arch 80,89,90] [--json out.json]``
+(no GPU needed; needs nvcc and, for the SASS, cuobjdump from the toolkit or
+from triton's ``backends/nvidia/bin``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THREADS = 256  # threads per block of every accumulate launch (stats_launch.cu kThreads)
+
+# Per-SM limits: registers, shared memory usable by blocks (bytes), threads, blocks.
+SM_LIMITS = {
+    80: dict(regs=65536, smem=167936, threads=2048, blocks=32),
+    86: dict(regs=65536, smem=102400, threads=1536, blocks=16),
+    89: dict(regs=65536, smem=102400, threads=1536, blocks=24),
+    90: dict(regs=65536, smem=233472, threads=2048, blocks=32),
+}
+SMEM_RESERVED = 1024  # per block, sm_80 and later
+H100 = dict(sms=132, clock_hz=1.755e9, issue_per_sm_clk=128, fp64_per_sm_clk=64, hbm_bytes_s=3.35e12)
+
+ELEM_BYTES = {"double": 8, "float": 4, "c10::Half": 2, "c10::BFloat16": 2,
+              "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+SHORT = {"double": "f64", "float": "f32", "c10::Half": "f16", "c10::BFloat16": "bf16",
+         "c10::Float8_e4m3fn": "e4m3", "c10::Float8_e5m2": "e5m2"}
+
+FP64_OPS = ("DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DSET", "DMMA")
+FP64_CONV = re.compile(r"^(F2F|I2F|F2I|F2IP|I2FP)\.[^ ]*(F64)")
+
+
+def find_cuda_home() -> str | None:
+    def ok(p):
+        return bool(p) and os.path.isfile(os.path.join(p, "bin", "nvcc"))
+
+    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        try:
+            with open(real, "rb") as f:
+                head = f.read(4096)
+            if head.startswith(b"#!"):  # a wrapper script naming the real toolkit
+                cands += [m.decode() for m in re.findall(rb"(/[^\s\"']+)/bin/nvcc", head)]
+        except OSError:
+            pass
+        cands.append(os.path.dirname(os.path.dirname(real)))
+    cands += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    return next((c for c in cands if ok(c)), None)
+
+
+def find_tool(name: str, cuda_home: str) -> str:
+    cands = [os.path.join(cuda_home, "bin", name)]
+    try:
+        import triton
+
+        cands.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name))
+    except ImportError:
+        pass
+    for c in cands:
+        if os.path.isfile(c):
+            return c
+    raise SystemExit(f"bench_sass: {name} not found (looked in {cands})")
+
+
+def build_cubin(arch: int, cuda_home: str, out_dir: str) -> tuple[str, str]:
+    """Compile stats_launch.cu for sm_<arch>; returns (cubin path, ptxas -v log)."""
+    from torch.utils import cpp_extension
+
+    sys.path.insert(0, ROOT)
+    nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--fmad=false"]
+    meta = os.path.join(ROOT, "hookcap", "_build_meta.json")
+    if os.path.isfile(meta):
+        with open(meta) as f:
+            nvcc_flags = json.load(f).get("nvcc_flags") or nvcc_flags
+    incs = [os.path.join(ROOT, "csrc")] + cpp_extension.include_paths(device_type="cuda")
+    cubin = os.path.join(out_dir, f"stats_sm{arch}.cubin")
+    import torch
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [os.path.join(cuda_home, "bin", "nvcc"), "-cubin", f"-arch=sm_{arch}", *nvcc_flags,
+           "-Xptxas", "-v", "-DHOOKCAP_WITH_CUDA=1", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+           "-DTORCH_EXTENSION_NAME=_C", *[f"-I{i}" for i in incs],
+           os.path.join(ROOT, "csrc", "cuda", "stats_launch.cu"), "-o", cubin]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench_sass: nvcc failed for sm_{arch}:\n{r.stderr[-4000:]}")
+    return cubin, r.stderr
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    tool = shutil.which("c++filt")
+    if not tool or not names:
+        return {n: n for n in names}
+    r = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True)
+    return dict(zip(names, r.stdout.splitlines()))
+
+
+def ptxas_info(log: str) -> dict[str, dict]:
+    """registers, spill bytes, static shared memory per mangled kernel name."""
+    info, cur = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = info.setdefault(m.group(1), dict(regs=0, spill_st=0, spill_ld=0, smem=0))
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            cur["spill_st"], cur["spill_ld"] = int(m.group(1)), int(m.group(2))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            cur["regs"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            cur["smem"] = int(s.group(1)) if s else 0
+    return info
+
+
+_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def sass_functions(cuobjdump: str, cubin: str) -> dict[str, list[tuple[int, str]]]:
+    """mangled name -> [(address, instruction text)] from cuobjdump -sass."""
+    out = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    funcs, cur = {}, None
+    for line in out.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            cur = funcs.setdefault(m.group(1), [])
+            continue
+        m = _INSN.search(line)
+        if m and cur is not None:
+            cur.append((int(m.group(1), 16), m.group(2).strip()))
+    return funcs
+
+
+def opcode(text: str) -> str:
+    t = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)  # predicate guard
+    return t.split()[0] if t else ""
+
+
+def is_global_load(op: str) -> bool:
+    return op.startswith("LDG") or op.startswith("LD.E")
+
+
+def load_bytes(op: str) -> int:
+    for suffix, b in ((".128", 16), (".64", 8), (".U16", 2), (".S16", 2), (".U8", 1), (".S8", 1)):
+        if suffix in op:
+            return b
+    return 4
+
+
+def is_fp64(text: str) -> bool:
+    op = opcode(text)
+    return op.split(".")[0] in FP64_OPS or bool(FP64_CONV.match(op))
+
+
+def loops(insns: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first index, last index) of every backward branch's body."""
+    index = {a: i for i, (a, _) in enumerate(insns)}
+    found = []
+    for i, (addr, text) in enumerate(insns):
+        op = opcode(text)
+        if op.startswith("BRA"):
+            m = re.search(r"0x([0-9a-f]+)", text.split(op, 1)[1])
+            if m:
+                target = int(m.group(1), 16)
+                if target <= addr and target in index:
+                    found.append((index[target], i))
+    return found
+
+
+def regs_of(operand_text: str) -> set[int]:
+    return {int(r) for r in re.findall(r"\bR(\d+)\b", operand_text)}
+
+
+def in_flight_loads(body: list[str]) -> int:
+    """Global-load bytes issued before the first instruction that reads a register one of them wrote."""
+    written: set[int] = set()
+    issued = 0
+    for text in body:
+        t = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)
+        op = t.split()[0]
+        operands = t[len(op):]
+        parts = operands.split(",", 1)
+        srcs = parts[1] if len(parts) > 1 else ""
+        if is_global_load(op):
+            if regs_of(operands.split(",", 1)[-1]) & written:
+                break  # address depends on an earlier load
+            dst = re.match(r"\s*R(\d+)", parts[0])
+            nbytes = load_bytes(op)
+            if dst:
+                base = int(dst.group(1))
+                written |= set(range(base, base + max(1, nbytes // 4)))
+            issued += nbytes
+        elif regs_of(srcs if not op.startswith("ST") else operands) & written:
+            break
+    return issued
+
+
+def analyse(insns: list[tuple[int, str]], elem_bytes: int, dense: bool) -> dict | None:
+    """The steady-state loop of one accumulate kernel."""
+    best = None
+    for a, b in loops(insns):
+        body = [t for _, t in insns[a:b + 1]]
+        loads = [opcode(t) for t in body if is_global_load(opcode(t))]
+        if not loads:
+            continue
+        vec = [op for op in loads if load_bytes(op) == 16]
+        if dense and not vec:
+            continue
+        nbytes = sum(load_bytes(op) for op in (vec if dense else loads))
+        # innermost: the shortest body with the loads
+        if best is None or len(body) < len(best[0]):
+            best = (body, nbytes, len(loads))
+    if best is None:
+        return None
+    body, nbytes, nloads = best
+    elems = max(1, nbytes // elem_bytes)
+    n = len(body)
+    fp64 = sum(is_fp64(t) for t in body)
+    return dict(loop_insns=n, elems_per_iter=elems, insns_per_elem=n / elems, fp64_per_elem=fp64 / elems,
+                loads_per_elem=nloads / elems, in_flight_bytes_per_thread=in_flight_loads(body))
+
+
+def blocks_per_sm(arch: int, regs: int, smem: int) -> int:
+    lim = SM_LIMITS.get(arch, SM_LIMITS[80])
+    warps = THREADS // 32
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = lim["regs"] // (regs_per_warp * warps)
+    by_smem = lim["smem"] // (smem + SMEM_RESERVED)
+    by_threads = lim["threads"] // THREADS
+    return max(0, min(by_regs, by_smem, by_threads, lim["blocks"]))
+
+
+def bound_fraction(insns_per_elem: float, fp64_per_elem: float, elem_bytes: int) -> float:
+    clk = H100["sms"] * H100["clock_hz"]
+    rate = clk * H100["issue_per_sm_clk"] / insns_per_elem
+    if fp64_per_elem > 0:
+        rate = min(rate, clk * H100["fp64_per_sm_clk"] / fp64_per_elem)
+    return rate * elem_bytes / H100["hbm_bytes_s"]
+
+
+def parse_name(demangled: str) -> tuple[str, str] | None:
+    """(element type, label) of an accumulate kernel's demangled name."""
+    m = re.search(r"accumulate_kernel<([^>]*(?:<[^>]*>[^>]*)*)>", demangled)
+    if not m:
+        return None
+    args = [a.strip() for a in m.group(1).split(",")]
+    return args[0], ", ".join([SHORT.get(args[0], args[0])] + args[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="80,89,90")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    cuda_home = find_cuda_home()
+    if cuda_home is None:
+        raise SystemExit("bench_sass: no CUDA toolkit found (set CUDA_HOME)")
+    cuobjdump = find_tool("cuobjdump", cuda_home)
+    print(f"# toolkit {cuda_home}; bound: H100 SXM {H100['sms']} SMs x {H100['clock_hz'] / 1e9:.3f} GHz, "
+          f"{H100['issue_per_sm_clk']} thread-instructions/SM/clk, FP64 {H100['fp64_per_sm_clk']}/SM/clk, "
+          f"HBM {H100['hbm_bytes_s'] / 1e12:.2f} TB/s; {THREADS} threads per block")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in (int(a) for a in args.arch.split(",")):
+            cubin, log = build_cubin(arch, cuda_home, tmp)
+            info = ptxas_info(log)
+            funcs = sass_functions(cuobjdump, cubin)
+            names = demangle(list(funcs))
+            for mangled, insns in sorted(funcs.items(), key=lambda kv: names[kv[0]]):
+                parsed = parse_name(names[mangled])
+                if parsed is None:
+                    continue
+                dtype, label = parsed
+                elem = ELEM_BYTES.get(dtype, 4)
+                dense = "true" in label.split(", ")[-1] or "Dense" in label
+                loop = analyse(insns, elem, dense)
+                pi = info.get(mangled, dict(regs=0, spill_st=0, spill_ld=0, smem=0))
+                bps = blocks_per_sm(arch, pi["regs"], pi["smem"])
+                row = dict(arch=arch, kernel=label, dtype=SHORT.get(dtype, dtype), regs=pi["regs"],
+                           spill_bytes=pi["spill_st"] + pi["spill_ld"], smem=pi["smem"], blocks_per_sm=bps,
+                           total_insns=len(insns))
+                if loop:
+                    row.update(loop)
+                    row["in_flight_kb_per_sm"] = loop["in_flight_bytes_per_thread"] * THREADS * bps / 1024
+                    row["bound_of_hbm"] = bound_fraction(loop["insns_per_elem"], loop["fp64_per_elem"], elem)
+                results.append(row)
+    print(f"{'sm':>3} {'kernel':<34} {'insn/el':>7} {'fp64/el':>7} {'ld/el':>6} {'regs':>4} {'spill':>5} "
+          f"{'smem':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'bound':>6}")
+    for r in results:
+        if "insns_per_elem" in r:
+            print(f"{r['arch']:>3} {r['kernel']:<34} {r['insns_per_elem']:>7.1f} {r['fp64_per_elem']:>7.2f} "
+                  f"{r['loads_per_elem']:>6.3f} {r['regs']:>4} {r['spill_bytes']:>5} {r['smem']:>6} "
+                  f"{r['blocks_per_sm']:>6} {r['in_flight_kb_per_sm']:>9.1f} {r['bound_of_hbm']:>6.0%}")
+        else:
+            print(f"{r['arch']:>3} {r['kernel']:<34} {'(no loop found)':>23} {r['regs']:>4} {r['spill_bytes']:>5} "
+                  f"{r['smem']:>6} {r['blocks_per_sm']:>6}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(assumptions=H100, threads=THREADS, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
