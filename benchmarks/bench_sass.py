@@ -8,7 +8,9 @@ nvcc flags, then for every accumulate specialisation:
   the loop's global loads (the 16-byte vector loop for dense inputs, the
   element loop for strided ones), and counts per element: SASS instructions,
   FP64-pipe instructions (D*, and F2F/I2F/F2I to or from 64-bit floats) and
-  global loads; the body is divided by the elements its loads bring in;
+  global loads; the body is divided by the elements its loads bring in. ``br``
+  counts branches inside the body: with none the body is the executed path,
+  with some every path is counted (an upper bound);
 - reports registers, spills (ptxas), static shared memory, resident blocks of
   256 threads per SM, bytes of global loads in flight per SM (the loads issued
   before the first instruction that reads one of their results, times the
@@ -97,9 +99,9 @@ def find_tool(name: str, cuda_home: str) -> str:
 
 def build_cubin(arch: int, cuda_home: str, out_dir: str) -> tuple[str, str]:
     """Compile stats_launch.cu for sm_<arch>; returns (cubin path, ptxas -v log)."""
+    os.environ.setdefault("CUDA_HOME", cuda_home)
     from torch.utils import cpp_extension
 
-    sys.path.insert(0, ROOT)
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--fmad=false"]
     meta = os.path.join(ROOT, "hookcap", "_build_meta.json")
     if os.path.isfile(meta):
@@ -252,7 +254,10 @@ def analyse(insns: list[tuple[int, str]], elem_bytes: int, dense: bool) -> dict 
     elems = max(1, nbytes // elem_bytes)
     n = len(body)
     fp64 = sum(is_fp64(t) for t in body)
-    return dict(loop_insns=n, elems_per_iter=elems, insns_per_elem=n / elems, fp64_per_elem=fp64 / elems,
+    # Branches inside the body (besides the back edge): with none, the body is the executed path;
+    # with some, it counts every path and so overstates one element's cost.
+    branches = sum(opcode(t).startswith("BRA") for t in body[:-1])
+    return dict(loop_insns=n, branches=branches, elems_per_iter=elems, insns_per_elem=n / elems, fp64_per_elem=fp64 / elems,
                 loads_per_elem=nloads / elems, in_flight_bytes_per_thread=in_flight_loads(body))
 
 
@@ -280,7 +285,8 @@ def parse_name(demangled: str) -> tuple[str, str] | None:
     if not m:
         return None
     args = [a.strip() for a in m.group(1).split(",")]
-    return args[0], ", ".join([SHORT.get(args[0], args[0])] + args[1:])
+    words = {"true": "dense", "false": "strided"}
+    return args[0], " ".join([SHORT.get(args[0], args[0])] + [words.get(a, a) for a in args[1:]])
 
 
 def main() -> None:
@@ -308,7 +314,7 @@ def main() -> None:
                     continue
                 dtype, label = parsed
                 elem = ELEM_BYTES.get(dtype, 4)
-                dense = "true" in label.split(", ")[-1] or "Dense" in label
+                dense = "dense" in label.split()
                 loop = analyse(insns, elem, dense)
                 pi = info.get(mangled, dict(regs=0, spill_st=0, spill_ld=0, smem=0))
                 bps = blocks_per_sm(arch, pi["regs"], pi["smem"])
@@ -320,15 +326,15 @@ def main() -> None:
                     row["in_flight_kb_per_sm"] = loop["in_flight_bytes_per_thread"] * THREADS * bps / 1024
                     row["bound_of_hbm"] = bound_fraction(loop["insns_per_elem"], loop["fp64_per_elem"], elem)
                 results.append(row)
-    print(f"{'sm':>3} {'kernel':<34} {'insn/el':>7} {'fp64/el':>7} {'ld/el':>6} {'regs':>4} {'spill':>5} "
-          f"{'smem':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'bound':>6}")
+    print(f"{'sm':>3} {'kernel':<34} {'insn/el':>7} {'fp64/el':>7} {'ld/el':>6} {'br':>3} {'regs':>4} "
+          f"{'spill':>5} {'smem':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'bound':>6}")
     for r in results:
         if "insns_per_elem" in r:
             print(f"{r['arch']:>3} {r['kernel']:<34} {r['insns_per_elem']:>7.1f} {r['fp64_per_elem']:>7.2f} "
-                  f"{r['loads_per_elem']:>6.3f} {r['regs']:>4} {r['spill_bytes']:>5} {r['smem']:>6} "
+                  f"{r['loads_per_elem']:>6.3f} {r['branches']:>3} {r['regs']:>4} {r['spill_bytes']:>5} {r['smem']:>6} "
                   f"{r['blocks_per_sm']:>6} {r['in_flight_kb_per_sm']:>9.1f} {r['bound_of_hbm']:>6.0%}")
         else:
-            print(f"{r['arch']:>3} {r['kernel']:<34} {'(no loop found)':>23} {r['regs']:>4} {r['spill_bytes']:>5} "
+            print(f"{r['arch']:>3} {r['kernel']:<34} {'(no loop found)':>27} {r['regs']:>4} {r['spill_bytes']:>5} "
                   f"{r['smem']:>6} {r['blocks_per_sm']:>6}")
     if args.json:
         with open(args.json, "w") as f:
