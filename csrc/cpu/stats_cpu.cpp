@@ -91,43 +91,6 @@ HC_ALWAYS_INLINE work_t<T> load_work(const T* p) {
   }
 }
 
-// Whether a block's float moments can be trusted: no overflow, and no
-// squares lost to float underflow (|x - c| < 2**-63 gives subnormal squares)
-// unless every value equals the center (a constant block, s1 == 0: the
-// squares are truly zero). Tiny gradients and huge activations take the
-// double path instead, so they never come out silently wrong.
-template <typename V>
-HC_ALWAYS_INLINE bool float_sums_ok(V s1, V s2, V mn, V mx) {
-  if constexpr (std::is_same_v<V, double>) {
-    return true;
-  } else {
-    const V big = 3.0e38f;
-    const V tiny = 7.9e-31f;  // ~2**-100
-    const V a1 = s1 < 0 ? -s1 : s1;
-    return a1 <= big && s2 <= big && (s2 >= tiny || (mn == mx && s1 == 0));
-  }
-}
-
-// Shifted sums of a block are well conditioned when the shift lies within
-// two standard deviations of the block mean: (s1/n)^2 <= 4 * var.
-template <typename V>
-HC_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
-  const V m = s1 / static_cast<V>(n);
-  const V var = s2 / static_cast<V>(n) - m * m;
-  return m * m <= V(4) * var;
-}
-
-// Center for the next block, given this block's moments about c: zero when
-// the block is well conditioned about zero (|mean| <= 2 std, most activations
-// and gradients), so the loop needs no subtract; else c.
-template <typename V>
-HC_ALWAYS_INLINE V next_center(V c, V s1, V s2, int64_t n) {
-  const V m = s1 / static_cast<V>(n);
-  const V var = s2 / static_cast<V>(n) - m * m;
-  const V mean = c + m;
-  return mean * mean <= V(4) * var ? V(0) : c;
-}
-
 // Statistics of one block (n <= kBlock) in the working precision V: moments
 // about `center` (zero, or for data far from zero an earlier block's mean:
 // data drift slowly, so one pass is usually enough) plus extrema; the raw
@@ -370,12 +333,7 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     const V cap = V(8) * std::sqrt(ms);
     top = cap < top ? cap : top;  // NaN (rounding below 0) keeps the absmax
   }
-  const double m = static_cast<double>(n), dc = static_cast<double>(c);
-  double sum, sumsq, d1 = s1, d2 = s2;
-  moments_to_raw(d1, d2, m, dc, sum, sumsq);
-  shift_rebase(d1, d2, m, dc, shift);
-  const Acc blk{sum, sumsq, d1, d2, mn, mx, absmax_of(mn, mx), 0, 0, 0, nz};
-  acc_merge(acc, blk);
+  acc_add_run(acc, s1, s2, n, c, shift, mn, mx, nz);
   return kDefer ? head : 0;
 }
 

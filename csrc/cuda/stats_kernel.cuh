@@ -11,11 +11,13 @@
 #include "hookcap/stats_math.h"
 #include "hookcap/strided.h"
 
+#include <cmath>
+#include <type_traits>
+
 namespace hookcap {
 namespace kernels {
 
 constexpr int kWarpSize = 32;
-constexpr int kMaxBlock = 1024;
 // Histograms up to this many bins are counted in shared memory per block and
 // merged once; wider ones go straight to the ring with global atomics.
 constexpr int kSharedBins = 2048;
@@ -65,8 +67,22 @@ __device__ __forceinline__ void warp_reduce(Acc& a) {
     o.npinf = shfl_down(a.npinf, d);
     o.nninf = shfl_down(a.nninf, d);
     o.nzero = shfl_down(a.nzero, d);
+    o.nfin = shfl_down(a.nfin, d);
     acc_merge(a, o);
   }
+}
+
+// Rebase each lane's partial onto the shift of the warp's lowest lane that
+// has one (lanes without finite values have none); afterwards every lane has
+// that shift, or none if no lane had one.
+__device__ __forceinline__ void warp_common_shift(Acc& a, bool& has, double& shift) {
+  const unsigned mask = __ballot_sync(0xffffffffu, has);
+  if (mask == 0u) return;
+  const int src = __popc((mask & (0u - mask)) - 1u);  // lowest set lane
+  const double common = __shfl_sync(0xffffffffu, shift, src);
+  if (has) acc_rebase(a, shift, common);
+  shift = common;
+  has = true;
 }
 
 // 16-byte vector of elements for aligned loads.
@@ -76,127 +92,343 @@ struct alignas(16) Vec16 {
   T v[kN];
 };
 
-// One pass over x: moments, counts, extrema and histogram of every element,
-// merged into ring[state.slot, row]. Dense inputs (any permutation) are read
-// straight from storage with 16-byte loads; others through `desc`.
-// blockDim.x must be a multiple of 32 and at most kMaxBlock.
-template <typename T, bool kDense>
-__global__ void __launch_bounds__(kMaxBlock)
-    accumulate_kernel(const T* __restrict__ x, int64_t n, StridedDesc desc,
-                      RowTarget tgt, HistSpec hist) {
-  __shared__ double s_shift;
-  __shared__ Acc s_warp[kMaxBlock / kWarpSize];
-  __shared__ unsigned int s_hist[kSharedBins];
+// ---------------------------------------------------------------------------
+// accumulate: one specialisation per (element type, histogram mode, dense or
+// strided), chosen on the host (stats_launch.cu), so the hot loop holds one
+// path. Elements of 32 bits or fewer are worked in float (exact: every such
+// value is a float): each thread sums runs of up to kRunElems values about a
+// center in float and flushes each run to a double partial (acc_add_run); a
+// run holding NaN/Inf or leaving float's safe range (float_sums_ok) is redone
+// element by element in double. Float64 input works in double.
+// ---------------------------------------------------------------------------
+constexpr int kThreads = 256;  // every accumulate launch (stats_launch.cu)
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int kUnroll = 4;      // independent loads in flight per thread
+constexpr int kRunElems = 512;  // elements per thread between flushes to double
 
-  if (tgt.state[kStateEnabled] == 0) return;  // off-step: uniform early exit
+enum HistMode : int {
+  kModeNone = 0,
+  kModeLog2Exp = 1,  // log2 on float, lo_exp >= -126: count the exponent byte (per warp), map once
+  kModeLog2 = 2,     // log2 in shared memory (float64 input, or bins reaching float subnormals)
+  kModeLinear = 3,   // linear in shared memory; float: exact float thresholds, no divide
+  kModeWide = 4,     // more than kSharedBins bins: global atomics per element
+};
+
+// Which mode the host picks for a histogram and a working type.
+C10_HOST_DEVICE inline int hist_mode(const HistSpec& h, bool work_is_float) {
+  if (h.kind == kHistNone) return kModeNone;
+  if (h.nbins > kSharedBins) return kModeWide;
+  if (h.kind == kHistLog2) return work_is_float && h.lo_exp >= -126 ? kModeLog2Exp : kModeLog2;
+  return kModeLinear;
+}
+
+template <typename T>
+using work_t = std::conditional_t<sizeof(T) == sizeof(double), double, float>;
+
+// Shared memory of one block, by histogram mode.
+template <int kMode, typename W>
+struct HistSmem {};
+template <typename W>
+struct HistSmem<kModeLog2Exp, W> {
+  unsigned int tab[kWarps][256];  // per warp: counts by biased float exponent
+};
+template <typename W>
+struct HistSmem<kModeLog2, W> {
+  unsigned int bins[kSharedBins + 1];  // [0]: values not binned (NaN/Inf)
+};
+template <typename W>
+struct HistSmem<kModeLinear, W> {
+  unsigned int bins[kSharedBins + 1];  // [0]: values not binned (NaN/Inf)
+  float thr[sizeof(W) == sizeof(float) ? kSharedBins + 1 : 1];  // least float >= each edge
+};
+
+template <typename W>
+__device__ __forceinline__ W wmin(W a, W b) {
+  if constexpr (sizeof(W) == sizeof(float)) return fminf(a, b); else return fmin(a, b);
+}
+template <typename W>
+__device__ __forceinline__ W wmax(W a, W b) {
+  if constexpr (sizeof(W) == sizeof(float)) return fmaxf(a, b); else return fmax(a, b);
+}
+// s + d * d in one rounding (an explicit fma, whatever --fmad says).
+struct FmaSquare {
+  __device__ __forceinline__ float operator()(float s, float d) const { return fmaf(d, d, s); }
+  __device__ __forceinline__ double operator()(double s, double d) const { return fma(d, d, s); }
+};
+
+// Least float >= e (e finite or infinite): a value v (float) is >= e iff
+// v >= that float, so float compares give the double edges' bins exactly.
+__device__ __forceinline__ float float_at_or_above(double e) {
+  float f = static_cast<float>(e);
+  if (static_cast<double>(f) < e) f = nextafterf(f, kInf);
+  return f;
+}
+
+// The bin of a finite float through the thresholds (linear_bin's result).
+__device__ __forceinline__ int64_t linear_bin_thr(float v, const float* thr, float lo, float inv,
+                                                  int64_t bins) {
+  float q = (v - lo) * inv;  // an estimate; the thresholds decide
+  q = fminf(fmaxf(q, 0.0f), static_cast<float>(bins - 1));
+  int64_t i = static_cast<int64_t>(q);
+  while (i > 0 && v < thr[i]) --i;
+  while (i < bins - 1 && v >= thr[i + 1]) ++i;
+  return v < thr[0] ? 0 : (v >= thr[bins] ? bins + 1 : 1 + i);
+}
+
+template <typename T, int kMode, bool kDense>
+__global__ void __launch_bounds__(kThreads, 4)
+    accumulate_kernel(const T* __restrict__ x, int64_t n, StridedDesc desc, RowTarget tgt,
+                      HistSpec hist) {
+  using W = work_t<T>;
+  __shared__ HistSmem<kMode, W> sh;
+  __shared__ Acc s_warp[kWarps];
+  __shared__ int64_t s_shift[kWarps];  // each warp partial's shift (bits), or kShiftUnset
+
+  if (blockDim.x > kThreads) __trap();  // shared memory is sized for kThreads
+  const int64_t enabled = tgt.state[kStateEnabled];
   const int64_t slot = tgt.state[kStateSlot];
+  if (enabled == 0) return;  // off-step: uniform early exit
   if (slot < 0 || slot >= tgt.slots) return;  // corrupt state: never write out of bounds
   int64_t* row = tgt.ring + (slot * tgt.rows + tgt.row) * tgt.width;
   int64_t* hrow = row + kHeader;
-
   const int tid = threadIdx.x;
-  const bool use_hist = hist.kind != kHistNone;
-  const bool shared_hist = use_hist && hist.nbins <= kSharedBins;
-  if (shared_hist) {
-    for (int64_t b = tid; b < hist.nbins; b += blockDim.x) s_hist[b] = 0u;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+
+  if constexpr (kMode == kModeLog2Exp) {
+    for (int i = tid; i < kWarps * 256; i += blockDim.x) (&sh.tab[0][0])[i] = 0u;
+  } else if constexpr (kMode == kModeLog2 || kMode == kModeLinear) {
+    for (int64_t b = tid; b <= hist.nbins; b += blockDim.x) sh.bins[b] = 0u;
   }
-
-  auto load = [&](int64_t i) -> double {
-    return kDense ? load_double(x + i) : load_double(x + strided_offset(desc, i));
-  };
-
-  if (tid == 0) {
-    // First writer of the slot fixes the shift; every block of this launch
-    // computes the same candidate, later launches read the stored one.
-    // An empty tensor leaves the shift to the next writer.
-    const double cand = shift_candidate(load, n);
-    const unsigned long long old =
-        n == 0 ? 0ull
-               : atomicCAS(reinterpret_cast<unsigned long long*>(row + kShift),
-                           static_cast<unsigned long long>(kShiftUnset),
-                           static_cast<unsigned long long>(dbits(cand)));
-    s_shift = static_cast<int64_t>(old) == kShiftUnset
-                  ? cand
-                  : bitsd(static_cast<int64_t>(old));
-    if (blockIdx.x == 0) {
-      DeviceAtomics::add_i64(row + kCount, n);
-      DeviceAtomics::add_i64(row + kCalls, 1);
-    }
+  float lo_f = 0.0f, inv_f = 0.0f;
+  if constexpr (kMode == kModeLinear && sizeof(W) == sizeof(float)) {
+    for (int64_t i = tid; i <= hist.bins; i += blockDim.x) sh.thr[i] = float_at_or_above(linear_edge(hist, i));
+    lo_f = static_cast<float>(hist.lo);
+    inv_f = static_cast<float>(hist.inv_width);
   }
   __syncthreads();
-  const double shift = s_shift;
+  const int32_t lo_exp = static_cast<int32_t>(hist.lo_exp), hi_exp = static_cast<int32_t>(hist.hi_exp);
 
-  Acc acc;
-  acc_init(acc);
-  auto visit = [&](double v) {
-    acc_push(acc, v, shift);
-    if (use_hist) {
-      const int64_t b = hist_bin(v, hist);
-      if (b >= 0) {
-        if (shared_hist) {
-          atomicAdd(&s_hist[b], 1u);
-        } else {
-          DeviceAtomics::add_i64(hrow + b, 1);
-        }
+  // Every element is binned exactly once, here (runs redone in double are not).
+  auto bin = [&](W v) {
+    if constexpr (kMode == kModeLog2Exp) {
+      atomicAdd(&sh.tab[warp][(vbits(v) >> 23) & 0xff], 1u);
+    } else if constexpr (kMode == kModeLog2) {
+      atomicAdd(&sh.bins[1 + log2_bin(v, lo_exp, hi_exp)], 1u);
+    } else if constexpr (kMode == kModeLinear) {
+      const bool finite = (v < 0 ? -v : v) < static_cast<W>(kInf);
+      if constexpr (sizeof(W) == sizeof(float)) {
+        atomicAdd(&sh.bins[finite ? 1 + linear_bin_thr(v, sh.thr, lo_f, inv_f, hist.bins) : 0], 1u);
+      } else {
+        atomicAdd(&sh.bins[1 + linear_bin(v, hist)], 1u);
       }
+    } else if constexpr (kMode == kModeWide) {
+      const int64_t b = hist_bin(static_cast<double>(v), hist);
+      if (b >= 0) DeviceAtomics::add_i64(hrow + b, 1);
     }
   };
 
+  // The thread's partial, about its shift (its first run's center).
+  Acc acc;
+  acc_init(acc);
+  double shift = 0.0;
+  bool has_shift = false;
+  auto exact = [&](double v) {  // one value in double: NaN/Inf counted, any magnitude
+    if (!has_shift && (v < 0 ? -v : v) < kInf) {
+      shift = v;
+      has_shift = true;
+    }
+    acc_push(acc, v, shift);
+  };
+
+  // The thread's work: items gtid, gtid + gstride, ... of `count`, each kPer
+  // elements (a 16-byte vector, or one strided element).
+  constexpr int kPer = kDense ? Vec16<T>::kN : 1;
   const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + tid;
-  if (kDense) {
-    using V = Vec16<T>;
-    constexpr int kN = V::kN;
-    // Elements before the first 16-byte boundary, then whole vectors, then
-    // the tail. Element-misaligned pointers (odd byte offsets) are all head.
+  int64_t head = 0, count = n;  // dense: elements before the first 16-byte boundary
+  const T* body = x;
+  if constexpr (kDense) {
     const uintptr_t addr = reinterpret_cast<uintptr_t>(x);
-    int64_t head = n;
+    head = n;
     if (addr % sizeof(T) == 0) {
       const int64_t mis = static_cast<int64_t>((16 - addr % 16) % 16) / sizeof(T);
       head = mis < n ? mis : n;
     }
-    const int64_t nvec = (n - head) / kN;
-    for (int64_t i = gtid; i < head; i += gstride) visit(load_double(x + i));
-    const V* xv = reinterpret_cast<const V*>(x + head);
-    for (int64_t i = gtid; i < nvec; i += gstride) {
-      const V pack = xv[i];
+    count = (n - head) / kPer;
+    body = x + head;
+  }
+  auto load = [&](int64_t item, W (&out)[kPer]) {
+    if constexpr (kDense) {
+      const Vec16<T> p = reinterpret_cast<const Vec16<T>*>(body)[item];
 #pragma unroll
-      for (int k = 0; k < kN; ++k) visit(load_double(&pack.v[k]));
+      for (int k = 0; k < kPer; ++k) out[k] = static_cast<W>(p.v[k]);
+    } else {
+      out[0] = static_cast<W>(x[strided_offset(desc, item)]);
     }
+  };
+
+  const int64_t nitems = gtid < count ? (count - 1 - gtid) / gstride + 1 : 0;
+  constexpr int64_t kRunItems = (kRunElems / kPer / kUnroll) * kUnroll > 0
+                                    ? (kRunElems / kPer / kUnroll) * kUnroll : kUnroll;
+  W c = W(0);  // center of the next run
+  for (int64_t j0 = 0; j0 < nitems; j0 += kRunItems) {
+    const int64_t j1 = j0 + kRunItems < nitems ? j0 + kRunItems : nitems;
+    W s1 = 0, s2 = 0, mn = static_cast<W>(kInf), mx = static_cast<W>(-kInf);
+    unsigned int nz = 0;
+    auto push = [&](W v) {
+      const W d = v - c;
+      s1 += d;
+      s2 = FmaSquare{}(s2, d);
+      mn = wmin(mn, v);
+      mx = wmax(mx, v);
+      nz += v == W(0);
+      bin(v);
+    };
+    int64_t j = j0;
+    for (; j + kUnroll <= j1; j += kUnroll) {  // the steady-state loop
+      W v[kUnroll][kPer];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) load(gtid + (j + u) * gstride, v[u]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) push(v[u][k]);
+      }
+    }
+    for (; j < j1; ++j) {
+      W v[kPer];
+      load(gtid + j * gstride, v);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) push(v[k]);
+    }
+    const int64_t m = (j1 - j0) * kPer;
+    const bool finite = s2 - s2 == W(0);  // false iff a NaN/Inf (or an overflowing square)
+    if (finite && !shift_well_conditioned(s1, s2, m)) {
+      // Far from the center: again about this run's mean (rare; re-read from cache).
+      c = c + s1 / static_cast<W>(m);
+      s1 = s2 = 0;
+      for (int64_t i = j0; i < j1; ++i) {
+        W v[kPer];
+        load(gtid + i * gstride, v);
+        for (int k = 0; k < kPer; ++k) push_shifted(v[k], c, s1, s2, FmaSquare{});
+      }
+    }
+    if (finite && float_sums_ok(s1, s2, mn, mx)) {
+      if (!has_shift) {
+        shift = static_cast<double>(c);
+        has_shift = true;
+      }
+      acc_add_run(acc, s1, s2, m, c, shift, mn, mx, nz);
+      c = next_center(c, s1, s2, m);
+    } else {
+      for (int64_t i = j0; i < j1; ++i) {  // redone in double (the bins stand)
+        W v[kPer];
+        load(gtid + i * gstride, v);
+        for (int k = 0; k < kPer; ++k) exact(static_cast<double>(v[k]));
+      }
+    }
+  }
+  if constexpr (kDense) {
+    // The head (before the first 16-byte boundary; element-misaligned
+    // pointers are all head) and the tail (after the last whole vector).
+    const int64_t tail = head + count * kPer;
 #ifndef HOOKCAP_EMU_BREAK_INDEX  // fault injection for tests/cuda_emu only
-    for (int64_t i = head + nvec * kN + gtid; i < n; i += gstride) {
+    for (int64_t i = gtid; i < head + (n - tail); i += gstride) {
+      const W v = static_cast<W>(x[i < head ? i : tail + (i - head)]);
 #else
-    for (int64_t i = nvec * kN + gtid; i < n; i += gstride) {
+    for (int64_t i = gtid; i < head + (n - tail); i += gstride) {
+      const W v = static_cast<W>(x[i < head ? i : count * kPer + (i - head)]);
 #endif
-      visit(load_double(x + i));
+      bin(v);
+      exact(static_cast<double>(v));
     }
-  } else {
-    for (int64_t i = gtid; i < n; i += gstride) visit(load(i));
   }
 
-  // Block reduction: warps by shuffle, then warp 0 over the warp partials.
+  // Partials merge about one shift: within a warp its lowest lane's that has
+  // one, across warps warp 0's first such partial, and per row the first block
+  // to merge sets it (later blocks rebase onto it). No extra barrier.
+  warp_common_shift(acc, has_shift, shift);
   warp_reduce(acc);
-  const int warp = tid / kWarpSize;
-  const int lane = tid % kWarpSize;
-  if (lane == 0) s_warp[warp] = acc;
+  if (lane == 0) {
+    s_warp[warp] = acc;
+    s_shift[warp] = has_shift ? dbits(shift) : kShiftUnset;
+  }
 #ifndef HOOKCAP_EMU_BREAK_SYNC  // fault injection for tests/cuda_emu only
   __syncthreads();
 #endif
   if (warp == 0) {
     const int nwarps = blockDim.x / kWarpSize;
+    const bool mine = lane < nwarps && s_shift[lane] != kShiftUnset;
+    shift = mine ? bitsd(s_shift[lane]) : 0.0;
     if (lane < nwarps) {
       acc = s_warp[lane];
     } else {
       acc_init(acc);
     }
+    has_shift = mine;
+    warp_common_shift(acc, has_shift, shift);
     warp_reduce(acc);
-    if (lane == 0) row_merge<DeviceAtomics>(row, acc);
-  }
-  if (shared_hist) {
-    for (int64_t b = tid; b < hist.nbins; b += blockDim.x) {
-      const unsigned int c = s_hist[b];
-      if (c) DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(c));
+    if (lane == 0) {
+      if (has_shift) {
+        const auto old = static_cast<int64_t>(atomicCAS(
+            reinterpret_cast<unsigned long long*>(row + kShift),
+            static_cast<unsigned long long>(kShiftUnset), static_cast<unsigned long long>(dbits(shift))));
+        if (old != kShiftUnset) acc_rebase(acc, shift, bitsd(old));
+      }
+      if (blockIdx.x == 0) {
+        DeviceAtomics::add_i64(row + kCount, n);
+        DeviceAtomics::add_i64(row + kCalls, 1);
+      }
+      row_merge<DeviceAtomics>(row, acc);
+      if constexpr (kMode == kModeLog2Exp) {
+        // Exponent byte 0 holds the zeros (bin 0) and float subnormals,
+        // which lie below lo_exp >= -126 (the underflow bin 1).
+        unsigned int zero_or_sub = 0;
+        for (int w = 0; w < kWarps; ++w) zero_or_sub += sh.tab[w][0];
+        if (acc.nzero) DeviceAtomics::add_i64(hrow, acc.nzero);
+        if (zero_or_sub > acc.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - acc.nzero);
+      }
     }
+  }
+  if constexpr (kMode == kModeLog2Exp) {
+    // Exponent bytes 1..254 (finite normals) to their bins; 255 is NaN/Inf.
+    for (int e = 1 + tid; e < 255; e += blockDim.x) {
+      unsigned int cnt = 0;
+      for (int w = 0; w < kWarps; ++w) cnt += sh.tab[w][e];
+      if (cnt) {
+        const float v = bitsf(static_cast<int32_t>(e) << 23);
+        DeviceAtomics::add_i64(hrow + log2_bin(v, lo_exp, hi_exp), static_cast<int64_t>(cnt));
+      }
+    }
+  } else if constexpr (kMode == kModeLog2 || kMode == kModeLinear) {
+    for (int64_t b = tid; b < hist.nbins; b += blockDim.x) {
+      const unsigned int cnt = sh.bins[1 + b];
+      if (cnt) DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(cnt));
+    }
+  }
+}
+
+// The accumulate specialisation for an element type, a histogram and a read
+// (dense or strided), handed to `launch` (the CUDA launcher, or the emulation
+// harness) as a kernel pointer: both choose exactly alike.
+template <typename T, typename Launch>
+void dispatch_accumulate(bool dense, const HistSpec& h, Launch&& launch) {
+  const int mode = hist_mode(h, sizeof(work_t<T>) == sizeof(float));
+  auto pick = [&](auto mode_tag) {
+    constexpr int kMode = decltype(mode_tag)::value;
+    if (dense) {
+      launch(&accumulate_kernel<T, kMode, true>);
+    } else {
+      launch(&accumulate_kernel<T, kMode, false>);
+    }
+  };
+  switch (mode) {
+    case kModeNone: pick(std::integral_constant<int, kModeNone>{}); break;
+    case kModeLog2Exp: pick(std::integral_constant<int, kModeLog2Exp>{}); break;
+    case kModeLog2: pick(std::integral_constant<int, kModeLog2>{}); break;
+    case kModeLinear: pick(std::integral_constant<int, kModeLinear>{}); break;
+    default: pick(std::integral_constant<int, kModeWide>{}); break;
   }
 }
 

@@ -18,8 +18,9 @@
 namespace hookcap {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kernels::kThreads;
 constexpr int kBlocksPerSm = 4;
+constexpr int64_t kPerThread = 64;
 constexpr int kMaxDevices = 64;
 
 // Grid bound: a few resident blocks per SM; the grid-stride loop covers the
@@ -50,21 +51,19 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   const StridedDesc& d = plan.desc;
   const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), row,
                                ring.size(1), ring.size(2), ring.size(0)};
-  // Empty tensors still launch one block so count/calls are recorded on the
-  // device (the host never reads the enabled flag).
-  const int64_t want = (n + kThreads * 4 - 1) / (kThreads * 4);
+  // Each thread streams >= kPerThread elements of a large tensor (loads in
+  // flight, start-up amortised); small tensors use few blocks. Empty tensors
+  // still launch one block so count/calls are recorded on the device (the
+  // host never reads the enabled flag).
+  const int64_t want = (n + kThreads * kPerThread - 1) / (kThreads * kPerThread);
   const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(x.device().index())));
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x.scalar_type(),
       "hookcap_accumulate_cuda", [&] {
         const scalar_t* p = x.const_data_ptr<scalar_t>();
-        if (flat) {
-          kernels::accumulate_kernel<scalar_t, true>
-              <<<blocks, kThreads, 0, stream>>>(p, n, d, tgt, h);
-        } else {
-          kernels::accumulate_kernel<scalar_t, false>
-              <<<blocks, kThreads, 0, stream>>>(p, n, d, tgt, h);
-        }
+        kernels::dispatch_accumulate<scalar_t>(flat, h, [&](auto kernel) {
+          kernel<<<blocks, kThreads, 0, stream>>>(p, n, d, tgt, h);
+        });
       });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

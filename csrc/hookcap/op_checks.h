@@ -101,6 +101,7 @@ inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
     h.hi = hi;
     h.bins = bins;
     h.width = (hi - lo) / static_cast<double>(bins);
+    h.inv_width = 1.0 / h.width;
   }
   return h;
 }

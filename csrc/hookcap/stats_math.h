@@ -54,6 +54,7 @@ struct HistSpec {
   double hi;       // linear: range end
   int64_t bins;    // linear: equal-width bins between lo and hi
   double width;    // linear: (hi - lo) / bins
+  double inv_width;  // linear: 1 / width (an estimate's factor; edges decide the bin)
 };
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t dbits(double v) {
@@ -64,6 +65,12 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t dbits(double v) {
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE double bitsd(int64_t b) {
   double v;
+  memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE float bitsf(int32_t b) {
+  float v;
   memcpy(&v, &b, sizeof(v));
   return v;
 }
@@ -183,10 +190,10 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void shift_rebase(double& s1, double& s2, doub
   s1 += m * t;
 }
 
-// Per-thread / per-chunk partial.
+// Per-thread / per-chunk partial. nfin: finite values (the m of shift_rebase).
 struct Acc {
   double sum, sumsq, s1, s2, mn, mx, amx;
-  int64_t nnan, npinf, nninf, nzero;
+  int64_t nnan, npinf, nninf, nzero, nfin;
 };
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_init(Acc& a) {
@@ -197,12 +204,13 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_init(Acc& a) {
   a.mn = kInf;
   a.mx = -kInf;
   a.amx = -kInf;
-  a.nnan = a.npinf = a.nninf = a.nzero = 0;
+  a.nnan = a.npinf = a.nninf = a.nzero = a.nfin = 0;
 }
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_push(Acc& a, double v, double shift) {
   push_value(v, shift, a.sum, a.sumsq, a.s1, a.s2, a.mn, a.mx, a.amx, a.nnan, a.npinf,
              a.nninf, a.nzero);
+  a.nfin += (v < 0 ? -v : v) < kInf;
 }
 
 // Merge b into a. All partials of one row share the same shift, so shifted
@@ -219,6 +227,70 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_merge(Acc& a, const Acc& b) {
   a.npinf += b.npinf;
   a.nninf += b.nninf;
   a.nzero += b.nzero;
+  a.nfin += b.nfin;
+}
+
+// Move a partial's shifted sums from shift `from` to shift `to`.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_rebase(Acc& a, double from, double to) {
+  if (from != to) shift_rebase(a.s1, a.s2, static_cast<double>(a.nfin), from, to);
+}
+
+// ---------------------------------------------------------------------------
+// Float runs: inputs of 32 bits or fewer are summed in float about a center c
+// over a bounded run of m values (all finite), then flushed into a double
+// partial. Shared by the CPU loop (blocks of a chunk) and the CUDA kernel
+// (each thread's runs).
+// ---------------------------------------------------------------------------
+
+// Whether a run's float moments can be trusted: no overflow, and no squares
+// lost to float underflow (|x - c| < 2**-63 gives subnormal squares) unless
+// every value equals the center (a constant run, s1 == 0: the squares are
+// truly zero). Tiny gradients and huge activations take the double path
+// instead, so they never come out silently wrong. Always true for double.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_sums_ok(V s1, V s2, V mn, V mx) {
+  if constexpr (sizeof(V) == sizeof(double)) {
+    return true;
+  } else {
+    const V big = 3.0e38f;
+    const V tiny = 7.9e-31f;  // ~2**-100
+    const V a1 = s1 < 0 ? -s1 : s1;
+    return a1 <= big && s2 <= big && (s2 >= tiny || (mn == mx && s1 == 0));
+  }
+}
+
+// Shifted sums of a run are well conditioned when the shift lies within two
+// standard deviations of the run mean: (s1/n)^2 <= 4 * var.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
+  const V m = s1 / static_cast<V>(n);
+  const V var = s2 / static_cast<V>(n) - m * m;
+  return m * m <= V(4) * var;
+}
+
+// Center for the next run, given this run's moments about c: zero when the
+// run is well conditioned about zero (|mean| <= 2 std, most activations and
+// gradients), so the loop needs no subtract; else c.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE V next_center(V c, V s1, V s2, int64_t n) {
+  const V m = s1 / static_cast<V>(n);
+  const V var = s2 / static_cast<V>(n) - m * m;
+  const V mean = c + m;
+  return mean * mean <= V(4) * var ? V(0) : c;
+}
+
+// Add a run of m finite values, with moments s1, s2 about c, extrema mn <= mx
+// and nz zeros, to a partial whose shifted sums are about `shift`.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_add_run(Acc& acc, V s1, V s2, int64_t m, V c,
+                                                   double shift, V mn, V mx, int64_t nz) {
+  const double dm = static_cast<double>(m), dc = static_cast<double>(c);
+  double sum, sumsq, d1 = static_cast<double>(s1), d2 = static_cast<double>(s2);
+  moments_to_raw(d1, d2, dm, dc, sum, sumsq);
+  shift_rebase(d1, d2, dm, dc, shift);
+  const Acc run{sum, sumsq, d1, d2, static_cast<double>(mn), static_cast<double>(mx),
+                static_cast<double>(absmax_of(mn, mx)), 0, 0, 0, nz, m};
+  acc_merge(acc, run);
 }
 
 // Shift candidate: the median of the finite values among the first few

@@ -17,11 +17,9 @@ using hookcap::kernels::RowTarget;
 template <typename T>
 void accumulate(const T* x, int64_t n, bool dense, const StridedDesc& d, const RowTarget& tgt,
                 const HistSpec& h, dim3 grid, dim3 block) {
-  if (dense) {
-    emu::launch(hookcap::kernels::accumulate_kernel<T, true>, grid, block, 0, x, n, d, tgt, h);
-  } else {
-    emu::launch(hookcap::kernels::accumulate_kernel<T, false>, grid, block, 0, x, n, d, tgt, h);
-  }
+  hookcap::kernels::dispatch_accumulate<T>(dense, h, [&](auto kernel) {
+    emu::launch(kernel, grid, block, 0, x, n, d, tgt, h);
+  });
 }
 
 // reset_slot launches reset_rows_kernel over every row, as the launcher does.
