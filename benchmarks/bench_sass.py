@@ -27,8 +27,8 @@ the per-launch start-up, which the GPU benchmark measures.
 Usage: ``python benchmarks/bench_sass.py [--arch 80,89,90] [--json out.json]``
 (no GPU needed; needs nvcc and, for the SASS, nvdisasm from the toolkit or
 from triton's ``backends/nvidia/bin``). The steady-state loop is the innermost
-loop holding code of the source line marked ``// the steady-state loop`` in
-``csrc/cuda/stats_kernel.cuh``.
+of the loops holding code of the source line marked ``// the steady-state
+loop`` in ``csrc/cuda/stats_kernel.cuh``.
 """
 
 from __future__ import annotations
@@ -267,13 +267,18 @@ def in_flight_loads(body: list[str]) -> int:
 
 
 def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, marker: int | None) -> dict | None:
-    """The steady-state loop of one accumulate kernel: the innermost loop
-    (no loop inside) with an instruction from the marked source line, else
-    the innermost loop with the most loads."""
+    """The steady-state loop of one accumulate kernel: of the loops holding
+    code of the marked source line, one with no other such loop inside (the
+    longest if several: the fast path, not a redo loop the compiler also
+    tagged); without a marked loop, the innermost loop with the most loads."""
     best = None
     found = loops(insns)
-    inner = [(a, b) for a, b in found if not any((c, d) != (a, b) and a <= c and d <= b for c, d in found)]
-    for a, b in inner:
+    marked = [(a, b) for a, b in found if marker is not None and any(ln == marker for _, _, ln in insns[a:b + 1])]
+    if marked:
+        pool = [(a, b) for a, b in marked if not any((c, d) != (a, b) and a <= c and d <= b for c, d in marked)]
+    else:
+        pool = [(a, b) for a, b in found if not any((c, d) != (a, b) and a <= c and d <= b for c, d in found)]
+    for a, b in pool:
         body = [t for _, t, _ in insns[a:b + 1]]
         loads = [opcode(t) for t in body if is_global_load(opcode(t))]
         if not loads:
@@ -282,9 +287,7 @@ def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, mar
         if dense and not vec:
             continue
         nbytes = sum(load_bytes(op) for op in (vec if dense else loads))
-        marked = marker is not None and any(ln == marker for _, _, ln in insns[a:b + 1])
-        # among marked loops the longest: the fast path, not a redo loop the compiler also tagged
-        key = (not marked, -len(vec if dense else loads), -len(body) if marked else len(body))
+        key = (-len(vec if dense else loads), -len(body) if marked else len(body))
         if best is None or key < best[3]:
             best = (body, nbytes, len(loads), key)
     if best is None:

@@ -111,15 +111,25 @@ enum HistMode : int {
   kModeLog2Exp = 1,  // log2 on float, lo_exp >= -126: count the exponent byte (per warp), map once
   kModeLog2 = 2,     // log2 in shared memory (float64 input, or bins reaching float subnormals)
   kModeLinear = 3,   // linear in shared memory; float: exact float thresholds, no divide
-  kModeWide = 4,     // more than kSharedBins bins: global atomics per element
+  kModeWide = 4,     // more than kSharedBins bins, or linear bins finer than float resolves
+                     // near the range (linear_float_ok): global atomics per element
 };
+
+// Whether float arithmetic estimates a linear bin to within one bin for
+// every value in range: the error of (v - lo) * (1 / width) in float is below
+// (max(|lo|, |hi|) / width + bins) * 2**-22 bins (kept below 1/2 here).
+C10_HOST_DEVICE inline bool linear_float_ok(const HistSpec& h) {
+  const double m = (h.lo < 0 ? -h.lo : h.lo) > (h.hi < 0 ? -h.hi : h.hi) ? (h.lo < 0 ? -h.lo : h.lo)
+                                                                         : (h.hi < 0 ? -h.hi : h.hi);
+  return (m / h.width + static_cast<double>(h.bins)) * 0x1p-21 <= 0.5;
+}
 
 // Which mode the host picks for a histogram and a working type.
 C10_HOST_DEVICE inline int hist_mode(const HistSpec& h, bool work_is_float) {
   if (h.kind == kHistNone) return kModeNone;
   if (h.nbins > kSharedBins) return kModeWide;
   if (h.kind == kHistLog2) return work_is_float && h.lo_exp >= -126 ? kModeLog2Exp : kModeLog2;
-  return kModeLinear;
+  return !work_is_float || linear_float_ok(h) ? kModeLinear : kModeWide;
 }
 
 template <typename T>
@@ -164,14 +174,15 @@ __device__ __forceinline__ float float_at_or_above(double e) {
   return f;
 }
 
-// The bin of a finite float through the thresholds (linear_bin's result).
-__device__ __forceinline__ int64_t linear_bin_thr(float v, const float* thr, float lo, float inv,
-                                                  int64_t bins) {
-  float q = (v - lo) * inv;  // an estimate; the thresholds decide
+// The bin of a finite float through the thresholds (linear_bin's result):
+// a float estimate, then one exact correction each way (linear_float_ok).
+__device__ __forceinline__ int linear_bin_thr(float v, const float* thr, float lo, float inv,
+                                              int bins) {
+  float q = (v - lo) * inv;
   q = fminf(fmaxf(q, 0.0f), static_cast<float>(bins - 1));
-  int64_t i = static_cast<int64_t>(q);
-  while (i > 0 && v < thr[i]) --i;
-  while (i < bins - 1 && v >= thr[i + 1]) ++i;
+  int i = static_cast<int>(q);
+  i -= (i > 0) & (v < thr[i]);
+  i += (i < bins - 1) & (v >= thr[i + 1]);
   return v < thr[0] ? 0 : (v >= thr[bins] ? bins + 1 : 1 + i);
 }
 
@@ -201,6 +212,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     for (int64_t b = tid; b <= hist.nbins; b += blockDim.x) sh.bins[b] = 0u;
   }
   float lo_f = 0.0f, inv_f = 0.0f;
+  const int nbins_lin = static_cast<int>(hist.bins);
   if constexpr (kMode == kModeLinear && sizeof(W) == sizeof(float)) {
     for (int64_t i = tid; i <= hist.bins; i += blockDim.x) sh.thr[i] = float_at_or_above(linear_edge(hist, i));
     lo_f = static_cast<float>(hist.lo);
@@ -218,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     } else if constexpr (kMode == kModeLinear) {
       const bool finite = (v < 0 ? -v : v) < static_cast<W>(kInf);
       if constexpr (sizeof(W) == sizeof(float)) {
-        atomicAdd(&sh.bins[finite ? 1 + linear_bin_thr(v, sh.thr, lo_f, inv_f, hist.bins) : 0], 1u);
+        atomicAdd(&sh.bins[finite ? 1 + linear_bin_thr(v, sh.thr, lo_f, inv_f, nbins_lin) : 0], 1u);
       } else {
         atomicAdd(&sh.bins[1 + linear_bin(v, hist)], 1u);
       }
@@ -229,8 +241,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   };
 
   // The thread's partial, about its shift (its first run's center).
-  Acc acc;
-  acc_init(acc);
+  ThreadAcc<W> part;
+  thread_acc_init(part);
   double shift = 0.0;
   bool has_shift = false;
   auto exact = [&](double v) {  // one value in double: NaN/Inf counted, any magnitude
@@ -238,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       shift = v;
       has_shift = true;
     }
-    acc_push(acc, v, shift);
+    thread_acc_push(part, v, shift);
   };
 
   // The thread's work: items gtid, gtid + gstride, ... of `count`, each kPer
@@ -319,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 4)
         shift = static_cast<double>(c);
         has_shift = true;
       }
-      acc_add_run(acc, s1, s2, m, c, shift, mn, mx, nz);
+      thread_acc_add_run(part, s1, s2, m, c, shift, mn, mx, nz);
       c = next_center(c, s1, s2, m);
     } else {
       for (int64_t i = j0; i < j1; ++i) {  // redone in double (the bins stand)
@@ -348,6 +360,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   // Partials merge about one shift: within a warp its lowest lane's that has
   // one, across warps warp 0's first such partial, and per row the first block
   // to merge sets it (later blocks rebase onto it). No extra barrier.
+  Acc acc = to_acc(part, shift);
   warp_common_shift(acc, has_shift, shift);
   warp_reduce(acc);
   if (lane == 0) {
@@ -416,7 +429,9 @@ template <typename T, typename Launch>
 void dispatch_accumulate(bool dense, const HistSpec& h, Launch&& launch) {
   const int mode = hist_mode(h, sizeof(work_t<T>) == sizeof(float));
   auto pick = [&](auto mode_tag) {
-    constexpr int kMode = decltype(mode_tag)::value;
+    // Float64 never takes the exponent-byte mode (hist_mode): not instantiated.
+    constexpr int kMode = decltype(mode_tag)::value == kModeLog2Exp && sizeof(work_t<T>) != sizeof(float)
+                              ? kModeLog2 : decltype(mode_tag)::value;
     if (dense) {
       launch(&accumulate_kernel<T, kMode, true>);
     } else {

@@ -235,6 +235,79 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_rebase(Acc& a, double from, double to
   if (from != to) shift_rebase(a.s1, a.s2, static_cast<double>(a.nfin), from, to);
 }
 
+// A thread's partial in the CUDA kernel, kept small (registers): moments
+// about its shift only (the raw sums follow at the end, moments_to_raw),
+// extrema in the working type W (float for inputs of 32 bits or fewer: every
+// such value is a float), 32-bit counts (a thread sees far fewer than 2**32
+// elements). to_acc turns it into an Acc.
+template <typename W>
+struct ThreadAcc {
+  double s1, s2;
+  W mn, mx;
+  uint32_t nnan, npinf, nninf, nzero, nfin;
+};
+
+template <typename W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_init(ThreadAcc<W>& a) {
+  a.s1 = a.s2 = 0.0;
+  a.mn = static_cast<W>(kInf);
+  a.mx = static_cast<W>(-kInf);
+  a.nnan = a.npinf = a.nninf = a.nzero = a.nfin = 0;
+}
+
+// One value in double (a run redone exactly): classified, then its shifted
+// moments and extrema.
+template <typename W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_push(ThreadAcc<W>& a, double v, double shift) {
+  a.nnan += (v != v);
+  a.npinf += (v == kInf);
+  a.nninf += (v == -kInf);
+  const double av = v < 0 ? -v : v;
+  if (av < kInf) {
+    push_shifted(v, shift, a.s1, a.s2);
+    const W w = static_cast<W>(v);
+    push_minmax(w, a.mn, a.mx, a.nzero);
+    ++a.nfin;
+  }
+}
+
+// The Acc of a thread's partial whose moments are about `shift`.
+template <typename W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE Acc to_acc(const ThreadAcc<W>& t, double shift) {
+  Acc a;
+  acc_init(a);
+  if (t.nfin) {
+    moments_to_raw(t.s1, t.s2, static_cast<double>(t.nfin), shift, a.sum, a.sumsq);
+    a.s1 = t.s1;
+    a.s2 = t.s2;
+    a.mn = static_cast<double>(t.mn);
+    a.mx = static_cast<double>(t.mx);
+    a.amx = absmax_of(a.mn, a.mx);
+  }
+  a.nnan = t.nnan;
+  a.npinf = t.npinf;
+  a.nninf = t.nninf;
+  a.nzero = t.nzero;
+  a.nfin = t.nfin;
+  return a;
+}
+
+// Add a run of m finite values with moments s1, s2 about c (float sums) to a
+// thread's partial about `shift`.
+template <typename W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_add_run(ThreadAcc<W>& t, W s1, W s2, int64_t m,
+                                                          W c, double shift, W mn, W mx,
+                                                          uint32_t nz) {
+  double d1 = static_cast<double>(s1), d2 = static_cast<double>(s2);
+  shift_rebase(d1, d2, static_cast<double>(m), static_cast<double>(c), shift);
+  t.s1 += d1;
+  t.s2 += d2;
+  t.mn = mn < t.mn ? mn : t.mn;
+  t.mx = mx > t.mx ? mx : t.mx;
+  t.nzero += nz;
+  t.nfin += static_cast<uint32_t>(m);
+}
+
 // ---------------------------------------------------------------------------
 // Float runs: inputs of 32 bits or fewer are summed in float about a center c
 // over a bounded run of m values (all finite), then flushed into a double
