@@ -291,6 +291,8 @@ def test_blocks_larger_than_the_launchers_fault(emu):
 
 @pytest.mark.parametrize("h", [
     Histogram.log2(-10, 10),  # underflow and overflow bins in use
+    Histogram.log2(-140, 10),  # below float's normal range: log2_bin per element, not the exponent byte
+    Histogram.linear(1e6, 1e6 + 1.0, 100),  # bins finer than float resolves there: the wide mode
     Histogram.linear(-1e3, 1e3, 40),
     Histogram.linear(-2.0, 3.0, 2046),  # 2048 bins in all: the largest shared histogram
     Histogram.linear(-2.0, 3.0, 2047),  # 2049: global atomics, no shared histogram
@@ -370,6 +372,58 @@ def test_std_when_mean_dwarfs_spread(emu):
     ref = hookcap.reference.tensor_stats(flat, None)
     assert abs(got["std"] - ref["std"]) <= 1e-9 * ref["std"]
     check(ring[0, 0].numpy(), None, None, values=flat)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1e30, 1e-25])
+def test_float_runs_out_of_range_fall_back_to_double(emu, dtype, scale):
+    """Squares that overflow float (1e30) or underflow it (1e-25) fail
+    float_sums_ok: those runs are redone in double, so sumsq keeps double
+    precision instead of coming out Inf or 0."""
+    g = torch.Generator().manual_seed(21)
+    x = (torch.randn(5000, generator=g, dtype=torch.float64) * scale).to(dtype)
+    x[3000:] = x[3000:] / scale  # later runs stay in float
+    raw = run_emu(emu, x, LOG2, 3, THREADS)
+    got, ref = row_stats(raw, None), hookcap.reference.tensor_stats(x, None)
+    assert np.isfinite(got["sumsq"]) and got["sumsq"] > 0
+    assert abs(got["sumsq"] - ref["sumsq"]) <= 1e-5 * ref["sumsq"]
+    check(raw, x, LOG2, cpu_raw=run_cpu(x, LOG2))
+
+
+def test_nan_in_one_run_leaves_the_others_in_float(emu):
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(20000, generator=g)
+    x[7777] = float("nan")
+    x[123] = float("-inf")
+    raw = run_emu(emu, x, LOG2, 4, THREADS)
+    check(raw, x, LOG2, cpu_raw=run_cpu(x, LOG2))
+    assert raw[_layout.NAN] == 1 and raw[_layout.NEGINF] == 1
+
+
+def test_float_runs_far_from_their_center(emu):
+    """float32 with |mean| = 1e4 std: runs are re-summed about their mean, so
+    std stays accurate to float's resolution of the data."""
+    g = torch.Generator().manual_seed(23)
+    x = (torch.randn(20000, generator=g, dtype=torch.float64) + 1e4).float()
+    raw = run_emu(emu, x, None, 5, THREADS)
+    got, ref = row_stats(raw, None), hookcap.reference.tensor_stats(x, None)
+    assert abs(got["std"] - ref["std"]) <= 1e-4 * ref["std"]
+    check(raw, x, None, cpu_raw=run_cpu(x, None))
+
+
+@pytest.mark.parametrize("order,seed", [(0, 0), (1, 0), (2, 3)])
+def test_blocks_with_different_shifts_rebase_onto_one(emu, order, seed):
+    """Each block sums about its own threads' centers (here 0 and 1e6 apart);
+    whichever block merges first sets the row's shift, the others rebase."""
+    g = torch.Generator().manual_seed(24)
+    x = torch.randn(8192, generator=g, dtype=torch.float64)
+    x[4096:] += 1e6
+    emu.configure(order, seed)
+    raw = run_emu(emu, x, None, 4, 64)
+    got, ref = row_stats(raw, None), hookcap.reference.tensor_stats(x, None)
+    assert abs(got["std"] - ref["std"]) <= 1e-9 * ref["std"]
+    assert abs(got["mean"] - ref["mean"]) <= 1e-12 * abs(ref["mean"])
+    check(raw, x, None)
 
 
 @pytest.mark.parametrize("order,seed", [(1, 0), (2, 1), (2, 2)])
