@@ -73,7 +73,7 @@ class Drain:
                     if dropped is not None:
                         self._drop(dropped)
         for ring in rings:
-            ring.advance(self.config.every)
+            ring.advance(self.config.every, enabled, slot)
         return step, enabled, slot
 
     def watermark(self, current_step: int) -> int:

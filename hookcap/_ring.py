@@ -38,6 +38,11 @@ def next_host_state(step: int, slot: int, every: int, slots: int) -> tuple[int, 
     return step, enabled, (slot + 1) % slots if enabled else slot
 
 
+def copies_to_wait(pending, resets: bool, slot: int) -> list:
+    """The in-flight copies advance() must wait for: those of the slot it resets."""
+    return [p for p in pending if resets and p.slot == slot and p.event is not None]
+
+
 @dataclass
 class _Pending:
     step: int
@@ -185,7 +190,9 @@ class DeviceRing:
                     self._reset_for.clear()
                 self._reset_for.add(step)
 
-    def advance(self, every: int) -> None:
+    def advance(self, every: int, resets: bool, slot: int) -> None:
+        """Close the step on the device. ``resets``/``slot``: whether the step
+        it opens is recorded, and in which slot (the host's mirror of the state)."""
         if not self.is_cuda:
             st = self._state_view
             step, enabled, slot = next_host_state(int(st[0]), int(st[2]), every, self.slots)
@@ -196,8 +203,9 @@ class DeviceRing:
                 st[:] = (step, 1, slot)
                 return
         if self.is_cuda:
-            # The reset of a reused slot must not overtake its copy to the host.
+            # The reset of a reused slot must not overtake its copy to the host;
+            # copies of the other slots go on while the training stream runs.
             main = torch.cuda.current_stream(self.device)
-            for p in self.pending:
+            for p in copies_to_wait(self.pending, resets, slot):
                 main.wait_event(p.event)
         _ops.advance(self.ring, self.state, every)

@@ -188,3 +188,16 @@ def test_reset_rows_replaces_one_row_only():
     assert counts == [2, 7, 4] and row_stats(ring, 0, 1)["max"] == -1.0
     with pytest.raises(RuntimeError, match="out of range"):
         _ops.reset_rows(ring, st, 0, 4)
+
+
+def test_cuda_advance_waits_only_for_the_copy_of_the_slot_it_resets():
+    """advance() on a CUDA ring makes the training stream wait for an
+    in-flight host copy only when that copy's slot is the one it resets."""
+    from hookcap._ring import _Pending, copies_to_wait
+
+    pending = [_Pending(step=s, slot=s % 4, nrows=1, host=None, event=object()) for s in (5, 6, 7)]
+    assert [p.step for p in copies_to_wait(pending, True, 1)] == [5]
+    assert copies_to_wait(pending, True, 0) == []  # nothing in flight for slot 0
+    assert copies_to_wait(pending, False, 1) == []  # an off-step resets nothing
+    done = _Pending(step=9, slot=1, nrows=1, host=None)  # a CPU entry: no copy
+    assert copies_to_wait([done], True, 1) == []
