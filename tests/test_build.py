@@ -1,11 +1,14 @@
 """Build metadata, the torch-version guard and registered dispatch keys."""
 
+from pathlib import Path
 
 import pytest
 import torch
 
 import hookcap
 from hookcap import _build
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_build_info_keys():
@@ -35,3 +38,15 @@ def test_dispatch_keys_registered(op):
     assert "CPU:" in dump and "Meta:" in dump
     if hookcap.build_info()["cuda"]:
         assert "CUDA:" in dump
+
+
+def test_cuda_launches_go_through_the_checked_launcher():
+    """Every kernel launch in stats_launch.cu uses launch() (cudaLaunchKernel
+    and its own error), never <<<>>> followed by cudaGetLastError, which would
+    clear or claim another library's pending error."""
+    src = (ROOT / "csrc" / "cuda" / "stats_launch.cu").read_text()
+    code = "\n".join(line.split("//")[0] for line in src.splitlines())
+    assert "<<<" not in code
+    assert "C10_CUDA_KERNEL_LAUNCH_CHECK" not in code
+    assert code.count("cudaGetLastError") == 1  # only after a failed launch of ours
+    assert code.count("launch(\"hookcap.") == 4  # accumulate, reset_rows, advance, time_mark

@@ -216,3 +216,34 @@ def test_cuda_timing_is_stream_ordered_and_matches_events():
     assert sum(fwd) <= start.elapsed_time(end) * 1.05 + 0.05
     assert sum(fwd) >= 0.5 * start.elapsed_time(end)
     mon.detach()
+
+
+def test_a_pending_error_of_another_library_survives_hookcap_launches():
+    """Launches go through cudaLaunchKernel, which returns their own error:
+    an error another library left pending (here: cudaSetDevice on a device
+    that does not exist) is neither cleared nor reported as hookcap's."""
+    import ctypes
+    import ctypes.util
+
+    names = ["libcudart.so", ctypes.util.find_library("cudart")]
+    names += [f"libcudart.so.{v}" for v in (13, 12, 11)]
+    rt = None
+    for name in filter(None, names):
+        try:
+            rt = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    if rt is None:
+        pytest.skip("libcudart not loadable by name")
+    ring = torch.zeros((1, 1, _layout.HEADER), dtype=torch.int64, device="cuda")
+    state = new_state("cuda")
+    torch.cuda.synchronize()
+    assert rt.cudaSetDevice(ctypes.c_int(10_000)) != 0
+    pending = rt.cudaPeekAtLastError()
+    assert pending != 0
+    _ops.accumulate(torch.ones(1000, device="cuda"), ring, state, 0, *hookcap.histogram.NO_HIST_ARGS)
+    _ops.advance(ring, state, 1)
+    assert rt.cudaPeekAtLastError() == pending  # still there, for its owner
+    assert rt.cudaGetLastError() == pending
+    torch.cuda.synchronize()

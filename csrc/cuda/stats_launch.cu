@@ -10,6 +10,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <cuda/ptx>
 
 #include "cuda/stats_kernel.cuh"
@@ -34,6 +37,26 @@ int64_t max_blocks(int device) {
     sms[device] = std::max(v, 1);
   }
   return static_cast<int64_t>(sms[device]) * kBlocksPerSm;
+}
+
+// Launch through cudaLaunchKernel, which returns this launch's own error: a
+// failed launch is reported (and only its error cleared), while an error
+// another library left pending stays for its owner. The usual check
+// (cudaGetLastError after <<<>>>) would clear, or report as ours, theirs.
+template <typename... P, typename... A>
+void launch(const char* what, void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream,
+            A&&... args) {
+  std::tuple<std::decay_t<P>...> vals(std::forward<A>(args)...);
+  const cudaError_t err = std::apply(
+      [&](auto&... v) {
+        void* ptrs[] = {static_cast<void*>(&v)...};
+        return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, block, ptrs, 0, stream);
+      },
+      vals);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // ours: this launch's
+    TORCH_CHECK(false, "hookcap: launching ", what, " failed: ", cudaGetErrorString(err));
+  }
 }
 
 void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
@@ -62,10 +85,9 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
       "hookcap_accumulate_cuda", [&] {
         const scalar_t* p = x.const_data_ptr<scalar_t>();
         kernels::dispatch_accumulate<scalar_t>(flat, h, [&](auto kernel) {
-          kernel<<<blocks, kThreads, 0, stream>>>(p, n, d, tgt, h);
+          launch("hookcap.accumulate", kernel, dim3(blocks), dim3(kThreads), stream, p, n, d, tgt, h);
         });
       });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
@@ -74,10 +96,9 @@ void launch_reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin,
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
   const int64_t total = (end - begin) * ring.size(2);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 1024));
-  kernels::reset_rows_kernel<<<blocks, kThreads, 0, stream>>>(
-      ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
-      ring.size(2), begin, end);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch("hookcap.reset_rows", &kernels::reset_rows_kernel, dim3(blocks), dim3(kThreads), stream,
+         ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
+         ring.size(2), begin, end);
 }
 
 void reset_slot_cuda(at::Tensor& ring, const at::Tensor& state) {
@@ -95,10 +116,9 @@ void advance_cuda(at::Tensor& ring, at::Tensor& state, int64_t every) {
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  kernels::advance_kernel<<<1, 1024, 0, stream>>>(ring.data_ptr<int64_t>(),
-                                                  state.data_ptr<int64_t>(), ring.size(0),
-                                                  ring.size(1), ring.size(2), every);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch("hookcap.advance", &kernels::advance_kernel, dim3(1), dim3(1024), stream,
+         ring.data_ptr<int64_t>(), state.data_ptr<int64_t>(), ring.size(0), ring.size(1),
+         ring.size(2), every);
 }
 
 // Device clock, stream-ordered: %globaltimer (ns) read by one thread when the
@@ -119,10 +139,8 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   check_time_mark(ring, state, row, phase);
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  time_mark_kernel<<<1, 1, 0, stream>>>(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
-                                        ring.size(0), ring.size(1), ring.size(2), row, phase,
-                                        start);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch("hookcap.time_mark", &time_mark_kernel, dim3(1), dim3(1), stream, ring.data_ptr<int64_t>(),
+         state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2), row, phase, start);
 }
 
 }  // namespace
