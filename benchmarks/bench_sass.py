@@ -1,12 +1,13 @@
 """Static cost of hookcap's CUDA accumulate kernels, read from their SASS.
 
 Builds ``csrc/cuda/stats_launch.cu`` (the shipped launcher, so exactly the
-shipped specialisations) to a cubin for each architecture with the build's
-nvcc flags, then for every accumulate specialisation:
+shipped specialisations) to a cubin for each architecture with the toolkit,
+nvcc flags and C++ ABI of hookcap's own build (``hookcap/_build_meta.json``),
+then for every accumulate specialisation:
 
-- finds its steady-state loop: of the innermost loops (backward branches with
-  no loop inside), the one with the most global loads (the unrolled 16-byte
-  vector loop for dense inputs, the element loop for strided ones), and counts per element: SASS instructions,
+- finds its steady-state loop (the innermost of the loops holding code of the
+  source line marked ``// the steady-state loop`` in
+  ``csrc/cuda/stats_kernel.cuh``), and counts per element: SASS instructions,
   FP64-pipe instructions (D*, and F2F/I2F/F2I to or from 64-bit floats) and
   global loads; the body is divided by the elements its loads bring in. ``br``
   counts branches inside the body: with none the body is the executed path,
@@ -25,22 +26,18 @@ the element size; it ignores memory latency, shared-memory atomic conflicts and
 the per-launch start-up, which the GPU benchmark measures.
 
 Usage: ``python benchmarks/bench_sass.py [--arch 80,89,90] [--json out.json]``
-(no GPU needed; needs nvcc and, for the SASS, nvdisasm from the toolkit or
-from triton's ``backends/nvidia/bin``). The steady-state loop is the innermost
-of the loops holding code of the source line marked ``// the steady-state
-loop`` in ``csrc/cuda/stats_kernel.cuh``.
+(no GPU needed; needs hookcap built with CUDA and, for the SASS, nvdisasm from
+the toolkit or from triton's ``backends/nvidia/bin``).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,24 +62,16 @@ FP64_OPS = ("DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DSET", "DMMA")
 FP64_CONV = re.compile(r"^(F2F|I2F|F2I|F2IP|I2FP)\.[^ ]*(F64)")
 
 
-def find_cuda_home() -> str | None:
-    def ok(p):
-        return bool(p) and os.path.isfile(os.path.join(p, "bin", "nvcc"))
-
-    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        real = os.path.realpath(nvcc)
-        try:
-            with open(real, "rb") as f:
-                head = f.read(4096)
-            if head.startswith(b"#!"):  # a wrapper script naming the real toolkit
-                cands += [m.decode() for m in re.findall(rb"(/[^\s\"']+)/bin/nvcc", head)]
-        except OSError:
-            pass
-        cands.append(os.path.dirname(os.path.dirname(real)))
-    cands += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
-    return next((c for c in cands if ok(c)), None)
+def build_meta() -> dict:
+    """The build's choices (toolkit, nvcc flags, C++ ABI) from hookcap/_build_meta.json."""
+    path = os.path.join(ROOT, "hookcap", "_build_meta.json")
+    if not os.path.isfile(path):
+        raise SystemExit("bench_sass: build hookcap first (python setup.py build_ext --inplace)")
+    with open(path) as f:
+        meta = json.load(f)
+    if not meta.get("cuda") or not meta.get("cuda_home"):
+        raise SystemExit(f"bench_sass: hookcap was built without CUDA ({meta.get('cuda_reason')})")
+    return meta
 
 
 def find_tool(name: str, cuda_home: str) -> str:
@@ -99,23 +88,16 @@ def find_tool(name: str, cuda_home: str) -> str:
     raise SystemExit(f"bench_sass: {name} not found (looked in {cands})")
 
 
-def build_cubin(arch: int, cuda_home: str, out_dir: str) -> tuple[str, str]:
-    """Compile stats_launch.cu for sm_<arch>; returns (cubin path, ptxas -v log)."""
+def build_cubin(arch: int, meta: dict, out_dir: str) -> tuple[str, str]:
+    """Compile stats_launch.cu for sm_<arch> as the build did; returns (cubin path, ptxas -v log)."""
+    cuda_home = meta["cuda_home"]
     os.environ.setdefault("CUDA_HOME", cuda_home)
     from torch.utils import cpp_extension
 
-    nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--fmad=false"]
-    meta = os.path.join(ROOT, "hookcap", "_build_meta.json")
-    if os.path.isfile(meta):
-        with open(meta) as f:
-            nvcc_flags = json.load(f).get("nvcc_flags") or nvcc_flags
     incs = [os.path.join(ROOT, "csrc")] + cpp_extension.include_paths(device_type="cuda")
     cubin = os.path.join(out_dir, f"stats_sm{arch}.cubin")
-    import torch
-
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [os.path.join(cuda_home, "bin", "nvcc"), "-cubin", f"-arch=sm_{arch}", *nvcc_flags,
-           "-Xptxas", "-v", "-DHOOKCAP_WITH_CUDA=1", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    cmd = [os.path.join(cuda_home, "bin", "nvcc"), "-cubin", f"-arch=sm_{arch}", *meta["nvcc_flags"],
+           "-Xptxas", "-v", "-DHOOKCAP_WITH_CUDA=1", f"-D_GLIBCXX_USE_CXX11_ABI={meta['cxx_abi']}",
            "-DTORCH_EXTENSION_NAME=_C", *[f"-I{i}" for i in incs],
            os.path.join(ROOT, "csrc", "cuda", "stats_launch.cu"), "-o", cubin]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -337,9 +319,8 @@ def main() -> None:
     ap.add_argument("--arch", default="80,89,90")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    cuda_home = find_cuda_home()
-    if cuda_home is None:
-        raise SystemExit("bench_sass: no CUDA toolkit found (set CUDA_HOME)")
+    meta = build_meta()
+    cuda_home = meta["cuda_home"]
     nvdisasm = find_tool("nvdisasm", cuda_home)
     marker = marker_line()
     print(f"# toolkit {cuda_home}; bound: H100 SXM {H100['sms']} SMs x {H100['clock_hz'] / 1e9:.3f} GHz, "
@@ -348,7 +329,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in (int(a) for a in args.arch.split(",")):
-            cubin, log = build_cubin(arch, cuda_home, tmp)
+            cubin, log = build_cubin(arch, meta, tmp)
             info = ptxas_info(log)
             funcs = sass_functions(nvdisasm, cubin)
             names = demangle(list(funcs))

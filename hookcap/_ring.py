@@ -193,19 +193,20 @@ class DeviceRing:
     def advance(self, every: int, resets: bool, slot: int) -> None:
         """Close the step on the device. ``resets``/``slot``: whether the step
         it opens is recorded, and in which slot (the host's mirror of the state)."""
-        if not self.is_cuda:
-            st = self._state_view
-            step, enabled, slot = next_host_state(int(st[0]), int(st[2]), every, self.slots)
-            if enabled and step in self._reset_for:
-                # Every row of the slot is already reset for `step` (reset_read, and
-                # no write since): the op would only move the state.
-                self._reset_for.discard(step)
-                st[:] = (step, 1, slot)
-                return
         if self.is_cuda:
             # The reset of a reused slot must not overtake its copy to the host;
             # copies of the other slots go on while the training stream runs.
             main = torch.cuda.current_stream(self.device)
             for p in copies_to_wait(self.pending, resets, slot):
                 main.wait_event(p.event)
+        else:
+            # The state the op would compute, from the CPU state itself.
+            st = self._state_view
+            nstep, nenabled, nslot = next_host_state(int(st[0]), int(st[2]), every, self.slots)
+            if nenabled and nstep in self._reset_for:
+                # Every row of the slot is already reset for nstep (reset_read, and
+                # no write since): the op would only move the state.
+                self._reset_for.discard(nstep)
+                st[:] = (nstep, 1, nslot)
+                return
         _ops.advance(self.ring, self.state, every)

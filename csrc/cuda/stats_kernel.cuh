@@ -97,7 +97,7 @@ struct alignas(16) Vec16 {
 // strided), chosen on the host (stats_launch.cu), so the hot loop holds one
 // path. Elements of 32 bits or fewer are worked in float (exact: every such
 // value is a float): each thread sums runs of up to kRunElems values about a
-// center in float and flushes each run to a double partial (acc_add_run); a
+// center in float and flushes each run to a double partial (thread_acc_add_run); a
 // run holding NaN/Inf or leaving float's safe range (float_sums_ok) is redone
 // element by element in double. Float64 input works in double.
 // ---------------------------------------------------------------------------
@@ -119,8 +119,8 @@ enum HistMode : int {
 // every value in range: the error of (v - lo) * (1 / width) in float is below
 // (max(|lo|, |hi|) / width + bins) * 2**-22 bins (kept below 1/2 here).
 C10_HOST_DEVICE inline bool linear_float_ok(const HistSpec& h) {
-  const double m = (h.lo < 0 ? -h.lo : h.lo) > (h.hi < 0 ? -h.hi : h.hi) ? (h.lo < 0 ? -h.lo : h.lo)
-                                                                         : (h.hi < 0 ? -h.hi : h.hi);
+  const double alo = h.lo < 0 ? -h.lo : h.lo, ahi = h.hi < 0 ? -h.hi : h.hi;
+  const double m = alo > ahi ? alo : ahi;
   return (m / h.width + static_cast<double>(h.bins)) * 0x1p-21 <= 0.5;
 }
 
@@ -152,6 +152,8 @@ struct HistSmem<kModeLinear, W> {
   float thr[sizeof(W) == sizeof(float) ? kSharedBins + 1 : 1];  // least float >= each edge
 };
 
+// fminf/fmaxf (one instruction each) rather than push_min_max's compare and
+// select: the same result here, where a NaN makes the whole run be redone.
 template <typename W>
 __device__ __forceinline__ W wmin(W a, W b) {
   if constexpr (sizeof(W) == sizeof(float)) return fminf(a, b); else return fmin(a, b);
@@ -280,6 +282,16 @@ __global__ void __launch_bounds__(kThreads, 4)
     }
   };
 
+  // f(v) for every element of the thread's items [i0, i1), one item at a time.
+  auto revisit = [&](int64_t i0, int64_t i1, auto&& f) {
+    for (int64_t i = i0; i < i1; ++i) {
+      W v[kPer];
+      load(gtid + i * gstride, v);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) f(v[k]);
+    }
+  };
+
   const int64_t nitems = gtid < count ? (count - 1 - gtid) / gstride + 1 : 0;
   constexpr int64_t kRunItems = (kRunElems / kPer / kUnroll) * kUnroll > 0
                                     ? (kRunElems / kPer / kUnroll) * kUnroll : kUnroll;
@@ -308,23 +320,14 @@ __global__ void __launch_bounds__(kThreads, 4)
         for (int k = 0; k < kPer; ++k) push(v[u][k]);
       }
     }
-    for (; j < j1; ++j) {
-      W v[kPer];
-      load(gtid + j * gstride, v);
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) push(v[k]);
-    }
+    revisit(j, j1, push);  // the last items, fewer than kUnroll
     const int64_t m = (j1 - j0) * kPer;
     const bool finite = s2 - s2 == W(0);  // false iff a NaN/Inf (or an overflowing square)
     if (finite && !shift_well_conditioned(s1, s2, m)) {
       // Far from the center: again about this run's mean (rare; re-read from cache).
       c = c + s1 / static_cast<W>(m);
       s1 = s2 = 0;
-      for (int64_t i = j0; i < j1; ++i) {
-        W v[kPer];
-        load(gtid + i * gstride, v);
-        for (int k = 0; k < kPer; ++k) push_shifted(v[k], c, s1, s2, FmaSquare{});
-      }
+      revisit(j0, j1, [&](W v) { push_shifted(v, c, s1, s2, FmaSquare{}); });
     }
     if (finite && float_sums_ok(s1, s2, mn, mx)) {
       if (!has_shift) {
@@ -334,11 +337,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       thread_acc_add_run(part, s1, s2, m, c, shift, mn, mx, nz);
       c = next_center(c, s1, s2, m);
     } else {
-      for (int64_t i = j0; i < j1; ++i) {  // redone in double (the bins stand)
-        W v[kPer];
-        load(gtid + i * gstride, v);
-        for (int k = 0; k < kPer; ++k) exact(static_cast<double>(v[k]));
-      }
+      revisit(j0, j1, [&](W v) { exact(static_cast<double>(v)); });  // in double (the bins stand)
     }
   }
   if constexpr (kDense) {

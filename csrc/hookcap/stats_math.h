@@ -169,16 +169,24 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void moments_to_raw(double s1, double s2, doub
   sumsq = s2 + 2.0 * c * s1 + m * c * c;
 }
 
-// Any value: classify NaN/+Inf/-Inf, then accumulate finite values.
-template <typename D, typename C>
-C10_HOST_DEVICE C10_ALWAYS_INLINE void push_value(double v, double shift, D& sum, D& sumsq,
-                                                  D& s1, D& s2, D& mn, D& mx, D& amx,
-                                                  C& nnan, C& npinf, C& nninf, C& nzero) {
+// Count v if it is NaN, +Inf or -Inf; returns whether it is finite.
+template <typename C>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool push_class(double v, C& nnan, C& npinf, C& nninf) {
   nnan += (v != v);
   npinf += (v == kInf);
   nninf += (v == -kInf);
-  const double a = v < 0 ? -v : v;  // NaN stays NaN
-  if (a < kInf) push_finite<double>(v, shift, sum, sumsq, s1, s2, mn, mx, amx, nzero);
+  return (v < 0 ? -v : v) < kInf;  // NaN stays NaN: false
+}
+
+// Any value: classify NaN/+Inf/-Inf, then accumulate finite values. Returns
+// whether v was finite.
+template <typename D, typename C>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool push_value(double v, double shift, D& sum, D& sumsq,
+                                                  D& s1, D& s2, D& mn, D& mx, D& amx,
+                                                  C& nnan, C& npinf, C& nninf, C& nzero) {
+  const bool finite = push_class(v, nnan, npinf, nninf);
+  if (finite) push_finite<double>(v, shift, sum, sumsq, s1, s2, mn, mx, amx, nzero);
+  return finite;
 }
 
 // Re-express shifted sums of m values from shift `from` to shift `to`:
@@ -208,9 +216,8 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_init(Acc& a) {
 }
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_push(Acc& a, double v, double shift) {
-  push_value(v, shift, a.sum, a.sumsq, a.s1, a.s2, a.mn, a.mx, a.amx, a.nnan, a.npinf,
-             a.nninf, a.nzero);
-  a.nfin += (v < 0 ? -v : v) < kInf;
+  a.nfin += push_value(v, shift, a.sum, a.sumsq, a.s1, a.s2, a.mn, a.mx, a.amx, a.nnan, a.npinf,
+                       a.nninf, a.nzero);
 }
 
 // Merge b into a. All partials of one row share the same shift, so shifted
@@ -259,11 +266,7 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_init(ThreadAcc<W>& a) {
 // moments and extrema.
 template <typename W>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_push(ThreadAcc<W>& a, double v, double shift) {
-  a.nnan += (v != v);
-  a.npinf += (v == kInf);
-  a.nninf += (v == -kInf);
-  const double av = v < 0 ? -v : v;
-  if (av < kInf) {
+  if (push_class(v, a.nnan, a.npinf, a.nninf)) {
     push_shifted(v, shift, a.s1, a.s2);
     const W w = static_cast<W>(v);
     push_minmax(w, a.mn, a.mx, a.nzero);
