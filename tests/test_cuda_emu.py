@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.cpp_extension as cpp_ext
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import abs_sum, assert_stats_match
 
 import hookcap
@@ -257,7 +259,7 @@ def test_dense_matches_reference_and_cpu(emu, dtype, n, offset, grid, block):
     grid = launcher_grid(n) if grid is None else grid
     for h in (LOG2, Histogram.linear(-3.0, 5.0, 13)):
         ring = new_ring(1, 1, h)
-        assert emu_accumulate(emu, x, ring, torch.tensor([0, 1, 0]), 0, h, grid, block)  # dense
+        assert emu_accumulate(emu, x, ring, torch.tensor([0, 1, 0]), 0, h, grid, block)[0]  # dense
         check(ring[0, 0].numpy(), x, h, cpu_raw=run_cpu(x, h))
 
 
@@ -311,24 +313,84 @@ def test_linear_histogram_values_on_edges(emu):
     check(run_emu(emu, x, h, 2, 128), x, h, cpu_raw=run_cpu(x, h))
 
 
-def test_strided_inputs_take_the_strided_kernel(emu):
+def test_strided_views_read_through_the_host_plan(emu):
+    """Each view's plan (flat?, multiplicity, walked dims, reads) and its
+    statistics against the float64 reference and the CPU op."""
     base = sample(90 * 70, torch.float32, 8).reshape(90, 70)
-    views = [
-        base.t()[3:, ::2],  # transposed, then sliced
-        base[::3, 5:41],
-        base[:, 1],
-        base[:1].expand(50, 70),  # stride 0
-        torch.tensor(-3.5).expand(40, 30),  # every stride 0
-        base.reshape(-1)[1:][::7].reshape(-1, 1).expand(-1, 3),
+    cube = sample(6 * 7 * 8, torch.float32, 9).reshape(6, 7, 8)
+    views = [  # (view, flat, mult, walked dims)
+        (base.t()[3:, ::2], False, 1, 2),  # transposed, then sliced: walked as (rows, cols)
+        (base[::3, 5:41], False, 1, 2),
+        (base[:, 1], False, 1, 1),
+        (cube.permute(2, 0, 1)[:, :, 1:], False, 1, 2),  # dims sorted back, (6, 7) merged
+        (base[:1].expand(50, 70), True, 50, 0),  # stride 0: one contiguous row, 50 times
+        (torch.tensor(-3.5).expand(40, 30), True, 1200, 0),  # every stride 0
+        (base.reshape(-1)[1:][::7].reshape(-1, 1).expand(-1, 3), False, 3, 1),
+        (base.t()[:, None, :].expand(70, 4, 90), True, 4, 0),  # dense once stride 0 is out
+        (cube[:, None, :, ::3].expand(6, 5, 7, 3).transpose(0, 3), False, 5, 2),
+        (base.reshape(-1)[:200].as_strided((20, 19), (9, 1)), False, 1, 2),  # overlapping rows
     ]
-    for i, v in enumerate(views):
+    for i, (v, flat, mult, ndim) in enumerate(views):
         ring = new_ring(1, 1, LOG2)
-        dense = emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, LOG2, 2 + i % 2, 64)
-        assert not dense, f"view {i} should not be dense"
+        plan = emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, LOG2, 2 + i % 2, 64)
+        assert plan == (flat, mult, ndim, 1), f"view {i}: plan {plan}"
         check(ring[0, 0].numpy(), v, LOG2, cpu_raw=run_cpu(v, LOG2))
     perm = base.t().contiguous().t()[:, :]  # dense, not contiguous: read flat
-    assert emu_accumulate(emu, perm, new_ring(1, 1, LOG2), torch.tensor([0, 1, 0]), 0, LOG2, 2, 64)
+    assert emu_accumulate(emu, perm, new_ring(1, 1, LOG2), torch.tensor([0, 1, 0]), 0, LOG2, 2, 64)[0]
     check(run_emu(emu, perm, LOG2, 2, 64), perm, LOG2, cpu_raw=run_cpu(perm, LOG2))
+
+
+@pytest.mark.parametrize("h", [LOG2, None, Histogram.linear(-3.0, 3.0, 50),
+                               Histogram.linear(-3.0, 3.0, 3000)])
+def test_stride_zero_multiplicity_in_every_histogram_mode(emu, h):
+    """Counts, sums and bins of an expanded view are its rows' times the
+    repeat: each mode's merge scales (the zero and underflow bins included)."""
+    row = sample(3000, torch.float32, 10)
+    row[::17] = 0.0
+    row[5::31] = 1e-41  # float subnormals: underflow bin of log2
+    v = row[None].expand(7, -1)[:, None].expand(-1, 3, -1)
+    ring = new_ring(1, 1, h)
+    assert emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, h, 3, 128) == (True, 21, 0, 1)
+    check(ring[0, 0].numpy(), v, h, cpu_raw=run_cpu(v, h))
+
+
+def test_views_with_more_dims_than_a_kernel_walks_are_split_not_copied(emu):
+    """Dims whose strides never tile (all odd): beyond the dims a kernel walks
+    (kMaxDims = 25; lowered to 2 here), the host repeats the read at each index
+    of the outer dims; one call and every element are counted once."""
+    strides = [2 * k + 1 for k in range(6)][::-1]
+    storage = sample(sum(strides) * 2 + 1, torch.float32, 11)
+    v = storage.as_strided((3, 2, 3, 2, 3, 2), strides)
+    for h in (Histogram.linear(-4.0, 4.0, 64), LOG2):
+        ring = new_ring(1, 1, h)
+        plan = emu.accumulate(v, ring, torch.tensor([0, 1, 0]), 0, *hist_args(h), 2, 64, max_walk=2)
+        assert plan == (False, 1, 2, 3 * 2 * 3 * 2)
+        assert ring[0, 0, _layout.CALLS] == 1
+        check(ring[0, 0].numpy(), v, h, cpu_raw=run_cpu(v, h))
+
+
+@settings(max_examples=300)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 12)), max_size=7), st.integers(1, 4))
+def test_read_plan_visits_each_element_of_any_view(emu, dims, max_walk):
+    """Property: the plan's offsets (sorted dims, merged dims, stride-0 dims
+    as multiplicity, outer dims split off) are the view's, as a multiset."""
+    sizes = [d[0] for d in dims]
+    strides = [d[1] for d in dims]
+    storage = 1 + sum((sz - 1) * st for sz, st in dims if sz > 0)
+    want = torch.arange(storage).as_strided(sizes, strides).reshape(-1)
+    got, flat, mult, ndim, nouter = emu.plan_offsets(sizes, strides, max_walk)
+    assert torch.equal(got.sort().values, want.sort().values)
+    assert ndim <= max_walk and (not flat or ndim == 0)
+    assert mult == int(np.prod([sz for sz, st in dims if st == 0 and sz > 0] or [1])) or want.numel() == 0
+
+
+@settings(max_examples=300)
+@given(st.integers(1, 2**62), st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=20))
+def test_multiply_shift_division_is_exact(emu, d, i):
+    i = i + [d - 1, d, 2 * d - 1, (2**63 - 1) // d * d, 2**63 - 1]
+    i = torch.tensor([v for v in i if 0 <= v < 2**63], dtype=torch.int64)
+    want = torch.tensor([v // d for v in i.tolist()], dtype=torch.int64)
+    assert torch.equal(emu.fast_divide(i, d), want)
 
 
 def test_empty_and_tiny_tensors(emu):

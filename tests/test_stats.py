@@ -149,6 +149,19 @@ def test_expanded_counts_repeats():
     assert s["count"] == 3000 and s["nan"] == 1000
 
 
+@pytest.mark.parametrize("histogram", HISTS + [Histogram.linear(-3.0, 5.0, 3000)],
+                         ids=["log2", "linear", "nohist", "wide"])
+@pytest.mark.parametrize("n", [700, 9000])  # tiny: bins straight into the ring; else local copies
+def test_stride_zero_dims_count_as_a_multiplicity(histogram, n):
+    """Each element of an expanded view is read once and counted per repeat:
+    counts, sums and every bin (zeros and float subnormals included)."""
+    row = specials(n, torch.float32, seed=n)
+    row[3::41] = 1e-41
+    for v in (row.expand(5, n), row.reshape(-1, 10)[:, None, ::2].expand(-1, 3, -1)):
+        got = check(v, histogram)
+        assert got["count"] == v.numel()
+
+
 def test_misaligned_starts():
     x = specials(10_007, torch.float32)
     for off in range(1, 9):

@@ -77,6 +77,7 @@ struct HistSink {
   uint32_t* local;
   int64_t* ring_bins;
   int64_t copy_stride;  // entries per local copy
+  int64_t unit;         // count per element (a view's stride-0 multiplicity)
 };
 
 template <typename T>
@@ -503,7 +504,7 @@ HC_ALWAYS_INLINE void block_scatter(const int32_t* idx, int64_t n, const HistSin
     for (; i < n; ++i) ++c0[idx[i]];
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      if (idx[i] > 0) HostAtomics::add_i64(hs.ring_bins + idx[i] - 1, 1);
+      if (idx[i] > 0) HostAtomics::add_i64(hs.ring_bins + idx[i] - 1, hs.unit);
     }
   }
 }
@@ -605,8 +606,8 @@ bool use_avx2() {
 }
 
 template <typename T, int kHist>
-void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, int64_t* row,
-                      const HistSpec& h) {
+void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, int64_t mult,
+                      int64_t* row, const HistSpec& h) {
   // Fix the slot's shift (first writer wins), as the CUDA kernel does.
   auto load = [&](int64_t i) -> double {
     return flat ? load_double(x + i) : load_double(x + strided_offset(d, i));
@@ -648,7 +649,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
     static_assert(kLocalBins + 1 >= kExpBins, "local copies must hold the exponent histogram");
     for (int64_t c = c0; c < c1; ++c) {
       if (local_hist) std::memset(local, 0, sizeof(uint32_t) * copies * cs);
-      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs};
+      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs, mult};
       const int64_t b = c * chunk, e = std::min(n, b + chunk);
       if (avx2) {
         chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], hs);
@@ -659,12 +660,12 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
       auto total_of = [&](int64_t k) {
         int64_t cnt = 0;
         for (int r = 0; r < copies; ++r) cnt += local[r * cs + k];
-        return cnt;
+        return cnt * mult;
       };
       if constexpr (kExp) {
         // Exponent field 0 holds zeros (counted exactly by the stats) and
         // float subnormals (underflow when lo >= -126); 255 is NaN/Inf.
-        const int64_t zeros = partial[c].nzero;
+        const int64_t zeros = partial[c].nzero * mult;
         if (zeros) HostAtomics::add_i64(row + kHeader + 0, zeros);
         const int64_t sub = total_of(0) - zeros;
         if (sub) HostAtomics::add_i64(row + kHeader + 1, sub);
@@ -684,6 +685,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   Acc total;
   acc_init(total);
   for (int64_t c = 0; c < nchunks; ++c) acc_merge(total, partial[c]);
+  if (mult != 1) acc_scale(total, mult);
   row_merge<HostAtomics>(row, total);
 }
 
@@ -709,26 +711,28 @@ void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& 
   HostAtomics::add_i64(row + kCalls, 1);
   if (n == 0) return;
 
-  const ReadPlan plan = plan_read(x_in);
-  const at::Tensor& x = plan.x;
+  const DimPlan plan = plan_read(x_in);
   const bool flat = plan.flat;
   const StridedDesc& d = plan.desc;
   AT_DISPATCH_FLOATING_TYPES_AND4(
-      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x.scalar_type(),
+      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_accumulate_cpu", [&] {
-        const scalar_t* p = x.const_data_ptr<scalar_t>();
         constexpr bool kFloatWork = !std::is_same_v<scalar_t, double>;
-        switch (h.kind) {
-          case kHistNone: accumulate_typed<scalar_t, kHistNone>(p, flat, d, n, row, h); break;
-          case kHistLog2:
-            if (kFloatWork && h.lo_exp >= -126 && n >= kDirectHistBelow) {
-              accumulate_typed<scalar_t, kFloatWork ? kHistLog2Exp : kHistLog2>(p, flat, d, n, row, h);
-            } else {
-              accumulate_typed<scalar_t, kHistLog2>(p, flat, d, n, row, h);
-            }
-            break;
-          default: accumulate_typed<scalar_t, kHistLinear>(p, flat, d, n, row, h); break;
-        }
+        const int64_t m = plan.visit, mult = plan.mult;
+        for_each_read(plan, [&](int64_t offset, bool) {
+          const scalar_t* p = x_in.const_data_ptr<scalar_t>() + offset;
+          switch (h.kind) {
+            case kHistNone: accumulate_typed<scalar_t, kHistNone>(p, flat, d, m, mult, row, h); break;
+            case kHistLog2:
+              if (kFloatWork && h.lo_exp >= -126 && m >= kDirectHistBelow) {
+                accumulate_typed<scalar_t, kFloatWork ? kHistLog2Exp : kHistLog2>(p, flat, d, m, mult, row, h);
+              } else {
+                accumulate_typed<scalar_t, kHistLog2>(p, flat, d, m, mult, row, h);
+              }
+              break;
+            default: accumulate_typed<scalar_t, kHistLinear>(p, flat, d, m, mult, row, h); break;
+          }
+        });
       });
 }
 

@@ -46,6 +46,9 @@ struct RowTarget {
   int64_t rows;
   int64_t width;
   int64_t slots;
+  int64_t count;  // logical elements this launch adds to the row's count (strided.h's splits: 0 after the first)
+  int64_t calls;  // 1, or 0 for a split's later launches
+  int64_t mult;   // logical elements each element read stands for (stride-0 dimensions)
 };
 
 template <typename T>
@@ -238,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       }
     } else if constexpr (kMode == kModeWide) {
       const int64_t b = hist_bin(static_cast<double>(v), hist);
-      if (b >= 0) DeviceAtomics::add_i64(hrow + b, 1);
+      if (b >= 0) DeviceAtomics::add_i64(hrow + b, tgt.mult);
     }
   };
 
@@ -389,15 +392,17 @@ __global__ void __launch_bounds__(kThreads, 4)
         if (old != kShiftUnset) acc_rebase(acc, shift, bitsd(old));
       }
       if (blockIdx.x == 0) {
-        DeviceAtomics::add_i64(row + kCount, n);
-        DeviceAtomics::add_i64(row + kCalls, 1);
+        if (tgt.count) DeviceAtomics::add_i64(row + kCount, tgt.count);
+        if (tgt.calls) DeviceAtomics::add_i64(row + kCalls, tgt.calls);
       }
+      if (tgt.mult != 1) acc_scale(acc, tgt.mult);
       row_merge<DeviceAtomics>(row, acc);
       if constexpr (kMode == kModeLog2Exp) {
         // Exponent byte 0 holds the zeros (bin 0) and float subnormals,
         // which lie below lo_exp >= -126 (the underflow bin 1).
-        unsigned int zero_or_sub = 0;
+        int64_t zero_or_sub = 0;
         for (int w = 0; w < kWarps; ++w) zero_or_sub += sh.tab[w][0];
+        zero_or_sub *= tgt.mult;
         if (acc.nzero) DeviceAtomics::add_i64(hrow, acc.nzero);
         if (zero_or_sub > acc.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - acc.nzero);
       }
@@ -410,13 +415,13 @@ __global__ void __launch_bounds__(kThreads, 4)
       for (int w = 0; w < kWarps; ++w) cnt += sh.tab[w][e];
       if (cnt) {
         const float v = bitsf(static_cast<int32_t>(e) << 23);
-        DeviceAtomics::add_i64(hrow + log2_bin(v, lo_exp, hi_exp), static_cast<int64_t>(cnt));
+        DeviceAtomics::add_i64(hrow + log2_bin(v, lo_exp, hi_exp), static_cast<int64_t>(cnt) * tgt.mult);
       }
     }
   } else if constexpr (kMode == kModeLog2 || kMode == kModeLinear) {
     for (int64_t b = tid; b < hist.nbins; b += blockDim.x) {
       const unsigned int cnt = sh.bins[1 + b];
-      if (cnt) DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(cnt));
+      if (cnt) DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(cnt) * tgt.mult);
     }
   }
 }

@@ -68,24 +68,25 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   c10::cuda::CUDAGuard guard(x_in.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
 
-  const ReadPlan plan = plan_read(x_in);
-  const at::Tensor& x = plan.x;
-  const bool flat = plan.flat;
-  const StridedDesc& d = plan.desc;
-  const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), row,
-                               ring.size(1), ring.size(2), ring.size(0)};
+  const DimPlan plan = plan_read(x_in);
   // Each thread streams >= kPerThread elements of a large tensor (loads in
   // flight, start-up amortised); small tensors use few blocks. Empty tensors
   // still launch one block so count/calls are recorded on the device (the
   // host never reads the enabled flag).
-  const int64_t want = (n + kThreads * kPerThread - 1) / (kThreads * kPerThread);
-  const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(x.device().index())));
+  const int64_t want = (plan.visit + kThreads * kPerThread - 1) / (kThreads * kPerThread);
+  const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(x_in.device().index())));
   AT_DISPATCH_FLOATING_TYPES_AND4(
-      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x.scalar_type(),
+      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_accumulate_cuda", [&] {
-        const scalar_t* p = x.const_data_ptr<scalar_t>();
-        kernels::dispatch_accumulate<scalar_t>(flat, h, [&](auto kernel) {
-          launch("hookcap.accumulate", kernel, dim3(blocks), dim3(kThreads), stream, p, n, d, tgt, h);
+        const scalar_t* p = x_in.const_data_ptr<scalar_t>();
+        kernels::dispatch_accumulate<scalar_t>(plan.flat, h, [&](auto kernel) {
+          for_each_read(plan, [&](int64_t offset, bool first) {
+            const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
+                                         row, ring.size(1), ring.size(2), ring.size(0),
+                                         first ? n : 0, first ? 1 : 0, plan.mult};
+            launch("hookcap.accumulate", kernel, dim3(blocks), dim3(kThreads), stream, p + offset,
+                   plan.visit, plan.desc, tgt, h);
+          });
         });
       });
 }

@@ -122,44 +122,21 @@ inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
-// Coalesced view of x's (sizes, strides): size-1 dims dropped, mergeable
-// neighbours merged. Returns false if more than kMaxDims dims remain.
-inline bool make_strided_desc(const at::Tensor& x, StridedDesc& d) {
-  d.ndim = 0;
-  for (int64_t k = 0; k < x.dim(); ++k) {
-    const int64_t sz = x.size(k), st = x.stride(k);
-    if (sz == 1) continue;
-    if (d.ndim > 0 && d.strides[d.ndim - 1] == st * sz) {
-      d.sizes[d.ndim - 1] *= sz;
-      d.strides[d.ndim - 1] = st;
-      continue;
-    }
-    if (d.ndim == kMaxDims) return false;
-    d.sizes[d.ndim] = sz;
-    d.strides[d.ndim] = st;
-    ++d.ndim;
-  }
-  return true;
-}
-
-// How a kernel reads x. Dense inputs (contiguous in some dimension order, no
-// overlap) are a flat run of numel elements starting at data_ptr: torch
-// strides are never negative, so logical element 0 is the lowest address.
-// Others are walked through `desc`; a view with more than kMaxDims
-// non-mergeable dims (rare) is read through a contiguous copy.
-struct ReadPlan {
-  at::Tensor x;  // the tensor to read (x itself, or that rare copy)
-  bool flat;
-  StridedDesc desc;
-};
-
-inline ReadPlan plan_read(const at::Tensor& x) {
-  ReadPlan p{x, x.is_non_overlapping_and_dense(), StridedDesc{}};
-  if (!p.flat && !make_strided_desc(x, p.desc)) {
-    p.x = x.contiguous();
+// How a kernel reads x (strided.h): dense inputs (contiguous in some
+// dimension order, no overlap) are a flat run of numel elements starting at
+// data_ptr (torch strides are never negative, so the lowest address); other
+// views get a plan, without copying (`max_walk`: see plan_dims).
+inline DimPlan plan_read(const at::Tensor& x, int64_t max_walk = kMaxDims) {
+  if (x.is_non_overlapping_and_dense()) {
+    DimPlan p{};
     p.flat = true;
+    p.visit = x.numel();
+    p.mult = 1;
+    return p;
   }
-  return p;
+  TORCH_CHECK(x.dim() <= kMaxTensorDims, "hookcap.accumulate: views with more than ",
+              kMaxTensorDims, " dimensions are not supported, got ", x.dim());
+  return plan_dims(x.dim(), x.sizes().data(), x.strides().data(), max_walk);
 }
 
 }  // namespace hookcap

@@ -237,6 +237,21 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_merge(Acc& a, const Acc& b) {
   a.nfin += b.nfin;
 }
 
+// A partial whose every element stands for m elements (a view's stride-0
+// dimensions, strided.h): counts and sums times m, extrema unchanged.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_scale(Acc& a, int64_t m) {
+  const double md = static_cast<double>(m);
+  a.sum *= md;
+  a.sumsq *= md;
+  a.s1 *= md;
+  a.s2 *= md;
+  a.nnan *= m;
+  a.npinf *= m;
+  a.nninf *= m;
+  a.nzero *= m;
+  a.nfin *= m;
+}
+
 // Move a partial's shifted sums from shift `from` to shift `to`.
 C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_rebase(Acc& a, double from, double to) {
   if (from != to) shift_rebase(a.s1, a.s2, static_cast<double>(a.nfin), from, to);

@@ -22,29 +22,33 @@ void check_cpu(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu(), "emu: tensors must be on the CPU, got ", t.device());
 }
 
-// Returns whether the dense kernel ran (the launcher's choice).
-bool accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
-                int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins,
-                int64_t grid, int64_t block) {
+// Returns (flat, mult, strided dims, reads): the launcher's read plan.
+std::tuple<bool, int64_t, int64_t, int64_t> accumulate(
+    const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
+    int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid,
+    int64_t block, int64_t max_walk) {
   check_accumulate(x_in, ring, state, row);
   check_cpu(x_in);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
   const int64_t n = x_in.numel();
-  const ReadPlan plan = plan_read(x_in);  // the launcher's choice
-  const at::Tensor& x = plan.x;
-  const bool flat = plan.flat;
-  const StridedDesc& d = plan.desc;
-  const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), row,
-                               ring.size(1), ring.size(2), ring.size(0)};
+  TORCH_CHECK(max_walk >= 1 && max_walk <= kMaxDims, "emu: max_walk must be in [1, ", kMaxDims, "]");
+  const DimPlan plan = plan_read(x_in, max_walk);  // the launcher's choice (max_walk = kMaxDims)
   const dim3 g = dim(grid, "grid"), b = dim(block, "block");
+  int64_t reads = 0;
   AT_DISPATCH_FLOATING_TYPES_AND4(
-      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x.scalar_type(),
+      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_emu_accumulate", [&] {
-        const scalar_t* p = x.const_data_ptr<scalar_t>();
+        const scalar_t* p = x_in.const_data_ptr<scalar_t>();
         py::gil_scoped_release nogil;
-        hookcap_emu::accumulate<scalar_t>(p, n, flat, d, tgt, h, g, b);
+        for_each_read(plan, [&](int64_t offset, bool first) {
+          const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
+                                       row, ring.size(1), ring.size(2), ring.size(0),
+                                       first ? n : 0, first ? 1 : 0, plan.mult};
+          hookcap_emu::accumulate<scalar_t>(p + offset, plan.visit, plan.flat, plan.desc, tgt, h, g, b);
+          ++reads;
+        });
       });
-  return flat;
+  return {plan.flat, plan.mult, plan.flat ? 0 : plan.desc.ndim, reads};
 }
 
 void reset_slot(at::Tensor& ring, const at::Tensor& state, int64_t grid, int64_t block) {
@@ -84,6 +88,37 @@ void configure(int64_t order, uint64_t seed, int64_t schedule) {
   TORCH_CHECK(schedule >= 0 && schedule <= 2, "emu: schedule must be 0, 1 or 2");
   emu::set_config(emu::Config{static_cast<emu::BlockOrder>(order), seed,
                               static_cast<emu::Schedule>(schedule)});
+}
+
+// Storage offsets of a view's elements in the order its read plan visits
+// them (each listed once per multiplicity), and the plan's shape.
+std::tuple<at::Tensor, bool, int64_t, int64_t, int64_t> plan_offsets(
+    std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t max_walk) {
+  TORCH_CHECK(sizes.size() == strides.size() && sizes.size() <= kMaxTensorDims, "emu: bad view");
+  const DimPlan p = plan_dims(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(), max_walk);
+  std::vector<int64_t> out;
+  for_each_read(p, [&](int64_t base, bool) {
+    for (int64_t i = 0; i < p.visit; ++i) {
+      const int64_t off = base + (p.flat ? i : strided_offset(p.desc, i));
+      for (int64_t r = 0; r < p.mult; ++r) out.push_back(off);
+    }
+  });
+  return {torch::tensor(out, torch::kInt64), p.flat, p.mult, p.flat ? 0 : p.desc.ndim, p.nouter};
+}
+
+// i // d through StridedDesc's multiply-shift division (i < 2**63, d >= 1).
+at::Tensor fast_divide(const at::Tensor& i, int64_t d) {
+  TORCH_CHECK(d >= 1 && i.scalar_type() == at::kLong, "emu: fast_divide needs int64 i and d >= 1");
+  StridedDesc desc{};
+  set_divisor(desc, 0, d);
+  at::Tensor q = at::empty_like(i);
+  const int64_t* pi = i.const_data_ptr<int64_t>();
+  int64_t* pq = q.data_ptr<int64_t>();
+  for (int64_t k = 0; k < i.numel(); ++k) {
+    TORCH_CHECK(pi[k] >= 0, "emu: fast_divide needs i >= 0");
+    pq[k] = static_cast<int64_t>(div_dim(desc, 0, static_cast<uint64_t>(pi[k])));
+  }
+  return q;
 }
 
 py::dict stats() {
@@ -235,7 +270,12 @@ at::Tensor probe_exited_lanes(int64_t block) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hookcap CUDA kernels executed on the CPU by tests/cuda_emu (test-only)";
-  m.def("accumulate", &accumulate, "accumulate_kernel on CPU tensors; returns True if dense");
+  m.def("accumulate", &accumulate, "accumulate_kernel on CPU tensors; returns the read plan",
+        py::arg("x"), py::arg("ring"), py::arg("state"), py::arg("row"), py::arg("hist_kind"),
+        py::arg("hist_lo"), py::arg("hist_hi"), py::arg("hist_bins"), py::arg("grid"),
+        py::arg("block"), py::arg("max_walk") = kMaxDims);
+  m.def("plan_offsets", &plan_offsets);
+  m.def("fast_divide", &fast_divide);
   m.def("reset_slot", &reset_slot);
   m.def("reset_rows", &reset_rows);
   m.def("advance", &advance);

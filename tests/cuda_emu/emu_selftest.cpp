@@ -173,7 +173,10 @@ struct Ring {
   int64_t state[3] = {0, 1, 0};
   Ring(int64_t s, int64_t r, int64_t w) : slots(s), rows(r), width(w), data(s * r * w, 0x5a5a) {}
   int64_t* row(int64_t slot, int64_t r) { return data.data() + (slot * rows + r) * width; }
-  kernels::RowTarget target(int64_t r) { return {data.data(), state, r, rows, width, slots}; }
+  // A launch that adds `count` elements and one call, each element read once.
+  kernels::RowTarget target(int64_t r, int64_t count) {
+    return {data.data(), state, r, rows, width, slots, count, 1, 1};
+  }
   void reset(dim3 grid, dim3 block) {
     hookcap_emu::reset_slot(data.data(), state, slots, rows, width, grid, block);
   }
@@ -215,7 +218,7 @@ void scenario_dense(const char* name, int max_exp, double sub, std::vector<size_
     const std::vector<T> x = make_data<T>(n + offset, max_exp, sub);
     const T* p = x.data() + offset;  // misaligned start
     for (size_t i = 0; i < n; ++i) all.push_back(as_double(p[i]));
-    hookcap_emu::accumulate<T>(p, static_cast<int64_t>(n), true, StridedDesc{}, ring.target(1),
+    hookcap_emu::accumulate<T>(p, static_cast<int64_t>(n), true, StridedDesc{}, ring.target(1, static_cast<int64_t>(n)),
                                h.spec(), grid, block);
   }
   check_row(name, ring.row(1, 1), all, static_cast<int64_t>(sizes.size()), h, rtol_of<T>());
@@ -226,26 +229,29 @@ void scenario_dense(const char* name, int max_exp, double sub, std::vector<size_
   CHECK(ring.row(0, 1)[kCount] == 0x5a5a, "%s slot 0 written", name);
 }
 
-// A transposed-then-sliced 2-D view: sizes {rows, cols}, strides {1, ld}.
+// A transposed-then-sliced 2-D view expanded along a middle dimension:
+// sizes {rows, rep, cols}, strides {1, 0, ld}. The host plan walks it as
+// {cols, rows} (sorted by stride) with multiplicity rep.
 template <typename T>
-void scenario_strided(const char* name, int64_t rows, int64_t cols, int64_t ld, const Hist& h,
-                      dim3 grid, dim3 block) {
+void scenario_strided(const char* name, int64_t rows, int64_t rep, int64_t cols, int64_t ld,
+                      const Hist& h, dim3 grid, dim3 block) {
   const std::vector<T> x = make_data<T>(static_cast<size_t>(ld * cols), 40, 1e-310);
-  StridedDesc d{};
-  d.ndim = 2;
-  d.sizes[0] = rows;
-  d.sizes[1] = cols;
-  d.strides[0] = 1;
-  d.strides[1] = ld;
-  // Logical row-major order walks columns of storage: element (i, j) at i + j*ld.
+  const int64_t sizes[3] = {rows, rep, cols}, strides[3] = {1, 0, ld};
+  const hookcap::DimPlan plan = hookcap::plan_dims(3, sizes, strides);
+  CHECK(!plan.flat && plan.mult == rep && plan.desc.ndim == 2 && plan.desc.strides[1] == 1,
+        "%s: plan flat=%d mult=%ld ndim=%ld", name, plan.flat, plan.mult, plan.desc.ndim);
+  // Element (i, r, j) at i + j*ld.
   std::vector<double> all;
   for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) all.push_back(as_double(x[i + j * ld]));
+    for (int64_t r = 0; r < rep; ++r) {
+      for (int64_t j = 0; j < cols; ++j) all.push_back(as_double(x[i + j * ld]));
+    }
   }
   Ring ring(1, 1, kHeader + h.nbins());
   ring.reset(dim3(1), dim3(32));
-  hookcap_emu::accumulate<T>(x.data(), rows * cols, false, d, ring.target(0), h.spec(), grid,
-                             block);
+  kernels::RowTarget tgt = ring.target(0, rows * rep * cols);
+  tgt.mult = plan.mult;
+  hookcap_emu::accumulate<T>(x.data(), plan.visit, false, plan.desc, tgt, h.spec(), grid, block);
   check_row(name, ring.row(0, 0), all, 1, h, rtol_of<T>());
 }
 
@@ -268,7 +274,7 @@ void scenario_state() {
   // Disabled step: accumulate writes nothing.
   const std::vector<float> x = make_data<float>(300, 10, 1e-40);
   Hist none;
-  hookcap_emu::accumulate<float>(x.data(), 300, true, StridedDesc{}, ring.target(0),
+  hookcap_emu::accumulate<float>(x.data(), 300, true, StridedDesc{}, ring.target(0, 300),
                                  none.spec(), dim3(2), dim3(64));
   CHECK(ring.data == before, "accumulate wrote while disabled");
   hookcap_emu::advance(ring.data.data(), ring.state, 3, 2, ring.width, 3, dim3(64));
@@ -311,7 +317,7 @@ int main(int argc, char** argv) {
     scenario_dense<double>("float64 misaligned", 300, 1e-310, {2049}, 1, lin, dim3(2), dim3(64));
     scenario_dense<c10::Half>("float16", 14, 1e-7, {1531}, 3, wide, dim3(2), dim3(96));
     scenario_dense<c10::BFloat16>("bfloat16", 60, 1e-40, {777}, 1, log2, dim3(1), dim3(256));
-    scenario_strided<float>("float32 strided", 37, 23, 41, log2, dim3(2), dim3(64));
+    scenario_strided<float>("float32 strided", 37, 3, 23, 41, log2, dim3(2), dim3(64));
     scenario_state();
     const emu::Stats s1 = emu::stats();
     CHECK(s1.blocks - s0.blocks == 33, "blocks run: %lu", s1.blocks - s0.blocks);
