@@ -14,7 +14,35 @@
 namespace hookcap {
 PyMethodDef* grad_hook_methods();  // grad_hooks.cpp
 PyMethodDef* host_pack_methods();  // host_pack.cpp
+#ifdef HOOKCAP_WITH_CUDA
+int64_t join_write_streams(int device);  // cuda/stats_launch.cu
+#endif
+
+namespace {
+// _join_write_streams(device index) -> int: make the current stream of that
+// CUDA device wait for every other stream hookcap ops wrote on since the
+// last call; returns how many it waited for (0 without CUDA kernels).
+PyObject* py_join_write_streams(PyObject*, PyObject* arg) {
+  const long device = PyLong_AsLong(arg);
+  if (device == -1 && PyErr_Occurred()) return nullptr;
+#ifdef HOOKCAP_WITH_CUDA
+  try {
+    return PyLong_FromLongLong(join_write_streams(static_cast<int>(device)));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+#else
+  return PyLong_FromLong(0);
+#endif
 }
+
+PyMethodDef kStreamMethods[] = {
+    {"_join_write_streams", py_join_write_streams, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+}  // namespace
+}  // namespace hookcap
 
 // The importable Python module: `import hookcap._C` loads the library and
 // runs the static registrations below; its functions are the gradient
@@ -25,7 +53,8 @@ PyObject* PyInit__C(void) {
                                           hookcap::grad_hook_methods()};
   PyObject* m = PyModule_Create(&module_def);
   if (m && (PyModule_AddIntConstant(m, "ROW_BITS", hookcap::kRowBits) < 0 ||
-            PyModule_AddFunctions(m, hookcap::host_pack_methods()) < 0)) {
+            PyModule_AddFunctions(m, hookcap::host_pack_methods()) < 0 ||
+            PyModule_AddFunctions(m, hookcap::kStreamMethods) < 0)) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -144,6 +144,7 @@ class DeviceRing:
         if pinned is None or pinned.shape[0] < self.ring.shape[1]:
             pinned = torch.empty((self.ring.shape[1], self.width), dtype=torch.int64, pin_memory=True)
             self._pinned[slot] = pinned
+        _C._join_write_streams(self.ring.device.index)  # after hook ops on other streams
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
@@ -194,6 +195,8 @@ class DeviceRing:
         """Close the step on the device. ``resets``/``slot``: whether the step
         it opens is recorded, and in which slot (the host's mirror of the state)."""
         if self.is_cuda:
+            # Writes of this step on other streams land before the state moves.
+            _C._join_write_streams(self.ring.device.index)
             # The reset of a reused slot must not overtake its copy to the host;
             # copies of the other slots go on while the training stream runs.
             main = torch.cuda.current_stream(self.device)

@@ -247,3 +247,97 @@ def test_a_pending_error_of_another_library_survives_hookcap_launches():
     assert rt.cudaPeekAtLastError() == pending  # still there, for its owner
     assert rt.cudaGetLastError() == pending
     torch.cuda.synchronize()
+
+
+def _train_recorded(device, steps=3):
+    """A seeded MLP with LayerNorm trained ``steps`` SGD steps on ``device``
+    under a default Monitor, beside plain hooks that keep float64 CPU copies of
+    every leaf module's output and output gradient: (History, {(step, name): copies})."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 16, generator=g) for _ in range(steps)]
+    values, step = {}, [0]
+
+    def keep(key):
+        def hook(t):
+            values.setdefault((step[0], key), []).append(t.detach().double().cpu().reshape(-1))
+        return hook
+
+    def fwd(name):
+        def hook(mod, args, out):
+            keep(f"{name}/output")(out)
+            out.register_hook(keep(f"{name}/grad_output"))
+        return hook
+
+    handles = [m.register_forward_hook(fwd(n)) for n, m in model.named_children()]
+    with hookcap.Monitor(model) as mon:
+        for i, x in enumerate(batches):
+            step[0] = i
+            model(x.to(device)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mon.step()
+    for h in handles:
+        h.remove()
+    return mon.history(), values
+
+
+def test_monitor_on_cuda_matches_cpu_and_the_captured_tensors():
+    # Matmuls round differently on the two devices, so the devices must agree
+    # on what is recorded (names, steps, element counts), and each CUDA
+    # statistic must match the float64 reference of the very tensor it saw.
+    h_cpu, _ = _train_recorded("cpu")
+    h, values = _train_recorded("cuda")
+    assert h.names == h_cpu.names and len(h.names) == 8  # 4 outputs and their gradients
+    assert list(h.steps) == list(h_cpu.steps) == [0, 1, 2]
+    np.testing.assert_array_equal(h["count"], h_cpu["count"])
+    assert set(values) == {(s, n) for s in h.steps for n in h.names}
+    for (step, name), chunks in values.items():
+        vals = torch.cat(chunks).numpy()
+        s, m = list(h.steps).index(step), h.column(name)
+        got = {k: h[k][s, m] for k in hookcap.STAT_NAMES}
+        got["hist"], got["bin_edges"] = h.histogram(name)[s], h.bin_edges
+        want = hookcap.reference.stats_from_values(vals, h.histogram_spec)
+        assert_stats_match(got, want, abs_sum=float(np.abs(vals).sum()))
+
+
+def test_drain_waits_for_ops_on_another_stream():
+    """A hook's op launched on a side stream, still queued behind a long kernel
+    there when the drain runs, lands in the slot before it is copied."""
+    ring = torch.zeros((1, 1, _layout.HEADER), dtype=torch.int64, device="cuda")
+    state = new_state(enabled=True).cuda()
+    _ops.reset_slot(ring, state)
+    hookcap._C._join_write_streams(0)  # forget earlier writers
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # tens of ms at GPU clocks
+        _ops.accumulate(torch.ones(1000, device="cuda"), ring, state, 0, *hookcap.histogram.NO_HIST_ARGS)
+    assert hookcap._C._join_write_streams(0) == 1
+    host = ring.cpu()  # ordered on the current stream only
+    assert host[0, 0, _layout.COUNT] == 1000 and host[0, 0, _layout.CALLS] == 1
+    torch.cuda.synchronize()
+
+
+def test_monitor_records_outputs_computed_on_a_side_stream():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+    x = torch.randn(32, 64, device="cuda")
+    mon = hookcap.Monitor(model, capture=("output",)).attach()
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            out = model(x)
+        mon.step()  # on the default stream, while the side stream still runs
+        torch.cuda.current_stream().wait_stream(side)
+        ref = [model[0](x), model[1](model[0](x)), out]
+    mon.detach()
+    h = mon.history()
+    assert h.names == ["0/output", "1/output", "2/output"] and list(h.steps) == [0, 1, 2]
+    for c, t in enumerate(ref):
+        assert h["count"][-1, c] == t.numel()
+        assert h["max"][-1, c] == t.max().item()

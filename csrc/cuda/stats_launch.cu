@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -39,6 +40,77 @@ int64_t max_blocks(int device) {
   return static_cast<int64_t>(sms[device]) * kBlocksPerSm;
 }
 
+// Streams that wrote a device's rings since the drain last joined them. A
+// hook's op runs on the stream current where it ran (a user's side stream,
+// a backward node on its forward's stream), not necessarily the one current
+// at step(): the drain makes that one wait for all of them before it copies
+// a slot to the host or advances the state. Keys are handle + 1 (handles are
+// aligned pointers or the small constants of the default streams; 0 = free).
+constexpr int kMaxWriteStreams = 64;
+struct WriteStreams {
+  std::atomic<uintptr_t> keys[kMaxWriteStreams];
+  std::atomic<bool> overflow;
+  cudaEvent_t events[kMaxWriteStreams];  // created at the first join that needs one
+};
+WriteStreams g_write_streams[kMaxDevices];
+
+// Hot path: usually the first entry matches (one relaxed load).
+void note_write_stream(int device, cudaStream_t s) {
+  if (device < 0 || device >= kMaxDevices) return;
+  WriteStreams& w = g_write_streams[device];
+  const uintptr_t key = reinterpret_cast<uintptr_t>(s) + 1;
+  for (auto& k : w.keys) {
+    uintptr_t cur = k.load(std::memory_order_relaxed);
+    if (cur == key) return;
+    if (cur == 0 && (k.compare_exchange_strong(cur, key) || cur == key)) return;
+  }
+  w.overflow.store(true, std::memory_order_relaxed);
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+}
+
+}  // namespace
+
+int64_t join_write_streams(int device) {
+  if (device < 0 || device >= kMaxDevices) return 0;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  // Inside a capture the graph's own edges order its streams (and waiting
+  // on an event recorded outside it is not allowed): join after it.
+  if (capturing(cur)) return 0;
+  WriteStreams& w = g_write_streams[device];
+  int64_t joined = 0;
+  for (int i = 0; i < kMaxWriteStreams; ++i) {
+    const uintptr_t key = w.keys[i].exchange(0);
+    if (key == 0) continue;
+    const auto s = reinterpret_cast<cudaStream_t>(key - 1);
+    if (s == cur || capturing(s)) continue;
+    if (w.events[i] == nullptr) {
+      C10_CUDA_CHECK(cudaEventCreateWithFlags(&w.events[i], cudaEventDisableTiming));
+    }
+    cudaError_t err = cudaEventRecord(w.events[i], s);
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(cur, w.events[i], 0);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // ours: this call's (a stream destroyed since it wrote)
+      TORCH_WARN_ONCE("hookcap: could not order the drain after a stream that wrote telemetry: ",
+                      cudaGetErrorString(err));
+      continue;
+    }
+    ++joined;
+  }
+  if (w.overflow.exchange(false)) {
+    TORCH_WARN_ONCE("hookcap: hooks ran on more than ", kMaxWriteStreams,
+                    " CUDA streams in one step; the drain waits for the first ", kMaxWriteStreams,
+                    " only");
+  }
+  return joined;
+}
+
+namespace {
+
 // Launch through cudaLaunchKernel, which returns this launch's own error: a
 // failed launch is reported (and only its error cleared), while an error
 // another library left pending stays for its owner. The usual check
@@ -67,6 +139,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   const int64_t n = x_in.numel();
   c10::cuda::CUDAGuard guard(x_in.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
+  note_write_stream(x_in.device().index(), stream);
 
   const DimPlan plan = plan_read(x_in);
   // Each thread streams >= kPerThread elements of a large tensor (loads in
@@ -140,6 +213,7 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   check_time_mark(ring, state, row, phase);
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  note_write_stream(ring.device().index(), stream);
   launch("hookcap.time_mark", &time_mark_kernel, dim3(1), dim3(1), stream, ring.data_ptr<int64_t>(),
          state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2), row, phase, start);
 }

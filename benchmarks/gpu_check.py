@@ -1,0 +1,774 @@
+"""One command for a machine with a CUDA GPU: build hookcap, test it, benchmark it.
+
+  python benchmarks/gpu_check.py OUTDIR [--skip-build] [--quick] [--device cuda|cpu]
+
+Steps, each recorded in OUTDIR/gpu_check.json as {name, ok, seconds, details | error};
+a failing step does not stop the later ones:
+  environment  torch, CUDA, GPU (name, capability, SMs, memory, driver), python, git, CPUs.
+               --device cuda without a usable GPU: the JSON says so and the exit code is 2.
+  build        python setup.py build_ext --inplace for the visible GPU's architecture
+               (OUTDIR/build.log), then hookcap.build_info() in a fresh process: CUDA kernels?
+  tests        pytest tests/test_cuda.py (CUDA vs CPU kernels, Monitor on cuda):
+               OUTDIR/tests.log, OUTDIR/tests.xml; a skipped module counts as a failure.
+  kernel       GB/s of hookcap._ops.accumulate against a device-to-device copy (2x bytes),
+               float32/bfloat16/float8_e4m3fn x 1e4..1e9 elements x every histogram path of
+               the kernel, plus strided views; each dtype's results checked at 1e6 elements
+               against the CPU op and the float64 reference (OUTDIR/kernel.log).
+  overhead     GPT-2 124M (B=8, T=1024, AdamW, bf16 autocast) training step: no telemetry vs
+               hookcap every=1 and every=10, interleaved round by round; the steady-state steps
+               run under torch.cuda.set_sync_debug_mode("error") (OUTDIR/overhead.log).
+               transformers' GPT2LMHeadModel if importable and sync-free on its own, else the
+               same model built in benchmarks/_gpt2.py; the JSON says which ran.
+Then OUTDIR/gpu_check.json and OUTDIR/summary.md (also printed). Exit code 0 if every step
+passed, 1 if not. At most about 10 minutes: each step has a time limit, cut to what is left
+of the run's budget.
+
+--quick: kernel sizes up to 1e7, a 2-layer GPT-2 at T=256, fewer rounds.
+--device cpu: only exercises this script's code paths without a GPU (no build, no tests,
+tiny kernel sizes timed with perf_counter, a tiny GPT-2 without autocast or sync checks).
+
+This process never imports hookcap: the build replaces the extension under it. build_info,
+the kernel and the overhead step each run in a fresh child process of this script
+(--stage NAME), which also keeps a crashed CUDA context from taking later steps with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import xml.etree.ElementTree as ET
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TOTAL_BUDGET_S = 580  # the whole run; each step's limit is cut to what is left of it
+STEP_LIMIT_S = {"build": 300, "build_info": 120, "tests": 240, "kernel": 180, "overhead": 200}
+# tests/test_cuda.py's module-level skip reason: seen on a GPU machine, the kernels were not found.
+MODULE_SKIP = "no CUDA device visible"
+KERNEL_HEADER = "| dtype | elements | layout | op | µs/call | GB/s | × copy |"
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check] {msg}", flush=True)
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class StepFailed(Exception):
+    """A step that ran but did not pass; ``details`` are recorded all the same."""
+
+    def __init__(self, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.details = details or {}
+
+
+def sci(n: int) -> str:
+    """10**k -> "1ek" (every size here is a power of ten)."""
+    return f"1e{round(math.log10(n))}"
+
+
+def run_step(name: str, fn, announce: bool = True) -> dict:
+    """Run ``fn() -> details``; never raises: failures become {ok: False, error}.
+    ``announce``: print the start and end lines (a child's parent prints them)."""
+    if announce:
+        log(f"step {name} ...")
+    t0 = time.perf_counter()
+    rec = {"name": name, "ok": True}
+    try:
+        rec["details"] = fn()
+    except StepFailed as e:
+        rec.update(ok=False, error=str(e), details=e.details)
+    except Exception:
+        rec.update(ok=False, error=traceback.format_exc())
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    if announce:
+        last = rec.get("error", "").strip().splitlines()[-1:] or [""]
+        log(f"step {name}: {'ok' if rec['ok'] else 'FAILED: ' + last[0]} ({rec['seconds']:.1f} s)")
+    return rec
+
+
+class Runner:
+    """Runs child commands in the repository root with hookcap on the path,
+    each under its step's time limit and within the run's total budget."""
+
+    def __init__(self, args):
+        self.args = args
+        self.deadline = time.monotonic() + TOTAL_BUDGET_S
+        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+
+    def limit(self, step: str) -> float:
+        return max(10.0, min(STEP_LIMIT_S[step], self.deadline - time.monotonic()))
+
+    def run(self, cmd: list, log_name: str, step: str, echo: bool, env: dict | None = None):
+        """(exit code or None on timeout, last lines of output); all output in OUTDIR/log_name."""
+        limit = self.limit(step)
+        tail = collections.deque(maxlen=60)
+        with open(os.path.join(self.args.outdir, log_name), "w") as logf:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env or self.env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace",
+                                    start_new_session=True)
+
+            def pump():
+                for line in proc.stdout:
+                    logf.write(line)
+                    tail.append(line)
+                    if echo:
+                        print(line, end="", flush=True)
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            try:
+                rc = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session: the child and its compilers
+                proc.wait()
+                rc = None
+            reader.join(10)
+            if rc is None:
+                note = f"\n[gpu_check] killed after its time limit of {limit:.0f} s\n"
+                logf.write(note)
+                tail.append(note)
+        return rc, "".join(tail)
+
+    def stage(self, name: str) -> dict:
+        """Run ``--stage name`` in a child; its details, or StepFailed."""
+        out = os.path.join(self.args.outdir, f"{name}.stage.json")
+        if os.path.exists(out):
+            os.remove(out)
+        cmd = [sys.executable, os.path.abspath(__file__), self.args.outdir, "--stage", name,
+               "--device", self.args.device] + (["--quick"] if self.args.quick else [])
+        rc, tail = self.run(cmd, f"{name}.log", name, echo=name != "build_info")
+        if not os.path.exists(out):
+            why = "timed out" if rc is None else f"exited with code {rc} before writing its result"
+            raise StepFailed(f"{name} stage {why}; see {name}.log", {"log_tail": tail})
+        with open(out) as f:
+            res = json.load(f)
+        os.remove(out)
+        if not res["ok"]:
+            raise StepFailed(res["error"], res.get("details"))
+        return res["details"]
+
+
+# -- environment --------------------------------------------------------------------------------
+
+
+def command_output(cmd: list) -> str | None:
+    """stdout of cmd (stripped), or None when the program is missing or fails."""
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> dict:
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_model(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "git": command_output(["git", "describe", "--always", "--dirty"]),
+            "cuda_available": torch.cuda.is_available()}
+    if info["cuda_available"]:
+        p = torch.cuda.get_device_properties(0)
+        info.update(device_count=torch.cuda.device_count(), gpu=p.name, capability=[p.major, p.minor],
+                    sm_count=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
+                    driver=command_output(["nvidia-smi", "--query-gpu=driver_version",
+                                           "--format=csv,noheader", "--id=0"]))
+    return info
+
+
+# -- build --------------------------------------------------------------------------------------
+
+
+def build(runner: Runner, env_info: dict) -> dict:
+    args = runner.args
+    details = {}
+    if args.device == "cpu" or args.skip_build:
+        details["build"] = f"skipped ({'--device cpu' if args.device == 'cpu' else '--skip-build'})"
+    else:
+        arch = "{}.{}".format(*env_info["capability"])
+        # FORCE_CUDA: a toolkit problem fails here, not as a CPU-only build found later.
+        env = dict(runner.env, TORCH_CUDA_ARCH_LIST=arch, MAX_JOBS=str(os.cpu_count() or 1),
+                   HOOKCAP_FORCE_CUDA="1")
+        log(f"building for sm {arch} with {env['MAX_JOBS']} jobs (log: build.log)")
+        t0 = time.perf_counter()
+        rc, tail = runner.run([sys.executable, "setup.py", "build_ext", "--inplace"], "build.log", "build",
+                              echo=False, env=env)
+        details.update(build=f"python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST={arch}",
+                       build_seconds=round(time.perf_counter() - t0, 1))
+        if rc != 0:
+            why = "timed out" if rc is None else f"failed (exit code {rc})"
+            raise StepFailed(f"build {why}; see build.log", {**details, "log_tail": tail})
+    try:
+        details["build_info"] = runner.stage("build_info")
+    except StepFailed as e:
+        raise StepFailed(f"import hookcap / build_info() failed: {e}", {**details, **e.details}) from None
+    info = details["build_info"]
+    if args.device == "cuda" and not info.get("cuda"):
+        raise StepFailed(f"hookcap.build_info() says CUDA kernels were not compiled: {info.get('cuda_reason')}",
+                         details)
+    return details
+
+
+# -- tests --------------------------------------------------------------------------------------
+
+
+def junit_counts(path: str) -> dict:
+    suites = ET.parse(path).getroot()
+    suites = [suites] if suites.tag == "testsuite" else suites.findall("testsuite")
+    c = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    c["passed"] = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
+    c["failed_tests"], reasons = [], collections.Counter()
+    for case in (case for s in suites for case in s.iter("testcase")):
+        if case.find("failure") is not None or case.find("error") is not None:
+            c["failed_tests"].append(f"{case.get('classname')}::{case.get('name')}")
+        skip = case.find("skipped")
+        if skip is not None:
+            reasons[skip.get("message", "")] += 1
+    c["skip_reasons"] = dict(reasons)  # reason -> number of tests
+    return c
+
+
+def tests(runner: Runner) -> dict:
+    if runner.args.device == "cpu":
+        return {"not_run": "--device cpu: tests/test_cuda.py needs a GPU"}
+    if importlib.util.find_spec("pytest") is None:
+        raise StepFailed(f"pytest is not importable by {sys.executable}: pip install pytest hypothesis")
+    xml = os.path.join(runner.args.outdir, "tests.xml")
+    if os.path.exists(xml):  # an earlier run's report must not pass for this one's
+        os.remove(xml)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", f"--junitxml={xml}",
+           "tests/test_cuda.py"]
+    rc, tail = runner.run(cmd, "tests.log", "tests", echo=False)
+    if not os.path.exists(xml):
+        raise StepFailed(f"pytest {'timed out' if rc is None else f'exited with code {rc}'} without a report; "
+                         "see tests.log", {"log_tail": tail})
+    c = junit_counts(xml)
+    c["command"] = " ".join(cmd[1:])
+    log(f"tests: {c['passed']} passed, {c['failures'] + c['errors']} failed, {c['skipped']} skipped")
+    if any(MODULE_SKIP in r for r in c["skip_reasons"]):
+        raise StepFailed("tests/test_cuda.py was skipped on a GPU machine: the CUDA kernels were not found", c)
+    if rc != 0 or c["passed"] == 0:
+        raise StepFailed(f"pytest exit code {rc}: {len(c['failed_tests'])} failed: "
+                         + ", ".join(c["failed_tests"][:10]), {**c, "log_tail": tail})
+    return c
+
+
+# -- kernel stage (child process) ---------------------------------------------------------------
+
+
+def hist_kinds(Histogram) -> dict:
+    """label -> (Histogram or None, the kernel path it takes on CUDA: hist_mode in
+    csrc/cuda/stats_kernel.cuh). Data is randn, so a linear range of +-4 is realistic."""
+    return {
+        "none": (None, "no histogram"),
+        "log2": (Histogram.log2(), "log2, exponent byte counted per warp (lo >= -126)"),
+        "log2 lo=-140": (Histogram.log2(-140, 64), "log2 in shared memory (bins below float normals)"),
+        "linear 100": (Histogram.linear(-4, 4, 100), "linear in shared memory, float thresholds"),
+        "linear 4096": (Histogram.linear(-4, 4, 4096), "wide: > 2048 bins, global atomics"),
+    }
+
+
+def check_input(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """randn * 3 with 1/40 each of NaN, +inf, -inf and -0.0 (fp8 e4m3fn turns inf into NaN)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 3
+    idx = torch.randperm(n, generator=g)
+    k = n // 40
+    for i, v in enumerate((float("nan"), float("inf"), float("-inf"), -0.0)):
+        x[idx[i * k:(i + 1) * k]] = v
+    return x.to(dtype)
+
+
+def stats_mismatches(got: dict, want: dict, abs_sum: float) -> list:
+    """Counts, extrema and histogram bins exact; sum to 1e-5 of sum|x|, sumsq to 1e-5."""
+    import numpy as np
+
+    bad = []
+    for k in ("count", "nan", "posinf", "neginf", "zeros", "min", "max", "absmax"):
+        if not (got[k] == want[k] or (np.isnan(got[k]) and np.isnan(want[k]))):
+            bad.append(f"{k}: {got[k]!r} != {want[k]!r}")
+    for k, tol in (("sum", 1e-5 * abs_sum), ("sumsq", 1e-5 * want["sumsq"])):
+        if not abs(got[k] - want[k]) <= tol:
+            bad.append(f"{k}: {got[k]!r} vs {want[k]!r} (tol {tol:g})")
+    if "hist" in want and not np.array_equal(got["hist"], want["hist"]):
+        bad.append(f"hist: {int(np.abs(got['hist'] - want['hist']).sum())} counts differ")
+    return bad
+
+
+def correctness(device: str, dtypes: dict, kinds: dict, n: int = 10**6) -> list:
+    """The op on ``device`` against the CPU op (when device is cuda) and the float64 reference."""
+    import hookcap
+
+    out = []
+    for dname, dtype in dtypes.items():
+        x = check_input(n, dtype)
+        a = x.double()
+        abs_sum = float(a[a.isfinite()].abs().sum())
+        for label, (h, _) in kinds.items():
+            got = hookcap.tensor_stats(x.to(device), h)
+            refs = {"float64 reference": hookcap.reference.tensor_stats(x, h)}
+            if device != "cpu":
+                refs["cpu op"] = hookcap.tensor_stats(x, h)
+            for against, want in refs.items():
+                bad = stats_mismatches(got, want, abs_sum)
+                out.append({"dtype": dname, "elements": n, "hist": label, "against": against, "ok": not bad,
+                            "count": got["count"], "nan": got["nan"], "min": got["min"], "max": got["max"],
+                            "sum": got["sum"], "mismatches": bad})
+        log(f"  correctness {dname} at {sci(n)}: "
+            + ("ok" if all(r["ok"] for r in out if r["dtype"] == dname) else "MISMATCH"))
+    return out
+
+
+def kernel_stage(args) -> dict:
+    import bench_kernel
+    import hookcap
+
+    cuda = args.device == "cuda"
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    details = {"timer": "CUDA events" if cuda else "perf_counter", "skipped_points": [],
+               "torch_threads": torch.get_num_threads()}
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        details["skipped_points"].append({"dtype": "float8_e4m3fn", "reason": f"torch {torch.__version__} has none"})
+    else:
+        try:  # the op and the copy both take fp8 on this device?
+            probe = torch.zeros(8, device=args.device).to(fp8)
+            hookcap.tensor_stats(probe)
+            torch.empty_like(probe).copy_(probe)
+            dtypes["float8_e4m3fn"] = fp8
+        except RuntimeError as e:
+            details["skipped_points"].append({"dtype": "float8_e4m3fn", "reason": str(e).splitlines()[0]})
+    kinds = hist_kinds(hookcap.Histogram)
+    details["hist_kinds"] = {label: path for label, (_, path) in kinds.items()}
+
+    details["correctness"] = correctness(args.device, dtypes, kinds)
+
+    if cuda:
+        sizes = [10**k for k in range(4, 8 if args.quick else 10)]
+        sample, budget, min_rounds = bench_kernel.sample_cuda, 0.2, 3
+    else:
+        sizes = [10**4, 10**5]
+        sample, budget, min_rounds = bench_kernel.sample_cpu, 0.02, 1
+    details.update(sizes=sizes, budget_s_per_config=budget, min_rounds=min_rounds)
+    rows = []
+    copy_gbps = {}
+
+    def fits(n: int, dtype: torch.dtype) -> bool:
+        """Input, copy target and a float32 temporary (fp8 is made from one) twice over in free memory."""
+        if not cuda:
+            return True
+        torch.cuda.empty_cache()
+        need = n * (2 * dtype.itemsize + 4)
+        if 2 * need <= torch.cuda.mem_get_info()[0]:
+            return True
+        details["skipped_points"].append({"dtype": str(dtype).split(".")[1], "elements": n,
+                                   "reason": f"needs 2 x {need / 2**30:.1f} GiB free"})
+        return False
+
+    def time_point(dname: str, x: torch.Tensor, layout: str, labels: list, copy: bool) -> None:
+        nbytes = x.numel() * x.element_size()
+        fns = {label: (bench_kernel.fused(x, kinds[label][0]), nbytes) for label in labels}
+        if copy:
+            y = torch.empty_like(x)
+            fns["copy"] = (lambda: y.copy_(x), 2 * nbytes)
+        timed = bench_kernel.measure({k: fn for k, (fn, _) in fns.items()}, sample, budget, min_rounds)
+        n = x.numel()
+        if copy:
+            copy_gbps[dname, n] = fns["copy"][1] / timed["copy"][0] / 1e9
+        for label, (med, samples, _) in timed.items():
+            gbps = fns[label][1] / med / 1e9
+            rows.append({"dtype": dname, "elements": n, "layout": layout,
+                         "op": "copy" if label == "copy" else "hookcap",
+                         "hist": None if label == "copy" else label, "us_per_call": med * 1e6, "gbps": gbps,
+                         "copy_fraction": gbps / copy_gbps[dname, n], "samples": samples})
+        log(f"  {dname:>13} {sci(n):>3} {layout:<10}" + "".join(
+            f" | {r['hist'] or 'copy'} {r['gbps']:.0f}" for r in rows[-len(timed):]) + " GB/s")
+
+    for dname, dtype in dtypes.items():
+        for n in sizes:
+            if not fits(n, dtype):
+                continue
+            x = torch.randn(n, device=args.device, dtype=torch.float32 if dtype.itemsize == 1 else dtype).to(dtype)
+            time_point(dname, x, "contiguous", list(kinds), copy=True)
+            del x
+
+    # Strided: a transposed view is dense and read straight from storage (element
+    # order does not matter to the statistics); a column slice is not dense and
+    # takes the kernel's strided index path. Both against the contiguous copy.
+    for dname in ("float32", "bfloat16"):
+        n = max((m for d, m in copy_gbps if d == dname and m <= 10**8), default=None)
+        if n is None:
+            continue
+        r = 10 ** (round(math.log10(n)) // 2)
+        c = n // r
+        base = torch.randn(r * (c + 1), device=args.device, dtype=dtypes[dname])
+        time_point(dname, base[:n].view(r, c).t(), "transposed", ["none", "log2"], copy=False)
+        time_point(dname, base.view(r, c + 1)[:, :c], "sliced", ["none", "log2"], copy=False)
+        del base
+    details["strided_layouts"] = {
+        "transposed": "x.view(R, C).t(): dense, read straight from storage",
+        "sliced": "x.view(R, C + 1)[:, :C]: not dense, the strided index path"}
+    details["rows"] = rows
+    bad = [c for c in details["correctness"] if not c["ok"]]
+    if bad:
+        raise StepFailed(f"{len(bad)} correctness checks failed, first: {bad[0]['dtype']} {bad[0]['hist']} "
+                         f"vs {bad[0]['against']}: {bad[0]['mismatches'][:3]}", details)
+    return details
+
+
+# -- overhead stage (child process) -------------------------------------------------------------
+
+
+def gpt2_shape(device: str, quick: bool) -> dict:
+    if device == "cpu":
+        return dict(n_layer=1, n_embd=64, n_head=2, vocab_size=256, n_positions=32, batch=2, seq=32)
+    return dict(n_layer=2 if quick else 12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
+                batch=8, seq=256 if quick else 1024)
+
+
+def gpt2_workload(shape: dict, device, use_transformers: bool | None = None):
+    """(model, loss_fn, description): transformers' GPT2LMHeadModel when importable
+    (or ``use_transformers``), else the built-in one in benchmarks/_gpt2.py. Random
+    init, dropout off, one fixed random batch of token ids."""
+    why = ""
+    if use_transformers is None:
+        use_transformers = importlib.util.find_spec("transformers") is not None
+        why = "" if use_transformers else " (transformers not importable)"
+    dims = {k: shape[k] for k in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")}
+    torch.manual_seed(0)
+    if use_transformers:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        cfg = transformers.GPT2Config(**dims, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg).to(device)
+        desc = f"transformers {transformers.__version__} GPT2LMHeadModel"
+    else:
+        import _gpt2
+
+        model = _gpt2.GPT2LMHeadModel(_gpt2.GPT2Config(**dims)).to(device)
+        desc = "built-in GPT-2 of benchmarks/_gpt2.py" + why
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g).to(device)
+    if use_transformers:
+        def loss_fn():
+            return model(x, labels=x).loss
+    else:
+        def loss_fn():
+            return _gpt2.lm_loss(model(x), x)
+    return model, loss_fn, desc
+
+
+def strict(fn):
+    """fn under torch.cuda.set_sync_debug_mode("error"): a host sync raises instead of waiting."""
+    def run():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return run
+
+
+def is_sync_error(e: RuntimeError) -> bool:
+    return "synchroniz" in str(e)  # "called a synchronizing CUDA operation"
+
+
+def workload_sync(model, loss_fn, autocast) -> str | None:
+    """The traceback of a host sync in one forward + backward of the bare workload
+    (after two unchecked ones: lazy initialisation may sync), or None."""
+    def fwd_bwd():
+        with autocast:
+            loss = loss_fn()
+        loss.backward()
+
+    try:
+        fwd_bwd()
+        fwd_bwd()
+        strict(fwd_bwd)()
+    except RuntimeError as e:
+        if not is_sync_error(e):
+            raise
+        return traceback.format_exc()
+    finally:
+        model.zero_grad(set_to_none=True)
+    return None
+
+
+def overhead_stage(args) -> dict:
+    import bench_overhead
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    shape = gpt2_shape(args.device, args.quick)
+    rounds = 3 if not cuda else (4 if args.quick else 8)
+    steps_per_round, warm_rounds = (3 if not cuda else 5), 1
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+    model, loss_fn, desc = gpt2_workload(shape, device)
+    details = {}
+    if cuda and "transformers" in desc and (tb := workload_sync(model, loss_fn, autocast)):
+        # Recent transformers read a device value on the host in every forward
+        # (e.g. the packed-sequence check of create_causal_mask): such a step
+        # cannot show whether hookcap syncs, so the built-in GPT-2 runs instead.
+        details["transformers_syncs"] = tb.strip().splitlines()[-12:]
+        log(f"  {desc} syncs the host in its own step (see transformers_syncs); using the built-in GPT-2")
+        del model, loss_fn
+        gc.collect()
+        torch.cuda.empty_cache()
+        model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
+        desc += " (transformers' GPT-2 syncs the host in its own step)"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    skip = {}
+    cfgs = bench_overhead.configs(skip, only=["every=1 log2 hist", "every=10"])
+    clock = bench_overhead.timer(device)
+    times = {c.name: [] for c in cfgs}
+    by_round = {c.name: [] for c in cfgs}
+    sync_errors, strict_steps = {}, collections.Counter()
+    log(f"  {desc}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
+        f"B={shape['batch']} T={shape['seq']}, {rounds} rounds x {steps_per_round} steps")
+
+    order = random.Random(0)
+    for r in range(rounds + warm_rounds):
+        # As bench_overhead.measure: a new order every round and a collected heap
+        # before each configuration, so none always runs behind the same one.
+        for c in order.sample(cfgs, len(cfgs)):
+            gc.collect()
+            c.attach(model)
+
+            def step():
+                with autocast:
+                    loss = loss_fn()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                c.after_step()
+
+            samples = []
+            for s in range(steps_per_round):
+                steady = r >= warm_rounds and s > 0  # the first step after attach is warm-up
+                check = cuda and steady and c.name not in sync_errors
+                try:
+                    t = clock(strict(step) if check else step)
+                except RuntimeError as e:
+                    if not (check and is_sync_error(e)):
+                        raise
+                    sync_errors[c.name] = traceback.format_exc()
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                strict_steps[c.name] += check
+                if steady:
+                    samples.append(t)
+            c.detach()
+            if samples:
+                times[c.name].extend(samples)
+                by_round[c.name].append(statistics.median(samples))
+        if r >= warm_rounds:
+            log(f"  round {r - warm_rounds + 1}/{rounds}: " + ", ".join(
+                f"{name} {by_round[name][-1] * 1e3:.1f} ms" for name in by_round if by_round[name]))
+
+    base = by_round["no telemetry"]
+    rows = []
+    for c in cfgs:
+        t = times[c.name]
+        ratio = statistics.median(x / b for x, b in zip(by_round[c.name], base)) if t else float("nan")
+        rows.append({"config": c.name, "median_ms": statistics.median(t) * 1e3 if t else None, "ratio": ratio,
+                     "overhead_pct": 100 * (ratio - 1), "mean_ms": statistics.fmean(t) * 1e3 if t else None,
+                     "samples": len(t), "sync_checked_steps": strict_steps[c.name],
+                     "sync_error": sync_errors.get(c.name)})
+    details.update(model=desc, shape=shape, optimizer="AdamW(lr=1e-4)", autocast="bfloat16" if cuda else None,
+                   torch_threads=torch.get_num_threads(), rounds=rounds, steps_per_round=steps_per_round,
+                   warm_rounds=warm_rounds, rows=rows, skipped_configs=skip,
+                   sync_debug_mode="error on every steady-state step" if cuda else "not available on cpu")
+    if cuda:
+        details["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if sync_errors:
+        who = ", ".join(sync_errors)
+        hint = " (the baseline too: the workload itself syncs)" if "no telemetry" in sync_errors else ""
+        first = "\n".join(next(iter(sync_errors.values())).strip().splitlines()[-15:])
+        raise StepFailed(f"host sync under set_sync_debug_mode('error') in: {who}{hint}\n{first}", details)
+    return details
+
+
+def build_info_stage(args) -> dict:
+    import hookcap
+
+    return hookcap.build_info()
+
+
+STAGES = {"build_info": build_info_stage, "kernel": kernel_stage, "overhead": overhead_stage}
+
+
+def run_stage(args) -> int:
+    """Child side of Runner.stage: run one step, write {ok, details, error} for the parent."""
+    sys.path[:0] = [p for p in (ROOT, HERE) if p not in sys.path]
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # steadier on a small shared machine; the cpu mode only exercises code
+    rec = run_step(args.stage, lambda: STAGES[args.stage](args), announce=False)
+    path = os.path.join(args.outdir, f"{args.stage}.stage.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(rec, f, default=str)
+    os.replace(path + ".tmp", path)
+    return 0 if rec["ok"] else 1
+
+
+# -- summary ------------------------------------------------------------------------------------
+
+
+def step_note(s: dict) -> str:
+    d = s.get("details") or {}
+    if not s["ok"]:
+        return ((s.get("error") or "").strip().splitlines() or [""])[-1][:160].replace("|", "/")
+    if "not_run" in d:
+        return d["not_run"]
+    if s["name"] == "environment":
+        return f"{d.get('gpu', 'no GPU')}, torch {d['torch']}, CUDA {d['torch_cuda']}"
+    if s["name"] == "build":
+        info = d.get("build_info", {})
+        return f"{d['build']}; CUDA kernels: {info.get('cuda')}, arch {info.get('arch_list')}"
+    if s["name"] == "tests":
+        return f"{d['passed']} passed, {d['failures'] + d['errors']} failed, {d['skipped']} skipped"
+    if s["name"] == "kernel":
+        c = d["correctness"]
+        return f"{len(d['rows'])} rows; correctness {sum(r['ok'] for r in c)}/{len(c)}"
+    if s["name"] == "overhead":
+        return ", ".join(f"{r['config']} {r['overhead_pct']:+.1f}%" for r in d["rows"][1:])
+    return ""
+
+
+def ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def summary_md(report: dict) -> str:
+    m = report["machine"]
+    gpu = (f"{m['gpu']} (sm {m['capability'][0]}.{m['capability'][1]}, {m['sm_count']} SMs, "
+           f"{m['memory_gib']} GiB, driver {m.get('driver') or 'unknown'})" if m.get("gpu") else "no GPU")
+    steps = report["steps"]
+    failed = [s["name"] for s in steps if not s["ok"]]
+    out = [f"# hookcap gpu_check ({report['started']})", "",
+           f"- device: {report['device']}{' (quick)' if report['quick'] else ''}; {gpu}",
+           f"- torch {m.get('torch')} (CUDA {m.get('torch_cuda')}), python {m.get('python')}, git {m.get('git')}, "
+           f"{m.get('cpu_count')} CPUs ({m.get('cpu')})",
+           f"- result: {'all steps ok' if not failed else 'FAILED: ' + ', '.join(failed)}, "
+           f"{report['seconds']:.0f} s", "", "## Steps", "", "| step | ok | seconds | note |", "|---|---|---:|---|"]
+    out += [f"| {s['name']} | {'ok' if s['ok'] else '**FAILED**'} | {s['seconds']:.1f} | {step_note(s)} |"
+            for s in steps]
+    by_name = {s["name"]: s.get("details") or {} for s in steps}
+    k = by_name.get("kernel", {})
+    if k.get("rows"):
+        out += ["", f"## Kernel: hookcap._ops.accumulate vs copy ({k['timer']}, median per call)", "",
+                "GB/s: input bytes per second (the copy counts read + write); × copy: the fraction of the "
+                "copy's GB/s for the same dtype and size.", "", KERNEL_HEADER, "|---|---:|---|---|---:|---:|---:|"]
+        out += [f"| {r['dtype']} | {sci(r['elements'])} | {r['layout']} | "
+                f"{'copy' if r['op'] == 'copy' else 'hookcap ' + r['hist']} | {r['us_per_call']:.1f} | "
+                f"{r['gbps']:.1f} | {r['copy_fraction']:.2f} |" for r in k["rows"]]
+        out += ["", "Histogram paths: " + "; ".join(f"{a}: {b}" for a, b in k["hist_kinds"].items()) + "."]
+        c = k["correctness"]
+        out += [f"Correctness at 1e6 elements: {sum(r['ok'] for r in c)}/{len(c)} checks match "
+                f"({', '.join(sorted({r['against'] for r in c}))})."]
+        out += [f"Skipped: {s}" for s in k["skipped_points"]]
+    o = by_name.get("overhead", {})
+    if o.get("rows"):
+        sh = o["shape"]
+        out += ["", f"## Overhead: {o['model']}", "",
+                f"{sh['n_layer']} layers, n_embd {sh['n_embd']}, vocab {sh['vocab_size']}, B={sh['batch']}, "
+                f"T={sh['seq']}, {o['optimizer']}, autocast {o['autocast']}; {o['rounds']} rounds x "
+                f"{o['steps_per_round']} steps; overhead paired by round; sync debug mode: {o['sync_debug_mode']}.",
+                "", "| config | median ms | overhead | mean ms | samples | steps under sync check | sync |",
+                "|---|---:|---:|---:|---:|---:|---|"]
+        for r in o["rows"]:
+            out.append(f"| {r['config']} | {ms(r['median_ms'])} | {r['overhead_pct']:+.1f}% | {ms(r['mean_ms'])} "
+                       f"| {r['samples']} | {r['sync_checked_steps']} | {'SYNC' if r['sync_error'] else 'none'} |")
+    errors = [s for s in steps if not s["ok"]]
+    if errors:
+        out += ["", "## Errors"]
+        for s in errors:
+            out += ["", f"### {s['name']}", "", "```", s["error"].strip(), "```"]
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(report: dict) -> None:
+    path = os.path.join(report["outdir"], "gpu_check.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    md = summary_md(report)
+    with open(os.path.join(report["outdir"], "summary.md"), "w") as f:
+        f.write(md)
+    print("\n" + md, flush=True)
+    log(f"wrote {path} and summary.md")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("outdir", help="folder for gpu_check.json, summary.md and the logs")
+    p.add_argument("--skip-build", action="store_true", help="use the extension already built in place")
+    p.add_argument("--quick", action="store_true", help="kernel sizes up to 1e7, a small GPT-2, fewer rounds")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: exercise the code paths on a machine without a GPU")
+    p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)  # a child's step
+    args = p.parse_args(argv)
+    args.outdir = os.path.abspath(args.outdir)
+    os.makedirs(args.outdir, exist_ok=True)
+    if args.stage:
+        return run_stage(args)
+
+    t0 = time.perf_counter()
+    report = {"tool": "benchmarks/gpu_check.py", "command": [sys.executable] + sys.argv, "outdir": args.outdir,
+              "device": args.device, "quick": args.quick, "skip_build": args.skip_build,
+              "started": now_iso(), "steps": []}
+    runner = Runner(args)
+    env_step = run_step("environment", environment)
+    report["steps"].append(env_step)
+    report["machine"] = env_step.get("details") or {}
+    if args.device == "cuda" and not report["machine"].get("cuda_available"):
+        env_step.update(ok=False, error="--device cuda but torch.cuda.is_available() is False "
+                                        "(no GPU, no driver, or a CPU-only torch); nothing else was run")
+        log(env_step["error"])
+        code = 2
+    else:
+        for name, fn in (("build", lambda: build(runner, report["machine"])), ("tests", lambda: tests(runner)),
+                         ("kernel", lambda: runner.stage("kernel")), ("overhead", lambda: runner.stage("overhead"))):
+            report["steps"].append(run_step(name, fn))
+        code = 0 if all(s["ok"] for s in report["steps"]) else 1
+    report.update(finished=now_iso(), seconds=round(time.perf_counter() - t0, 1),
+                  ok=code == 0, exit_code=code)
+    write_outputs(report)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""benchmarks/gpu_check.py end to end in its --device cpu mode (the GPU machine
+runs the same code with CUDA sizes and timers), and the built-in GPT-2 of
+benchmarks/_gpt2.py against transformers' GPT2LMHeadModel with the same weights."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _gpt2  # noqa: E402
+import gpu_check  # noqa: E402
+
+STEPS = ["environment", "build", "tests", "kernel", "overhead"]
+
+
+def run_gpu_check(outdir, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(outdir), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cpu_quick_run_records_every_step(tmp_path):
+    out = run_gpu_check(tmp_path, "--device", "cpu", "--quick")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [s["name"] for s in report["steps"]] == STEPS
+    assert all(s["ok"] for s in report["steps"]), [s.get("error") for s in report["steps"]]
+    assert report["exit_code"] == 0 and report["machine"]["torch"] == torch.__version__
+    steps = {s["name"]: s["details"] for s in report["steps"]}
+
+    kernel = steps["kernel"]
+    rows = kernel["rows"]
+    assert rows and all(r["gbps"] > 0 and r["us_per_call"] > 0 for r in rows)
+    hists = {r["hist"] for r in rows if r["op"] == "hookcap"}
+    assert hists == set(kernel["hist_kinds"]) and len(hists) == 5
+    assert {r["layout"] for r in rows} == {"contiguous", "transposed", "sliced"}
+    dtypes = {r["dtype"] for r in rows} | {s["dtype"] for s in kernel["skipped_points"]}
+    assert dtypes == {"float32", "bfloat16", "float8_e4m3fn"}
+    for r in rows:  # the copy of the same dtype and size is the yardstick
+        copy = next(c for c in rows if c["op"] == "copy" and (c["dtype"], c["elements"]) ==
+                    (r["dtype"], r["elements"]))
+        assert r["copy_fraction"] == pytest.approx(r["gbps"] / copy["gbps"])
+    checks = kernel["correctness"]
+    assert checks and all(c["ok"] for c in checks)
+    assert all(c["count"] == c["elements"] == 10**6 for c in checks)
+    assert all(0 < c["nan"] < c["count"] and c["min"] < 0 < c["max"] for c in checks)
+
+    overhead = steps["overhead"]
+    assert [r["config"] for r in overhead["rows"]] == ["no telemetry", "hookcap every=1 log2 hist",
+                                                       "hookcap every=10"]
+    assert all(r["median_ms"] > 0 and r["samples"] > 0 for r in overhead["rows"])
+    assert steps["build"]["build_info"]["torch_version"] == torch.__version__
+
+    summary = (tmp_path / "summary.md").read_text()
+    assert gpu_check.KERNEL_HEADER in summary and "## Overhead" in summary
+    assert summary.strip() in out.stdout
+    assert {"build_info.log", "kernel.log", "overhead.log"} <= set(os.listdir(tmp_path))
+
+
+def test_no_gpu_for_device_cuda_exits_2_with_the_reason(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    out = run_gpu_check(tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["name"], s["ok"]) for s in report["steps"]] == [("environment", False)]
+    assert "torch.cuda.is_available() is False" in report["steps"][0]["error"]
+
+
+def test_a_failing_step_is_recorded_and_the_next_still_runs():
+    def boom():
+        raise ValueError("planted")
+
+    recs = [gpu_check.run_step("a", boom), gpu_check.run_step("b", lambda: {"x": 1})]
+    assert not recs[0]["ok"] and "ValueError: planted" in recs[0]["error"]
+    assert recs[1] == {"name": "b", "ok": True, "details": {"x": 1}, "seconds": recs[1]["seconds"]}
+    failed = gpu_check.run_step("c", lambda: (_ for _ in ()).throw(gpu_check.StepFailed("why", {"k": 2})))
+    assert (failed["ok"], failed["error"], failed["details"]) == (False, "why", {"k": 2})
+
+
+def test_builtin_gpt2_workload_trains():
+    shape = gpu_check.gpt2_shape("cpu", quick=True)
+    model, loss_fn, desc = gpu_check.gpt2_workload(shape, "cpu", use_transformers=False)
+    assert "built-in" in desc
+    loss = loss_fn()
+    loss.backward()
+    # Random init over a 256-token vocabulary: the loss starts near log(256).
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.5
+    assert model.lm_head.weight.grad is not None
+
+
+def test_builtin_gpt2_matches_transformers_with_the_same_weights():
+    transformers = pytest.importorskip("transformers")
+    dims = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=16)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        **dims, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)).eval()
+    with torch.no_grad():  # weights larger than GPT-2's init, so every layer moves the logits
+        for name, p in hf.named_parameters():
+            p.normal_(1.0 if ".ln_" in name and name.endswith("weight") else 0.0, 0.2)
+    ours = _gpt2.GPT2LMHeadModel(_gpt2.GPT2Config(**dims)).eval()
+    # transformers' Conv1D keeps its weight as [in, out]: nn.Linear's transpose.
+    sd = {k: (v.t() if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) else v)
+          for k, v in hf.state_dict().items()}
+    ours.load_state_dict({k: sd[k] for k in ours.state_dict()})
+    assert set(ours.state_dict()) <= set(sd)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    x = torch.randint(128, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(x).logits
+        got = ours(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert _gpt2.lm_loss(got, x).item() == pytest.approx(hf(x, labels=x).loss.item(), abs=1e-5)
