@@ -16,6 +16,7 @@ PyMethodDef* grad_hook_methods();  // grad_hooks.cpp
 PyMethodDef* host_pack_methods();  // host_pack.cpp
 #ifdef HOOKCAP_WITH_CUDA
 int64_t join_write_streams(int device);  // cuda/stats_launch.cu
+bool captured_writes(int device);
 #endif
 
 namespace {
@@ -37,8 +38,21 @@ PyObject* py_join_write_streams(PyObject*, PyObject* arg) {
 #endif
 }
 
+// _captured_writes(device index) -> bool: whether a hookcap op ever ran
+// inside a CUDA graph capture on that device (the graph holds its ring).
+PyObject* py_captured_writes(PyObject*, PyObject* arg) {
+  const long device = PyLong_AsLong(arg);
+  if (device == -1 && PyErr_Occurred()) return nullptr;
+#ifdef HOOKCAP_WITH_CUDA
+  return PyBool_FromLong(captured_writes(static_cast<int>(device)));
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
 PyMethodDef kStreamMethods[] = {
     {"_join_write_streams", py_join_write_streams, METH_O, nullptr},
+    {"_captured_writes", py_captured_writes, METH_O, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
 }  // namespace

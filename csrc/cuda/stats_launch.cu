@@ -50,14 +50,22 @@ constexpr int kMaxWriteStreams = 64;
 struct WriteStreams {
   std::atomic<uintptr_t> keys[kMaxWriteStreams];
   std::atomic<bool> overflow;
+  std::atomic<bool> captured;  // sticky: an op of ours ran inside a CUDA graph capture
   cudaEvent_t events[kMaxWriteStreams];  // created at the first join that needs one
 };
 WriteStreams g_write_streams[kMaxDevices];
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+}
 
 // Hot path: usually the first entry matches (one relaxed load).
 void note_write_stream(int device, cudaStream_t s) {
   if (device < 0 || device >= kMaxDevices) return;
   WriteStreams& w = g_write_streams[device];
+  // A graph keeps this launch's ring pointer: the ring must outlive it (hookcap/_ring.py).
+  if (!w.captured.load(std::memory_order_relaxed) && capturing(s)) w.captured.store(true);
   const uintptr_t key = reinterpret_cast<uintptr_t>(s) + 1;
   for (auto& k : w.keys) {
     uintptr_t cur = k.load(std::memory_order_relaxed);
@@ -67,12 +75,11 @@ void note_write_stream(int device, cudaStream_t s) {
   w.overflow.store(true, std::memory_order_relaxed);
 }
 
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
-}
-
 }  // namespace
+
+bool captured_writes(int device) {
+  return device >= 0 && device < kMaxDevices && g_write_streams[device].captured.load();
+}
 
 int64_t join_write_streams(int device) {
   if (device < 0 || device >= kMaxDevices) return 0;
