@@ -16,7 +16,7 @@ PyMethodDef* grad_hook_methods();  // grad_hooks.cpp
 PyMethodDef* host_pack_methods();  // host_pack.cpp
 #ifdef HOOKCAP_WITH_CUDA
 int64_t join_write_streams(int device);  // cuda/stats_launch.cu
-bool captured_writes(int device);
+bool captured_ring(uintptr_t ring);
 #endif
 
 namespace {
@@ -38,13 +38,13 @@ PyObject* py_join_write_streams(PyObject*, PyObject* arg) {
 #endif
 }
 
-// _captured_writes(device index) -> bool: whether a hookcap op ever ran
-// inside a CUDA graph capture on that device (the graph holds its ring).
-PyObject* py_captured_writes(PyObject*, PyObject* arg) {
-  const long device = PyLong_AsLong(arg);
-  if (device == -1 && PyErr_Occurred()) return nullptr;
+// _captured_ring(ring data_ptr) -> bool: whether a hookcap op wrote into
+// that ring buffer inside a CUDA graph capture (the graph keeps its address).
+PyObject* py_captured_ring(PyObject*, PyObject* arg) {
+  const unsigned long long ptr = PyLong_AsUnsignedLongLong(arg);
+  if (ptr == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
 #ifdef HOOKCAP_WITH_CUDA
-  return PyBool_FromLong(captured_writes(static_cast<int>(device)));
+  return PyBool_FromLong(captured_ring(static_cast<uintptr_t>(ptr)));
 #else
   Py_RETURN_FALSE;
 #endif
@@ -52,7 +52,7 @@ PyObject* py_captured_writes(PyObject*, PyObject* arg) {
 
 PyMethodDef kStreamMethods[] = {
     {"_join_write_streams", py_join_write_streams, METH_O, nullptr},
-    {"_captured_writes", py_captured_writes, METH_O, nullptr},
+    {"_captured_ring", py_captured_ring, METH_O, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
 }  // namespace

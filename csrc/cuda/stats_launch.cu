@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -50,7 +51,6 @@ constexpr int kMaxWriteStreams = 64;
 struct WriteStreams {
   std::atomic<uintptr_t> keys[kMaxWriteStreams];
   std::atomic<bool> overflow;
-  std::atomic<bool> captured;  // sticky: an op of ours ran inside a CUDA graph capture
   cudaEvent_t events[kMaxWriteStreams];  // created at the first join that needs one
 };
 WriteStreams g_write_streams[kMaxDevices];
@@ -60,12 +60,31 @@ bool capturing(cudaStream_t s) {
   return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
 }
 
+// Rings a CUDA graph capture wrote into: the graph keeps their address, so
+// a ring that grows must keep such a buffer alive (hookcap/_ring.py).
+constexpr int kMaxCapturedRings = 256;
+std::mutex g_captured_mu;
+uintptr_t g_captured_rings[kMaxCapturedRings];
+int g_ncaptured = 0;
+
+void note_capture(cudaStream_t s, const void* ring) {
+  if (!capturing(s)) return;
+  const auto p = reinterpret_cast<uintptr_t>(ring);
+  std::lock_guard<std::mutex> lk(g_captured_mu);
+  for (int i = 0; i < g_ncaptured; ++i) {
+    if (g_captured_rings[i] == p) return;
+  }
+  if (g_ncaptured < kMaxCapturedRings) {
+    g_captured_rings[g_ncaptured++] = p;
+  } else {
+    TORCH_WARN_ONCE("hookcap: more than ", kMaxCapturedRings, " rings written inside CUDA graph captures");
+  }
+}
+
 // Hot path: usually the first entry matches (one relaxed load).
 void note_write_stream(int device, cudaStream_t s) {
   if (device < 0 || device >= kMaxDevices) return;
   WriteStreams& w = g_write_streams[device];
-  // A graph keeps this launch's ring pointer: the ring must outlive it (hookcap/_ring.py).
-  if (!w.captured.load(std::memory_order_relaxed) && capturing(s)) w.captured.store(true);
   const uintptr_t key = reinterpret_cast<uintptr_t>(s) + 1;
   for (auto& k : w.keys) {
     uintptr_t cur = k.load(std::memory_order_relaxed);
@@ -77,8 +96,12 @@ void note_write_stream(int device, cudaStream_t s) {
 
 }  // namespace
 
-bool captured_writes(int device) {
-  return device >= 0 && device < kMaxDevices && g_write_streams[device].captured.load();
+bool captured_ring(uintptr_t ring) {
+  std::lock_guard<std::mutex> lk(g_captured_mu);
+  for (int i = 0; i < g_ncaptured; ++i) {
+    if (g_captured_rings[i] == ring) return true;
+  }
+  return false;
 }
 
 int64_t join_write_streams(int device) {
@@ -147,6 +170,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   c10::cuda::CUDAGuard guard(x_in.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
   note_write_stream(x_in.device().index(), stream);
+  note_capture(stream, ring.data_ptr());
 
   const DimPlan plan = plan_read(x_in);
   // Each thread streams >= kPerThread elements of a large tensor (loads in
@@ -221,6 +245,7 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
   note_write_stream(ring.device().index(), stream);
+  note_capture(stream, ring.data_ptr());
   launch("hookcap.time_mark", &time_mark_kernel, dim3(1), dim3(1), stream, ring.data_ptr<int64_t>(),
          state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2), row, phase, start);
 }
