@@ -43,6 +43,17 @@ def copies_to_wait(pending, resets: bool, slot: int) -> list:
     return [p for p in pending if resets and p.slot == slot and p.event is not None]
 
 
+def fold_retired(rows: np.ndarray, retired: list) -> np.ndarray:
+    """Rows [n, width] of a slot merged with the same slot's rows [k <= n,
+    width] of each retired ring (row i is the same metric in all), as if every
+    write had gone into one row."""
+    if not retired:
+        return rows
+    stacked = np.concatenate([rows, *retired])
+    groups = np.concatenate([np.arange(len(rows)), *[np.arange(len(r)) for r in retired]])
+    return _layout.merge_groups(stacked, groups)[1]
+
+
 @dataclass
 class _Pending:
     step: int
@@ -53,6 +64,7 @@ class _Pending:
     pinned: torch.Tensor | None = None  # CUDA: copy target
     event: torch.cuda.Event | None = None
     source: torch.Tensor | None = None  # keeps the ring alive until the copy is done
+    retired: list | None = None  # CUDA: (pinned copy, rows) of each retired ring's slot
 
 
 class DeviceRing:
@@ -79,6 +91,10 @@ class DeviceRing:
         self.pending: deque[_Pending] = deque()
         self._side = torch.cuda.Stream(device) if self.is_cuda else None
         self._pinned: dict[int, torch.Tensor] = {}
+        # CUDA: earlier buffers of this ring that a CUDA graph captured writes
+        # into (the graph keeps their address): kept alive, reset with the
+        # ring and folded into each drained slot.
+        self.retired: list[torch.Tensor] = []
         self.ring[:, :, _layout.STEP_TAG] = _UNTAGGED
         _ops.reset_slot(self.ring, self.state)
 
@@ -94,6 +110,8 @@ class DeviceRing:
             grown = torch.empty((self.slots, more, self.width), dtype=torch.int64, device=self.device)
             grown[:, :rows].copy_(self.ring)
             grown[:, rows:, _layout.STEP_TAG] = _UNTAGGED
+            if self.is_cuda and _C._captured_ring(self.ring.data_ptr()):
+                self._retire(self.ring)
             self.ring = grown
             self._host_view = None if self.is_cuda else grown.numpy()
             self._reset_for.clear()
@@ -108,6 +126,15 @@ class DeviceRing:
         self.rows_version += 1
         return row
 
+    def _retire(self, old: torch.Tensor) -> None:
+        self.retired.append(old)
+        mb = sum(r.numel() for r in self.retired) * 8 / 2**20
+        log.warning(
+            "hookcap: the stats ring on %s grew after a CUDA graph captured hooks writing into it; "
+            "the old ring is kept (%.1f MB in all) and folded into every recorded step, at the cost "
+            "of one more copy and reset per step. Run the model eagerly once (every module and hook "
+            "called) before capturing to avoid this.", self.device, mb)
+
     def name_row(self, row: int, metric: int) -> None:
         """Give an UNNAMED row its metric index."""
         self.metric_of_row[row] = metric
@@ -120,6 +147,9 @@ class DeviceRing:
         self._reset_for.clear()
         self.ring[:, :, _layout.STEP_TAG] = _UNTAGGED
         _ops.reset_slot(self.ring, self.state)
+        for old in self.retired:
+            old[:, :, _layout.STEP_TAG] = _UNTAGGED
+            _ops.reset_slot(old, self.state)
 
     def set_enabled(self, enabled: bool) -> None:
         """Whether the kernels write this step (also code compiled with the
@@ -147,11 +177,21 @@ class DeviceRing:
         _C._join_write_streams(self.ring.device.index)  # after hook ops on other streams
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
+        retired = []
+        for i, old in enumerate(self.retired):
+            k = min(n, old.shape[1])
+            buf = self._pinned.get((i, slot))
+            if buf is None:
+                buf = self._pinned[(i, slot)] = torch.empty((old.shape[1], self.width), dtype=torch.int64,
+                                                            pin_memory=True)
+            retired.append((buf, k))
         with torch.cuda.stream(self._side):
             pinned[:n].copy_(self.ring[slot, :n], non_blocking=True)
+            for old, (buf, k) in zip(self.retired, retired):
+                buf[:k].copy_(old[slot, :k], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._side)
-        self.pending.append(_Pending(step, slot, n, None, pinned, ev, self.ring))
+        self.pending.append(_Pending(step, slot, n, None, pinned, ev, self.ring, retired or None))
         return True
 
     def ready(self, wait: bool = False):
@@ -166,6 +206,8 @@ class DeviceRing:
                     return
                 p.event.synchronize()
                 p.host = p.pinned[: p.nrows].numpy().copy()
+                if p.retired:
+                    p.host = fold_retired(p.host, [buf[:k].numpy() for buf, k in p.retired])
             self.pending.popleft()
             yield p.step, p.host, p.slot_rows
 
@@ -213,3 +255,6 @@ class DeviceRing:
                 st[:] = (nstep, 1, nslot)
                 return
         _ops.advance(self.ring, self.state, every)
+        if resets:
+            for old in self.retired:  # the slot advance() just reset in the ring
+                _ops.reset_slot(old, self.state)

@@ -128,12 +128,12 @@ def _graph_model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).cuda()
 
 
-def _assert_steps_equal(h, steps, ref_step):
+def _assert_steps_equal(h, steps, ref_step, names=None):
     """Every step in ``steps`` holds the same stats as step ``ref_step``."""
     r = list(h.steps).index(ref_step)
     for s in steps:
         i = list(h.steps).index(s)
-        for name in h.names:
+        for name in h.names if names is None else names:
             c = h.column(name)
             assert h["count"][i, c] == h["count"][r, c] > 0, (s, name)
             np.testing.assert_allclose(h["sum"][i, c], h["sum"][r, c], rtol=1e-5, atol=1e-6)
@@ -341,3 +341,36 @@ def test_monitor_records_outputs_computed_on_a_side_stream():
     for c, t in enumerate(ref):
         assert h["count"][-1, c] == t.numel()
         assert h["max"][-1, c] == t.max().item()
+
+
+def test_graph_captured_before_the_ring_grows_still_records(caplog):
+    """The graph keeps the ring address it captured: when 80 new metrics grow
+    the ring, the old buffer is kept (not freed under the graph) and folded
+    into every step, so replays are still recorded in full."""
+    model = _graph_model()
+    extra = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(80)]).cuda()
+    x, y = torch.randn(8, 16, device="cuda"), torch.randn(2, 4, device="cuda")
+    mon = hookcap.Monitor(torch.nn.ModuleDict({"m": model, "extra": extra}),
+                          capture=("output", "grad_output")).attach()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+            mon.step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        model(x).sum().backward()
+    first = mon.current_step
+    for i in range(4):
+        g.replay()
+        if i == 1:
+            with torch.no_grad():
+                extra(y)  # 80 new rows: the ring grows
+        mon.step()
+    names = [n for n in mon.history().names if n.startswith("m.")]
+    assert len(names) == 6 and "grew after a CUDA graph captured" in caplog.text
+    _assert_steps_equal(mon.history(), range(first, first + 4), ref_step=2, names=names)
+    mon.detach()

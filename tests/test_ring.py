@@ -201,3 +201,36 @@ def test_cuda_advance_waits_only_for_the_copy_of_the_slot_it_resets():
     assert copies_to_wait(pending, False, 1) == []  # an off-step resets nothing
     done = _Pending(step=9, slot=1, nrows=1, host=None)  # a CPU entry: no copy
     assert copies_to_wait([done], True, 1) == []
+
+
+@pytest.mark.parametrize("histogram", [H, None])
+def test_retired_ring_rows_fold_into_the_slot_as_one_row(histogram):
+    """A CUDA graph captured before the ring grew keeps writing the old ring:
+    fold_retired merges those rows into the new ring's (same row index) as
+    if every write had gone into one row, rows the old ring lacks untouched."""
+    from hookcap._ring import fold_retired
+
+    st = new_state("cpu")
+    new, old, one = make_ring(1, 3, histogram), make_ring(1, 2, histogram), make_ring(1, 3, histogram)
+    for r in (new, old, one):
+        _ops.reset_slot(r, st)
+    g = torch.Generator().manual_seed(3)
+    writes = [(new, 0, torch.randn(500, generator=g) + 40), (old, 0, torch.randn(300, generator=g) * 1e3),
+              (old, 1, torch.tensor([float("nan"), 0.0, 2.5])), (new, 2, torch.randn(64, generator=g)),
+              (old, 0, torch.randn(7, 9, generator=g).t())]
+    for ring, row, x in writes:
+        _ops.accumulate(x, ring, st, row, histogram)
+        _ops.accumulate(x, one, st, row, histogram)
+    folded = fold_retired(new[0].numpy().copy(), [old[0].numpy().copy()])
+    for row in range(3):
+        values = torch.cat([x.reshape(-1).double() for _, r, x in writes if r == row] or [torch.empty(0)])
+        want = one[0, row].numpy()
+        exact = [c for c in range(folded.shape[1]) if c not in (_layout.SUM, _layout.SUMSQ, _layout.S1, _layout.S2, _layout.SHIFT)]
+        np.testing.assert_array_equal(folded[row, exact], want[exact])
+        got = {k: float(v) for k, v in _layout.decode(folded[row]).items()}
+        if histogram is not None:
+            got["hist"], got["bin_edges"] = folded[row, _layout.HEADER:], histogram.bin_edges
+        ref = hookcap.reference.stats_from_values(values.numpy(), histogram)
+        assert_stats_match(got, ref, abs_sum=abs_sum(values))
+    rows = new[0].numpy()
+    assert fold_retired(rows, []) is rows  # nothing retired: the rows as they are
