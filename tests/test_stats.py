@@ -54,6 +54,24 @@ def test_float8(dtype):
     assert got["count"] == 5000
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_float8_value_widens_exactly(dtype):
+    """All 256 bit patterns, one tensor each (min and max are the value
+    itself, or NaN/Inf counted), and all together at once."""
+    bits = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    values = bits.view(dtype)
+    wide = values.double()  # torch's own conversion
+    for v, w in zip(values, wide.tolist()):
+        s = hookcap.tensor_stats(v.reshape(1), None)
+        if math.isnan(w):
+            assert s["nan"] == 1, w
+        elif math.isinf(w):
+            assert (s["posinf"], s["neginf"]) == ((1, 0) if w > 0 else (0, 1))
+        else:
+            assert s["min"] == s["max"] == w and s["zeros"] == (w == 0), w
+    check(values.repeat(40), Histogram.log2(-20, 20))
+
+
 def test_counts_exact_values():
     x = torch.tensor([1.0, -2.0, 0.0, -0.0, float("nan"), float("inf"), float("-inf"), 3.0])
     s = hookcap.tensor_stats(x)

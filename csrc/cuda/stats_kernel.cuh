@@ -279,9 +279,9 @@ __global__ void __launch_bounds__(kThreads, 4)
     if constexpr (kDense) {
       const Vec16<T> p = reinterpret_cast<const Vec16<T>*>(body)[item];
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) out[k] = static_cast<W>(p.v[k]);
+      for (int k = 0; k < kPer; ++k) out[k] = widen<W>(p.v[k]);
     } else {
-      out[0] = static_cast<W>(x[strided_offset(desc, item)]);
+      out[0] = widen<W>(x[strided_offset(desc, item)]);
     }
   };
 
@@ -349,10 +349,10 @@ __global__ void __launch_bounds__(kThreads, 4)
     const int64_t tail = head + count * kPer;
 #ifndef HOOKCAP_EMU_BREAK_INDEX  // fault injection for tests/cuda_emu only
     for (int64_t i = gtid; i < head + (n - tail); i += gstride) {
-      const W v = static_cast<W>(x[i < head ? i : tail + (i - head)]);
+      const W v = widen<W>(x[i < head ? i : tail + (i - head)]);
 #else
     for (int64_t i = gtid; i < head + (n - tail); i += gstride) {
-      const W v = static_cast<W>(x[i < head ? i : count * kPer + (i - head)]);
+      const W v = widen<W>(x[i < head ? i : count * kPer + (i - head)]);
 #endif
       bin(v);
       exact(static_cast<double>(v));
