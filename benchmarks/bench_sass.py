@@ -11,9 +11,12 @@ then for every accumulate specialisation:
   FP64-pipe instructions (D*, and F2F/I2F/F2I to or from 64-bit floats) and
   global loads; the body is divided by the elements its loads bring in. ``br``
   counts branches inside the body: with none the body is the executed path,
-  with some every path is counted (an upper bound);
-- reports registers, spills (ptxas), static shared memory, resident blocks of
-  256 threads per SM, bytes of global loads in flight per SM (the loads issued
+  with some every path is counted (an upper bound). The stubs BRA.DIV jumps to
+  (a warp-synchronous instruction redone for a diverged warp) are not loops;
+- reports registers, spills (ptxas), static shared memory, the most dynamic
+  shared memory the launcher gives the mode (``dyn``: its budget, which keeps
+  4 blocks per SM; log2 at most 2,203 bins), resident blocks of
+  256 threads per SM (static + dyn), bytes of global loads in flight per SM (the loads issued
   before the first instruction that reads one of their results, times the
   resident threads), and the static issue-rate bound as a fraction of an
   H100's HBM bandwidth.
@@ -45,12 +48,14 @@ THREADS = 256  # threads per block of every accumulate launch (stats_launch.cu k
 
 # Per-SM limits: registers, shared memory usable by blocks (bytes), threads, blocks.
 SM_LIMITS = {
-    80: dict(regs=65536, smem=167936, threads=2048, blocks=32),
-    86: dict(regs=65536, smem=102400, threads=1536, blocks=16),
-    89: dict(regs=65536, smem=102400, threads=1536, blocks=24),
-    90: dict(regs=65536, smem=233472, threads=2048, blocks=32),
+    80: dict(regs=65536, smem=167936, threads=2048, blocks=32, optin=166912),
+    86: dict(regs=65536, smem=102400, threads=1536, blocks=16, optin=101376),
+    89: dict(regs=65536, smem=102400, threads=1536, blocks=24, optin=101376),
+    90: dict(regs=65536, smem=233472, threads=2048, blocks=32, optin=232448),
 }
 SMEM_RESERVED = 1024  # per block, sm_80 and later
+MIN_BLOCKS = 4  # stats_kernel.cuh kMinBlocks: the launcher's dynamic shared-memory budget keeps 4 blocks per SM
+LOG2_MAX_DYN = 4 * (2203 + 1)  # log2 counts in dynamic shared memory: at most 2,203 bins (+1)
 H100 = dict(sms=132, clock_hz=1.755e9, issue_per_sm_clk=128, fp64_per_sm_clk=64, hbm_bytes_s=3.35e12)
 
 ELEM_BYTES = {"double": 8, "float": 4, "c10::Half": 2, "c10::BFloat16": 2,
@@ -205,13 +210,34 @@ def is_fp64(text: str) -> bool:
     return op.split(".")[0] in FP64_OPS or bool(FP64_CONV.match(op))
 
 
-def loops(insns: list[tuple[int, str, int]]) -> list[tuple[int, int]]:
-    """(first index, last index) of every backward branch's body."""
+def stub_returns(insns: list[tuple[int, str, int]]) -> set[int]:
+    """Indices of the branches that end the stubs BRA.DIV jumps to (a warp-synchronous
+    instruction redone for a diverged warp, e.g. MATCH under WARPSYNC.COLLECTIVE), which
+    jump back to just after the instruction: returns, not loops."""
     index = {a: i for i, (a, _, _) in enumerate(insns)}
+    out = set()
+    for _, text, _ in insns:
+        op = opcode(text)
+        if op.startswith("BRA.DIV"):
+            m = re.search(r"0x([0-9a-f]+)\s*$", text)
+            i = index.get(int(m.group(1), 16)) if m else None
+            while i is not None and i < len(insns):
+                t = insns[i][1]
+                if opcode(t) == "BRA" and not t.startswith("@"):
+                    out.add(i)
+                    break
+                i += 1
+    return out
+
+
+def loops(insns: list[tuple[int, str, int]]) -> list[tuple[int, int]]:
+    """(first index, last index) of every backward branch's body (not stub returns)."""
+    index = {a: i for i, (a, _, _) in enumerate(insns)}
+    returns = stub_returns(insns)
     found = []
     for i, (addr, text, _) in enumerate(insns):
         op = opcode(text)
-        if op.startswith("BRA"):
+        if op.startswith("BRA") and i not in returns:
             m = re.search(r"0x([0-9a-f]+)", text.split(op, 1)[1])
             if m:
                 target = int(m.group(1), 16)
@@ -252,7 +278,8 @@ def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, mar
     """The steady-state loop of one accumulate kernel: of the loops holding
     code of the marked source line, one with no other such loop inside (the
     longest if several: the fast path, not a redo loop the compiler also
-    tagged); without a marked loop, the innermost loop with the most loads."""
+    tagged, which may load more per iteration than a fast path unrolled
+    less); without a marked loop, the innermost loop with the most loads."""
     best = None
     found = loops(insns)
     marked = [(a, b) for a, b in found if marker is not None and any(ln == marker for _, _, ln in insns[a:b + 1])]
@@ -269,7 +296,7 @@ def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, mar
         if dense and not vec:
             continue
         nbytes = sum(load_bytes(op) for op in (vec if dense else loads))
-        key = (-len(vec if dense else loads), -len(body) if marked else len(body))
+        key = (-len(body),) if marked else (-len(vec if dense else loads), len(body))
         if best is None or key < best[3]:
             best = (body, nbytes, len(loads), key)
     if best is None:
@@ -283,6 +310,19 @@ def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, mar
     branches = sum(opcode(t).startswith("BRA") for t in body[:-1])
     return dict(loop_insns=n, branches=branches, elems_per_iter=elems, insns_per_elem=n / elems, fp64_per_elem=fp64 / elems,
                 loads_per_elem=nloads / elems, in_flight_bytes_per_thread=in_flight_loads(body))
+
+
+def max_dynamic_smem(arch: int, mode: str, dtype: str, static: int) -> int:
+    """The most dynamic shared memory the launcher gives a kernel of this mode on sm_<arch>
+    (kernels::hist_plan with kernels::smem_budget): log2 its largest histogram, linear (and
+    wide on float, its thresholds) up to the budget."""
+    lim = SM_LIMITS.get(arch, SM_LIMITS[80])
+    budget = min(lim["smem"] // MIN_BLOCKS - SMEM_RESERVED, lim["optin"]) - static
+    if mode == "log2":
+        return LOG2_MAX_DYN
+    if mode == "linear" or (mode == "wide" and dtype != "double"):
+        return budget
+    return 0
 
 
 def blocks_per_sm(arch: int, regs: int, smem: int) -> int:
@@ -310,7 +350,7 @@ def parse_name(demangled: str) -> tuple[str, str] | None:
         return None
     args = [a.strip() for a in m.group(1).split(",")]
     words = {"true": "dense", "false": "strided", "0": "-", "1": "log2exp", "2": "log2", "3": "linear",
-             "4": "wide"}
+             "4": "wide", "5": "wide-exact"}
     return args[0], " ".join([SHORT.get(args[0], args[0])] + [words.get(a, a) for a in args[1:]])
 
 
@@ -342,25 +382,26 @@ def main() -> None:
                 dense = "dense" in label.split()
                 loop = analyse(insns, elem, dense, marker)
                 pi = info.get(mangled, dict(regs=0, spill_st=0, spill_ld=0, smem=0))
-                bps = blocks_per_sm(arch, pi["regs"], pi["smem"])
+                dyn = max_dynamic_smem(arch, label.split()[1], dtype, pi["smem"])
+                bps = blocks_per_sm(arch, pi["regs"], pi["smem"] + dyn)
                 row = dict(arch=arch, kernel=label, dtype=SHORT.get(dtype, dtype), regs=pi["regs"],
-                           spill_bytes=pi["spill_st"] + pi["spill_ld"], smem=pi["smem"], blocks_per_sm=bps,
-                           total_insns=len(insns))
+                           spill_bytes=pi["spill_st"] + pi["spill_ld"], smem=pi["smem"], dyn_smem=dyn,
+                           blocks_per_sm=bps, total_insns=len(insns))
                 if loop:
                     row.update(loop)
                     row["in_flight_kb_per_sm"] = loop["in_flight_bytes_per_thread"] * THREADS * bps / 1024
                     row["bound_of_hbm"] = bound_fraction(loop["insns_per_elem"], loop["fp64_per_elem"], elem)
                 results.append(row)
     print(f"{'sm':>3} {'kernel':<34} {'insn/el':>7} {'fp64/el':>7} {'ld/el':>6} {'br':>3} {'regs':>4} "
-          f"{'spill':>5} {'smem':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'bound':>6}")
+          f"{'spill':>5} {'smem':>6} {'dyn':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'bound':>6}")
     for r in results:
         if "insns_per_elem" in r:
             print(f"{r['arch']:>3} {r['kernel']:<34} {r['insns_per_elem']:>7.1f} {r['fp64_per_elem']:>7.2f} "
                   f"{r['loads_per_elem']:>6.3f} {r['branches']:>3} {r['regs']:>4} {r['spill_bytes']:>5} {r['smem']:>6} "
-                  f"{r['blocks_per_sm']:>6} {r['in_flight_kb_per_sm']:>9.1f} {r['bound_of_hbm']:>6.0%}")
+                  f"{r['dyn_smem']:>6} {r['blocks_per_sm']:>6} {r['in_flight_kb_per_sm']:>9.1f} {r['bound_of_hbm']:>6.0%}")
         else:
             print(f"{r['arch']:>3} {r['kernel']:<34} {'(no loop found)':>27} {r['regs']:>4} {r['spill_bytes']:>5} "
-                  f"{r['smem']:>6} {r['blocks_per_sm']:>6}")
+                  f"{r['smem']:>6} {r['dyn_smem']:>6} {r['blocks_per_sm']:>6}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(assumptions=H100, threads=THREADS, results=results), f, indent=1)

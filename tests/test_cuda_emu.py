@@ -219,7 +219,8 @@ def test_exited_lanes_drop_out_of_warp_primitives_and_barriers(emu):
     ("partial_mask", RuntimeError, "deadlock.*0x0000ffff"),
     ("not_in_mask", RuntimeError, "is not in its mask"),
     ("trap", RuntimeError, "__trap"),
-    ("dynamic_shared", ValueError, "dynamic shared memory"),  # a launch error
+    ("dynamic_too_big", ValueError, "dynamic shared memory exceed"),  # a launch error
+    ("dynamic_overrun", RuntimeError, "wrote past the end of its 64 bytes of dynamic shared memory"),
 ])
 @pytest.mark.parametrize("schedule", [0, 1])
 def test_harness_reports_kernel_faults(emu, kind, error, message, schedule):

@@ -18,9 +18,18 @@ namespace hookcap {
 namespace kernels {
 
 constexpr int kWarpSize = 32;
-// Histograms up to this many bins are counted in shared memory per block and
-// merged once; wider ones go straight to the ring with global atomics.
-constexpr int kSharedBins = 2048;
+
+// The block's dynamic shared memory (the launch's shared-memory bytes),
+// 16-byte aligned. The CPU harness (tests/cuda_emu/cuda_emu.h, which defines
+// HOOKCAP_CUDA_EMU) supplies its own; for nvcc it is the extern __shared__ array.
+#ifdef HOOKCAP_CUDA_EMU
+using emu::dynamic_smem;
+#else
+__device__ __forceinline__ unsigned char* dynamic_smem() {
+  extern __shared__ __align__(16) unsigned char hookcap_dynamic_smem[];
+  return hookcap_dynamic_smem;
+}
+#endif
 
 struct DeviceAtomics {
   static __device__ __forceinline__ void add_i64(int64_t* p, int64_t v) {
@@ -111,48 +120,132 @@ constexpr int kRunElems = 512;  // elements per thread between flushes to double
 
 enum HistMode : int {
   kModeNone = 0,
-  kModeLog2Exp = 1,  // log2 on float, lo_exp >= -126: count the exponent byte (per warp), map once
-  kModeLog2 = 2,     // log2 in shared memory (float64 input, or bins reaching float subnormals)
-  kModeLinear = 3,   // linear in shared memory; float: exact float thresholds, no divide
-  kModeWide = 4,     // more than kSharedBins bins, or linear bins finer than float resolves
-                     // near the range (linear_float_ok): global atomics per element
+  kModeLog2Exp = 1,    // log2 on float, lo_exp >= -126: the exponent byte counted per warp
+                       // (static shared memory), mapped to bins once per block
+  kModeLog2 = 2,       // other log2 (float64 input, or bins reaching float subnormals): counts
+                       // in dynamic shared memory (at most 2,203 bins, 8.8 KB: always fits)
+  kModeLinear = 3,     // linear, counts in dynamic shared memory; float: with the thresholds
+  kModeWide = 4,       // linear whose counts do not fit the shared-memory budget: counts go to
+                       // the ring by warp-aggregated atomics; float: thresholds in dynamic
+                       // shared memory, or (too many for it) in a table the launcher fills
+  kModeWideExact = 5,  // linear on float that float cannot estimate (linear_float_ok false):
+                       // counts as kModeWide, each bin by linear_bin in double
 };
 
-// Whether float arithmetic estimates a linear bin to within one bin for
-// every value in range: the error of (v - lo) * (1 / width) in float is below
-// (max(|lo|, |hi|) / width + bins) * 2**-22 bins (kept below 1/2 here).
+// Whether the float estimate of a linear bin, q = ((v - lo_h) - lo_l) * inv
+// (lo = lo_h + lo_l split in two floats, inv = float(1 / width)), is close
+// enough to v's exact position p = (v - lo) / width for linear_bin_thr's one
+// compare to be exact: within 0.4 bins for v in [lo, hi], and on the same
+// side of the range outside it. With u = 2**-24 the error of q is below
+// 4u * |p| + 5u**2 * |lo| / width + 2**-146 / width (the float roundings, the
+// split's remainder, results below float's normal range), rounding q + 1/2
+// adds u * bins, and the double edges lie within 2**-52 * (bins + |lo| / width)
+// bins of lo + i * width: their sum for |p| <= bins is bounded here by 0.4
+// (so v lies strictly between edges j - 1 and j + 1); beyond the range the
+// error grows with |p| only by the factor 4u, so q stays below 0.5 under lo
+// and above bins - 0.5 over hi. Every quantity must also be a finite float:
+// |lo|, |hi| and 1 / width below 2**126. False means kModeWideExact.
 C10_HOST_DEVICE inline bool linear_float_ok(const HistSpec& h) {
   const double alo = h.lo < 0 ? -h.lo : h.lo, ahi = h.hi < 0 ? -h.hi : h.hi;
-  const double m = alo > ahi ? alo : ahi;
-  return (m / h.width + static_cast<double>(h.bins)) * 0x1p-21 <= 0.5;
+  if (!(alo < 0x1p126 && ahi < 0x1p126 && h.inv_width < 0x1p126)) return false;
+  const double b = static_cast<double>(h.bins), r = alo * h.inv_width;
+  return 5.0 * b * 0x1p-24 + r * 0x1p-45 + 0x1p-146 * h.inv_width + (b + r) * 0x1p-52 <= 0.4;
 }
 
-// Which mode the host picks for a histogram and a working type.
-C10_HOST_DEVICE inline int hist_mode(const HistSpec& h, bool work_is_float) {
-  if (h.kind == kHistNone) return kModeNone;
-  if (h.nbins > kSharedBins) return kModeWide;
-  if (h.kind == kHistLog2) return work_is_float && h.lo_exp >= -126 ? kModeLog2Exp : kModeLog2;
-  return !work_is_float || linear_float_ok(h) ? kModeLinear : kModeWide;
+// Least float >= e (e finite or infinite): a value v (float) is >= e iff
+// v >= that float, so float compares give the double edges' bins exactly.
+C10_HOST_DEVICE inline float float_at_or_above(double e) {
+  float f = static_cast<float>(e);
+  if (static_cast<double>(f) < e) f = nextafterf(f, kInf);
+  return f;
 }
+
+// Static shared memory of the accumulate kernels other than kModeLog2Exp (the
+// per-warp partials): the launcher's shared-memory budget leaves room for it.
+constexpr int64_t kStaticSmem = kWarps * static_cast<int64_t>(sizeof(Acc) + sizeof(int64_t));
+
+// Dynamic shared memory one block may take so that kMinBlocks blocks of
+// kThreads fit on an SM with `per_sm` bytes of shared memory, `reserved`
+// bytes reserved per block by the system and `optin` bytes at most per block.
+// H100 (sm_90): 233472, 1024, 232448 -> 56,512 bytes; A100 (sm_80): 40,128.
+constexpr int kMinBlocks = 4;
+C10_HOST_DEVICE constexpr int64_t smem_budget(int64_t per_sm, int64_t reserved, int64_t optin) {
+  const int64_t fit = per_sm / kMinBlocks - reserved;
+  return (fit < optin ? fit : optin) - kStaticSmem;
+}
+
+// Float constants of linear bins by threshold (linear_bin_thr), computed on
+// the host once per launch (so no double arithmetic is left in the kernel to
+// be recomputed inside its loop), and the thresholds' table when they are not
+// in shared memory.
+struct LinearThr {
+  float lo_h, lo_l;    // lo = lo_h + lo_l (+ a remainder below 2**-48 |lo|)
+  float inv;           // float(1 / width)
+  int bins;
+  const float* table;  // kModeWide: thr[0 .. bins] in global memory, or null (shared)
+};
+
+C10_HOST_DEVICE inline LinearThr linear_thr(const HistSpec& h) {
+  LinearThr f{};
+  f.lo_h = static_cast<float>(h.lo);
+  f.lo_l = static_cast<float>(h.lo - static_cast<double>(f.lo_h));
+  f.inv = static_cast<float>(h.inv_width);
+  f.bins = static_cast<int>(h.bins);
+  return f;
+}
+
+// How a launch counts a histogram: the mode, the dynamic shared memory per
+// block, whether the thresholds come in a global table (kModeWide on float
+// whose thresholds alone exceed the budget: the launcher fills one with
+// fill_thresholds_kernel and sets lin.table), and the float constants.
+struct HistPlan {
+  int mode;
+  int64_t smem;
+  bool table;
+  LinearThr lin;
+};
+
+// The plan for a histogram, a working type and the device's budget
+// (smem_budget). The same on the host launcher and the emulation harness.
+C10_HOST_DEVICE inline HistPlan hist_plan(const HistSpec& h, bool work_is_float, int64_t budget) {
+  HistPlan p{kModeNone, 0, false, {}};
+  if (h.kind == kHistNone) return p;
+  const int64_t counts = 4 * (h.nbins + 1);  // [0]: values not binned (NaN/Inf)
+  if (h.kind == kHistLog2) {
+    if (work_is_float && h.lo_exp >= -126) {
+      p.mode = kModeLog2Exp;
+    } else {
+      p.mode = kModeLog2;
+      p.smem = counts;  // <= 2,203 bins: under any device's budget
+    }
+    return p;
+  }
+  if (work_is_float && !linear_float_ok(h)) {
+    p.mode = kModeWideExact;
+    return p;
+  }
+  const int64_t thr = work_is_float ? 4 * (h.bins + 1) : 0;  // least float >= each edge
+  if (counts + thr <= budget) {
+    p.mode = kModeLinear;
+    p.smem = counts + thr;
+  } else {
+    p.mode = kModeWide;
+    p.smem = thr <= budget ? thr : 0;
+    p.table = thr > budget;
+  }
+  if (work_is_float) p.lin = linear_thr(h);
+  return p;
+}
+
+constexpr float kInfF = __builtin_huge_valf();
 
 template <typename T>
 using work_t = std::conditional_t<sizeof(T) == sizeof(double), double, float>;
 
-// Shared memory of one block, by histogram mode.
-template <int kMode, typename W>
-struct HistSmem {};
-template <typename W>
-struct HistSmem<kModeLog2Exp, W> {
-  unsigned int tab[kWarps][256];  // per warp: counts by biased float exponent
-};
-template <typename W>
-struct HistSmem<kModeLog2, W> {
-  unsigned int bins[kSharedBins + 1];  // [0]: values not binned (NaN/Inf)
-};
-template <typename W>
-struct HistSmem<kModeLinear, W> {
-  unsigned int bins[kSharedBins + 1];  // [0]: values not binned (NaN/Inf)
-  float thr[sizeof(W) == sizeof(float) ? kSharedBins + 1 : 1];  // least float >= each edge
+// Static shared memory of the exponent-byte mode: per warp, counts by biased
+// float exponent. (The other histogram modes count in dynamic shared memory.)
+struct Log2ExpSmem {
+  unsigned int tab[kWarps][256];
 };
 
 // fminf/fmaxf (one instruction each) rather than push_min_max's compare and
@@ -171,32 +264,54 @@ struct FmaSquare {
   __device__ __forceinline__ double operator()(double s, double d) const { return fma(d, d, s); }
 };
 
-// Least float >= e (e finite or infinite): a value v (float) is >= e iff
-// v >= that float, so float compares give the double edges' bins exactly.
-__device__ __forceinline__ float float_at_or_above(double e) {
-  float f = static_cast<float>(e);
-  if (static_cast<double>(f) < e) f = nextafterf(f, kInf);
-  return f;
+// Least float >= each edge of a linear histogram, thr[0 .. bins]: the global
+// table of kModeWide when the thresholds exceed the shared-memory budget
+// (launched by the launcher before the accumulate kernel, same stream).
+__global__ void fill_thresholds_kernel(float* thr, HistSpec hist) {
+  const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i <= hist.bins;
+       i += gstride) {
+    thr[i] = float_at_or_above(linear_edge(hist, i));
+  }
 }
 
-// The bin of a finite float through the thresholds (linear_bin's result):
-// a float estimate, then one exact correction each way (linear_float_ok).
-__device__ __forceinline__ int linear_bin_thr(float v, const float* thr, float lo, float inv,
-                                              int bins) {
-  float q = (v - lo) * inv;
-  q = fminf(fmaxf(q, 0.0f), static_cast<float>(bins - 1));
-  int i = static_cast<int>(q);
-  i -= (i > 0) & (v < thr[i]);
-  i += (i < bins - 1) & (v >= thr[i + 1]);
-  return v < thr[0] ? 0 : (v >= thr[bins] ? bins + 1 : 1 + i);
+// The bin of a finite float v (linear_bin's result: 0 below lo, bins + 1 at
+// or above hi, else 1 + i for edge i <= v < edge i + 1) through the
+// thresholds thr[i] = least float >= edge i, so that v >= edge i iff
+// v >= thr[i]. The float estimate q of v's position lies within 0.4 bins of
+// it (linear_float_ok), so with j the integer nearest q, clamped to
+// [0, bins], v lies strictly between edges j - 1 and j + 1: one compare with
+// edge j decides. Below lo (q < 0.5) j is 0 and v < thr[0]; at or above hi
+// (q >= bins - 0.4) j is bins and v >= thr[bins]. No divide, no double, no
+// branch; any v (NaN gives some j in range, the caller drops it).
+__device__ __forceinline__ int linear_bin_thr(float v, const float* thr, const LinearThr& f) {
+  const float q = ((v - f.lo_h) - f.lo_l) * f.inv;
+  const int j = static_cast<int>(fminf(fmaxf(q + 0.5f, 0.0f), static_cast<float>(f.bins)));
+  return 1 + j - (v < thr[j]);
+}
+
+// Add one element per lane to the ring's bin `key` (-1: none), lanes with the
+// same bin combined: the lowest of them adds their number. Every lane of the
+// warp must call it together (the kernel keeps its loops warp-uniform here).
+__device__ __forceinline__ void warp_add_bin(int64_t* hrow, int key, int64_t mult, int lane) {
+  const unsigned peers = __match_any_sync(0xffffffffu, key);
+  if (key >= 0 && (peers & ((1u << lane) - 1u)) == 0u) {
+    DeviceAtomics::add_i64(hrow + key, static_cast<int64_t>(__popc(peers)) * mult);
+  }
 }
 
 template <typename T, int kMode, bool kDense>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     accumulate_kernel(const T* __restrict__ x, int64_t n, StridedDesc desc, RowTarget tgt,
-                      HistSpec hist) {
+                      HistSpec hist, LinearThr lin) {
   using W = work_t<T>;
-  __shared__ HistSmem<kMode, W> sh;
+  constexpr bool kFloat = sizeof(W) == sizeof(float);
+  constexpr bool kSharedCounts = kMode == kModeLog2 || kMode == kModeLinear;
+  // Counts in the ring, lane by lane through warp_add_bin: the loops below
+  // keep every lane of a warp going round together.
+  constexpr bool kWarpBins = kMode == kModeWide || kMode == kModeWideExact;
+  constexpr bool kThresholds = (kMode == kModeLinear || kMode == kModeWide) && kFloat;
+  __shared__ std::conditional_t<kMode == kModeLog2Exp, Log2ExpSmem, char> sh;
   __shared__ Acc s_warp[kWarps];
   __shared__ int64_t s_shift[kWarps];  // each warp partial's shift (bits), or kShiftUnset
 
@@ -211,37 +326,46 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
 
+  // Dynamic shared memory: [counts: nbins + 1, [0] the values not binned]
+  // [thresholds: bins + 1] (kModeLinear), or [thresholds] (kModeWide).
+  unsigned int* s_cnt = reinterpret_cast<unsigned int*>(dynamic_smem());
   if constexpr (kMode == kModeLog2Exp) {
     for (int i = tid; i < kWarps * 256; i += blockDim.x) (&sh.tab[0][0])[i] = 0u;
-  } else if constexpr (kMode == kModeLog2 || kMode == kModeLinear) {
-    for (int64_t b = tid; b <= hist.nbins; b += blockDim.x) sh.bins[b] = 0u;
+  } else if constexpr (kSharedCounts) {
+    for (int64_t b = tid; b <= hist.nbins; b += blockDim.x) s_cnt[b] = 0u;
   }
-  float lo_f = 0.0f, inv_f = 0.0f;
-  const int nbins_lin = static_cast<int>(hist.bins);
-  if constexpr (kMode == kModeLinear && sizeof(W) == sizeof(float)) {
-    for (int64_t i = tid; i <= hist.bins; i += blockDim.x) sh.thr[i] = float_at_or_above(linear_edge(hist, i));
-    lo_f = static_cast<float>(hist.lo);
-    inv_f = static_cast<float>(hist.inv_width);
+  const float* thr = nullptr;
+  if constexpr (kThresholds) {
+    float* s_thr = reinterpret_cast<float*>(kMode == kModeLinear ? s_cnt + hist.nbins + 1 : s_cnt);
+    if (kMode == kModeLinear || lin.table == nullptr) {
+      for (int64_t i = tid; i <= hist.bins; i += blockDim.x) s_thr[i] = float_at_or_above(linear_edge(hist, i));
+      thr = s_thr;
+    } else {
+      thr = lin.table;
+    }
   }
   __syncthreads();
   const int32_t lo_exp = static_cast<int32_t>(hist.lo_exp), hi_exp = static_cast<int32_t>(hist.hi_exp);
 
+  // The bin of v in the ring (-1: NaN/Inf, not binned).
+  auto bin_of = [&](W v) -> int {
+    if constexpr (kMode == kModeLog2) {
+      return log2_bin(v, lo_exp, hi_exp);
+    } else if constexpr (kThresholds) {
+      const int b = linear_bin_thr(v, thr, lin);
+      return fabsf(v) < kInfF ? b : -1;  // NaN/Inf: not binned
+    } else {
+      return static_cast<int>(linear_bin(static_cast<double>(v), hist));
+    }
+  };
   // Every element is binned exactly once, here (runs redone in double are not).
   auto bin = [&](W v) {
     if constexpr (kMode == kModeLog2Exp) {
       atomicAdd(&sh.tab[warp][(vbits(v) >> 23) & 0xff], 1u);
-    } else if constexpr (kMode == kModeLog2) {
-      atomicAdd(&sh.bins[1 + log2_bin(v, lo_exp, hi_exp)], 1u);
-    } else if constexpr (kMode == kModeLinear) {
-      const bool finite = (v < 0 ? -v : v) < static_cast<W>(kInf);
-      if constexpr (sizeof(W) == sizeof(float)) {
-        atomicAdd(&sh.bins[finite ? 1 + linear_bin_thr(v, sh.thr, lo_f, inv_f, nbins_lin) : 0], 1u);
-      } else {
-        atomicAdd(&sh.bins[1 + linear_bin(v, hist)], 1u);
-      }
-    } else if constexpr (kMode == kModeWide) {
-      const int64_t b = hist_bin(static_cast<double>(v), hist);
-      if (b >= 0) DeviceAtomics::add_i64(hrow + b, tgt.mult);
+    } else if constexpr (kSharedCounts) {
+      atomicAdd(&s_cnt[1 + bin_of(v)], 1u);
+    } else if constexpr (kWarpBins) {
+      warp_add_bin(hrow, bin_of(v), tgt.mult, lane);
     }
   };
 
@@ -295,35 +419,70 @@ __global__ void __launch_bounds__(kThreads, 4)
     }
   };
 
-  const int64_t nitems = gtid < count ? (count - 1 - gtid) / gstride + 1 : 0;
-  constexpr int64_t kRunItems = (kRunElems / kPer / kUnroll) * kUnroll > 0
-                                    ? (kRunElems / kPer / kUnroll) * kUnroll : kUnroll;
+  // This thread's items; kWarpBins: the warp goes round as often as its lane
+  // 0 (the most items), every lane has the first items_all (lanes differ by
+  // one item at most), and the lanes with one more (`extra`, a prefix of the
+  // warp) have their last at items_all.
+  int64_t items_all = gtid < count ? (count - 1 - gtid) / gstride + 1 : 0;
+  bool extra = false, extra_warp = false;
+  if constexpr (kWarpBins) {
+    const int64_t base = gtid - lane;
+    const int64_t items0 = base < count ? (count - 1 - base) / gstride + 1 : 0;
+    extra_warp = items0 > 0 && base + (items0 - 1) * gstride + (kWarpSize - 1) >= count;
+    extra = items_all == items0 && extra_warp;
+    items_all = items0 - extra_warp;
+  }
+  const int64_t nitems = items_all + extra, items_warp = items_all + extra_warp;
+  // kWarpBins: two loads in flight (its bins cost more than its loads; fewer registers).
+  constexpr int kUnrollM = kWarpBins ? (kPer >= 8 ? 1 : 2) : kUnroll;
+  constexpr int64_t kRunItems = (kRunElems / kPer / kUnrollM) * kUnrollM > 0
+                                    ? (kRunElems / kPer / kUnrollM) * kUnrollM : kUnrollM;
   W c = W(0);  // center of the next run
-  for (int64_t j0 = 0; j0 < nitems; j0 += kRunItems) {
-    const int64_t j1 = j0 + kRunItems < nitems ? j0 + kRunItems : nitems;
+  for (int64_t j0 = 0; j0 < items_warp; j0 += kRunItems) {
+    const int64_t jend = j0 + kRunItems;
+    const int64_t j1 = jend < nitems ? jend : (nitems > j0 ? nitems : j0);  // this thread's
     W s1 = 0, s2 = 0, mn = static_cast<W>(kInf), mx = static_cast<W>(-kInf);
     unsigned int nz = 0;
-    auto push = [&](W v) {
+    auto stats = [&](W v) {
       const W d = v - c;
       s1 += d;
       s2 = FmaSquare{}(s2, d);
       mn = wmin(mn, v);
       mx = wmax(mx, v);
       nz += v == W(0);
+    };
+    auto push = [&](W v) {
+      stats(v);
       bin(v);
     };
     int64_t j = j0;
-    for (; j + kUnroll <= j1; j += kUnroll) {  // the steady-state loop
-      W v[kUnroll][kPer];
+    const int64_t jsteady = kWarpBins ? (jend < items_all ? jend : items_all) : j1;  // warp-uniform for kWarpBins
+    for (; j + kUnrollM <= jsteady; j += kUnrollM) {  // the steady-state loop
+      W v[kUnrollM][kPer];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) load(gtid + (j + u) * gstride, v[u]);
+      for (int u = 0; u < kUnrollM; ++u) load(gtid + (j + u) * gstride, v[u]);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kUnrollM; ++u) {
 #pragma unroll
         for (int k = 0; k < kPer; ++k) push(v[u][k]);
       }
     }
-    revisit(j, j1, push);  // the last items, fewer than kUnroll
+    if constexpr (kWarpBins) {
+      // The last items, fewer than kUnrollM + 1: this thread's moments, then
+      // their bins with the warp's lanes together (a lane without one adds none).
+      revisit(j, j1, stats);
+      const int64_t jlast = jend < items_warp ? jend : items_warp;
+      for (; j < jlast; ++j) {
+        const bool mine = j < j1;
+        W v[kPer] = {};
+        if (mine) load(gtid + j * gstride, v);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) warp_add_bin(hrow, mine ? bin_of(v[k]) : -1, tgt.mult, lane);
+      }
+      if (j1 == j0) continue;  // no items of this thread's in this run
+    } else {
+      revisit(j, j1, push);  // the last items, fewer than kUnrollM
+    }
     const int64_t m = (j1 - j0) * kPer;
     const bool finite = s2 - s2 == W(0);  // false iff a NaN/Inf (or an overflowing square)
     if (finite && !shift_well_conditioned(s1, s2, m)) {
@@ -347,15 +506,31 @@ __global__ void __launch_bounds__(kThreads, 4)
     // The head (before the first 16-byte boundary; element-misaligned
     // pointers are all head) and the tail (after the last whole vector).
     const int64_t tail = head + count * kPer;
+    const int64_t extra = head + (n - tail);
+    auto element = [&](int64_t i) {
 #ifndef HOOKCAP_EMU_BREAK_INDEX  // fault injection for tests/cuda_emu only
-    for (int64_t i = gtid; i < head + (n - tail); i += gstride) {
-      const W v = widen<W>(x[i < head ? i : tail + (i - head)]);
+      return widen<W>(x[i < head ? i : tail + (i - head)]);
 #else
-    for (int64_t i = gtid; i < head + (n - tail); i += gstride) {
-      const W v = widen<W>(x[i < head ? i : count * kPer + (i - head)]);
+      return widen<W>(x[i < head ? i : count * kPer + (i - head)]);
 #endif
-      bin(v);
-      exact(static_cast<double>(v));
+    };
+    if constexpr (kWarpBins) {
+      for (int64_t i0 = gtid - lane; i0 < extra; i0 += gstride) {  // warp-uniform
+        const int64_t i = i0 + lane;
+        int b = -1;
+        if (i < extra) {
+          const W v = element(i);
+          b = bin_of(v);
+          exact(static_cast<double>(v));
+        }
+        warp_add_bin(hrow, b, tgt.mult, lane);
+      }
+    } else {
+      for (int64_t i = gtid; i < extra; i += gstride) {
+        const W v = element(i);
+        bin(v);
+        exact(static_cast<double>(v));
+      }
     }
   }
 
@@ -418,36 +593,41 @@ __global__ void __launch_bounds__(kThreads, 4)
         DeviceAtomics::add_i64(hrow + log2_bin(v, lo_exp, hi_exp), static_cast<int64_t>(cnt) * tgt.mult);
       }
     }
-  } else if constexpr (kMode == kModeLog2 || kMode == kModeLinear) {
+  } else if constexpr (kSharedCounts) {
+    // The block's counts, merged into the ring once.
     for (int64_t b = tid; b < hist.nbins; b += blockDim.x) {
-      const unsigned int cnt = sh.bins[1 + b];
+      const unsigned int cnt = s_cnt[1 + b];
       if (cnt) DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(cnt) * tgt.mult);
     }
   }
 }
 
-// The accumulate specialisation for an element type, a histogram and a read
-// (dense or strided), handed to `launch` (the CUDA launcher, or the emulation
-// harness) as a kernel pointer: both choose exactly alike.
+// The accumulate specialisation for an element type, a histogram, a read
+// (dense or strided) and the device's shared-memory budget (smem_budget),
+// handed to `launch` (the CUDA launcher, or the emulation harness) as a
+// kernel pointer with its HistPlan: both choose exactly alike.
 template <typename T, typename Launch>
-void dispatch_accumulate(bool dense, const HistSpec& h, Launch&& launch) {
-  const int mode = hist_mode(h, sizeof(work_t<T>) == sizeof(float));
+void dispatch_accumulate(bool dense, const HistSpec& h, int64_t smem_budget, Launch&& launch) {
+  const HistPlan plan = hist_plan(h, sizeof(work_t<T>) == sizeof(float), smem_budget);
   auto pick = [&](auto mode_tag) {
-    // Float64 never takes the exponent-byte mode (hist_mode): not instantiated.
-    constexpr int kMode = decltype(mode_tag)::value == kModeLog2Exp && sizeof(work_t<T>) != sizeof(float)
-                              ? kModeLog2 : decltype(mode_tag)::value;
+    // Float64 never takes the exponent-byte or the exact-wide mode (hist_plan): not instantiated.
+    constexpr int kTag = decltype(mode_tag)::value;
+    constexpr bool kF64 = sizeof(work_t<T>) != sizeof(float);
+    constexpr int kMode = kF64 && kTag == kModeLog2Exp ? kModeLog2
+                          : kF64 && kTag == kModeWideExact ? kModeWide : kTag;
     if (dense) {
-      launch(&accumulate_kernel<T, kMode, true>);
+      launch(&accumulate_kernel<T, kMode, true>, plan);
     } else {
-      launch(&accumulate_kernel<T, kMode, false>);
+      launch(&accumulate_kernel<T, kMode, false>, plan);
     }
   };
-  switch (mode) {
+  switch (plan.mode) {
     case kModeNone: pick(std::integral_constant<int, kModeNone>{}); break;
     case kModeLog2Exp: pick(std::integral_constant<int, kModeLog2Exp>{}); break;
     case kModeLog2: pick(std::integral_constant<int, kModeLog2>{}); break;
     case kModeLinear: pick(std::integral_constant<int, kModeLinear>{}); break;
-    default: pick(std::integral_constant<int, kModeWide>{}); break;
+    case kModeWide: pick(std::integral_constant<int, kModeWide>{}); break;
+    default: pick(std::integral_constant<int, kModeWideExact>{}); break;
   }
 }
 

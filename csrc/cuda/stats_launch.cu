@@ -1,9 +1,11 @@
 // CUDA launchers: pick grid/block, launch on the current stream under a
-// device guard. No allocation, no sync, no host read of device memory, so
-// every launch is CUDA-graph capturable. The device code is in
-// stats_kernel.cuh (also executed on the CPU by tests/cuda_emu).
+// device guard. No allocation (but the threshold table of a linear histogram
+// too wide for shared memory, a caching-allocator temporary), no sync, no
+// host read of device memory, so every launch is CUDA-graph capturable. The
+// device code is in stats_kernel.cuh (also executed on the CPU by tests/cuda_emu).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,6 +17,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 #include <cuda/ptx>
 
 #include "cuda/stats_kernel.cuh"
@@ -145,20 +148,66 @@ namespace {
 // failed launch is reported (and only its error cleared), while an error
 // another library left pending stays for its owner. The usual check
 // (cudaGetLastError after <<<>>>) would clear, or report as ours, theirs.
+// launch_smem: with `shared_bytes` of dynamic shared memory.
 template <typename... P, typename... A>
-void launch(const char* what, void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream,
-            A&&... args) {
+void launch_smem(const char* what, void (*kernel)(P...), dim3 grid, dim3 block, size_t shared_bytes,
+                 cudaStream_t stream, A&&... args) {
   std::tuple<std::decay_t<P>...> vals(std::forward<A>(args)...);
   const cudaError_t err = std::apply(
       [&](auto&... v) {
         void* ptrs[] = {static_cast<void*>(&v)...};
-        return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, block, ptrs, 0, stream);
+        return cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, block, ptrs,
+                                shared_bytes, stream);
       },
       vals);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // ours: this launch's
     TORCH_CHECK(false, "hookcap: launching ", what, " failed: ", cudaGetErrorString(err));
   }
+}
+
+template <typename... P, typename... A>
+void launch(const char* what, void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t stream,
+            A&&... args) {
+  launch_smem(what, kernel, grid, block, 0, stream, std::forward<A>(args)...);
+}
+
+// Dynamic shared memory an accumulate block may take on a device so that
+// kernels::kMinBlocks blocks of kThreads still fit per SM (kernels::smem_budget;
+// H100: 56,512 bytes, A100: 40,128), cached per device (host-only queries).
+int64_t smem_budget(int device) {
+  static int64_t budget[kMaxDevices] = {0};
+  if (device < 0 || device >= kMaxDevices) return 0;
+  if (budget[device] == 0) {
+    int per_sm = 0, reserved = 0, optin = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    budget[device] = std::max<int64_t>(kernels::smem_budget(per_sm, reserved, optin), 1);
+  }
+  return budget[device];
+}
+
+// Let `kernel` take `bytes` of dynamic shared memory on `device` (the current
+// one): past 48 KB a kernel must opt in. Set once per kernel and device, to
+// the device's whole budget; host-only, no sync.
+void allow_dynamic_smem(const void* kernel, int device, int64_t bytes) {
+  if (bytes + kernels::kStaticSmem <= 48 * 1024) return;
+  struct Allowed {
+    const void* kernel;
+    int device;
+    int64_t bytes;
+  };
+  static std::mutex mu;
+  static std::vector<Allowed> allowed;
+  std::lock_guard<std::mutex> lk(mu);
+  for (const Allowed& a : allowed) {
+    if (a.kernel == kernel && a.device == device && a.bytes >= bytes) return;
+  }
+  const int64_t want = std::max(bytes, smem_budget(device));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(want)));
+  allowed.push_back({kernel, device, want});
 }
 
 void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
@@ -178,20 +227,37 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   // still launch one block so count/calls are recorded on the device (the
   // host never reads the enabled flag).
   const int64_t want = (plan.visit + kThreads * kPerThread - 1) / (kThreads * kPerThread);
-  const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(x_in.device().index())));
+  const int device = x_in.device().index();
+  const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(device)));
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_accumulate_cuda", [&] {
         const scalar_t* p = x_in.const_data_ptr<scalar_t>();
-        kernels::dispatch_accumulate<scalar_t>(plan.flat, h, [&](auto kernel) {
-          for_each_read(plan, [&](int64_t offset, bool first) {
-            const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
-                                         row, ring.size(1), ring.size(2), ring.size(0),
-                                         first ? n : 0, first ? 1 : 0, plan.mult};
-            launch("hookcap.accumulate", kernel, dim3(blocks), dim3(kThreads), stream, p + offset,
-                   plan.visit, plan.desc, tgt, h);
-          });
-        });
+        kernels::dispatch_accumulate<scalar_t>(
+            plan.flat, h, smem_budget(device), [&](auto kernel, const kernels::HistPlan& hp) {
+              allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, hp.smem);
+              // Float thresholds of a linear histogram too many for shared memory
+              // (> ~14,000 bins on an H100): a table filled here on the same
+              // stream, a temporary from the caching allocator (the one case
+              // where an op allocates).
+              at::Tensor table;
+              kernels::LinearThr lin = hp.lin;
+              if (hp.table) {
+                table = at::empty({h.bins + 1}, x_in.options().dtype(at::kFloat));
+                const int64_t fill = std::min<int64_t>((h.bins + kThreads) / kThreads, 1024);
+                launch("hookcap.accumulate (thresholds)", &kernels::fill_thresholds_kernel, dim3(fill),
+                       dim3(kThreads), stream, table.data_ptr<float>(), h);
+                lin.table = table.const_data_ptr<float>();
+              }
+              for_each_read(plan, [&](int64_t offset, bool first) {
+                const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
+                                             row, ring.size(1), ring.size(2), ring.size(0),
+                                             first ? n : 0, first ? 1 : 0, plan.mult};
+                launch_smem("hookcap.accumulate", kernel, dim3(blocks), dim3(kThreads),
+                            static_cast<size_t>(hp.smem), stream, p + offset, plan.visit, plan.desc,
+                            tgt, h, lin);
+              });
+            });
       });
 }
 

@@ -9,6 +9,12 @@
 //    threads of the block being run. That is why blocks run one at a time and
 //    launches are serialised. Contents persist from the previous block (real
 //    shared memory starts undefined).
+//  - Dynamic shared memory (the launch's shared_bytes, at most 227 KB as on
+//    sm_90): one buffer per launch, reached through emu::dynamic_smem() (the
+//    kernel's `extern __shared__` array; kernels written for both include a
+//    shim, see csrc/cuda/stats_kernel.cuh). It is filled with a poison byte
+//    before each block (real shared memory starts undefined) and followed by
+//    a canary: a block that writes past the end fails the launch.
 //  - Block order is configurable (forward / reverse / seeded shuffle) so that
 //    results that depend on which block runs first show up.
 //  - Schedule (Config::schedule): all threads of a block at once (default;
@@ -19,7 +25,7 @@
 //    drop out). All threads of one barrier phase must arrive from the same
 //    call site, else the launch fails ("divergent __syncthreads").
 //  - Warp primitives (__shfl*_sync, __ballot_sync, __any/__all_sync,
-//    __syncwarp): barrier + value exchange over the warp's live lanes, so
+//    __match_any_sync, __syncwarp): barrier + value exchange over the warp's live lanes, so
 //    every live lane must take part with the same mask (a primitive over part
 //    of a live warp is not emulated: it ends as a "deadlock" fault). They
 //    order memory within the warp, like __syncwarp.
@@ -27,14 +33,17 @@
 //    nothing else, so TSan must not see them as synchronisation).
 //  - A launch where every live thread waits at a barrier that can never
 //    complete fails with "deadlock" instead of hanging.
-// Not emulated (using them does not compile or fails the launch): dynamic
-// shared memory, __constant__, textures, cooperative groups, clusters,
-// streams; timing, occupancy and the hardware memory model.
+// Not emulated (using them does not compile or fails the launch): __constant__,
+// textures, cooperative groups, clusters, streams, the opt-in attribute for
+// more than 48 KB of shared memory (any size up to the sm_90 limit launches);
+// timing, occupancy and the hardware memory model.
 #pragma once
 
 #if defined(__CUDACC__) || defined(__CUDA_ARCH__)
 #error "cuda_emu.h is for host compilers; nvcc compiles the real kernels"
 #endif
+// Kernel headers test this to take the harness's dynamic shared memory.
+#define HOOKCAP_CUDA_EMU 1
 
 #include <algorithm>
 #include <atomic>
@@ -384,6 +393,19 @@ inline Config& config() {
   static Config c;
   return c;
 }
+
+// The running launch's dynamic shared memory (launches are serialised).
+constexpr size_t kMaxDynamicSmem = 232448;  // 227 KB: sm_90's per-block maximum
+constexpr size_t kSmemCanary = 64;
+constexpr unsigned char kSmemPoison = 0xa5, kSmemCanaryByte = 0x3c;
+struct DynamicSmem {
+  std::vector<unsigned char> buf;  // shared_bytes + kSmemCanary
+  size_t bytes = 0;
+};
+inline DynamicSmem& dyn_smem() {
+  static DynamicSmem d;
+  return d;
+}
 inline std::mutex& launch_mutex() {
   static std::mutex m;
   return m;
@@ -392,6 +414,9 @@ inline std::mutex& launch_mutex() {
 inline void run_block(const dim3& grid, const dim3& block, const uint3& bidx,
                       const std::function<void()>& body) {
   const unsigned n = block.x * block.y * block.z;
+  DynamicSmem& dsm = dyn_smem();
+  std::fill(dsm.buf.begin(), dsm.buf.begin() + static_cast<std::ptrdiff_t>(dsm.bytes), kSmemPoison);
+  std::fill(dsm.buf.begin() + static_cast<std::ptrdiff_t>(dsm.bytes), dsm.buf.end(), kSmemCanaryByte);
   Block b(n, config().schedule);
   std::vector<std::thread> threads;
   threads.reserve(n);
@@ -422,6 +447,11 @@ inline void run_block(const dim3& grid, const dim3& block, const uint3& bidx,
     b.fail(std::string("emu: could not start block threads: ") + e.what());
   }
   for (auto& th : threads) th.join();
+  if (std::any_of(dsm.buf.begin() + static_cast<std::ptrdiff_t>(dsm.bytes), dsm.buf.end(),
+                  [](unsigned char c) { return c != kSmemCanaryByte; })) {
+    b.fail("wrote past the end of its " + std::to_string(dsm.bytes) +
+           " bytes of dynamic shared memory");
+  }
   stat().blocks.fetch_add(1, kRelaxed);
   stat().threads.fetch_add(n, kRelaxed);
   const std::string err = b.error();
@@ -438,10 +468,14 @@ inline void run_grid(dim3 grid, dim3 block, size_t shared_bytes,
       grid.z == 0 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535) {
     throw std::invalid_argument("emu::launch: invalid configuration argument");
   }
-  if (shared_bytes != 0) {
-    throw std::invalid_argument("emu::launch: dynamic shared memory is not emulated");
+  if (shared_bytes > kMaxDynamicSmem) {
+    throw std::invalid_argument("emu::launch: " + std::to_string(shared_bytes) +
+                                " bytes of dynamic shared memory exceed the " +
+                                std::to_string(kMaxDynamicSmem) + "-byte limit");
   }
   std::lock_guard<std::mutex> lk(launch_mutex());  // __shared__ is static
+  dyn_smem().bytes = shared_bytes;
+  dyn_smem().buf.assign(shared_bytes + kSmemCanary, kSmemCanaryByte);
   const uint64_t nblocks = uint64_t{grid.x} * grid.y * grid.z;
   std::vector<uint64_t> order(nblocks);
   std::iota(order.begin(), order.end(), uint64_t{0});
@@ -514,6 +548,13 @@ T cas_update(T* p, F f) {
 inline void set_config(const Config& c) {
   std::lock_guard<std::mutex> lk(detail::launch_mutex());
   detail::config() = c;
+}
+
+// The running block's dynamic shared memory (`extern __shared__` in CUDA):
+// the launch's shared_bytes, 16-byte aligned.
+inline unsigned char* dynamic_smem() {
+  (void)detail::ctx();  // device code only
+  return detail::dyn_smem().buf.data();
 }
 
 inline Stats stats() {
@@ -634,6 +675,22 @@ inline int __all_sync(unsigned mask, int pred,
   const auto [r, lanes] =
       emu::detail::ballot(emu::detail::make_site("__all_sync", loc, mask), pred);
   return r == lanes;
+}
+
+// Mask of the lanes in `mask` whose `value` has the same bits as this lane's.
+template <EmuShflType T>
+unsigned __match_any_sync(unsigned mask, T value,
+                          std::source_location loc = std::source_location::current()) {
+  using namespace emu::detail;
+  const Site site = make_site("__match_any_sync", loc, mask);
+  const uint64_t mine = to_bits(value);
+  const Block::Phase ph = warp_step(site, mine);
+  const unsigned lanes = ph.arrived & site.mask;
+  unsigned r = 0;
+  for (unsigned l = 0; l < 32; ++l) {
+    if (((lanes >> l) & 1u) != 0 && ph.slots[l] == mine) r |= 1u << l;
+  }
+  return r;
 }
 
 // Lanes of the warp that have not exited (the emulation has no notion of

@@ -23,10 +23,12 @@ void check_cpu(const at::Tensor& t) {
 }
 
 // Returns (flat, mult, strided dims, reads): the launcher's read plan.
+// smem_budget: the device's dynamic shared memory per block (smem_budget();
+// default an H100's), which picks the histogram mode as on that device.
 std::tuple<bool, int64_t, int64_t, int64_t> accumulate(
     const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
     int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid,
-    int64_t block, int64_t max_walk) {
+    int64_t block, int64_t max_walk, int64_t smem_budget) {
   check_accumulate(x_in, ring, state, row);
   check_cpu(x_in);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
@@ -44,11 +46,45 @@ std::tuple<bool, int64_t, int64_t, int64_t> accumulate(
           const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                        row, ring.size(1), ring.size(2), ring.size(0),
                                        first ? n : 0, first ? 1 : 0, plan.mult};
-          hookcap_emu::accumulate<scalar_t>(p + offset, plan.visit, plan.flat, plan.desc, tgt, h, g, b);
+          hookcap_emu::accumulate<scalar_t>(p + offset, plan.visit, plan.flat, plan.desc, tgt, h, g, b,
+                                            smem_budget);
           ++reads;
         });
       });
   return {plan.flat, plan.mult, plan.flat ? 0 : plan.desc.ndim, reads};
+}
+
+// (mode, dynamic shared bytes, threshold table?) of kernels::hist_plan for a
+// histogram (as make_hist_spec reads it), float or double work, a budget.
+std::tuple<int64_t, int64_t, bool> hist_plan(int64_t hist_kind, double hist_lo, double hist_hi,
+                                             int64_t hist_bins, bool work_is_float,
+                                             int64_t smem_budget) {
+  const int64_t nbins = hist_kind == kHistNone ? 0
+                        : hist_kind == kHistLog2 ? static_cast<int64_t>(hist_hi - hist_lo) + 3
+                                                 : hist_bins + 2;
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, kHeader + nbins);
+  const kernels::HistPlan p = kernels::hist_plan(h, work_is_float, smem_budget);
+  return {p.mode, p.smem, p.table};
+}
+
+// Linear bins of float values by the kernel's float path (thresholds,
+// linear_bin_thr) and by linear_bin in double; -1 for NaN/Inf. Run on the
+// host directly (no launch). Also whether linear_float_ok holds.
+std::tuple<at::Tensor, at::Tensor, bool> linear_bins(double lo, double hi, int64_t bins,
+                                                     const at::Tensor& values) {
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous(), "emu: float32 values");
+  const HistSpec h = make_hist_spec(kHistLinear, lo, hi, bins, kHeader + bins + 2);
+  std::vector<float> thr(static_cast<size_t>(bins + 1));
+  for (int64_t i = 0; i <= bins; ++i) thr[i] = kernels::float_at_or_above(linear_edge(h, i));
+  const kernels::LinearThr f = kernels::linear_thr(h);
+  auto got = at::empty({values.numel()}, at::kLong), want = at::empty({values.numel()}, at::kLong);
+  const float* v = values.const_data_ptr<float>();
+  for (int64_t k = 0; k < values.numel(); ++k) {
+    const bool finite = std::isfinite(v[k]);
+    got[k] = finite ? kernels::linear_bin_thr(v[k], thr.data(), f) : -1;
+    want[k] = linear_bin(static_cast<double>(v[k]), h);
+  }
+  return {got, want, kernels::linear_float_ok(h)};
 }
 
 void reset_slot(at::Tensor& ring, const at::Tensor& state, int64_t grid, int64_t block) {
@@ -211,6 +247,41 @@ __global__ void exited_lanes_kernel(int* out) {
   out[threadIdx.x] = v;
 }
 
+constexpr int kMatchCols = 4;
+
+// __match_any_sync over 32-bit, 64-bit and float keys (bits, not values: -0 != +0).
+__global__ void match_probe_kernel(long long* out) {
+  const unsigned t = threadIdx.x;
+  const unsigned lane = t % 32;
+  long long* o = out + static_cast<int64_t>(t) * kMatchCols;
+  o[0] = __match_any_sync(0xffffffffu, static_cast<int>(lane % 5));
+  o[1] = __match_any_sync(0xffffffffu, static_cast<long long>(lane / 8) << 40);
+  o[2] = __match_any_sync(0xffffffffu, lane % 3 == 0 ? -0.0f : 0.0f);
+  o[3] = __match_any_sync(0xffffffffu, static_cast<unsigned>(t / 48));  // same keys in other warps
+}
+
+// Lanes 20..31 exit: the others match over their mask.
+__global__ void match_exited_kernel(long long* out) {
+  if (threadIdx.x % 32 >= 20) return;
+  out[threadIdx.x] = __match_any_sync(0x000fffffu, static_cast<int>(threadIdx.x % 32) % 3);
+}
+
+// Each block: what its threads first see in dynamic shared memory, then
+// words written by the block and read back reversed after a barrier.
+__global__ void dynamic_smem_kernel(int* first, int* out, int words) {
+  int* s = reinterpret_cast<int*>(emu::dynamic_smem());
+  const int base = static_cast<int>(blockIdx.x) * words;
+  for (int i = threadIdx.x; i < words; i += blockDim.x) first[base + i] = s[i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < words; i += blockDim.x) s[i] = static_cast<int>(blockIdx.x) * 100000 + i;
+  __syncthreads();
+  for (int i = threadIdx.x; i < words; i += blockDim.x) out[base + i] = s[words - 1 - i];
+}
+
+__global__ void dynamic_overrun_kernel(int words) {
+  if (threadIdx.x == 5) reinterpret_cast<int*>(emu::dynamic_smem())[words] = 1;
+}
+
 __global__ void trap_kernel() {
   if (threadIdx.x == 7) __trap();
   __syncthreads();
@@ -252,11 +323,42 @@ void probe_fault(const std::string& kind, int64_t block) {
     emu::launch(not_in_mask_kernel, dim3(1), b, 0);
   } else if (kind == "trap") {
     emu::launch(trap_kernel, dim3(1), b, 0);
-  } else if (kind == "dynamic_shared") {
-    emu::launch(trap_kernel, dim3(1), b, 16);
+  } else if (kind == "dynamic_too_big") {
+    emu::launch(trap_kernel, dim3(1), b, 232448 + 4);
+  } else if (kind == "dynamic_overrun") {
+    emu::launch(dynamic_overrun_kernel, dim3(2), b, 64, 16);
   } else {
     throw std::invalid_argument("unknown probe: " + kind);
   }
+}
+
+at::Tensor probe_match(int64_t block) {
+  auto out = at::full({block, kMatchCols}, -1, at::kLong);
+  py::gil_scoped_release nogil;
+  emu::launch(match_probe_kernel, dim3(1), dim(block, "block"), 0,
+              reinterpret_cast<long long*>(out.data_ptr<int64_t>()));
+  return out;
+}
+
+at::Tensor probe_match_exited(int64_t block) {
+  auto out = at::full({block}, -1, at::kLong);
+  py::gil_scoped_release nogil;
+  emu::launch(match_exited_kernel, dim3(1), dim(block, "block"), 0,
+              reinterpret_cast<long long*>(out.data_ptr<int64_t>()));
+  return out;
+}
+
+// -> (first read [grid, words], read back [grid, words]).
+py::tuple probe_dynamic_smem(int64_t grid, int64_t block, int64_t words) {
+  TORCH_CHECK(words >= 1 && words <= 60000, "emu: words in [1, 60000]");
+  auto first = at::full({grid, words}, 0, at::kInt), out = at::full({grid, words}, 0, at::kInt);
+  {
+    py::gil_scoped_release nogil;
+    emu::launch(dynamic_smem_kernel, dim(grid, "grid"), dim(block, "block"),
+                static_cast<size_t>(words) * 4, first.data_ptr<int>(), out.data_ptr<int>(),
+                static_cast<int>(words));
+  }
+  return py::make_tuple(first, out);
 }
 
 at::Tensor probe_exited_lanes(int64_t block) {
@@ -273,7 +375,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate", &accumulate, "accumulate_kernel on CPU tensors; returns the read plan",
         py::arg("x"), py::arg("ring"), py::arg("state"), py::arg("row"), py::arg("hist_kind"),
         py::arg("hist_lo"), py::arg("hist_hi"), py::arg("hist_bins"), py::arg("grid"),
-        py::arg("block"), py::arg("max_walk") = kMaxDims);
+        py::arg("block"), py::arg("max_walk") = kMaxDims,
+        py::arg("smem_budget") = hookcap_emu::kH100SmemBudget);
+  m.def("hist_plan", &hist_plan, py::arg("hist_kind"), py::arg("hist_lo"), py::arg("hist_hi"),
+        py::arg("hist_bins"), py::arg("work_is_float"),
+        py::arg("smem_budget") = hookcap_emu::kH100SmemBudget);
+  m.def("linear_bins", &linear_bins);
+  m.def("probe_match", &probe_match);
+  m.def("probe_match_exited", &probe_match_exited);
+  m.def("probe_dynamic_smem", &probe_dynamic_smem);
   m.def("plan_offsets", &plan_offsets);
   m.def("fast_divide", &fast_divide);
   m.def("reset_slot", &reset_slot);

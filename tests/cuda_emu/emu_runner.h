@@ -4,6 +4,9 @@
 // (emu_selftest.cpp). No torch here: the driver must not need libtorch.
 #pragma once
 
+#include <cmath>
+#include <vector>
+
 #include "cuda_emu.h"
 // The kernels, unchanged: what CI runs is what nvcc builds.
 #include "cuda/stats_kernel.cuh"
@@ -14,12 +17,28 @@ using hookcap::HistSpec;
 using hookcap::StridedDesc;
 using hookcap::kernels::RowTarget;
 
+// The shared-memory budget of an H100 (sm_90), the launcher's there.
+constexpr int64_t kH100SmemBudget = hookcap::kernels::smem_budget(233472, 1024, 232448);
+
+// As the launcher: the plan's dynamic shared memory, and for a threshold
+// table, fill_thresholds_kernel into a buffer first.
 template <typename T>
 void accumulate(const T* x, int64_t n, bool dense, const StridedDesc& d, const RowTarget& tgt,
-                const HistSpec& h, dim3 grid, dim3 block) {
-  hookcap::kernels::dispatch_accumulate<T>(dense, h, [&](auto kernel) {
-    emu::launch(kernel, grid, block, 0, x, n, d, tgt, h);
-  });
+                const HistSpec& h, dim3 grid, dim3 block, int64_t smem_budget = kH100SmemBudget) {
+  hookcap::kernels::dispatch_accumulate<T>(
+      dense, h, smem_budget, [&](auto kernel, const hookcap::kernels::HistPlan& plan) {
+        std::vector<float> table;
+        hookcap::kernels::LinearThr lin = plan.lin;
+        if (plan.table) {
+          table.assign(static_cast<size_t>(h.bins + 1), std::nanf(""));
+          const int64_t blocks = (h.bins + 1 + 255) / 256;
+          emu::launch(hookcap::kernels::fill_thresholds_kernel,
+                      dim3(static_cast<unsigned>(blocks < 64 ? blocks : 64)), dim3(256), 0,
+                      table.data(), h);
+          lin.table = table.data();
+        }
+        emu::launch(kernel, grid, block, static_cast<size_t>(plan.smem), x, n, d, tgt, h, lin);
+      });
 }
 
 // reset_slot launches reset_rows_kernel over every row, as the launcher does.
