@@ -213,6 +213,38 @@ def test_exited_lanes_drop_out_of_warp_primitives_and_barriers(emu):
         assert out[t] == want
 
 
+def test_match_any_follows_cuda_definition(emu):
+    """__match_any_sync: the lanes of the caller's warp (within the mask) whose
+    value has the same bits, for 32-bit, 64-bit and float keys (-0.0 is not 0.0)."""
+    block = 96
+    out = emu.probe_match(block).numpy()
+    for t in range(block):
+        lane, base = t % 32, t - t % 32
+        keys = [
+            [k % 5 for k in range(32)],
+            [(k // 8) << 40 for k in range(32)],
+            [k % 3 == 0 for k in range(32)],  # -0.0 for these, +0.0 for the others
+            [(base + k) // 48 for k in range(32)],  # equal keys in other warps do not count
+        ]
+        want = [sum(1 << k for k in range(32) if col[k] == col[lane]) for col in keys]
+        assert list(out[t]) == want, f"thread {t}"
+    out = emu.probe_match_exited(64).numpy()  # lanes 20..31 exited: mask 0x000fffff
+    for t in range(64):
+        lane = t % 32
+        want = -1 if lane >= 20 else sum(1 << k for k in range(20) if k % 3 == lane % 3)
+        assert out[t] == want, f"thread {t}"
+
+
+def test_dynamic_shared_memory_per_block(emu):
+    """Each block sees the launch's dynamic shared memory poisoned (undefined on
+    a GPU: never the previous block's contents) and its own writes."""
+    grid, block, words = 3, 64, 1000
+    first, out = (t.numpy() for t in emu.probe_dynamic_smem(grid, block, words))
+    assert (first == np.int32(np.uint32(0xa5a5a5a5).view(np.int32))).all()
+    for b in range(grid):
+        assert out[b].tolist() == [b * 100000 + i for i in range(words)][::-1]
+
+
 @pytest.mark.parametrize("kind,error,message", [
     ("divergent", RuntimeError, "divergent __syncthreads"),
     ("deadlock", RuntimeError, "deadlock"),
@@ -295,11 +327,14 @@ def test_blocks_larger_than_the_launchers_fault(emu):
 @pytest.mark.parametrize("h", [
     Histogram.log2(-10, 10),  # underflow and overflow bins in use
     Histogram.log2(-140, 10),  # below float's normal range: log2_bin per element, not the exponent byte
-    Histogram.linear(1e6, 1e6 + 1.0, 100),  # bins finer than float resolves there: the wide mode
+    Histogram.linear(1e6, 1e6 + 1.0, 100),  # bins finer than float resolves there (lo split in two floats)
     Histogram.linear(-1e3, 1e3, 40),
-    Histogram.linear(-2.0, 3.0, 2046),  # 2048 bins in all: the largest shared histogram
-    Histogram.linear(-2.0, 3.0, 2047),  # 2049: global atomics, no shared histogram
-    Histogram.linear(-2.0, 3.0, 5000),
+    Histogram.linear(-2.0, 3.0, 2046),
+    Histogram.linear(-2.0, 3.0, 2047),
+    Histogram.linear(-2.0, 3.0, 5000),  # counts and float thresholds in 40 KB of dynamic shared memory
+    Histogram.linear(-2.0, 3.0, 20000),  # counts in the ring, thresholds in a table
+    Histogram.linear(1e15, 1e15 + 1.0, 10),  # float cannot estimate: double linear_bin (kModeWideExact)
+    Histogram.linear(0.0, 1e-38, 10),  # 1 / width beyond float: kModeWideExact
     None,
 ])
 def test_histogram_kinds(emu, h):
@@ -312,6 +347,154 @@ def test_linear_histogram_values_on_edges(emu):
     edges = torch.from_numpy(h.bin_edges[1:-1])
     x = torch.cat([edges, torch.nextafter(edges, torch.tensor(-np.inf, dtype=torch.float64))])
     check(run_emu(emu, x, h, 2, 128), x, h, cpu_raw=run_cpu(x, h))
+
+
+# ---------------------------------------------------------------------------
+# Histogram modes (kernels::hist_plan): counts in dynamic shared memory up to
+# the device's budget, wider ones in the ring by warp-aggregated atomics
+# ---------------------------------------------------------------------------
+MODE_LOG2EXP, MODE_LOG2, MODE_LINEAR, MODE_WIDE, MODE_WIDE_EXACT = 1, 2, 3, 4, 5
+STATIC_SMEM = 832  # the kernels' static shared memory (kernels::kStaticSmem)
+H100 = 233472 // 4 - 1024 - STATIC_SMEM  # kernels::smem_budget: 4 blocks of 256 per SM
+A100 = 167936 // 4 - 1024 - STATIC_SMEM
+
+
+@pytest.mark.parametrize("h,is_float,budget,want", [
+    (Histogram.linear(-2, 3, 3000), True, H100, (MODE_LINEAR, 8 * 3000 + 16, False)),
+    (Histogram.linear(-2, 3, 6000), True, H100, (MODE_LINEAR, 8 * 6000 + 16, False)),
+    (Histogram.linear(-2, 3, 6000), True, A100, (MODE_WIDE, 4 * 6001, False)),  # thresholds shared
+    (Histogram.linear(-2, 3, 10000), True, H100, (MODE_WIDE, 4 * 10001, False)),
+    (Histogram.linear(-2, 3, 10000), False, H100, (MODE_LINEAR, 4 * 10003, False)),  # float64: no thresholds
+    (Histogram.linear(-2, 3, 20000), True, H100, (MODE_WIDE, 0, True)),  # thresholds in a table
+    (Histogram.linear(-2, 3, 20000), False, H100, (MODE_WIDE, 0, False)),
+    (Histogram.linear(-2, 3, 100000), True, H100, (MODE_WIDE, 0, True)),
+    (Histogram.log2(-1100, 1100), True, H100, (MODE_LOG2, 4 * 2204, False)),  # the widest log2
+    (Histogram.log2(-1100, 1100), False, 0, (MODE_LOG2, 4 * 2204, False)),  # always shared
+    (Histogram.log2(), True, H100, (MODE_LOG2EXP, 0, False)),
+    (Histogram.linear(1e6, 1e6 + 1, 100), True, H100, (MODE_LINEAR, 8 * 100 + 16, False)),
+    (Histogram.linear(1e15, 1e15 + 1, 10), True, H100, (MODE_WIDE_EXACT, 0, False)),
+    (Histogram.linear(0, 1e-38, 10), True, H100, (MODE_WIDE_EXACT, 0, False)),
+    (Histogram.linear(0, 1e-38, 10), False, H100, (MODE_LINEAR, 4 * 13, False)),
+])
+def test_histogram_plan(emu, h, is_float, budget, want):
+    assert emu.hist_plan(*h.op_args(), is_float, budget) == want
+
+
+def wide_input(n, dtype, seed, h, clustered):
+    """Values over the range and 10% beyond each end, with NaN, +-Inf and +-0
+    among them; clustered: sorted, from a window of about 300 bins, so that
+    the lanes of a warp share bins (their adds combine)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = h.lo, h.hi
+    if clustered:
+        span = (hi - lo) * min(1.0, 300 / h.bins)
+        a = lo + (hi - lo) * 0.37
+        x = (a + span * torch.rand(n, generator=g, dtype=torch.float64)).sort().values
+    else:
+        x = lo - 0.1 * (hi - lo) + 1.2 * (hi - lo) * torch.rand(n, generator=g, dtype=torch.float64)
+    kind = torch.randint(0, 64, (n,), generator=g)
+    for k, v in enumerate((float("nan"), float("inf"), float("-inf"), 0.0, -0.0)):
+        x[kind == k] = v
+    return x.to(dtype)
+
+
+def run_emu_budget(emu, x, h, grid, block, budget):
+    ring = new_ring(1, 1, h)
+    emu.accumulate(x, ring, torch.tensor([0, 1, 0]), 0, *hist_args(h), grid, block,
+                   smem_budget=budget)
+    return ring[0, 0].numpy()
+
+
+@pytest.mark.parametrize("bins", [3000, 6000, 20000, 100000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("clustered", [False, True])
+def test_wide_linear_histograms(emu, bins, dtype, clustered):
+    """Every bin equal to the CPU op's and the float64 reference's: random and
+    clustered data, several blocks, a start off the 16-byte boundary (the
+    head and tail elements go through the warp-uniform loop too)."""
+    h = Histogram.linear(-2.5, 4.0, bins)
+    x = wide_input(20001, dtype, bins + 7 * clustered, h, clustered)[1:]
+    check(run_emu(emu, x, h, 3, THREADS), x, h, cpu_raw=run_cpu(x, h))
+
+
+@pytest.mark.parametrize("bins,budget", [(3000, 20000), (6000, A100), (6000, 20000), (3000, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_paths_by_shared_memory_budget(emu, bins, budget, dtype):
+    """A smaller device budget moves the same histogram to the ring (thresholds
+    in shared memory, or in a table): the bins do not change."""
+    h = Histogram.linear(-2.5, 4.0, bins)
+    plan = emu.hist_plan(*h.op_args(), True, budget)
+    assert plan[0] == MODE_WIDE and plan[2] == (4 * (bins + 1) > budget)
+    for clustered in (False, True):
+        x = wide_input(12001, dtype, bins + budget + clustered, h, clustered)[1:]
+        check(run_emu_budget(emu, x, h, 4, 96, budget), x, h, cpu_raw=run_cpu(x, h))
+
+
+@pytest.mark.parametrize("h", [Histogram.log2(-1100, 1000), Histogram.log2(-1100, 1023)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_log2_histograms_over_2048_bins(emu, h, dtype):
+    assert h.nbins > 2048
+    x = sample(6001, dtype, h.nbins)[1:]
+    check(run_emu(emu, x, h, 3, THREADS), x, h, cpu_raw=run_cpu(x, h))
+
+
+def float_edges(h, step=1):
+    """Every step-th float threshold (least float >= an edge) and its float
+    neighbours: the values a wrong correction or a wrong tie misbins."""
+    edges = torch.from_numpy(h.bin_edges[1:-1][::step].copy())
+    f = edges.float()
+    thr = torch.where(f.double() < edges, torch.nextafter(f, torch.tensor(np.inf)), f)
+    return torch.cat([thr, torch.nextafter(thr, torch.tensor(-np.inf)), torch.nextafter(thr, torch.tensor(np.inf))])
+
+
+@pytest.mark.parametrize("bins,step", [(3000, 1), (20000, 3), (100000, 17)])
+def test_wide_linear_values_on_edges(emu, bins, step):
+    h = Histogram.linear(-1.0, 1.5, bins)
+    x = float_edges(h, step)
+    x = x[torch.randperm(len(x), generator=torch.Generator().manual_seed(bins))]
+    check(run_emu(emu, x, h, 2, THREADS), x, h, cpu_raw=run_cpu(x, h))
+    x64 = torch.from_numpy(h.bin_edges[1:-1][::step].copy())  # float64: exactly on the edges
+    x64 = torch.cat([x64, torch.nextafter(x64, torch.tensor(-np.inf, dtype=torch.float64))])
+    check(run_emu(emu, x64, h, 2, THREADS), x64, h, cpu_raw=run_cpu(x64, h))
+
+
+def test_wide_strided_view(emu):
+    """Strided reads (one element per item) in the ring mode."""
+    h = Histogram.linear(-2.5, 4.0, 20000)
+    base = wide_input(150 * 90, torch.float32, 5, h, False).reshape(150, 90)
+    v = base.t()[3:, ::2]
+    ring = new_ring(1, 1, h)
+    assert emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, h, 3, 64)[0] is False
+    check(ring[0, 0].numpy(), v, h, cpu_raw=run_cpu(v, h))
+
+
+LINEAR_SPECS = [(-1, 1, 2500), (0, 1, 1), (0, 10, 100), (-4, 4, 4096), (-4, 4, 100000), (100, 101, 10000),
+                (1e6, 1e6 + 1, 100), (-1e-30, 3e-30, 777), (1e20, 1.0000001e20, 50), (0.1, 0.7, 12345),
+                (-2.0**20, 2.0**20, 2**20), (-3.3, 7.1, 1_000_000), (2.0**41, 2.0**41 + 100, 100),
+                (-(2.0**41), -(2.0**41) + 1000, 1000), (1e6 + 0.1, 1e6 + 1.1, 100),  # lo not a float
+                (-123456.789, -123455.789, 10000), (7.3e9 + 0.3, 7.3e9 + 1000.3, 200000)]
+
+
+@pytest.mark.parametrize("lo,hi,bins", LINEAR_SPECS)
+def test_linear_bin_by_threshold_is_linear_bin(emu, lo, hi, bins):
+    """The kernel's float binning (linear_bin_thr: split-lo estimate, nearest
+    edge, one threshold compare) against linear_bin in double, run on the host
+    for each threshold and its float neighbours, values across and beyond the
+    range, and the specials; linear_float_ok holds for every spec here (each
+    near a limit of its bound)."""
+    h = Histogram.linear(lo, hi, bins)
+    g = torch.Generator().manual_seed(bins)
+    span = hi - lo
+    rnd = torch.rand(30000, generator=g, dtype=torch.float64)
+    v = torch.cat([float_edges(h, max(1, bins // 200000)),
+                   (lo + span * rnd[:20000]).float(),
+                   (lo - 3 * span * rnd[20000:25000]).float(), (hi + 3 * span * rnd[25000:]).float(),
+                   torch.tensor([0.0, -0.0, 3e38, -3e38, 1e-45, -1e-45, np.inf, -np.inf, np.nan])])
+    got, want, ok = emu.linear_bins(lo, hi, bins, v.contiguous())
+    assert ok
+    finite = torch.isfinite(v)
+    bad = (got != want) & finite
+    assert not bad.any(), f"{int(bad.sum())} of {len(v)}: e.g. v={v[bad][:3].tolist()} {got[bad][:3].tolist()} vs {want[bad][:3].tolist()}"
 
 
 def test_strided_views_read_through_the_host_plan(emu):
@@ -342,7 +525,8 @@ def test_strided_views_read_through_the_host_plan(emu):
 
 
 @pytest.mark.parametrize("h", [LOG2, None, Histogram.linear(-3.0, 3.0, 50),
-                               Histogram.linear(-3.0, 3.0, 3000)])
+                               Histogram.linear(-3.0, 3.0, 3000), Histogram.linear(-3.0, 3.0, 20000),
+                               Histogram.log2(-1100, 1000)])
 def test_stride_zero_multiplicity_in_every_histogram_mode(emu, h):
     """Counts, sums and bins of an expanded view are its rows' times the
     repeat: each mode's merge scales (the zero and underflow bins included)."""

@@ -309,18 +309,22 @@ int main(int argc, char** argv) {
     lin.llo = -3.0;
     lin.lhi = 5.0;
     lin.bins = 13;
-    Hist wide = lin;  // > kSharedBins: global-atomic histogram path
-    wide.bins = 3000;
+    Hist wide = lin;  // counts in the ring (warp-aggregated), thresholds in a table
+    wide.bins = 20000;
+    Hist wide_shared = lin;  // counts in the ring, thresholds in dynamic shared memory
+    wide_shared.bins = 10000;
     const emu::Stats s0 = emu::stats();
     scenario_dense<float>("float32 misaligned x2", 60, 1e-41, {3001, 517}, 1, log2, dim3(3),
                           dim3(128));
     scenario_dense<double>("float64 misaligned", 300, 1e-310, {2049}, 1, lin, dim3(2), dim3(64));
     scenario_dense<c10::Half>("float16", 14, 1e-7, {1531}, 3, wide, dim3(2), dim3(96));
     scenario_dense<c10::BFloat16>("bfloat16", 60, 1e-40, {777}, 1, log2, dim3(1), dim3(256));
+    scenario_dense<c10::BFloat16>("bfloat16 wide", 3, 1e-40, {1999}, 1, wide_shared, dim3(2), dim3(64));
     scenario_strided<float>("float32 strided", 37, 3, 23, 41, log2, dim3(2), dim3(64));
     scenario_state();
     const emu::Stats s1 = emu::stats();
-    CHECK(s1.blocks - s0.blocks == 33, "blocks run: %lu", s1.blocks - s0.blocks);
+    // + 4: fill_thresholds_kernel for the table of `wide`.
+    CHECK(s1.blocks - s0.blocks == 33 + 4 + 4, "blocks run: %lu", s1.blocks - s0.blocks);
   } catch (const emu::KernelFault& e) {
     std::printf("KERNEL FAULT: %s\n", e.what());
     return 3;
