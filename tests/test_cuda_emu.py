@@ -332,7 +332,7 @@ def test_blocks_larger_than_the_launchers_fault(emu):
     Histogram.linear(-2.0, 3.0, 2046),
     Histogram.linear(-2.0, 3.0, 2047),
     Histogram.linear(-2.0, 3.0, 5000),  # counts and float thresholds in 40 KB of dynamic shared memory
-    Histogram.linear(-2.0, 3.0, 20000),  # counts in the ring, thresholds in a table
+    Histogram.linear(-2.0, 3.0, 20000),  # float: thresholds beyond shared memory, bins in double
     Histogram.linear(1e15, 1e15 + 1.0, 10),  # float cannot estimate: double linear_bin (kModeWideExact)
     Histogram.linear(0.0, 1e-38, 10),  # 1 / width beyond float: kModeWideExact
     None,
@@ -360,21 +360,21 @@ A100 = 167936 // 4 - 1024 - STATIC_SMEM
 
 
 @pytest.mark.parametrize("h,is_float,budget,want", [
-    (Histogram.linear(-2, 3, 3000), True, H100, (MODE_LINEAR, 8 * 3000 + 16, False)),
-    (Histogram.linear(-2, 3, 6000), True, H100, (MODE_LINEAR, 8 * 6000 + 16, False)),
-    (Histogram.linear(-2, 3, 6000), True, A100, (MODE_WIDE, 4 * 6001, False)),  # thresholds shared
-    (Histogram.linear(-2, 3, 10000), True, H100, (MODE_WIDE, 4 * 10001, False)),
-    (Histogram.linear(-2, 3, 10000), False, H100, (MODE_LINEAR, 4 * 10003, False)),  # float64: no thresholds
-    (Histogram.linear(-2, 3, 20000), True, H100, (MODE_WIDE, 0, True)),  # thresholds in a table
-    (Histogram.linear(-2, 3, 20000), False, H100, (MODE_WIDE, 0, False)),
-    (Histogram.linear(-2, 3, 100000), True, H100, (MODE_WIDE, 0, True)),
-    (Histogram.log2(-1100, 1100), True, H100, (MODE_LOG2, 4 * 2204, False)),  # the widest log2
-    (Histogram.log2(-1100, 1100), False, 0, (MODE_LOG2, 4 * 2204, False)),  # always shared
-    (Histogram.log2(), True, H100, (MODE_LOG2EXP, 0, False)),
-    (Histogram.linear(1e6, 1e6 + 1, 100), True, H100, (MODE_LINEAR, 8 * 100 + 16, False)),
-    (Histogram.linear(1e15, 1e15 + 1, 10), True, H100, (MODE_WIDE_EXACT, 0, False)),
-    (Histogram.linear(0, 1e-38, 10), True, H100, (MODE_WIDE_EXACT, 0, False)),
-    (Histogram.linear(0, 1e-38, 10), False, H100, (MODE_LINEAR, 4 * 13, False)),
+    (Histogram.linear(-2, 3, 3000), True, H100, (MODE_LINEAR, 8 * 3000 + 16)),
+    (Histogram.linear(-2, 3, 6000), True, H100, (MODE_LINEAR, 8 * 6000 + 16)),
+    (Histogram.linear(-2, 3, 6000), True, A100, (MODE_WIDE, 4 * 6001)),  # thresholds shared
+    (Histogram.linear(-2, 3, 10000), True, H100, (MODE_WIDE, 4 * 10001)),
+    (Histogram.linear(-2, 3, 10000), False, H100, (MODE_LINEAR, 4 * 10003)),  # float64: no thresholds
+    (Histogram.linear(-2, 3, 20000), True, H100, (MODE_WIDE_EXACT, 0)),  # thresholds do not fit
+    (Histogram.linear(-2, 3, 20000), False, H100, (MODE_WIDE, 0)),
+    (Histogram.linear(-2, 3, 100000), True, H100, (MODE_WIDE_EXACT, 0)),
+    (Histogram.log2(-1100, 1100), True, H100, (MODE_LOG2, 4 * 2204)),  # the widest log2
+    (Histogram.log2(-1100, 1100), False, 0, (MODE_LOG2, 4 * 2204)),  # always shared
+    (Histogram.log2(), True, H100, (MODE_LOG2EXP, 0)),
+    (Histogram.linear(1e6, 1e6 + 1, 100), True, H100, (MODE_LINEAR, 8 * 100 + 16)),
+    (Histogram.linear(1e15, 1e15 + 1, 10), True, H100, (MODE_WIDE_EXACT, 0)),
+    (Histogram.linear(0, 1e-38, 10), True, H100, (MODE_WIDE_EXACT, 0)),
+    (Histogram.linear(0, 1e-38, 10), False, H100, (MODE_LINEAR, 4 * 13)),
 ])
 def test_histogram_plan(emu, h, is_float, budget, want):
     assert emu.hist_plan(*h.op_args(), is_float, budget) == want
@@ -421,10 +421,10 @@ def test_wide_linear_histograms(emu, bins, dtype, clustered):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wide_paths_by_shared_memory_budget(emu, bins, budget, dtype):
     """A smaller device budget moves the same histogram to the ring (thresholds
-    in shared memory, or in a table): the bins do not change."""
+    in shared memory, or too many for it: bins in double): the bins do not change."""
     h = Histogram.linear(-2.5, 4.0, bins)
     plan = emu.hist_plan(*h.op_args(), True, budget)
-    assert plan[0] == MODE_WIDE and plan[2] == (4 * (bins + 1) > budget)
+    assert plan[0] == (MODE_WIDE if 4 * (bins + 1) <= budget else MODE_WIDE_EXACT)
     for clustered in (False, True):
         x = wide_input(12001, dtype, bins + budget + clustered, h, clustered)[1:]
         check(run_emu_budget(emu, x, h, 4, 96, budget), x, h, cpu_raw=run_cpu(x, h))

@@ -127,9 +127,10 @@ enum HistMode : int {
   kModeLinear = 3,     // linear, counts in dynamic shared memory; float: with the thresholds
   kModeWide = 4,       // linear whose counts do not fit the shared-memory budget: counts go to
                        // the ring by warp-aggregated atomics; float: thresholds in dynamic
-                       // shared memory, or (too many for it) in a table the launcher fills
-  kModeWideExact = 5,  // linear on float that float cannot estimate (linear_float_ok false):
-                       // counts as kModeWide, each bin by linear_bin in double
+                       // shared memory
+  kModeWideExact = 5,  // linear on float that float cannot estimate (linear_float_ok false),
+                       // or whose thresholds do not fit the budget: counts as kModeWide,
+                       // each bin by linear_bin in double
 };
 
 // Whether the float estimate of a linear bin, q = ((v - lo_h) - lo_l) * inv
@@ -176,13 +177,11 @@ C10_HOST_DEVICE constexpr int64_t smem_budget(int64_t per_sm, int64_t reserved, 
 
 // Float constants of linear bins by threshold (linear_bin_thr), computed on
 // the host once per launch (so no double arithmetic is left in the kernel to
-// be recomputed inside its loop), and the thresholds' table when they are not
-// in shared memory.
+// be recomputed inside its loop).
 struct LinearThr {
   float lo_h, lo_l;    // lo = lo_h + lo_l (+ a remainder below 2**-48 |lo|)
   float inv;           // float(1 / width)
   int bins;
-  const float* table;  // kModeWide: thr[0 .. bins] in global memory, or null (shared)
 };
 
 C10_HOST_DEVICE inline LinearThr linear_thr(const HistSpec& h) {
@@ -195,20 +194,17 @@ C10_HOST_DEVICE inline LinearThr linear_thr(const HistSpec& h) {
 }
 
 // How a launch counts a histogram: the mode, the dynamic shared memory per
-// block, whether the thresholds come in a global table (kModeWide on float
-// whose thresholds alone exceed the budget: the launcher fills one with
-// fill_thresholds_kernel and sets lin.table), and the float constants.
+// block and the float constants.
 struct HistPlan {
   int mode;
   int64_t smem;
-  bool table;
   LinearThr lin;
 };
 
 // The plan for a histogram, a working type and the device's budget
 // (smem_budget). The same on the host launcher and the emulation harness.
 C10_HOST_DEVICE inline HistPlan hist_plan(const HistSpec& h, bool work_is_float, int64_t budget) {
-  HistPlan p{kModeNone, 0, false, {}};
+  HistPlan p{kModeNone, 0, {}};
   if (h.kind == kHistNone) return p;
   const int64_t counts = 4 * (h.nbins + 1);  // [0]: values not binned (NaN/Inf)
   if (h.kind == kHistLog2) {
@@ -220,18 +216,20 @@ C10_HOST_DEVICE inline HistPlan hist_plan(const HistSpec& h, bool work_is_float,
     }
     return p;
   }
-  if (work_is_float && !linear_float_ok(h)) {
+  const int64_t thr = work_is_float ? 4 * (h.bins + 1) : 0;  // least float >= each edge
+  // Float thresholds beyond the budget would need a table in global memory,
+  // allocated per call: such histograms (> ~14,000 bins on an H100) bin in
+  // double instead, as those float cannot estimate.
+  if (work_is_float && (!linear_float_ok(h) || thr > budget)) {
     p.mode = kModeWideExact;
     return p;
   }
-  const int64_t thr = work_is_float ? 4 * (h.bins + 1) : 0;  // least float >= each edge
   if (counts + thr <= budget) {
     p.mode = kModeLinear;
     p.smem = counts + thr;
   } else {
     p.mode = kModeWide;
-    p.smem = thr <= budget ? thr : 0;
-    p.table = thr > budget;
+    p.smem = thr;
   }
   if (work_is_float) p.lin = linear_thr(h);
   return p;
@@ -263,17 +261,6 @@ struct FmaSquare {
   __device__ __forceinline__ float operator()(float s, float d) const { return fmaf(d, d, s); }
   __device__ __forceinline__ double operator()(double s, double d) const { return fma(d, d, s); }
 };
-
-// Least float >= each edge of a linear histogram, thr[0 .. bins]: the global
-// table of kModeWide when the thresholds exceed the shared-memory budget
-// (launched by the launcher before the accumulate kernel, same stream).
-__global__ void fill_thresholds_kernel(float* thr, HistSpec hist) {
-  const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i <= hist.bins;
-       i += gstride) {
-    thr[i] = float_at_or_above(linear_edge(hist, i));
-  }
-}
 
 // The bin of a finite float v (linear_bin's result: 0 below lo, bins + 1 at
 // or above hi, else 1 + i for edge i <= v < edge i + 1) through the
@@ -337,12 +324,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const float* thr = nullptr;
   if constexpr (kThresholds) {
     float* s_thr = reinterpret_cast<float*>(kMode == kModeLinear ? s_cnt + hist.nbins + 1 : s_cnt);
-    if (kMode == kModeLinear || lin.table == nullptr) {
-      for (int64_t i = tid; i <= hist.bins; i += blockDim.x) s_thr[i] = float_at_or_above(linear_edge(hist, i));
-      thr = s_thr;
-    } else {
-      thr = lin.table;
-    }
+    for (int64_t i = tid; i <= hist.bins; i += blockDim.x) s_thr[i] = float_at_or_above(linear_edge(hist, i));
+    thr = s_thr;
   }
   __syncthreads();
   const int32_t lo_exp = static_cast<int32_t>(hist.lo_exp), hi_exp = static_cast<int32_t>(hist.hi_exp);

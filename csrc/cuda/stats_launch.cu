@@ -1,11 +1,9 @@
 // CUDA launchers: pick grid/block, launch on the current stream under a
-// device guard. No allocation (but the threshold table of a linear histogram
-// too wide for shared memory, a caching-allocator temporary), no sync, no
-// host read of device memory, so every launch is CUDA-graph capturable. The
+// device guard. No allocation, no sync, no host read of device memory, so
+// every launch is CUDA-graph capturable. The
 // device code is in stats_kernel.cuh (also executed on the CPU by tests/cuda_emu).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -236,26 +234,13 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
         kernels::dispatch_accumulate<scalar_t>(
             plan.flat, h, smem_budget(device), [&](auto kernel, const kernels::HistPlan& hp) {
               allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, hp.smem);
-              // Float thresholds of a linear histogram too many for shared memory
-              // (> ~14,000 bins on an H100): a table filled here on the same
-              // stream, a temporary from the caching allocator (the one case
-              // where an op allocates).
-              at::Tensor table;
-              kernels::LinearThr lin = hp.lin;
-              if (hp.table) {
-                table = at::empty({h.bins + 1}, x_in.options().dtype(at::kFloat));
-                const int64_t fill = std::min<int64_t>((h.bins + kThreads) / kThreads, 1024);
-                launch("hookcap.accumulate (thresholds)", &kernels::fill_thresholds_kernel, dim3(fill),
-                       dim3(kThreads), stream, table.data_ptr<float>(), h);
-                lin.table = table.const_data_ptr<float>();
-              }
               for_each_read(plan, [&](int64_t offset, bool first) {
                 const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                              row, ring.size(1), ring.size(2), ring.size(0),
                                              first ? n : 0, first ? 1 : 0, plan.mult};
                 launch_smem("hookcap.accumulate", kernel, dim3(blocks), dim3(kThreads),
                             static_cast<size_t>(hp.smem), stream, p + offset, plan.visit, plan.desc,
-                            tgt, h, lin);
+                            tgt, h, hp.lin);
               });
             });
       });

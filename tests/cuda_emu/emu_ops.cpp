@@ -54,9 +54,9 @@ std::tuple<bool, int64_t, int64_t, int64_t> accumulate(
   return {plan.flat, plan.mult, plan.flat ? 0 : plan.desc.ndim, reads};
 }
 
-// (mode, dynamic shared bytes, threshold table?) of kernels::hist_plan for a
+// (mode, dynamic shared bytes) of kernels::hist_plan for a
 // histogram (as make_hist_spec reads it), float or double work, a budget.
-std::tuple<int64_t, int64_t, bool> hist_plan(int64_t hist_kind, double hist_lo, double hist_hi,
+std::tuple<int64_t, int64_t> hist_plan(int64_t hist_kind, double hist_lo, double hist_hi,
                                              int64_t hist_bins, bool work_is_float,
                                              int64_t smem_budget) {
   const int64_t nbins = hist_kind == kHistNone ? 0
@@ -64,7 +64,7 @@ std::tuple<int64_t, int64_t, bool> hist_plan(int64_t hist_kind, double hist_lo, 
                                                  : hist_bins + 2;
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, kHeader + nbins);
   const kernels::HistPlan p = kernels::hist_plan(h, work_is_float, smem_budget);
-  return {p.mode, p.smem, p.table};
+  return {p.mode, p.smem};
 }
 
 // Linear bins of float values by the kernel's float path (thresholds,

@@ -20,24 +20,13 @@ using hookcap::kernels::RowTarget;
 // The shared-memory budget of an H100 (sm_90), the launcher's there.
 constexpr int64_t kH100SmemBudget = hookcap::kernels::smem_budget(233472, 1024, 232448);
 
-// As the launcher: the plan's dynamic shared memory, and for a threshold
-// table, fill_thresholds_kernel into a buffer first.
+// As the launcher: the plan's dynamic shared memory.
 template <typename T>
 void accumulate(const T* x, int64_t n, bool dense, const StridedDesc& d, const RowTarget& tgt,
                 const HistSpec& h, dim3 grid, dim3 block, int64_t smem_budget = kH100SmemBudget) {
   hookcap::kernels::dispatch_accumulate<T>(
       dense, h, smem_budget, [&](auto kernel, const hookcap::kernels::HistPlan& plan) {
-        std::vector<float> table;
-        hookcap::kernels::LinearThr lin = plan.lin;
-        if (plan.table) {
-          table.assign(static_cast<size_t>(h.bins + 1), std::nanf(""));
-          const int64_t blocks = (h.bins + 1 + 255) / 256;  // at most 4: a grid-stride loop
-          emu::launch(hookcap::kernels::fill_thresholds_kernel,
-                      dim3(static_cast<unsigned>(blocks < 4 ? blocks : 4)), dim3(256), 0,
-                      table.data(), h);
-          lin.table = table.data();
-        }
-        emu::launch(kernel, grid, block, static_cast<size_t>(plan.smem), x, n, d, tgt, h, lin);
+        emu::launch(kernel, grid, block, static_cast<size_t>(plan.smem), x, n, d, tgt, h, plan.lin);
       });
 }
 
