@@ -289,14 +289,16 @@ def tests(runner: Runner) -> dict:
 
 
 def hist_kinds(Histogram) -> dict:
-    """label -> (Histogram or None, the kernel path it takes on CUDA: hist_mode in
+    """label -> (Histogram or None, the kernel path it takes on an H100: hist_plan in
     csrc/cuda/stats_kernel.cuh). Data is randn, so a linear range of +-4 is realistic."""
     return {
         "none": (None, "no histogram"),
         "log2": (Histogram.log2(), "log2, exponent byte counted per warp (lo >= -126)"),
         "log2 lo=-140": (Histogram.log2(-140, 64), "log2 in shared memory (bins below float normals)"),
         "linear 100": (Histogram.linear(-4, 4, 100), "linear in shared memory, float thresholds"),
-        "linear 4096": (Histogram.linear(-4, 4, 4096), "wide: > 2048 bins, global atomics"),
+        "linear 4096": (Histogram.linear(-4, 4, 4096), "linear in shared memory (dynamic, > 48 KB opt-in)"),
+        "linear 10000": (Histogram.linear(-4, 4, 10000), "wide: counts by warp-aggregated atomics"),
+        "linear 20000": (Histogram.linear(-4, 4, 20000), "wide-exact: bins in double"),
     }
 
 
