@@ -140,13 +140,9 @@ def _assert_steps_equal(h, steps, ref_step, names=None):
             np.testing.assert_array_equal(h.histogram(name)[i], h.histogram(name)[r])
 
 
-def test_monitor_records_every_cuda_graph_replay():
-    # Rows are registered in eager warm-up steps; the captured step's kernels
-    # read the slot from the device state, so each replay + step() fills a
-    # new slot and the drain reads it (no host value is baked into the graph).
-    model = _graph_model()
-    x = torch.randn(8, 16, device="cuda")
-    mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
+def _capture_after_warmup(model, x, mon):
+    """Three eager steps on a side stream (rows registered), then a captured
+    forward + backward: the graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -158,6 +154,17 @@ def test_monitor_records_every_cuda_graph_replay():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         model(x).sum().backward()
+    return g
+
+
+def test_monitor_records_every_cuda_graph_replay():
+    # Rows are registered in eager warm-up steps; the captured step's kernels
+    # read the slot from the device state, so each replay + step() fills a
+    # new slot and the drain reads it (no host value is baked into the graph).
+    model = _graph_model()
+    x = torch.randn(8, 16, device="cuda")
+    mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
+    g = _capture_after_warmup(model, x, mon)
     first = mon.current_step
     for _ in range(4):
         g.replay()
@@ -352,17 +359,7 @@ def test_graph_captured_before_the_ring_grows_still_records(caplog):
     x, y = torch.randn(8, 16, device="cuda"), torch.randn(2, 4, device="cuda")
     mon = hookcap.Monitor(torch.nn.ModuleDict({"m": model, "extra": extra}),
                           capture=("output", "grad_output")).attach()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            model(x).sum().backward()
-            model.zero_grad(set_to_none=True)
-            mon.step()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        model(x).sum().backward()
+    g = _capture_after_warmup(model, x, mon)
     first = mon.current_step
     for i in range(4):
         g.replay()
