@@ -145,11 +145,9 @@ class DeviceRing:
         (a ring created mid-run, a resumed step counter)."""
         self.state.copy_(torch.tensor([step, int(enabled), slot]))
         self._reset_for.clear()
-        self.ring[:, :, _layout.STEP_TAG] = _UNTAGGED
-        _ops.reset_slot(self.ring, self.state)
-        for old in self.retired:
-            old[:, :, _layout.STEP_TAG] = _UNTAGGED
-            _ops.reset_slot(old, self.state)
+        for buf in (self.ring, *self.retired):
+            buf[:, :, _layout.STEP_TAG] = _UNTAGGED
+            _ops.reset_slot(buf, self.state)
 
     def set_enabled(self, enabled: bool) -> None:
         """Whether the kernels write this step (also code compiled with the

@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     // The head (before the first 16-byte boundary; element-misaligned
     // pointers are all head) and the tail (after the last whole vector).
     const int64_t tail = head + count * kPer;
-    const int64_t extra = head + (n - tail);
+    const int64_t ends = head + (n - tail);  // elements in the head and the tail
     auto element = [&](int64_t i) {
 #ifndef HOOKCAP_EMU_BREAK_INDEX  // fault injection for tests/cuda_emu only
       return widen<W>(x[i < head ? i : tail + (i - head)]);
@@ -498,10 +498,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 #endif
     };
     if constexpr (kWarpBins) {
-      for (int64_t i0 = gtid - lane; i0 < extra; i0 += gstride) {  // warp-uniform
+      for (int64_t i0 = gtid - lane; i0 < ends; i0 += gstride) {  // warp-uniform
         const int64_t i = i0 + lane;
         int b = -1;
-        if (i < extra) {
+        if (i < ends) {
           const W v = element(i);
           b = bin_of(v);
           exact(static_cast<double>(v));
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         warp_add_bin(hrow, b, tgt.mult, lane);
       }
     } else {
-      for (int64_t i = gtid; i < extra; i += gstride) {
+      for (int64_t i = gtid; i < ends; i += gstride) {
         const W v = element(i);
         bin(v);
         exact(static_cast<double>(v));

@@ -1,7 +1,7 @@
 // CUDA launchers: pick grid/block, launch on the current stream under a
 // device guard. No allocation, no sync, no host read of device memory, so
-// every launch is CUDA-graph capturable. The
-// device code is in stats_kernel.cuh (also executed on the CPU by tests/cuda_emu).
+// every launch is CUDA-graph capturable. The device code is in
+// stats_kernel.cuh (also executed on the CPU by tests/cuda_emu).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -68,13 +68,18 @@ std::mutex g_captured_mu;
 uintptr_t g_captured_rings[kMaxCapturedRings];
 int g_ncaptured = 0;
 
+bool captured_locked(uintptr_t p) {  // g_captured_mu held
+  for (int i = 0; i < g_ncaptured; ++i) {
+    if (g_captured_rings[i] == p) return true;
+  }
+  return false;
+}
+
 void note_capture(cudaStream_t s, const void* ring) {
   if (!capturing(s)) return;
   const auto p = reinterpret_cast<uintptr_t>(ring);
   std::lock_guard<std::mutex> lk(g_captured_mu);
-  for (int i = 0; i < g_ncaptured; ++i) {
-    if (g_captured_rings[i] == p) return;
-  }
+  if (captured_locked(p)) return;
   if (g_ncaptured < kMaxCapturedRings) {
     g_captured_rings[g_ncaptured++] = p;
   } else {
@@ -95,14 +100,18 @@ void note_write_stream(int device, cudaStream_t s) {
   w.overflow.store(true, std::memory_order_relaxed);
 }
 
+// Every launch that writes a ring: its stream for the drain's join, and the
+// ring if a graph is capturing it.
+void note_ring_write(int device, cudaStream_t s, const void* ring) {
+  note_write_stream(device, s);
+  note_capture(s, ring);
+}
+
 }  // namespace
 
 bool captured_ring(uintptr_t ring) {
   std::lock_guard<std::mutex> lk(g_captured_mu);
-  for (int i = 0; i < g_ncaptured; ++i) {
-    if (g_captured_rings[i] == ring) return true;
-  }
-  return false;
+  return captured_locked(ring);
 }
 
 int64_t join_write_streams(int device) {
@@ -216,8 +225,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   const int64_t n = x_in.numel();
   c10::cuda::CUDAGuard guard(x_in.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
-  note_write_stream(x_in.device().index(), stream);
-  note_capture(stream, ring.data_ptr());
+  note_ring_write(x_in.device().index(), stream, ring.data_ptr());
 
   const DimPlan plan = plan_read(x_in);
   // Each thread streams >= kPerThread elements of a large tensor (loads in
@@ -295,8 +303,7 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   check_time_mark(ring, state, row, phase);
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  note_write_stream(ring.device().index(), stream);
-  note_capture(stream, ring.data_ptr());
+  note_ring_write(ring.device().index(), stream, ring.data_ptr());
   launch("hookcap.time_mark", &time_mark_kernel, dim3(1), dim3(1), stream, ring.data_ptr<int64_t>(),
          state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2), row, phase, start);
 }
