@@ -133,24 +133,27 @@ enum HistMode : int {
                        // each bin by linear_bin in double
 };
 
-// Whether the float estimate of a linear bin, q = ((v - lo_h) - lo_l) * inv
-// (lo = lo_h + lo_l split in two floats, inv = float(1 / width)), is close
-// enough to v's exact position p = (v - lo) / width for linear_bin_thr's one
-// compare to be exact: within 0.4 bins for v in [lo, hi], and on the same
-// side of the range outside it. With u = 2**-24 the error of q is below
-// 4u * |p| + 5u**2 * |lo| / width + 2**-146 / width (the float roundings, the
-// split's remainder, results below float's normal range), rounding q + 1/2
-// adds u * bins, and the double edges lie within 2**-52 * (bins + |lo| / width)
-// bins of lo + i * width: their sum for |p| <= bins is bounded here by 0.4
-// (so v lies strictly between edges j - 1 and j + 1); beyond the range the
-// error grows with |p| only by the factor 4u, so q stays below 0.5 under lo
-// and above bins - 0.5 over hi. Every quantity must also be a finite float:
-// |lo|, |hi| and 1 / width below 2**126. False means kModeWideExact.
+// Whether the float estimate of a linear bin, q = fl(fl(v - lo_h) * inv + off)
+// (lo_h = float(lo), inv = float(1 / width), off = float(1/2 - (lo - lo_h) * inv):
+// linear_thr), is close enough to v's exact position plus a half,
+// p + 1/2 with p = (v - lo) / width, for linear_bin_thr's one compare to be
+// exact: within 0.4 bins for v in [lo, hi], and on the same side of the range
+// outside it. With u = 2**-24, v - lo_h and the product each round by u
+// relative (or 2**-150 absolute below float's normal range), inv and off by u
+// relative and the fma's sum by u: the error of q is below
+// 3u * |p| + 2u + 5u**2 * |lo| / width + 2**-148 * (1 / width + 1), and
+// the double edges lie within 2**-52 * (bins + |lo| / width) bins of
+// lo + i * width. Their sum for |p| <= bins is bounded here by 0.4 (so v
+// lies strictly between edges j - 1 and j + 1, j = trunc(q)); beyond the range
+// the error grows with |p| only by the factor 3u, so q stays below 1 under lo
+// and at or above bins over hi. Every quantity must also be a finite normal
+// float: |lo|, |hi| and 1 / width below 2**126, 1 / width at least 2**-125.
+// False means kModeWideExact.
 C10_HOST_DEVICE inline bool linear_float_ok(const HistSpec& h) {
   const double alo = h.lo < 0 ? -h.lo : h.lo, ahi = h.hi < 0 ? -h.hi : h.hi;
-  if (!(alo < 0x1p126 && ahi < 0x1p126 && h.inv_width < 0x1p126)) return false;
+  if (!(alo < 0x1p126 && ahi < 0x1p126 && h.inv_width < 0x1p126 && h.inv_width >= 0x1p-125)) return false;
   const double b = static_cast<double>(h.bins), r = alo * h.inv_width;
-  return 5.0 * b * 0x1p-24 + r * 0x1p-45 + 0x1p-146 * h.inv_width + (b + r) * 0x1p-52 <= 0.4;
+  return (3.0 * b + 2.0) * 0x1p-24 + r * 0x1p-45 + 0x1p-148 * (h.inv_width + 1.0) + (b + r) * 0x1p-52 <= 0.4;
 }
 
 // Least float >= e (e finite or infinite): a value v (float) is >= e iff
@@ -179,16 +182,17 @@ C10_HOST_DEVICE constexpr int64_t smem_budget(int64_t per_sm, int64_t reserved, 
 // the host once per launch (so no double arithmetic is left in the kernel to
 // be recomputed inside its loop).
 struct LinearThr {
-  float lo_h, lo_l;    // lo = lo_h + lo_l (+ a remainder below 2**-48 |lo|)
-  float inv;           // float(1 / width)
+  float lo_h;  // float(lo)
+  float inv;   // float(1 / width)
+  float off;   // float(1/2 - (lo - lo_h) * inv): lo's remainder and the rounding half
   int bins;
 };
 
 C10_HOST_DEVICE inline LinearThr linear_thr(const HistSpec& h) {
   LinearThr f{};
   f.lo_h = static_cast<float>(h.lo);
-  f.lo_l = static_cast<float>(h.lo - static_cast<double>(f.lo_h));
   f.inv = static_cast<float>(h.inv_width);
+  f.off = static_cast<float>(0.5 - (h.lo - static_cast<double>(f.lo_h)) * static_cast<double>(f.inv));
   f.bins = static_cast<int>(h.bins);
   return f;
 }
@@ -262,19 +266,21 @@ struct FmaSquare {
   __device__ __forceinline__ double operator()(double s, double d) const { return fma(d, d, s); }
 };
 
-// The bin of a finite float v (linear_bin's result: 0 below lo, bins + 1 at
-// or above hi, else 1 + i for edge i <= v < edge i + 1) through the
-// thresholds thr[i] = least float >= edge i, so that v >= edge i iff
-// v >= thr[i]. The float estimate q of v's position lies within 0.4 bins of
-// it (linear_float_ok), so with j the integer nearest q, clamped to
-// [0, bins], v lies strictly between edges j - 1 and j + 1: one compare with
-// edge j decides. Below lo (q < 0.5) j is 0 and v < thr[0]; at or above hi
-// (q >= bins - 0.4) j is bins and v >= thr[bins]. No divide, no double, no
-// branch; any v (NaN gives some j in range, the caller drops it).
+// The bin of a float v (linear_bin's result: 0 below lo, bins + 1 at or
+// above hi, else 1 + i for edge i <= v < edge i + 1) through the thresholds
+// thr[i] = least float >= edge i, so that v >= edge i iff v >= thr[i]. The
+// float estimate q of v's position plus a half lies within 0.4 bins of it
+// (linear_float_ok), so with j = trunc(q) clamped to [0, bins], v lies
+// strictly between edges j - 1 and j + 1: one compare with edge j decides
+// between bins j and j + 1. Below lo q < 1 (j = 0, v < thr[0]); at or above
+// hi q >= bins (j = bins, v >= thr[bins]). The conversion saturates (negative
+// and NaN give 0), so NaN and -Inf land in bin 0 and +Inf in bins + 1: the
+// kernel takes those back by its NaN/Inf counts. No divide, no double, no
+// branch.
 __device__ __forceinline__ int linear_bin_thr(float v, const float* thr, const LinearThr& f) {
-  const float q = ((v - f.lo_h) - f.lo_l) * f.inv;
-  const int j = static_cast<int>(fminf(fmaxf(q + 0.5f, 0.0f), static_cast<float>(f.bins)));
-  return 1 + j - (v < thr[j]);
+  const unsigned q = __float2uint_rz(fmaf(v - f.lo_h, f.inv, f.off));
+  const unsigned j = q < static_cast<unsigned>(f.bins) ? q : static_cast<unsigned>(f.bins);
+  return static_cast<int>(j) + (v >= thr[j]);
 }
 
 // Add one element per lane to the ring's bin `key` (-1: none), lanes with the
@@ -313,19 +319,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
 
-  // Dynamic shared memory: [counts: nbins + 1, [0] the values not binned]
-  // [thresholds: bins + 1] (kModeLinear), or [thresholds] (kModeWide).
-  unsigned int* s_cnt = reinterpret_cast<unsigned int*>(dynamic_smem());
+  // Dynamic shared memory: [counts: nbins + 1, [0] the values not binned],
+  // after [thresholds: bins + 1] with kThresholds (kModeWide: thresholds only).
+  unsigned char* smem = dynamic_smem();
+  const float* thr = nullptr;
+  if constexpr (kThresholds) {
+    float* s_thr = reinterpret_cast<float*>(smem);
+    for (int64_t i = tid; i <= hist.bins; i += blockDim.x) s_thr[i] = float_at_or_above(linear_edge(hist, i));
+    thr = s_thr;
+    smem += 4 * (hist.bins + 1);
+  }
+  unsigned int* s_cnt = reinterpret_cast<unsigned int*>(smem);
   if constexpr (kMode == kModeLog2Exp) {
     for (int i = tid; i < kWarps * 256; i += blockDim.x) (&sh.tab[0][0])[i] = 0u;
   } else if constexpr (kSharedCounts) {
     for (int64_t b = tid; b <= hist.nbins; b += blockDim.x) s_cnt[b] = 0u;
-  }
-  const float* thr = nullptr;
-  if constexpr (kThresholds) {
-    float* s_thr = reinterpret_cast<float*>(kMode == kModeLinear ? s_cnt + hist.nbins + 1 : s_cnt);
-    for (int64_t i = tid; i <= hist.bins; i += blockDim.x) s_thr[i] = float_at_or_above(linear_edge(hist, i));
-    thr = s_thr;
   }
   __syncthreads();
   const int32_t lo_exp = static_cast<int32_t>(hist.lo_exp), hi_exp = static_cast<int32_t>(hist.hi_exp);
@@ -335,8 +343,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     if constexpr (kMode == kModeLog2) {
       return log2_bin(v, lo_exp, hi_exp);
     } else if constexpr (kThresholds) {
-      const int b = linear_bin_thr(v, thr, lin);
-      return fabsf(v) < kInfF ? b : -1;  // NaN/Inf: not binned
+      return linear_bin_thr(v, thr, lin);  // NaN/Inf: bins 0, bins + 1, taken back at the end
     } else {
       return static_cast<int>(linear_bin(static_cast<double>(v), hist));
     }
@@ -563,6 +570,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         zero_or_sub *= tgt.mult;
         if (acc.nzero) DeviceAtomics::add_i64(hrow, acc.nzero);
         if (zero_or_sub > acc.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - acc.nzero);
+      }
+      if constexpr (kThresholds) {
+        // linear_bin_thr put NaN and -Inf in bin 0 and +Inf in bins + 1.
+        if (acc.nnan + acc.nninf) DeviceAtomics::add_i64(hrow, -(acc.nnan + acc.nninf));
+        if (acc.npinf) DeviceAtomics::add_i64(hrow + hist.bins + 1, -acc.npinf);
       }
     }
   }

@@ -717,6 +717,12 @@ inline double __longlong_as_double(long long v) { return std::bit_cast<double>(v
 inline int __float_as_int(float v) { return std::bit_cast<int>(v); }
 inline float __int_as_float(int v) { return std::bit_cast<float>(v); }
 inline int __popc(unsigned v) { return std::popcount(v); }
+// cvt.rzi.u32.f32: truncates, saturates (negative -> 0, >= 2**32 -> max), NaN -> 0.
+inline unsigned __float2uint_rz(float v) {
+  if (!(v > 0.0f)) return 0u;
+  if (v >= 4294967296.0f) return 0xffffffffu;
+  return static_cast<unsigned>(v);
+}
 inline int __popcll(unsigned long long v) { return std::popcount(v); }
 
 // Atomics (relaxed, like CUDA's). Shared and global memory alike.

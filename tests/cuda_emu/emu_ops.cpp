@@ -68,8 +68,9 @@ std::tuple<int64_t, int64_t> hist_plan(int64_t hist_kind, double hist_lo, double
 }
 
 // Linear bins of float values by the kernel's float path (thresholds,
-// linear_bin_thr) and by linear_bin in double; -1 for NaN/Inf. Run on the
-// host directly (no launch). Also whether linear_float_ok holds.
+// linear_bin_thr: NaN and -Inf in 0, +Inf in bins + 1) and by linear_bin in
+// double (-1 for NaN/Inf). Run on the host directly (no launch). Also whether
+// linear_float_ok holds.
 std::tuple<at::Tensor, at::Tensor, bool> linear_bins(double lo, double hi, int64_t bins,
                                                      const at::Tensor& values) {
   TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous(), "emu: float32 values");
@@ -80,8 +81,7 @@ std::tuple<at::Tensor, at::Tensor, bool> linear_bins(double lo, double hi, int64
   auto got = at::empty({values.numel()}, at::kLong), want = at::empty({values.numel()}, at::kLong);
   const float* v = values.const_data_ptr<float>();
   for (int64_t k = 0; k < values.numel(); ++k) {
-    const bool finite = std::isfinite(v[k]);
-    got[k] = finite ? kernels::linear_bin_thr(v[k], thr.data(), f) : -1;
+    got[k] = kernels::linear_bin_thr(v[k], thr.data(), f);
     want[k] = linear_bin(static_cast<double>(v[k]), h);
   }
   return {got, want, kernels::linear_float_ok(h)};
