@@ -104,6 +104,30 @@ struct alignas(16) Vec16 {
   T v[kN];
 };
 
+// 16-byte vector of 32-bit words.
+struct alignas(16) Words16 {
+  uint32_t w[4];
+};
+
+// The 16-byte vector at p (16-byte aligned) in the working type. bfloat16
+// two by two from 32-bit words, the low element by a shift and the high one
+// by a mask (element by element, every other one takes a byte permute more).
+template <typename W, typename T>
+__device__ __forceinline__ void load_vec(const T* p, W (&out)[Vec16<T>::kN]) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && sizeof(W) == sizeof(float)) {
+    const Words16 q = *reinterpret_cast<const Words16*>(p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = float_of_bits(q.w[i] << 16);
+      out[2 * i + 1] = float_of_bits(q.w[i] & 0xffff0000u);
+    }
+  } else {
+    const Vec16<T> q = *reinterpret_cast<const Vec16<T>*>(p);
+#pragma unroll
+    for (int k = 0; k < Vec16<T>::kN; ++k) out[k] = widen<W>(q.v[k]);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // accumulate: one specialisation per (element type, histogram mode, dense or
 // strided), chosen on the host (stats_launch.cu), so the hot loop holds one
@@ -391,9 +415,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
   auto load = [&](int64_t item, W (&out)[kPer]) {
     if constexpr (kDense) {
-      const Vec16<T> p = reinterpret_cast<const Vec16<T>*>(body)[item];
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) out[k] = widen<W>(p.v[k]);
+      load_vec(body + item * kPer, out);
     } else {
       out[0] = widen<W>(x[strided_offset(desc, item)]);
     }
@@ -432,14 +454,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int64_t jend = j0 + kRunItems;
     const int64_t j1 = jend < nitems ? jend : (nitems > j0 ? nitems : j0);  // this thread's
     W s1 = 0, s2 = 0, mn = static_cast<W>(kInf), mx = static_cast<W>(-kInf);
-    unsigned int nz = 0;
+    W nz = 0;  // zeros of the run, counted in W (exact: at most kRunElems)
     auto stats = [&](W v) {
       const W d = v - c;
       s1 += d;
       s2 = FmaSquare{}(s2, d);
       mn = wmin(mn, v);
       mx = wmax(mx, v);
-      nz += v == W(0);
+      nz += v == W(0) ? W(1) : W(0);
     };
     auto push = [&](W v) {
       stats(v);
@@ -486,7 +508,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         shift = static_cast<double>(c);
         has_shift = true;
       }
-      thread_acc_add_run(part, s1, s2, m, c, shift, mn, mx, nz);
+      thread_acc_add_run(part, s1, s2, m, c, shift, mn, mx, static_cast<uint32_t>(nz));
       c = next_center(c, s1, s2, m);
     } else {
       revisit(j0, j1, [&](W v) { exact(static_cast<double>(v)); });  // in double (the bins stand)
