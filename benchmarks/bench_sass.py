@@ -16,9 +16,11 @@ then for every accumulate specialisation:
 - reports registers, spills (ptxas), static shared memory, the most dynamic
   shared memory the launcher gives the mode (``dyn``: its budget, which keeps
   4 blocks per SM; log2 at most 2,203 bins), resident blocks of
-  256 threads per SM (static + dyn), bytes of global loads in flight per SM (the loads issued
-  before the first instruction that reads one of their results, times the
-  resident threads), and the static issue-rate bound as a fraction of an
+  256 threads per SM (static + dyn), bytes of global loads in flight per SM at
+  the peak (the loads issued before the first instruction that reads one of
+  their results, times the resident threads) and on average (each load from
+  its issue to its first reader, round the loop, over the loop's length), and
+  the static issue-rate bound as a fraction of an
   H100's HBM bandwidth.
 
 Assumptions of the bound (printed): H100 SXM, 132 SMs at 1.755 GHz, four
@@ -145,13 +147,11 @@ _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 MARKER = "// the steady-state loop"
 
 
-def marker_line() -> int | None:
+def marker_lines() -> set[int]:
+    """The source lines marked as a steady-state loop (one per loop form)."""
     path = os.path.join(ROOT, "csrc", "cuda", "stats_kernel.cuh")
     with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if MARKER in line:
-                return i
-    return None
+        return {i for i, line in enumerate(f, 1) if MARKER in line}
 
 
 def sass_functions(nvdisasm: str, cubin: str) -> dict[str, list[tuple[int, str, int]]]:
@@ -274,7 +274,43 @@ def in_flight_loads(body: list[str]) -> int:
     return issued
 
 
-def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, marker: int | None) -> dict | None:
+def dest_regs(text: str) -> set[int]:
+    """Registers a global load writes."""
+    t = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)
+    dst = re.match(r"\S+\s+R(\d+)", t)
+    if not dst:
+        return set()
+    base = int(dst.group(1))
+    return set(range(base, base + max(1, load_bytes(t.split()[0]) // 4)))
+
+
+def reads(text: str) -> set[int]:
+    """Registers an instruction reads (its sources; a store's every operand)."""
+    t = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)
+    op = t.split()[0]
+    operands = t[len(op):]
+    parts = operands.split(",", 1)
+    return regs_of(operands if op.startswith("ST") else (parts[1] if len(parts) > 1 else ""))
+
+
+def average_in_flight(body: list[str]) -> float:
+    """Global-load bytes in flight per thread on average over the loop (Little's
+    law in issue order): each load counts from its issue to the first
+    instruction that reads its result, going round the loop, as a share of the
+    loop's length. A loop that issues its loads together and then waits on the
+    first one at once has a high peak (in_flight_loads) but a low average."""
+    total = 0
+    n = len(body)
+    for i, text in enumerate(body):
+        if not is_global_load(opcode(text)):
+            continue
+        regs = dest_regs(text)
+        dist = next((k for k in range(1, n + 1) if reads(body[(i + k) % n]) & regs), n)
+        total += load_bytes(opcode(text)) * dist
+    return total / n
+
+
+def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, marker: set[int]) -> dict | None:
     """The steady-state loop of one accumulate kernel: of the loops holding
     code of the marked source line, one with no other such loop inside (the
     longest if several: the fast path, not a redo loop the compiler also
@@ -282,7 +318,7 @@ def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, mar
     less); without a marked loop, the innermost loop with the most loads."""
     best = None
     found = loops(insns)
-    marked = [(a, b) for a, b in found if marker is not None and any(ln == marker for _, _, ln in insns[a:b + 1])]
+    marked = [(a, b) for a, b in found if any(ln in marker for _, _, ln in insns[a:b + 1])]
     if marked:
         pool = [(a, b) for a, b in marked if not any((c, d) != (a, b) and a <= c and d <= b for c, d in marked)]
     else:
@@ -309,7 +345,8 @@ def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, mar
     # with some, it counts every path and so overstates one element's cost.
     branches = sum(opcode(t).startswith("BRA") for t in body[:-1])
     return dict(loop_insns=n, branches=branches, elems_per_iter=elems, insns_per_elem=n / elems, fp64_per_elem=fp64 / elems,
-                loads_per_elem=nloads / elems, in_flight_bytes_per_thread=in_flight_loads(body))
+                loads_per_elem=nloads / elems, in_flight_bytes_per_thread=in_flight_loads(body),
+                avg_in_flight_bytes_per_thread=average_in_flight(body))
 
 
 def max_dynamic_smem(arch: int, mode: str, dtype: str, static: int) -> int:
@@ -362,7 +399,7 @@ def main() -> None:
     meta = build_meta()
     cuda_home = meta["cuda_home"]
     nvdisasm = find_tool("nvdisasm", cuda_home)
-    marker = marker_line()
+    marker = marker_lines()
     print(f"# toolkit {cuda_home}; bound: H100 SXM {H100['sms']} SMs x {H100['clock_hz'] / 1e9:.3f} GHz, "
           f"{H100['issue_per_sm_clk']} thread-instructions/SM/clk, FP64 {H100['fp64_per_sm_clk']}/SM/clk, "
           f"HBM {H100['hbm_bytes_s'] / 1e12:.2f} TB/s; {THREADS} threads per block")
@@ -390,15 +427,17 @@ def main() -> None:
                 if loop:
                     row.update(loop)
                     row["in_flight_kb_per_sm"] = loop["in_flight_bytes_per_thread"] * THREADS * bps / 1024
+                    row["avg_in_flight_kb_per_sm"] = loop["avg_in_flight_bytes_per_thread"] * THREADS * bps / 1024
                     row["bound_of_hbm"] = bound_fraction(loop["insns_per_elem"], loop["fp64_per_elem"], elem)
                 results.append(row)
     print(f"{'sm':>3} {'kernel':<34} {'insn/el':>7} {'fp64/el':>7} {'ld/el':>6} {'br':>3} {'regs':>4} "
-          f"{'spill':>5} {'smem':>6} {'dyn':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'bound':>6}")
+          f"{'spill':>5} {'smem':>6} {'dyn':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'KB avg':>6} {'bound':>6}")
     for r in results:
         if "insns_per_elem" in r:
             print(f"{r['arch']:>3} {r['kernel']:<34} {r['insns_per_elem']:>7.1f} {r['fp64_per_elem']:>7.2f} "
                   f"{r['loads_per_elem']:>6.3f} {r['branches']:>3} {r['regs']:>4} {r['spill_bytes']:>5} {r['smem']:>6} "
-                  f"{r['dyn_smem']:>6} {r['blocks_per_sm']:>6} {r['in_flight_kb_per_sm']:>9.1f} {r['bound_of_hbm']:>6.0%}")
+                  f"{r['dyn_smem']:>6} {r['blocks_per_sm']:>6} {r['in_flight_kb_per_sm']:>9.1f} "
+                  f"{r['avg_in_flight_kb_per_sm']:>6.1f} {r['bound_of_hbm']:>6.0%}")
         else:
             print(f"{r['arch']:>3} {r['kernel']:<34} {'(no loop found)':>27} {r['regs']:>4} {r['spill_bytes']:>5} "
                   f"{r['smem']:>6} {r['dyn_smem']:>6} {r['blocks_per_sm']:>6}")

@@ -86,6 +86,10 @@ def sample(n, dtype, seed, max_exp=None):
     return x.to(dtype)
 
 
+def x_size(dtype):
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 def hist_args(h):
     return NO_HIST_ARGS if h is None else h.op_args()
 
@@ -305,6 +309,19 @@ def test_grid_bound_makes_threads_loop(emu, dtype):
     assert grid == 8 and n > 2 * grid * THREADS * 4
     x = sample(n + 1, dtype, 18)[1:]
     check(run_emu(emu, x, LOG2, grid, THREADS), x, LOG2, cpu_raw=run_cpu(x, LOG2))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("h", [Histogram.linear(-3.0, 5.0, 13), Histogram.log2(-140, 10), LOG2, None])
+def test_threads_with_many_runs_in_each_loop_form(emu, dtype, h):
+    """Each thread works over two runs of 64 items and a partial one, with
+    odd and even numbers of groups (16-bit counted in shared memory: the
+    two-register-set loop; the others the one-set loop), from a start off the
+    16-byte boundary."""
+    per = 16 // x_size(dtype)
+    n = 2 * 32 * per * 141 + 5 * per + 3
+    x = sample(n + 1, dtype, 19)[1:]
+    check(run_emu(emu, x, h, 2, 32), x, h, cpu_raw=run_cpu(x, h))
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

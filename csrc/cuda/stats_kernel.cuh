@@ -109,22 +109,32 @@ struct alignas(16) Words16 {
   uint32_t w[4];
 };
 
-// The 16-byte vector at p (16-byte aligned) in the working type. bfloat16
-// two by two from 32-bit words, the low element by a shift and the high one
-// by a mask (element by element, every other one takes a byte permute more).
+// 16 bytes at p (16-byte aligned) by a read-only (non-coherent) load: the
+// input is not written while a kernel reads it.
+__device__ __forceinline__ Words16 load16(const void* p) {
+#ifdef HOOKCAP_CUDA_EMU
+  return *reinterpret_cast<const Words16*>(p);
+#else
+  const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+  return Words16{{r.x, r.y, r.z, r.w}};
+#endif
+}
+
+// A 16-byte vector of elements T, loaded as words, in the working type W.
+// bfloat16 two by two, the low element by a shift and the high one by a mask
+// (element by element, every other one takes a byte permute more).
 template <typename W, typename T>
-__device__ __forceinline__ void load_vec(const T* p, W (&out)[Vec16<T>::kN]) {
+__device__ __forceinline__ void widen_words(const Words16& q, W (&out)[Vec16<T>::kN]) {
   if constexpr (std::is_same_v<T, c10::BFloat16> && sizeof(W) == sizeof(float)) {
-    const Words16 q = *reinterpret_cast<const Words16*>(p);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       out[2 * i] = float_of_bits(q.w[i] << 16);
       out[2 * i + 1] = float_of_bits(q.w[i] & 0xffff0000u);
     }
   } else {
-    const Vec16<T> q = *reinterpret_cast<const Vec16<T>*>(p);
+    const Vec16<T> e = __builtin_bit_cast(Vec16<T>, q);
 #pragma unroll
-    for (int k = 0; k < Vec16<T>::kN; ++k) out[k] = widen<W>(q.v[k]);
+    for (int k = 0; k < Vec16<T>::kN; ++k) out[k] = widen<W>(e.v[k]);
   }
 }
 
@@ -413,13 +423,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     count = (n - head) / kPer;
     body = x + head;
   }
-  auto load = [&](int64_t item, W (&out)[kPer]) {
+  // An item as loaded (a 16-byte vector, or one strided element), then widened.
+  using Raw = std::conditional_t<kDense, Words16, T>;
+  auto load_raw = [&](int64_t item) -> Raw {
     if constexpr (kDense) {
-      load_vec(body + item * kPer, out);
+      return load16(body + item * kPer);
     } else {
-      out[0] = widen<W>(x[strided_offset(desc, item)]);
+      return x[strided_offset(desc, item)];
     }
   };
+  auto widen_raw = [&](const Raw& r, W (&out)[kPer]) {
+    if constexpr (kDense) {
+      widen_words<W, T>(r, out);
+    } else {
+      out[0] = widen<W>(r);
+    }
+  };
+  auto load = [&](int64_t item, W (&out)[kPer]) { widen_raw(load_raw(item), out); };
 
   // f(v) for every element of the thread's items [i0, i1), one item at a time.
   auto revisit = [&](int64_t i0, int64_t i1, auto&& f) {
@@ -445,8 +465,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     items_all = items0 - extra_warp;
   }
   const int64_t nitems = items_all + extra, items_warp = items_all + extra_warp;
-  // kWarpBins: two loads in flight (its bins cost more than its loads; fewer registers).
-  constexpr int kUnrollM = kWarpBins ? (kPer >= 8 ? 1 : 2) : kUnroll;
+  // kWarpBins: two loads in flight (its bins cost more than its loads; fewer
+  // registers). kTwoSets (16-bit elements counted in shared memory, whose
+  // loads the compiler would issue one at a time): two groups of two.
+  constexpr bool kTwoSets = kDense && kSharedCounts && sizeof(T) == 2;
+  constexpr int kUnrollM = kTwoSets ? 2 : kWarpBins ? (kPer >= 8 ? 1 : 2) : kUnroll;
   constexpr int64_t kRunItems = (kRunElems / kPer / kUnrollM) * kUnrollM > 0
                                     ? (kRunElems / kPer / kUnrollM) * kUnrollM : kUnrollM;
   W c = W(0);  // center of the next run
@@ -469,14 +492,47 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     };
     int64_t j = j0;
     const int64_t jsteady = kWarpBins ? (jend < items_all ? jend : items_all) : j1;  // warp-uniform for kWarpBins
-    for (; j + kUnrollM <= jsteady; j += kUnrollM) {  // the steady-state loop
-      W v[kUnrollM][kPer];
+    if constexpr (kTwoSets) {
+      // Groups of kUnrollM items in two sets of registers, a and b: the next
+      // group's loads are issued before this group is worked, so they are in
+      // flight all the while (the compiler would otherwise issue them late).
+      Raw ga[kUnrollM], gb[kUnrollM];
+      auto issue = [&](Raw (&g)[kUnrollM], int64_t j_at) {
 #pragma unroll
-      for (int u = 0; u < kUnrollM; ++u) load(gtid + (j + u) * gstride, v[u]);
+        for (int u = 0; u < kUnrollM; ++u) g[u] = load_raw(gtid + (j_at + u) * gstride);
+      };
+      auto work = [&](const Raw (&g)[kUnrollM]) {
 #pragma unroll
-      for (int u = 0; u < kUnrollM; ++u) {
+        for (int u = 0; u < kUnrollM; ++u) {
+          W v[kPer];
+          widen_raw(g[u], v);
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) push(v[u][k]);
+          for (int k = 0; k < kPer; ++k) push(v[k]);
+        }
+      };
+      if (j + kUnrollM <= jsteady) issue(ga, j);
+      while (j + kUnrollM <= jsteady) {  // the steady-state loop
+        const bool more_b = j + 2 * kUnrollM <= jsteady;
+        if (more_b) issue(gb, j + kUnrollM);
+        work(ga);
+        j += kUnrollM;
+        if (!more_b) break;
+        const bool more_a = j + 2 * kUnrollM <= jsteady;
+        if (more_a) issue(ga, j + kUnrollM);
+        work(gb);
+        j += kUnrollM;
+        if (!more_a) break;
+      }
+    } else {
+      for (; j + kUnrollM <= jsteady; j += kUnrollM) {  // the steady-state loop
+        W v[kUnrollM][kPer];
+#pragma unroll
+        for (int u = 0; u < kUnrollM; ++u) load(gtid + (j + u) * gstride, v[u]);
+#pragma unroll
+        for (int u = 0; u < kUnrollM; ++u) {
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) push(v[u][k]);
+        }
       }
     }
     if constexpr (kWarpBins) {
