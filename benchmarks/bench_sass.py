@@ -56,7 +56,7 @@ SM_LIMITS = {
     90: dict(regs=65536, smem=233472, threads=2048, blocks=32, optin=232448),
 }
 SMEM_RESERVED = 1024  # per block, sm_80 and later
-MIN_BLOCKS = 4  # stats_kernel.cuh kMinBlocks: the launcher's dynamic shared-memory budget keeps 4 blocks per SM
+MIN_BLOCKS = 4  # launch_plan.cuh kMinBlocks: the launcher's dynamic shared-memory budget keeps 4 blocks per SM
 LOG2_MAX_DYN = 4 * (2203 + 1)  # log2 counts in dynamic shared memory: at most 2,203 bins (+1)
 H100 = dict(sms=132, clock_hz=1.755e9, issue_per_sm_clk=128, fp64_per_sm_clk=64, hbm_bytes_s=3.35e12)
 

@@ -6,6 +6,7 @@
 // (proof that it catches a missing barrier / a wrong index); nvcc never sees them.
 #pragma once
 
+#include "cuda/launch_plan.cuh"
 #include "hookcap/dtype_load.h"
 #include "hookcap/state.h"
 #include "hookcap/stats_math.h"
@@ -16,8 +17,6 @@
 
 namespace hookcap {
 namespace kernels {
-
-constexpr int kWarpSize = 32;
 
 // The block's dynamic shared memory (the launch's shared-memory bytes),
 // 16-byte aligned. The CPU harness (tests/cuda_emu/cuda_emu.h, which defines
@@ -147,131 +146,8 @@ __device__ __forceinline__ void widen_words(const Words16& q, W (&out)[Vec16<T>:
 // run holding NaN/Inf or leaving float's safe range (float_sums_ok) is redone
 // element by element in double. Float64 input works in double.
 // ---------------------------------------------------------------------------
-constexpr int kThreads = 256;  // every accumulate launch (stats_launch.cu)
-constexpr int kWarps = kThreads / kWarpSize;
 constexpr int kUnroll = 4;      // independent loads in flight per thread
 constexpr int kRunElems = 512;  // elements per thread between flushes to double
-
-enum HistMode : int {
-  kModeNone = 0,
-  kModeLog2Exp = 1,    // log2 on float, lo_exp >= -126: the exponent byte counted per warp
-                       // (static shared memory), mapped to bins once per block
-  kModeLog2 = 2,       // other log2 (float64 input, or bins reaching float subnormals): counts
-                       // in dynamic shared memory (at most 2,203 bins, 8.8 KB: always fits)
-  kModeLinear = 3,     // linear, counts in dynamic shared memory; float: with the thresholds
-  kModeWide = 4,       // linear whose counts do not fit the shared-memory budget: counts go to
-                       // the ring by warp-aggregated atomics; float: thresholds in dynamic
-                       // shared memory
-  kModeWideExact = 5,  // linear on float that float cannot estimate (linear_float_ok false),
-                       // or whose thresholds do not fit the budget: counts as kModeWide,
-                       // each bin by linear_bin in double
-};
-
-// Whether the float estimate of a linear bin, q = fl(fl(v - lo_h) * inv + off)
-// (lo_h = float(lo), inv = float(1 / width), off = float(1/2 - (lo - lo_h) * inv):
-// linear_thr), is close enough to v's exact position plus a half,
-// p + 1/2 with p = (v - lo) / width, for linear_bin_thr's one compare to be
-// exact: within 0.4 bins for v in [lo, hi], and on the same side of the range
-// outside it. With u = 2**-24, v - lo_h and the product each round by u
-// relative (or 2**-150 absolute below float's normal range), inv and off by u
-// relative and the fma's sum by u: the error of q is below
-// 3u * |p| + 2u + 5u**2 * |lo| / width + 2**-148 * (1 / width + 1), and
-// the double edges lie within 2**-52 * (bins + |lo| / width) bins of
-// lo + i * width. Their sum for |p| <= bins is bounded here by 0.4 (so v
-// lies strictly between edges j - 1 and j + 1, j = trunc(q)); beyond the range
-// the error grows with |p| only by the factor 3u, so q stays below 1 under lo
-// and at or above bins over hi. Every quantity must also be a finite normal
-// float: |lo|, |hi| and 1 / width below 2**126, 1 / width at least 2**-125.
-// False means kModeWideExact.
-C10_HOST_DEVICE inline bool linear_float_ok(const HistSpec& h) {
-  const double alo = h.lo < 0 ? -h.lo : h.lo, ahi = h.hi < 0 ? -h.hi : h.hi;
-  if (!(alo < 0x1p126 && ahi < 0x1p126 && h.inv_width < 0x1p126 && h.inv_width >= 0x1p-125)) return false;
-  const double b = static_cast<double>(h.bins), r = alo * h.inv_width;
-  return (3.0 * b + 2.0) * 0x1p-24 + r * 0x1p-45 + 0x1p-148 * (h.inv_width + 1.0) + (b + r) * 0x1p-52 <= 0.4;
-}
-
-// Least float >= e (e finite or infinite): a value v (float) is >= e iff
-// v >= that float, so float compares give the double edges' bins exactly.
-C10_HOST_DEVICE inline float float_at_or_above(double e) {
-  float f = static_cast<float>(e);
-  if (static_cast<double>(f) < e) f = nextafterf(f, kInf);
-  return f;
-}
-
-// Static shared memory of the accumulate kernels other than kModeLog2Exp (the
-// per-warp partials): the launcher's shared-memory budget leaves room for it.
-constexpr int64_t kStaticSmem = kWarps * static_cast<int64_t>(sizeof(Acc) + sizeof(int64_t));
-
-// Dynamic shared memory one block may take so that kMinBlocks blocks of
-// kThreads fit on an SM with `per_sm` bytes of shared memory, `reserved`
-// bytes reserved per block by the system and `optin` bytes at most per block.
-// H100 (sm_90): 233472, 1024, 232448 -> 56,512 bytes; A100 (sm_80): 40,128.
-constexpr int kMinBlocks = 4;
-C10_HOST_DEVICE constexpr int64_t smem_budget(int64_t per_sm, int64_t reserved, int64_t optin) {
-  const int64_t fit = per_sm / kMinBlocks - reserved;
-  return (fit < optin ? fit : optin) - kStaticSmem;
-}
-
-// Float constants of linear bins by threshold (linear_bin_thr), computed on
-// the host once per launch (so no double arithmetic is left in the kernel to
-// be recomputed inside its loop).
-struct LinearThr {
-  float lo_h;  // float(lo)
-  float inv;   // float(1 / width)
-  float off;   // float(1/2 - (lo - lo_h) * inv): lo's remainder and the rounding half
-  int bins;
-};
-
-C10_HOST_DEVICE inline LinearThr linear_thr(const HistSpec& h) {
-  LinearThr f{};
-  f.lo_h = static_cast<float>(h.lo);
-  f.inv = static_cast<float>(h.inv_width);
-  f.off = static_cast<float>(0.5 - (h.lo - static_cast<double>(f.lo_h)) * static_cast<double>(f.inv));
-  f.bins = static_cast<int>(h.bins);
-  return f;
-}
-
-// How a launch counts a histogram: the mode, the dynamic shared memory per
-// block and the float constants.
-struct HistPlan {
-  int mode;
-  int64_t smem;
-  LinearThr lin;
-};
-
-// The plan for a histogram, a working type and the device's budget
-// (smem_budget). The same on the host launcher and the emulation harness.
-C10_HOST_DEVICE inline HistPlan hist_plan(const HistSpec& h, bool work_is_float, int64_t budget) {
-  HistPlan p{kModeNone, 0, {}};
-  if (h.kind == kHistNone) return p;
-  const int64_t counts = 4 * (h.nbins + 1);  // [0]: values not binned (NaN/Inf)
-  if (h.kind == kHistLog2) {
-    if (work_is_float && h.lo_exp >= -126) {
-      p.mode = kModeLog2Exp;
-    } else {
-      p.mode = kModeLog2;
-      p.smem = counts;  // <= 2,203 bins: under any device's budget
-    }
-    return p;
-  }
-  const int64_t thr = work_is_float ? 4 * (h.bins + 1) : 0;  // least float >= each edge
-  // Float thresholds beyond the budget would need a table in global memory,
-  // allocated per call: such histograms (> ~14,000 bins on an H100) bin in
-  // double instead, as those float cannot estimate.
-  if (work_is_float && (!linear_float_ok(h) || thr > budget)) {
-    p.mode = kModeWideExact;
-    return p;
-  }
-  if (counts + thr <= budget) {
-    p.mode = kModeLinear;
-    p.smem = counts + thr;
-  } else {
-    p.mode = kModeWide;
-    p.smem = thr;
-  }
-  if (work_is_float) p.lin = linear_thr(h);
-  return p;
-}
 
 constexpr float kInfF = __builtin_huge_valf();
 
