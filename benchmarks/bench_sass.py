@@ -251,26 +251,16 @@ def regs_of(operand_text: str) -> set[int]:
 
 
 def in_flight_loads(body: list[str]) -> int:
-    """Global-load bytes issued before the first instruction that reads a register one of them wrote."""
+    """Global-load bytes issued before the first instruction that reads a register one of them wrote
+    (a load whose address depends on an earlier load included)."""
     written: set[int] = set()
     issued = 0
     for text in body:
-        t = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)
-        op = t.split()[0]
-        operands = t[len(op):]
-        parts = operands.split(",", 1)
-        srcs = parts[1] if len(parts) > 1 else ""
-        if is_global_load(op):
-            if regs_of(operands.split(",", 1)[-1]) & written:
-                break  # address depends on an earlier load
-            dst = re.match(r"\s*R(\d+)", parts[0])
-            nbytes = load_bytes(op)
-            if dst:
-                base = int(dst.group(1))
-                written |= set(range(base, base + max(1, nbytes // 4)))
-            issued += nbytes
-        elif regs_of(srcs if not op.startswith("ST") else operands) & written:
+        if reads(text) & written:
             break
+        if is_global_load(opcode(text)):
+            written |= dest_regs(text)
+            issued += load_bytes(opcode(text))
     return issued
 
 

@@ -86,10 +86,6 @@ def sample(n, dtype, seed, max_exp=None):
     return x.to(dtype)
 
 
-def x_size(dtype):
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 def hist_args(h):
     return NO_HIST_ARGS if h is None else h.op_args()
 
@@ -318,7 +314,7 @@ def test_threads_with_many_runs_in_each_loop_form(emu, dtype, h):
     odd and even numbers of groups (16-bit counted in shared memory: the
     two-register-set loop; the others the one-set loop), from a start off the
     16-byte boundary."""
-    per = 16 // x_size(dtype)
+    per = 16 // dtype.itemsize
     n = 2 * 32 * per * 141 + 5 * per + 3
     x = sample(n + 1, dtype, 19)[1:]
     check(run_emu(emu, x, h, 2, 32), x, h, cpu_raw=run_cpu(x, h))
