@@ -13,7 +13,8 @@ then for every accumulate specialisation:
   counts branches inside the body: with none the body is the executed path,
   with some every path is counted (an upper bound). The stubs BRA.DIV jumps to
   (a warp-synchronous instruction redone for a diverged warp) are not loops;
-- reports registers, spills (ptxas), static shared memory, the most dynamic
+- reports registers, spills (ptxas's bytes for the whole kernel, and ``inlp``:
+  local-memory loads and stores inside the steady loop), static shared memory, the most dynamic
   shared memory the launcher gives the mode (``dyn``: its budget, which keeps
   4 blocks per SM; log2 at most 2,203 bins), resident blocks of
   256 threads per SM (static + dyn), bytes of global loads in flight per SM at
@@ -334,7 +335,9 @@ def analyse(insns: list[tuple[int, str, int]], elem_bytes: int, dense: bool, mar
     # Branches inside the body (besides the back edge): with none, the body is the executed path;
     # with some, it counts every path and so overstates one element's cost.
     branches = sum(opcode(t).startswith("BRA") for t in body[:-1])
-    return dict(loop_insns=n, branches=branches, elems_per_iter=elems, insns_per_elem=n / elems, fp64_per_elem=fp64 / elems,
+    # Spill traffic inside the loop (ptxas's spill bytes also count stores made once outside it).
+    local = sum(opcode(t).startswith(("LDL", "STL")) for t in body)
+    return dict(loop_insns=n, branches=branches, local_per_iter=local, elems_per_iter=elems, insns_per_elem=n / elems, fp64_per_elem=fp64 / elems,
                 loads_per_elem=nloads / elems, in_flight_bytes_per_thread=in_flight_loads(body),
                 avg_in_flight_bytes_per_thread=average_in_flight(body))
 
@@ -421,15 +424,15 @@ def main() -> None:
                     row["bound_of_hbm"] = bound_fraction(loop["insns_per_elem"], loop["fp64_per_elem"], elem)
                 results.append(row)
     print(f"{'sm':>3} {'kernel':<34} {'insn/el':>7} {'fp64/el':>7} {'ld/el':>6} {'br':>3} {'regs':>4} "
-          f"{'spill':>5} {'smem':>6} {'dyn':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'KB avg':>6} {'bound':>6}")
+          f"{'spill':>5} {'inlp':>4} {'smem':>6} {'dyn':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'KB avg':>6} {'bound':>6}")
     for r in results:
         if "insns_per_elem" in r:
             print(f"{r['arch']:>3} {r['kernel']:<34} {r['insns_per_elem']:>7.1f} {r['fp64_per_elem']:>7.2f} "
-                  f"{r['loads_per_elem']:>6.3f} {r['branches']:>3} {r['regs']:>4} {r['spill_bytes']:>5} {r['smem']:>6} "
+                  f"{r['loads_per_elem']:>6.3f} {r['branches']:>3} {r['regs']:>4} {r['spill_bytes']:>5} {r['local_per_iter']:>4} {r['smem']:>6} "
                   f"{r['dyn_smem']:>6} {r['blocks_per_sm']:>6} {r['in_flight_kb_per_sm']:>9.1f} "
                   f"{r['avg_in_flight_kb_per_sm']:>6.1f} {r['bound_of_hbm']:>6.0%}")
         else:
-            print(f"{r['arch']:>3} {r['kernel']:<34} {'(no loop found)':>27} {r['regs']:>4} {r['spill_bytes']:>5} "
+            print(f"{r['arch']:>3} {r['kernel']:<34} {'(no loop found)':>27} {r['regs']:>4} {r['spill_bytes']:>5} {'':>4} "
                   f"{r['smem']:>6} {r['dyn_smem']:>6} {r['blocks_per_sm']:>6}")
     if args.json:
         with open(args.json, "w") as f:

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Narrowest linear bin, as a power of two of max(|lo|, |hi|): the double
+# estimate of a value's bin then errs by under 0.2 bins, so one compare with
+# each neighbouring edge places it exactly (stats_math.h linear_bin).
+MIN_WIDTH_EXP = -48
+
 _LOG2, _LINEAR = 1, 2  # hist_kind values of the hookcap::accumulate op
 
 
@@ -38,14 +43,22 @@ class Histogram:
     def linear(lo: float, hi: float, bins: int) -> "Histogram":
         """Signed values in ``bins`` equal-width bins over ``[lo, hi)``, plus
         index 0 = ``x < lo`` and the last index = ``x >= hi``. Length ``bins + 2``.
-        Edge ``i`` is ``lo + i * (hi - lo) / bins``; the last edge is ``hi``."""
+        Edge ``i`` is ``lo + i * (hi - lo) / bins``; the last edge is ``hi``.
+        A bin must be at least ``2**-48 * max(|lo|, |hi|)`` wide (about 16
+        doubles' spacing there), or bins could not be told apart exactly."""
         lo, hi = float(lo), float(hi)
         if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
             raise ValueError(f"Histogram.linear: need finite lo < hi, got lo={lo} hi={hi}")
         if not isinstance(bins, (int, np.integer)) or bins < 1 or bins > (1 << 24):
             raise ValueError(f"Histogram.linear: bins must be an int in [1, 2**24], got {bins!r}")
-        if not math.isfinite((hi - lo) / bins) or (hi - lo) / bins <= 0:
+        width = (hi - lo) / bins
+        if not math.isfinite(width) or width <= 0:
             raise ValueError("Histogram.linear: bin width is not a positive finite number")
+        if width < math.ldexp(max(abs(lo), abs(hi)), MIN_WIDTH_EXP):
+            raise ValueError(
+                f"Histogram.linear: bins of width {width!r} are narrower than 2**{MIN_WIDTH_EXP} of "
+                f"max(|lo|, |hi|) = {max(abs(lo), abs(hi))!r}; double precision cannot place values in them "
+                "exactly (use fewer bins, or a range nearer zero)")
         return Histogram("linear", lo, hi, int(bins))
 
     @property

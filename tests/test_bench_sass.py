@@ -55,3 +55,13 @@ def test_analyse_takes_the_marked_innermost_loop():
     assert loop["insns_per_elem"] == 6 / 8 and loop["branches"] == 0
     assert loop["in_flight_bytes_per_thread"] == 32
     assert loop["avg_in_flight_bytes_per_thread"] == (16 * 2 + 16 * 3) / 6
+    assert loop["local_per_iter"] == 0
+
+
+def test_analyse_counts_spill_traffic_inside_the_loop_only():
+    marker = 100
+    code = [(0, "STL [R1], R20", 90)]  # a spill before the loop
+    body = TOGETHER[:2] + ["STL [R1+0x4], R4", "@P0 LDL R13, [R1+0x8]"] + TOGETHER[2:-1]
+    code += [(16 + 16 * i, t, marker) for i, t in enumerate(body)]
+    code += [(16 + 16 * len(body), "BRA 0x10", marker), (400, "EXIT", 91)]
+    assert bench_sass.analyse(code, 4, True, {marker})["local_per_iter"] == 2

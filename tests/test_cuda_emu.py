@@ -346,7 +346,7 @@ def test_blocks_larger_than_the_launchers_fault(emu):
     Histogram.linear(-2.0, 3.0, 2047),
     Histogram.linear(-2.0, 3.0, 5000),  # counts and float thresholds in 40 KB of dynamic shared memory
     Histogram.linear(-2.0, 3.0, 20000),  # float: thresholds beyond shared memory, bins in double
-    Histogram.linear(1e15, 1e15 + 1.0, 10),  # float cannot estimate: double linear_bin (kModeWideExact)
+    Histogram.linear(1e13, 1e13 + 1.0, 10),  # float cannot estimate: double linear_bin (kModeWideExact)
     Histogram.linear(0.0, 1e-38, 10),  # 1 / width beyond float: kModeWideExact
     None,
 ])
@@ -355,8 +355,11 @@ def test_histogram_kinds(emu, h):
     check(run_emu(emu, x, h, 3, THREADS), x, h, cpu_raw=run_cpu(x, h))
 
 
-def test_linear_histogram_values_on_edges(emu):
-    h = Histogram.linear(-1.0, 1.0, 2500)
+@pytest.mark.parametrize("h", [
+    Histogram.linear(-1.0, 1.0, 2500),
+    Histogram.linear(1e16, 1e16 + 300 * 2.0 ** -47 * 1e16, 300),  # about the narrowest bins allowed
+])
+def test_linear_histogram_values_on_edges(emu, h):
     edges = torch.from_numpy(h.bin_edges[1:-1])
     x = torch.cat([edges, torch.nextafter(edges, torch.tensor(-np.inf, dtype=torch.float64))])
     check(run_emu(emu, x, h, 2, 128), x, h, cpu_raw=run_cpu(x, h))
@@ -385,7 +388,7 @@ A100 = 167936 // 4 - 1024 - STATIC_SMEM
     (Histogram.log2(-1100, 1100), False, 0, (MODE_LOG2, 4 * 2204)),  # always shared
     (Histogram.log2(), True, H100, (MODE_LOG2EXP, 0)),
     (Histogram.linear(1e6, 1e6 + 1, 100), True, H100, (MODE_LINEAR, 8 * 100 + 16)),
-    (Histogram.linear(1e15, 1e15 + 1, 10), True, H100, (MODE_WIDE_EXACT, 0)),
+    (Histogram.linear(1e13, 1e13 + 1, 10), True, H100, (MODE_WIDE_EXACT, 0)),
     (Histogram.linear(0, 1e-38, 10), True, H100, (MODE_WIDE_EXACT, 0)),
     (Histogram.linear(0, 1e-38, 10), False, H100, (MODE_LINEAR, 4 * 13)),
 ])

@@ -244,7 +244,8 @@ def test_tensorboard_bucket_limits():
     # log2 of |x|: zero bin -> 0, underflow -> 2**lo, [2**e, 2**(e+1)) -> 2**(e+1), overflow -> 2**(hi+1)
     assert bucket_limits(Histogram.log2(-3, 2)).tolist() == [0, 0.125, 0.25, 0.5, 1, 2, 4, 8]
     assert bucket_limits(Histogram.linear(-1, 1, 4)).tolist() == [-1, -0.5, 0, 0.5, 1, 1.5]
-    lim = bucket_limits(Histogram.linear(1e16, 1e16 + 4, 3))  # edges that round together
+    w = 2.0 ** -47 * 1e16  # about the narrowest bins Histogram.linear allows there
+    lim = bucket_limits(Histogram.linear(1e16, 1e16 + 3 * w, 3))
     assert np.all(np.diff(lim) > 0)
 
 

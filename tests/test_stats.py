@@ -251,6 +251,29 @@ def test_histogram_arguments_validated():
         Histogram.linear(0, 1, 0)
     with pytest.raises(ValueError, match="finite"):
         Histogram.linear(0, float("inf"), 3)
+    with pytest.raises(ValueError, match="narrower"):
+        Histogram.linear(1e16, 1e16 + 64, 1000)  # bins of 0.064 where doubles are 2 apart
+    # The op checks the same rule for histograms built without Histogram.linear.
+    narrow = Histogram("linear", 1e16, 1e16 + 64, 1000)
+    ring = torch.zeros(2, 1, _layout.HEADER + narrow.nbins, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="narrower"):
+        _ops.accumulate(torch.randn(10, dtype=torch.float64), ring, new_state("cpu"), 0, narrow)
+
+
+@pytest.mark.parametrize("lo", [1e16, -3.5e5, 1.0, -2.0 ** -30])
+@pytest.mark.parametrize("bins", [1, 7, 1000])
+def test_narrowest_linear_bins_exact(lo, bins):
+    # Bins about as narrow as Histogram.linear allows (2**-48 of the range's magnitude)
+    # place values on every edge and one ulp either side exactly.
+    w = math.ldexp(abs(lo), hookcap.histogram.MIN_WIDTH_EXP) * 1.125  # a margin for hi - lo rounding
+    h = Histogram.linear(lo, lo + bins * w, bins)
+    with pytest.raises(ValueError, match="narrower"):
+        Histogram.linear(lo, lo + bins * w * 0.49, bins)
+    e = h.bin_edges[1:-1]
+    x = torch.from_numpy(np.concatenate([e, np.nextafter(e, -np.inf), np.nextafter(e, np.inf)]))
+    s = check(x, h)
+    hist = np.asarray(s["hist"])
+    assert hist[0] == 1 and hist[-1] == 2 and np.all(hist[1:-1] == 3)  # each bin: its edge, the next ulp, the ulp below its end
 
 
 # -- bad input ----------------------------------------------------------------

@@ -341,11 +341,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     items_all = items0 - extra_warp;
   }
   const int64_t nitems = items_all + extra, items_warp = items_all + extra_warp;
-  // kWarpBins: two loads in flight (its bins cost more than its loads; fewer
-  // registers). kTwoSets (16-bit elements counted in shared memory, whose
-  // loads the compiler would issue one at a time): two groups of two.
+  // kWarpBins, and float64 linear bins (in double): two loads in flight
+  // (their bins cost more than their loads; fewer registers, no spill in the
+  // loop). kTwoSets (16-bit elements counted in shared memory, whose loads
+  // the compiler would issue one at a time): two groups of two.
   constexpr bool kTwoSets = kDense && kSharedCounts && sizeof(T) == 2;
-  constexpr int kUnrollM = kTwoSets ? 2 : kWarpBins ? (kPer >= 8 ? 1 : 2) : kUnroll;
+  constexpr int kUnrollM = kTwoSets                               ? 2
+                           : kWarpBins                            ? (kPer >= 8 ? 1 : 2)
+                           : !kFloat && kMode == kModeLinear      ? 2
+                                                                  : kUnroll;
   constexpr int64_t kRunItems = (kRunElems / kPer / kUnrollM) * kUnrollM > 0
                                     ? (kRunElems / kPer / kUnrollM) * kUnrollM : kUnrollM;
   W c = W(0);  // center of the next run

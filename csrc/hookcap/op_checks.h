@@ -9,6 +9,7 @@
 #include <c10/core/SymInt.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "hookcap/state.h"
@@ -78,6 +79,9 @@ inline int64_t check_hist(int64_t kind, double lo, double hi, int64_t bins,
     const double w = (hi - lo) / static_cast<double>(bins);
     TORCH_CHECK(w > 0 && std::isfinite(w),
                 "hookcap: linear histogram bin width is not a positive finite number");
+    TORCH_CHECK(w >= std::ldexp(std::max(std::abs(lo), std::abs(hi)), kLinearMinWidthExp),
+                "hookcap: linear histogram bins of width ", w, " are narrower than 2^",
+                kLinearMinWidthExp, " of max(|lo|, |hi|): not exactly placeable in double");
     nbins = bins + 2;
     TORCH_SYM_CHECK(width.sym_eq(kHeader + nbins), "hookcap: ring width ", width,
                     " does not fit a linear histogram of ", bins, " bins: need ",
