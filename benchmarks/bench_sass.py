@@ -379,9 +379,11 @@ def parse_name(demangled: str) -> tuple[str, str] | None:
     if not m:
         return None
     args = [a.strip() for a in m.group(1).split(",")]
-    words = {"true": "dense", "false": "strided", "0": "-", "1": "log2exp", "2": "log2", "3": "linear",
-             "4": "wide", "5": "wide-exact"}
-    return args[0], " ".join([SHORT.get(args[0], args[0])] + [words.get(a, a) for a in args[1:]])
+    if len(args) != 3:
+        return None
+    modes = {"0": "-", "1": "log2exp", "2": "log2", "3": "linear", "4": "wide", "5": "wide-exact"}
+    reads = {"0": "dense", "1": "rows", "2": "strided"}  # strided.h ReadKind: flat, vectors, elements
+    return args[0], " ".join([SHORT.get(args[0], args[0]), modes.get(args[1], args[1]), reads.get(args[2], args[2])])
 
 
 def main() -> None:
@@ -409,7 +411,7 @@ def main() -> None:
                     continue
                 dtype, label = parsed
                 elem = ELEM_BYTES.get(dtype, 4)
-                dense = "dense" in label.split()
+                dense = label.split()[-1] in ("dense", "rows")  # 16-byte vector loads
                 loop = analyse(insns, elem, dense, marker)
                 pi = info.get(mangled, dict(regs=0, spill_st=0, spill_ld=0, smem=0))
                 dyn = max_dynamic_smem(arch, label.split()[1], dtype, pi["smem"])

@@ -65,3 +65,13 @@ def test_analyse_counts_spill_traffic_inside_the_loop_only():
     code += [(16 + 16 * i, t, marker) for i, t in enumerate(body)]
     code += [(16 + 16 * len(body), "BRA 0x10", marker), (400, "EXIT", 91)]
     assert bench_sass.analyse(code, 4, True, {marker})["local_per_iter"] == 2
+
+
+def test_parse_name_reads_mode_and_read_kind_by_position():
+    name = "void hookcap::kernels::accumulate_kernel<c10::BFloat16, 1, 1>(const c10::BFloat16 *, long)"
+    assert bench_sass.parse_name(name) == ("c10::BFloat16", "bf16 log2exp rows")
+    assert bench_sass.parse_name("void hookcap::kernels::accumulate_kernel<float, 0, 2>(const float *)") == (
+        "float", "f32 - strided")
+    assert bench_sass.parse_name("void hookcap::kernels::accumulate_kernel<double, 2, 0>(const double *)") == (
+        "double", "f64 log2 dense")
+    assert bench_sass.parse_name("void hookcap::kernels::advance_kernel(long *)") is None

@@ -59,6 +59,19 @@ def test_cuda_strided_and_misaligned():
         assert_stats_match(got, ref, abs_sum=abs_sum(view))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [Histogram.log2(), Histogram.linear(-2, 3, 11), None])
+def test_cuda_rows_of_whole_vectors(dtype, h):
+    # Column slices and a split of a fused last dimension: read as 16-byte vectors.
+    x = specials(1000 * 96, dtype, 2).reshape(1000, 96)
+    for view in (x[:, 16:80], x.split(32, dim=1)[1], x[:, 1:65]):
+        g = x.cuda().as_strided(view.size(), view.stride(), view.storage_offset())
+        got, cpu = hookcap.tensor_stats(g, h), hookcap.tensor_stats(view, h)
+        assert_stats_match(got, hookcap.reference.tensor_stats(view, h), abs_sum=abs_sum(view))
+        if h is not None:
+            np.testing.assert_array_equal(got["hist"], cpu["hist"])
+
+
 def test_cuda_ring_merge_slots_and_advance():
     h = Histogram.log2()
     width = _layout.HEADER + h.nbins

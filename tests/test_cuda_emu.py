@@ -516,30 +516,59 @@ def test_linear_bin_by_threshold_is_linear_bin(emu, lo, hi, bins):
 
 
 def test_strided_views_read_through_the_host_plan(emu):
-    """Each view's plan (flat?, multiplicity, walked dims, reads) and its
-    statistics against the float64 reference and the CPU op."""
+    """Each view's plan (flat?, multiplicity, walked dims, reads, read as
+    16-byte vectors?) and its statistics against the float64 reference and
+    the CPU op."""
     base = sample(90 * 70, torch.float32, 8).reshape(90, 70)
+    base2 = sample(90 * 72, torch.float32, 11).reshape(90, 72)  # rows of 18 vectors
     cube = sample(6 * 7 * 8, torch.float32, 9).reshape(6, 7, 8)
-    views = [  # (view, flat, mult, walked dims)
-        (base.t()[3:, ::2], False, 1, 2),  # transposed, then sliced: walked as (rows, cols)
-        (base[::3, 5:41], False, 1, 2),
-        (base[:, 1], False, 1, 1),
-        (cube.permute(2, 0, 1)[:, :, 1:], False, 1, 2),  # dims sorted back, (6, 7) merged
-        (base[:1].expand(50, 70), True, 50, 0),  # stride 0: one contiguous row, 50 times
-        (torch.tensor(-3.5).expand(40, 30), True, 1200, 0),  # every stride 0
-        (base.reshape(-1)[1:][::7].reshape(-1, 1).expand(-1, 3), False, 3, 1),
-        (base.t()[:, None, :].expand(70, 4, 90), True, 4, 0),  # dense once stride 0 is out
-        (cube[:, None, :, ::3].expand(6, 5, 7, 3).transpose(0, 3), False, 5, 2),
-        (base.reshape(-1)[:200].as_strided((20, 19), (9, 1)), False, 1, 2),  # overlapping rows
+    views = [  # (view, flat, mult, walked dims, vectors)
+        (base.t()[3:, ::2], False, 1, 2, False),  # transposed, then sliced: walked as (rows, cols)
+        (base[::3, 5:41], False, 1, 2, False),  # rows 210 elements apart: not whole vectors
+        (base[:, 1], False, 1, 1, False),
+        (cube.permute(2, 0, 1)[:, :, 1:], False, 1, 2, True),  # dims sorted back, (6, 8) merged: 6 x 48
+        (base[:1].expand(50, 70), True, 50, 0, False),  # stride 0: one contiguous row, 50 times
+        (torch.tensor(-3.5).expand(40, 30), True, 1200, 0, False),  # every stride 0
+        (base.reshape(-1)[1:][::7].reshape(-1, 1).expand(-1, 3), False, 3, 1, False),
+        (base.t()[:, None, :].expand(70, 4, 90), True, 4, 0, False),  # dense once stride 0 is out
+        (cube[:, None, :, ::3].expand(6, 5, 7, 3).transpose(0, 3), False, 5, 2, False),
+        (base.reshape(-1)[:200].as_strided((20, 19), (9, 1)), False, 1, 2, False),  # overlapping rows
+        (base2[:, 8:64], False, 1, 2, True),  # a slice of whole, aligned vectors per row
+        (base2.split(24, dim=1)[1], False, 1, 2, True),  # the middle third (q, k, v of a fused output)
+        (base2[:, 1:57], False, 1, 2, False),  # rows not 16-byte aligned
+        (base[:, 8:64], False, 1, 2, False),  # the first row aligned, the others not (70 apart)
+        (base2[:, 8:62], False, 1, 2, False),  # rows not whole vectors
+        (base2.reshape(9, 10, 72)[:, :, :32][:, None].expand(9, 2, 10, 32), False, 2, 2, True),
     ]
-    for i, (v, flat, mult, ndim) in enumerate(views):
+    for i, (v, flat, mult, ndim, vectors) in enumerate(views):
         ring = new_ring(1, 1, LOG2)
         plan = emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, LOG2, 2 + i % 2, 64)
-        assert plan == (flat, mult, ndim, 1), f"view {i}: plan {plan}"
+        assert plan == (flat, mult, ndim, 1, vectors), f"view {i}: plan {plan}"
         check(ring[0, 0].numpy(), v, LOG2, cpu_raw=run_cpu(v, LOG2))
     perm = base.t().contiguous().t()[:, :]  # dense, not contiguous: read flat
     assert emu_accumulate(emu, perm, new_ring(1, 1, LOG2), torch.tensor([0, 1, 0]), 0, LOG2, 2, 64)[0]
     check(run_emu(emu, perm, LOG2, 2, 64), perm, LOG2, cpu_raw=run_cpu(perm, LOG2))
+
+
+@pytest.mark.parametrize("dtype,h", [
+    *[(d, h) for d in (torch.float32, torch.bfloat16, torch.float16)
+      for h in (LOG2, None, Histogram.linear(-3.0, 5.0, 13), Histogram.log2(-140, 10),
+                Histogram.linear(-3.0, 3.0, 20000))],
+    (torch.float8_e4m3fn, LOG2), (torch.float8_e5m2, Histogram.linear(-3.0, 5.0, 13)),
+    (torch.float64, LOG2), (torch.float64, Histogram.linear(-3.0, 5.0, 13)),
+])
+def test_rows_of_whole_vectors_read_as_vectors(emu, dtype, h):
+    """A slice of each row (9 vectors of 16 bytes, rows an odd number of
+    vectors apart) is read as vectors through the descriptor: every loop form
+    (each thread over two runs and a partial one) and histogram mode."""
+    per = 16 // dtype.itemsize
+    cols, rows = 9 * per, (2 * 64 * 512 + 300) // (9 * per) + 1
+    n = rows * 13 * per
+    m = sample(n, torch.float32, 20, max_exp=8).to(dtype) if dtype.itemsize == 1 else sample(n, dtype, 20)
+    v = m.reshape(rows, 13 * per)[:, 2 * per:2 * per + cols]
+    ring = new_ring(1, 1, h)
+    assert emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, h, 2, 32)[4]
+    check(ring[0, 0].numpy(), v, h, cpu_raw=run_cpu(v, h))
 
 
 @pytest.mark.parametrize("h", [LOG2, None, Histogram.linear(-3.0, 3.0, 50),
@@ -553,7 +582,7 @@ def test_stride_zero_multiplicity_in_every_histogram_mode(emu, h):
     row[5::31] = 1e-41  # float subnormals: underflow bin of log2
     v = row[None].expand(7, -1)[:, None].expand(-1, 3, -1)
     ring = new_ring(1, 1, h)
-    assert emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, h, 3, 128) == (True, 21, 0, 1)
+    assert emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, h, 3, 128) == (True, 21, 0, 1, False)
     check(ring[0, 0].numpy(), v, h, cpu_raw=run_cpu(v, h))
 
 
@@ -567,7 +596,7 @@ def test_views_with_more_dims_than_a_kernel_walks_are_split_not_copied(emu):
     for h in (Histogram.linear(-4.0, 4.0, 64), LOG2):
         ring = new_ring(1, 1, h)
         plan = emu.accumulate(v, ring, torch.tensor([0, 1, 0]), 0, *hist_args(h), 2, 64, max_walk=2)
-        assert plan == (False, 1, 2, 3 * 2 * 3 * 2)
+        assert plan == (False, 1, 2, 3 * 2 * 3 * 2, False)
         assert ring[0, 0, _layout.CALLS] == 1
         check(ring[0, 0].numpy(), v, h, cpu_raw=run_cpu(v, h))
 

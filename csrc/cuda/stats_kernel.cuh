@@ -112,6 +112,7 @@ struct alignas(16) Words16 {
 // input is not written while a kernel reads it.
 __device__ __forceinline__ Words16 load16(const void* p) {
 #ifdef HOOKCAP_CUDA_EMU
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) __trap();  // a GPU faults on it
   return *reinterpret_cast<const Words16*>(p);
 #else
   const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
@@ -138,13 +139,14 @@ __device__ __forceinline__ void widen_words(const Words16& q, W (&out)[Vec16<T>:
 }
 
 // ---------------------------------------------------------------------------
-// accumulate: one specialisation per (element type, histogram mode, dense or
-// strided), chosen on the host (stats_launch.cu), so the hot loop holds one
-// path. Elements of 32 bits or fewer are worked in float (exact: every such
-// value is a float): each thread sums runs of up to kRunElems values about a
-// center in float and flushes each run to a double partial (thread_acc_add_run); a
-// run holding NaN/Inf or leaving float's safe range (float_sums_ok) is redone
-// element by element in double. Float64 input works in double.
+// accumulate: one specialisation per (element type, histogram mode, read
+// kind: flat, vectors or elements; strided.h), chosen on the host
+// (stats_launch.cu), so the hot loop holds one path. Elements of 32 bits or
+// fewer are worked in float (exact: every such value is a float): each
+// thread sums runs of up to kRunElems values about a center in float and
+// flushes each run to a double partial (thread_acc_add_run); a run holding
+// NaN/Inf or leaving float's safe range (float_sums_ok) is redone element by
+// element in double. Float64 input works in double.
 // ---------------------------------------------------------------------------
 constexpr int kUnroll = 4;      // independent loads in flight per thread
 constexpr int kRunElems = 512;  // elements per thread between flushes to double
@@ -203,7 +205,7 @@ __device__ __forceinline__ void warp_add_bin(int64_t* hrow, int key, int64_t mul
   }
 }
 
-template <typename T, int kMode, bool kDense>
+template <typename T, int kMode, int kRead>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     accumulate_kernel(const T* __restrict__ x, int64_t n, StridedDesc desc, RowTarget tgt,
                       HistSpec hist, LinearThr lin) {
@@ -283,13 +285,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   };
 
   // The thread's work: items gtid, gtid + gstride, ... of `count`, each kPer
-  // elements (a 16-byte vector, or one strided element).
-  constexpr int kPer = kDense ? Vec16<T>::kN : 1;
+  // elements (a 16-byte vector, or one strided element). kReadVectors: the
+  // host guarantees two dimensions of whole aligned vectors, `desc` in vectors.
+  constexpr bool kFlat = kRead == kReadFlat;
+  constexpr bool kVec = kRead != kReadElements;
+  constexpr int kPer = kVec ? Vec16<T>::kN : 1;
   const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + tid;
-  int64_t head = 0, count = n;  // dense: elements before the first 16-byte boundary
+  int64_t head = 0, count = n / kPer;  // flat: elements before the first 16-byte boundary
   const T* body = x;
-  if constexpr (kDense) {
+  if constexpr (kFlat) {
     const uintptr_t addr = reinterpret_cast<uintptr_t>(x);
     head = n;
     if (addr % sizeof(T) == 0) {
@@ -300,16 +305,21 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     body = x + head;
   }
   // An item as loaded (a 16-byte vector, or one strided element), then widened.
-  using Raw = std::conditional_t<kDense, Words16, T>;
+  using Raw = std::conditional_t<kVec, Words16, T>;
   auto load_raw = [&](int64_t item) -> Raw {
-    if constexpr (kDense) {
+    if constexpr (kFlat) {
       return load16(body + item * kPer);
+    } else if constexpr (kVec) {  // (row, vector in the row): strides in vectors, the inner one 1
+      const auto u = static_cast<uint64_t>(item);
+      const uint64_t q = div_dim(desc, 1, u);
+      return load16(x + (static_cast<int64_t>(q) * desc.strides[0] +
+                         static_cast<int64_t>(u - q * static_cast<uint64_t>(desc.sizes[1]))) * kPer);
     } else {
       return x[strided_offset(desc, item)];
     }
   };
   auto widen_raw = [&](const Raw& r, W (&out)[kPer]) {
-    if constexpr (kDense) {
+    if constexpr (kVec) {
       widen_words<W, T>(r, out);
     } else {
       out[0] = widen<W>(r);
@@ -345,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // (their bins cost more than their loads; fewer registers, no spill in the
   // loop). kTwoSets (16-bit elements counted in shared memory, whose loads
   // the compiler would issue one at a time): two groups of two.
-  constexpr bool kTwoSets = kDense && kSharedCounts && sizeof(T) == 2;
+  constexpr bool kTwoSets = kVec && kSharedCounts && sizeof(T) == 2;
   constexpr int kUnrollM = kTwoSets                               ? 2
                            : kWarpBins                            ? (kPer >= 8 ? 1 : 2)
                            : !kFloat && kMode == kModeLinear      ? 2
@@ -450,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       revisit(j0, j1, [&](W v) { exact(static_cast<double>(v)); });  // in double (the bins stand)
     }
   }
-  if constexpr (kDense) {
+  if constexpr (kFlat) {
     // The head (before the first 16-byte boundary; element-misaligned
     // pointers are all head) and the tail (after the last whole vector).
     const int64_t tail = head + count * kPer;
@@ -556,11 +566,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 }
 
 // The accumulate specialisation for an element type, a histogram, a read
-// (dense or strided) and the device's shared-memory budget (smem_budget),
+// (strided.h's ReadKind) and the device's shared-memory budget (smem_budget),
 // handed to `launch` (the CUDA launcher, or the emulation harness) as a
 // kernel pointer with its HistPlan: both choose exactly alike.
 template <typename T, typename Launch>
-void dispatch_accumulate(bool dense, const HistSpec& h, int64_t smem_budget, Launch&& launch) {
+void dispatch_accumulate(ReadKind read, const HistSpec& h, int64_t smem_budget, Launch&& launch) {
   const HistPlan plan = hist_plan(h, sizeof(work_t<T>) == sizeof(float), smem_budget);
   auto pick = [&](auto mode_tag) {
     // Float64 never takes the exponent-byte or the exact-wide mode (hist_plan): not instantiated.
@@ -568,10 +578,12 @@ void dispatch_accumulate(bool dense, const HistSpec& h, int64_t smem_budget, Lau
     constexpr bool kF64 = sizeof(work_t<T>) != sizeof(float);
     constexpr int kMode = kF64 && kTag == kModeLog2Exp ? kModeLog2
                           : kF64 && kTag == kModeWideExact ? kModeWide : kTag;
-    if (dense) {
-      launch(&accumulate_kernel<T, kMode, true>, plan);
+    if (read == kReadFlat) {
+      launch(&accumulate_kernel<T, kMode, kReadFlat>, plan);
+    } else if (read == kReadVectors) {
+      launch(&accumulate_kernel<T, kMode, kReadVectors>, plan);
     } else {
-      launch(&accumulate_kernel<T, kMode, false>, plan);
+      launch(&accumulate_kernel<T, kMode, kReadElements>, plan);
     }
   };
   switch (plan.mode) {

@@ -239,15 +239,18 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_accumulate_cuda", [&] {
         const scalar_t* p = x_in.const_data_ptr<scalar_t>();
+        StridedDesc vec;
+        const ReadKind read = vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec);
+        const StridedDesc& desc = read == kReadVectors ? vec : plan.desc;
         kernels::dispatch_accumulate<scalar_t>(
-            plan.flat, h, smem_budget(device), [&](auto kernel, const kernels::HistPlan& hp) {
+            read, h, smem_budget(device), [&](auto kernel, const kernels::HistPlan& hp) {
               allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, hp.smem);
               for_each_read(plan, [&](int64_t offset, bool first) {
                 const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                              row, ring.size(1), ring.size(2), ring.size(0),
                                              first ? n : 0, first ? 1 : 0, plan.mult};
                 launch_smem("hookcap.accumulate", kernel, dim3(blocks), dim3(kThreads),
-                            static_cast<size_t>(hp.smem), stream, p + offset, plan.visit, plan.desc,
+                            static_cast<size_t>(hp.smem), stream, p + offset, plan.visit, desc,
                             tgt, h, hp.lin);
               });
             });

@@ -140,6 +140,37 @@ inline DimPlan plan_dims(int64_t ndim, const int64_t* sizes, const int64_t* stri
   return p;
 }
 
+// How a kernel reads its elements: one contiguous run (16-byte vectors plus
+// a scalar head and tail), 16-byte vectors through a descriptor in vector
+// units (views whose innermost dimension is contiguous and whose rows are
+// whole aligned vectors: slices of rows, splits of a last dimension), or
+// element by element through the descriptor.
+enum ReadKind : int { kReadFlat = 0, kReadVectors = 1, kReadElements = 2 };
+
+// For a strided plan read from `base` (each read's start: base plus a
+// multiple of the outer strides), with elements of `elem_size` bytes: the
+// same walk in 16-byte vectors in `vec` when it is two dimensions (rows, and
+// the contiguous innermost one) and every row is whole vectors starting
+// 16-byte aligned (kReadVectors: the kernel's index is one division per
+// vector), else kReadElements (vec untouched).
+inline ReadKind vector_read(const DimPlan& p, int64_t elem_size, uintptr_t base, StridedDesc& vec) {
+  if (p.flat) return kReadFlat;
+  const int64_t per = 16 / elem_size, last = p.desc.ndim - 1;
+  if (last != 1 || base % 16 != 0 || p.desc.strides[last] != 1 || p.desc.sizes[last] % per != 0) {
+    return kReadElements;
+  }
+  for (int64_t k = 0; k < last; ++k) {
+    if (p.desc.strides[k] % per != 0) return kReadElements;
+  }
+  for (int64_t k = 0; k < p.nouter; ++k) {
+    if (p.outer_strides[k] % per != 0) return kReadElements;
+  }
+  vec = p.desc;
+  for (int64_t k = 0; k < last; ++k) vec.strides[k] = p.desc.strides[k] / per;
+  set_divisor(vec, static_cast<int>(last), p.desc.sizes[last] / per);
+  return kReadVectors;
+}
+
 // f(storage offset, first) for each read of the plan: once at offset 0, or
 // once per index of the outer dimensions.
 template <typename F>

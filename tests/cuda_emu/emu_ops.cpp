@@ -22,10 +22,11 @@ void check_cpu(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu(), "emu: tensors must be on the CPU, got ", t.device());
 }
 
-// Returns (flat, mult, strided dims, reads): the launcher's read plan.
+// Returns (flat, mult, strided dims, reads, vectors): the launcher's read plan
+// (vectors: a strided plan read as 16-byte vectors, strided.h vector_read).
 // smem_budget: the device's dynamic shared memory per block (smem_budget();
 // default an H100's), which picks the histogram mode as on that device.
-std::tuple<bool, int64_t, int64_t, int64_t> accumulate(
+std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
     const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
     int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid,
     int64_t block, int64_t max_walk, int64_t smem_budget) {
@@ -37,21 +38,24 @@ std::tuple<bool, int64_t, int64_t, int64_t> accumulate(
   const DimPlan plan = plan_read(x_in, max_walk);  // the launcher's choice (max_walk = kMaxDims)
   const dim3 g = dim(grid, "grid"), b = dim(block, "block");
   int64_t reads = 0;
+  ReadKind read = kReadFlat;
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_emu_accumulate", [&] {
         const scalar_t* p = x_in.const_data_ptr<scalar_t>();
+        StridedDesc vec;
+        read = vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec);
+        const StridedDesc& desc = read == kReadVectors ? vec : plan.desc;
         py::gil_scoped_release nogil;
         for_each_read(plan, [&](int64_t offset, bool first) {
           const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                        row, ring.size(1), ring.size(2), ring.size(0),
                                        first ? n : 0, first ? 1 : 0, plan.mult};
-          hookcap_emu::accumulate<scalar_t>(p + offset, plan.visit, plan.flat, plan.desc, tgt, h, g, b,
-                                            smem_budget);
+          hookcap_emu::accumulate<scalar_t>(p + offset, plan.visit, read, desc, tgt, h, g, b, smem_budget);
           ++reads;
         });
       });
-  return {plan.flat, plan.mult, plan.flat ? 0 : plan.desc.ndim, reads};
+  return {plan.flat, plan.mult, plan.flat ? 0 : plan.desc.ndim, reads, read == kReadVectors};
 }
 
 // (mode, dynamic shared bytes) of kernels::hist_plan for a

@@ -22,10 +22,10 @@ constexpr int64_t kH100SmemBudget = hookcap::kernels::smem_budget(233472, 1024, 
 
 // As the launcher: the plan's dynamic shared memory.
 template <typename T>
-void accumulate(const T* x, int64_t n, bool dense, const StridedDesc& d, const RowTarget& tgt,
+void accumulate(const T* x, int64_t n, hookcap::ReadKind read, const StridedDesc& d, const RowTarget& tgt,
                 const HistSpec& h, dim3 grid, dim3 block, int64_t smem_budget = kH100SmemBudget) {
   hookcap::kernels::dispatch_accumulate<T>(
-      dense, h, smem_budget, [&](auto kernel, const hookcap::kernels::HistPlan& plan) {
+      read, h, smem_budget, [&](auto kernel, const hookcap::kernels::HistPlan& plan) {
         emu::launch(kernel, grid, block, static_cast<size_t>(plan.smem), x, n, d, tgt, h, plan.lin);
       });
 }

@@ -218,7 +218,7 @@ void scenario_dense(const char* name, int max_exp, double sub, std::vector<size_
     const std::vector<T> x = make_data<T>(n + offset, max_exp, sub);
     const T* p = x.data() + offset;  // misaligned start
     for (size_t i = 0; i < n; ++i) all.push_back(as_double(p[i]));
-    hookcap_emu::accumulate<T>(p, static_cast<int64_t>(n), true, StridedDesc{}, ring.target(1, static_cast<int64_t>(n)),
+    hookcap_emu::accumulate<T>(p, static_cast<int64_t>(n), hookcap::kReadFlat, StridedDesc{}, ring.target(1, static_cast<int64_t>(n)),
                                h.spec(), grid, block);
   }
   check_row(name, ring.row(1, 1), all, static_cast<int64_t>(sizes.size()), h, rtol_of<T>());
@@ -251,7 +251,30 @@ void scenario_strided(const char* name, int64_t rows, int64_t rep, int64_t cols,
   ring.reset(dim3(1), dim3(32));
   kernels::RowTarget tgt = ring.target(0, rows * rep * cols);
   tgt.mult = plan.mult;
-  hookcap_emu::accumulate<T>(x.data(), plan.visit, false, plan.desc, tgt, h.spec(), grid, block);
+  hookcap_emu::accumulate<T>(x.data(), plan.visit, hookcap::kReadElements, plan.desc, tgt, h.spec(), grid, block);
+  check_row(name, ring.row(0, 0), all, 1, h, rtol_of<T>());
+}
+
+// Rows of whole 16-byte vectors (a slice of each row of a rows x ld
+// matrix, from column 8 on): read as vectors through a descriptor.
+template <typename T>
+void scenario_rows(const char* name, int64_t rows, int64_t cols, int64_t ld, const Hist& h, dim3 grid,
+                   dim3 block) {
+  const std::vector<T> x = make_data<T>(static_cast<size_t>(ld * rows), 40, 1e-40);
+  const int64_t sizes[2] = {rows, cols}, strides[2] = {ld, 1};
+  const hookcap::DimPlan plan = hookcap::plan_dims(2, sizes, strides);
+  const T* p = x.data() + 8;
+  hookcap::StridedDesc vec;
+  CHECK(hookcap::vector_read(plan, sizeof(T), reinterpret_cast<uintptr_t>(p), vec) == hookcap::kReadVectors,
+        "%s: not read as vectors", name);
+  std::vector<double> all;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) all.push_back(as_double(p[i * ld + j]));
+  }
+  Ring ring(1, 1, kHeader + h.nbins());
+  ring.reset(dim3(1), dim3(32));
+  hookcap_emu::accumulate<T>(p, plan.visit, hookcap::kReadVectors, vec, ring.target(0, rows * cols), h.spec(),
+                             grid, block);
   check_row(name, ring.row(0, 0), all, 1, h, rtol_of<T>());
 }
 
@@ -274,7 +297,7 @@ void scenario_state() {
   // Disabled step: accumulate writes nothing.
   const std::vector<float> x = make_data<float>(300, 10, 1e-40);
   Hist none;
-  hookcap_emu::accumulate<float>(x.data(), 300, true, StridedDesc{}, ring.target(0, 300),
+  hookcap_emu::accumulate<float>(x.data(), 300, hookcap::kReadFlat, StridedDesc{}, ring.target(0, 300),
                                  none.spec(), dim3(2), dim3(64));
   CHECK(ring.data == before, "accumulate wrote while disabled");
   hookcap_emu::advance(ring.data.data(), ring.state, 3, 2, ring.width, 3, dim3(64));
@@ -321,9 +344,10 @@ int main(int argc, char** argv) {
     scenario_dense<c10::BFloat16>("bfloat16", 60, 1e-40, {777}, 1, log2, dim3(1), dim3(256));
     scenario_dense<c10::BFloat16>("bfloat16 wide", 3, 1e-40, {1999}, 1, wide_shared, dim3(2), dim3(64));
     scenario_strided<float>("float32 strided", 37, 3, 23, 41, log2, dim3(2), dim3(64));
+    scenario_rows<c10::BFloat16>("bfloat16 rows", 90, 24, 40, lin, dim3(2), dim3(64));
     scenario_state();
     const emu::Stats s1 = emu::stats();
-    CHECK(s1.blocks - s0.blocks == 33 + 4, "blocks run: %lu", s1.blocks - s0.blocks);
+    CHECK(s1.blocks - s0.blocks == 33 + 4 + 3, "blocks run: %lu", s1.blocks - s0.blocks);
   } catch (const emu::KernelFault& e) {
     std::printf("KERNEL FAULT: %s\n", e.what());
     return 3;
