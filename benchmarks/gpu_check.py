@@ -399,7 +399,10 @@ def kernel_stage(args) -> dict:
                                    "reason": f"needs 2 x {need / 2**30:.1f} GiB free"})
         return False
 
-    def time_point(dname: str, x: torch.Tensor, layout: str, labels: list, copy: bool) -> None:
+    def time_point(dname: str, x: torch.Tensor, layout: str, labels: list, copy: bool,
+                   ref: int | None = None) -> None:
+        """ref: the contiguous size whose copy GB/s a view is compared against
+        (default its own element count)."""
         nbytes = x.numel() * x.element_size()
         fns = {label: (bench_kernel.fused(x, kinds[label][0]), nbytes) for label in labels}
         if copy:
@@ -414,7 +417,8 @@ def kernel_stage(args) -> dict:
             rows.append({"dtype": dname, "elements": n, "layout": layout,
                          "op": "copy" if label == "copy" else "hookcap",
                          "hist": None if label == "copy" else label, "us_per_call": med * 1e6, "gbps": gbps,
-                         "copy_fraction": gbps / copy_gbps[dname, n], "samples": samples})
+                         "copy_fraction": gbps / copy_gbps[dname, ref or n], "copy_elements": ref or n,
+                         "samples": samples})
         log(f"  {dname:>13} {sci(n):>3} {layout:<10}" + "".join(
             f" | {r['hist'] or 'copy'} {r['gbps']:.0f}" for r in rows[-len(timed):]) + " GB/s")
 
@@ -427,21 +431,26 @@ def kernel_stage(args) -> dict:
             del x
 
     # Strided: a transposed view is dense and read straight from storage (element
-    # order does not matter to the statistics); a column slice is not dense and
-    # takes the kernel's strided index path. Both against the contiguous copy.
+    # order does not matter to the statistics); a column slice whose rows are
+    # whole aligned 16-byte vectors is read as vectors; one whose rows are not
+    # takes the element-by-element index path. All against the contiguous copy.
     for dname in ("float32", "bfloat16"):
         n = max((m for d, m in copy_gbps if d == dname and m <= 10**8), default=None)
         if n is None:
             continue
         r = 10 ** (round(math.log10(n)) // 2)
         c = n // r
-        base = torch.randn(r * (c + 1), device=args.device, dtype=dtypes[dname])
+        c64 = max(64, c // 64 * 64)
+        base = torch.randn(r * (max(c, c64) + 64), device=args.device, dtype=dtypes[dname])
         time_point(dname, base[:n].view(r, c).t(), "transposed", ["none", "log2"], copy=False)
-        time_point(dname, base.view(r, c + 1)[:, :c], "sliced", ["none", "log2"], copy=False)
+        time_point(dname, base[:r * (c64 + 64)].view(r, c64 + 64)[:, :c64], "rows", ["none", "log2"],
+                   copy=False, ref=n)
+        time_point(dname, base[:r * (c + 1)].view(r, c + 1)[:, :c], "sliced", ["none", "log2"], copy=False)
         del base
     details["strided_layouts"] = {
         "transposed": "x.view(R, C).t(): dense, read straight from storage",
-        "sliced": "x.view(R, C + 1)[:, :C]: not dense, the strided index path"}
+        "rows": "x.view(R, C + 64)[:, :C], C a multiple of 64: rows of whole 16-byte vectors",
+        "sliced": "x.view(R, C + 1)[:, :C]: not dense, element by element"}
     details["rows"] = rows
     bad = [c for c in details["correctness"] if not c["ok"]]
     if bad:
