@@ -311,9 +311,9 @@ def test_grid_bound_makes_threads_loop(emu, dtype):
 @pytest.mark.parametrize("h", [Histogram.linear(-3.0, 5.0, 13), Histogram.log2(-140, 10), LOG2, None])
 def test_threads_with_many_runs_in_each_loop_form(emu, dtype, h):
     """Each thread works over two runs of 64 items and a partial one, with
-    odd and even numbers of groups (16-bit counted in shared memory: the
-    two-register-set loop; the others the one-set loop), from a start off the
-    16-byte boundary."""
+    odd and even numbers of groups (16-bit counted in shared memory or by
+    exponent byte: the two-register-set loop; the others the one-set loop),
+    from a start off the 16-byte boundary."""
     per = 16 // dtype.itemsize
     n = 2 * 32 * per * 141 + 5 * per + 3
     x = sample(n + 1, dtype, 19)[1:]

@@ -353,9 +353,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int64_t nitems = items_all + extra, items_warp = items_all + extra_warp;
   // kWarpBins, and float64 linear bins (in double): two loads in flight
   // (their bins cost more than their loads; fewer registers, no spill in the
-  // loop). kTwoSets (16-bit elements counted in shared memory, whose loads
-  // the compiler would issue one at a time): two groups of two.
-  constexpr bool kTwoSets = kVec && kSharedCounts && sizeof(T) == 2;
+  // loop). kTwoSets, two groups of two: 16-bit elements counted in shared
+  // memory, whose loads the compiler would issue one at a time, and dense
+  // 16-bit log2 by exponent byte, whose four loads it would wait on at once
+  // (there a group stays in flight for about one more instruction per
+  // element; the other loops spill with it).
+  constexpr bool kTwoSets =
+      kVec && sizeof(T) == 2 && (kSharedCounts || (kMode == kModeLog2Exp && kFlat));
   constexpr int kUnrollM = kTwoSets                               ? 2
                            : kWarpBins                            ? (kPer >= 8 ? 1 : 2)
                            : !kFloat && kMode == kModeLinear      ? 2
