@@ -616,6 +616,33 @@ def test_read_plan_visits_each_element_of_any_view(emu, dims, max_walk):
     assert mult == int(np.prod([sz for sz, st in dims if st == 0 and sz > 0] or [1])) or want.numel() == 0
 
 
+READ_FLAT, READ_VECTORS, READ_ELEMENTS = 0, 1, 2  # strided.h ReadKind
+
+
+@settings(max_examples=300)
+@given(st.sampled_from([1, 2, 4, 8]), st.integers(1, 7), st.integers(1, 40), st.integers(0, 24),
+       st.integers(0, 17), st.integers(0, 4), st.booleans())
+def test_vector_read_of_rows(emu, elem, rows, cols, pad, off, rep, transposed):
+    """Property: a rows x cols slice (row stride cols + pad, from element
+    off; optionally expanded along a middle dimension and listed transposed)
+    is read as 16-byte vectors exactly when it is two dimensions of whole
+    vectors starting 16-byte aligned, and the vector walk reads the view's
+    elements, each as often as the view holds it."""
+    per, ld = 16 // elem, cols + pad
+    sizes, strides = [rows, max(rep, 1), cols], [ld, 0 if rep else 1, 1]
+    if not rep:
+        sizes, strides = [rows, cols], [ld, 1]
+    if transposed:
+        sizes, strides = sizes[::-1], strides[::-1]
+    kind, got = emu.vector_offsets(sizes, strides, elem, off)
+    flat = cols == ld or rows == 1
+    want_vectors = not flat and cols > 1 and cols % per == 0 and ld % per == 0 and off * elem % 16 == 0
+    assert kind == (READ_FLAT if flat else READ_VECTORS if want_vectors else READ_ELEMENTS)
+    if kind == READ_VECTORS:
+        want = torch.arange(off + rows * ld).as_strided(sizes, strides, off).reshape(-1)
+        assert torch.equal(got.sort().values, want.sort().values)
+
+
 @settings(max_examples=300)
 @given(st.integers(1, 2**62), st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=20))
 def test_multiply_shift_division_is_exact(emu, d, i):

@@ -309,11 +309,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   auto load_raw = [&](int64_t item) -> Raw {
     if constexpr (kFlat) {
       return load16(body + item * kPer);
-    } else if constexpr (kVec) {  // (row, vector in the row): strides in vectors, the inner one 1
-      const auto u = static_cast<uint64_t>(item);
-      const uint64_t q = div_dim(desc, 1, u);
-      return load16(x + (static_cast<int64_t>(q) * desc.strides[0] +
-                         static_cast<int64_t>(u - q * static_cast<uint64_t>(desc.sizes[1]))) * kPer);
+    } else if constexpr (kVec) {
+      return load16(x + vector_offset(desc, item) * kPer);
     } else {
       return x[strided_offset(desc, item)];
     }

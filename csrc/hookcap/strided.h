@@ -140,6 +140,14 @@ inline DimPlan plan_dims(int64_t ndim, const int64_t* sizes, const int64_t* stri
   return p;
 }
 
+// Storage offset, in vectors, of vector i of a kReadVectors walk: (row, vector
+// in the row), the inner stride 1; one division.
+C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t vector_offset(const StridedDesc& d, int64_t i) {
+  const auto u = static_cast<uint64_t>(i);
+  const uint64_t q = div_dim(d, 1, u);
+  return static_cast<int64_t>(q) * d.strides[0] + static_cast<int64_t>(u - q * static_cast<uint64_t>(d.sizes[1]));
+}
+
 // How a kernel reads its elements: one contiguous run (16-byte vectors plus
 // a scalar head and tail), 16-byte vectors through a descriptor in vector
 // units (views whose innermost dimension is contiguous and whose rows are

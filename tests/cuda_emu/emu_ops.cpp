@@ -146,6 +146,31 @@ std::tuple<at::Tensor, bool, int64_t, int64_t, int64_t> plan_offsets(
   return {torch::tensor(out, torch::kInt64), p.flat, p.mult, p.flat ? 0 : p.desc.ndim, p.nouter};
 }
 
+// For a view read from storage offset `base` (in elements of `elem_size`
+// bytes; storage 16-byte aligned): the launcher's read kind, and with
+// kReadVectors the storage offsets of the elements its vector walk reads
+// (vector_offset; each listed once per multiplicity), else none.
+std::tuple<int64_t, at::Tensor> vector_offsets(std::vector<int64_t> sizes, std::vector<int64_t> strides,
+                                               int64_t elem_size, int64_t base) {
+  TORCH_CHECK(sizes.size() == strides.size() && sizes.size() <= kMaxTensorDims, "emu: bad view");
+  TORCH_CHECK(elem_size == 1 || elem_size == 2 || elem_size == 4 || elem_size == 8, "emu: elem_size");
+  const DimPlan p = plan_dims(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data());
+  StridedDesc vec;
+  const ReadKind read = vector_read(p, elem_size, static_cast<uintptr_t>(base * elem_size), vec);
+  std::vector<int64_t> out;
+  if (read == kReadVectors) {
+    const int64_t per = 16 / elem_size;
+    for_each_read(p, [&](int64_t offset, bool) {
+      for (int64_t i = 0; i < p.visit / per; ++i) {
+        for (int64_t k = 0; k < per; ++k) {
+          for (int64_t r = 0; r < p.mult; ++r) out.push_back(base + offset + vector_offset(vec, i) * per + k);
+        }
+      }
+    });
+  }
+  return {static_cast<int64_t>(read), torch::tensor(out, torch::kInt64)};
+}
+
 // i // d through StridedDesc's multiply-shift division (i < 2**63, d >= 1).
 at::Tensor fast_divide(const at::Tensor& i, int64_t d) {
   TORCH_CHECK(d >= 1 && i.scalar_type() == at::kLong, "emu: fast_divide needs int64 i and d >= 1");
@@ -389,6 +414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probe_match_exited", &probe_match_exited);
   m.def("probe_dynamic_smem", &probe_dynamic_smem);
   m.def("plan_offsets", &plan_offsets);
+  m.def("vector_offsets", &vector_offsets);
   m.def("fast_divide", &fast_divide);
   m.def("reset_slot", &reset_slot);
   m.def("reset_rows", &reset_rows);
