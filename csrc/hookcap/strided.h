@@ -163,19 +163,17 @@ enum ReadKind : int { kReadFlat = 0, kReadVectors = 1, kReadElements = 2 };
 // vector), else kReadElements (vec untouched).
 inline ReadKind vector_read(const DimPlan& p, int64_t elem_size, uintptr_t base, StridedDesc& vec) {
   if (p.flat) return kReadFlat;
-  const int64_t per = 16 / elem_size, last = p.desc.ndim - 1;
-  if (last != 1 || base % 16 != 0 || p.desc.strides[last] != 1 || p.desc.sizes[last] % per != 0) {
+  const int64_t per = 16 / elem_size;
+  const StridedDesc& d = p.desc;  // [0] rows, [1] the innermost dimension
+  if (d.ndim != 2 || base % 16 != 0 || d.strides[1] != 1 || d.sizes[1] % per != 0 || d.strides[0] % per != 0) {
     return kReadElements;
-  }
-  for (int64_t k = 0; k < last; ++k) {
-    if (p.desc.strides[k] % per != 0) return kReadElements;
   }
   for (int64_t k = 0; k < p.nouter; ++k) {
     if (p.outer_strides[k] % per != 0) return kReadElements;
   }
-  vec = p.desc;
-  for (int64_t k = 0; k < last; ++k) vec.strides[k] = p.desc.strides[k] / per;
-  set_divisor(vec, static_cast<int>(last), p.desc.sizes[last] / per);
+  vec = d;
+  vec.strides[0] = d.strides[0] / per;
+  set_divisor(vec, 1, d.sizes[1] / per);
   return kReadVectors;
 }
 
