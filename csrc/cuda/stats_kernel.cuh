@@ -15,6 +15,11 @@
 #include <cmath>
 #include <type_traits>
 
+#ifndef HOOKCAP_CUDA_EMU
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
 namespace hookcap {
 namespace kernels {
 
@@ -120,6 +125,41 @@ __device__ __forceinline__ Words16 load16(const void* p) {
 #endif
 }
 
+// Two 16-bit elements T (bfloat16 or float16) packed in a 32-bit word, as
+// loaded: their elementwise min and max, one instruction for both halves (a
+// NaN half gives the other operand's; the kernel redoes runs holding NaN).
+// The harness, without the half types, compares the halves as floats.
+template <typename T>
+__device__ __forceinline__ float half_of_word(uint32_t w, int hi) {
+  const uint32_t h = hi ? w >> 16 : w & 0xffffu;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return float_of_bits(h << 16);
+  } else {
+    return static_cast<float>(c10::Half(static_cast<uint16_t>(h), c10::Half::from_bits()));
+  }
+}
+template <typename T, bool kMax>
+__device__ __forceinline__ uint32_t minmax2(uint32_t a, uint32_t b) {
+#ifdef HOOKCAP_CUDA_EMU
+  uint32_t r = 0;
+  for (int hi = 0; hi < 2; ++hi) {
+    const float fa = half_of_word<T>(a, hi), fb = half_of_word<T>(b, hi);
+    const bool take_b = fa != fa || (kMax ? fb > fa : fb < fa);
+    r |= ((take_b ? b : a) >> (16 * hi) & 0xffffu) << (16 * hi);
+  }
+  return r;
+#else
+  using P = std::conditional_t<std::is_same_v<T, c10::BFloat16>, __nv_bfloat162, __half2>;
+  P pa, pb, pr;
+  memcpy(&pa, &a, 4);
+  memcpy(&pb, &b, 4);
+  pr = kMax ? __hmax2(pa, pb) : __hmin2(pa, pb);
+  uint32_t r;
+  memcpy(&r, &pr, 4);
+  return r;
+#endif
+}
+
 // A 16-byte vector of elements T, loaded as words, in the working type W.
 // bfloat16 two by two, the low element by a shift and the high one by a mask
 // (element by element, every other one takes a byte permute more).
@@ -189,10 +229,29 @@ struct FmaSquare {
 // and NaN give 0), so NaN and -Inf land in bin 0 and +Inf in bins + 1: the
 // kernel takes those back by its NaN/Inf counts. No divide, no double, no
 // branch.
-__device__ __forceinline__ int linear_bin_thr(float v, const float* thr, const LinearThr& f) {
+__device__ __forceinline__ unsigned linear_estimate(float v, const LinearThr& f) {
   const unsigned q = __float2uint_rz(fmaf(v - f.lo_h, f.inv, f.off));
-  const unsigned j = q < static_cast<unsigned>(f.bins) ? q : static_cast<unsigned>(f.bins);
+  return q < static_cast<unsigned>(f.bins) ? q : static_cast<unsigned>(f.bins);
+}
+__device__ __forceinline__ int linear_bin_thr(float v, const float* thr, const LinearThr& f) {
+  const unsigned j = linear_estimate(v, f);
   return static_cast<int>(j) + (v >= thr[j]);
+}
+
+// Linear bins counted in shared memory with their thresholds: pair i holds
+// thr[i] (i <= bins) and the count of bin i (i <= bins + 1).
+struct ThrCount {
+  float thr;
+  unsigned int count;
+};
+// The count of v's bin (linear_bin_thr's): the pair of v's estimate, or the
+// next one if v is at or above its threshold. One address serves the
+// threshold's load and the count's atomic, with no bin index in between.
+__device__ __forceinline__ unsigned int* linear_count_thr(float v, ThrCount* pairs, const LinearThr& f) {
+  unsigned char* base = reinterpret_cast<unsigned char*>(pairs);
+  const unsigned o = static_cast<unsigned>(sizeof(ThrCount)) * linear_estimate(v, f);
+  const float t = reinterpret_cast<const ThrCount*>(base + o)->thr;
+  return &reinterpret_cast<ThrCount*>(base + (v >= t ? o + static_cast<unsigned>(sizeof(ThrCount)) : o))->count;
 }
 
 // Add one element per lane to the ring's bin `key` (-1: none), lanes with the
@@ -231,11 +290,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
 
-  // Dynamic shared memory: [counts: nbins + 1, [0] the values not binned],
-  // after [thresholds: bins + 1] with kThresholds (kModeWide: thresholds only).
+  // Dynamic shared memory. kPairs (linear on float, counted in shared
+  // memory): ThrCount pairs 0 .. bins + 1. Otherwise [thresholds: bins + 1]
+  // with kThresholds (kModeWide: thresholds only), then [counts: nbins + 1,
+  // [0] the values not binned] with kSharedCounts.
+  constexpr bool kPairs = kSharedCounts && kThresholds;
   unsigned char* smem = dynamic_smem();
+  ThrCount* pairs = reinterpret_cast<ThrCount*>(smem);
   const float* thr = nullptr;
-  if constexpr (kThresholds) {
+  if constexpr (kPairs) {
+    for (int64_t i = tid; i <= hist.bins + 1; i += blockDim.x) {
+      pairs[i] = ThrCount{i <= hist.bins ? float_at_or_above(linear_edge(hist, i)) : kInfF, 0u};
+    }
+  } else if constexpr (kThresholds) {
     float* s_thr = reinterpret_cast<float*>(smem);
     for (int64_t i = tid; i <= hist.bins; i += blockDim.x) s_thr[i] = float_at_or_above(linear_edge(hist, i));
     thr = s_thr;
@@ -244,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   unsigned int* s_cnt = reinterpret_cast<unsigned int*>(smem);
   if constexpr (kMode == kModeLog2Exp) {
     for (int i = tid; i < kWarps * 256; i += blockDim.x) (&sh.tab[0][0])[i] = 0u;
-  } else if constexpr (kSharedCounts) {
+  } else if constexpr (kSharedCounts && !kPairs) {
     for (int64_t b = tid; b <= hist.nbins; b += blockDim.x) s_cnt[b] = 0u;
   }
   __syncthreads();
@@ -264,6 +331,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   auto bin = [&](W v) {
     if constexpr (kMode == kModeLog2Exp) {
       atomicAdd(&sh.tab[warp][(vbits(v) >> 23) & 0xff], 1u);
+    } else if constexpr (kPairs) {
+      atomicAdd(linear_count_thr(v, pairs, lin), 1u);
     } else if constexpr (kSharedCounts) {
       atomicAdd(&s_cnt[1 + bin_of(v)], 1u);
     } else if constexpr (kWarpBins) {
@@ -324,11 +393,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   };
   auto load = [&](int64_t item, W (&out)[kPer]) { widen_raw(load_raw(item), out); };
 
-  // f(v) for every element of the thread's items [i0, i1), one item at a time.
-  auto revisit = [&](int64_t i0, int64_t i1, auto&& f) {
+  // 16-bit vectors: a run's min and max on the words as loaded, two
+  // elements per instruction (minmax2), with (min, max) of each half.
+  constexpr bool kPacked = kVec && sizeof(T) == 2;
+  constexpr uint32_t kWordInf = std::is_same_v<T, c10::BFloat16> ? 0x7f807f80u : 0x7c007c00u;
+  uint32_t mn2 = kWordInf, mx2 = kWordInf | 0x80008000u;  // +Inf, -Inf in both halves
+  auto minmax_raw = [&](const Raw& r) {
+    if constexpr (kPacked) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        mn2 = minmax2<T, false>(mn2, r.w[i]);
+        mx2 = minmax2<T, true>(mx2, r.w[i]);
+      }
+    }
+  };
+
+  // f(v) for every element of the thread's items [i0, i1), one item at a
+  // time; with_minmax: the items' min and max too (kPacked).
+  auto revisit = [&](int64_t i0, int64_t i1, auto&& f, bool with_minmax = false) {
     for (int64_t i = i0; i < i1; ++i) {
+      const Raw r = load_raw(gtid + i * gstride);
+      if (with_minmax) minmax_raw(r);
       W v[kPer];
-      load(gtid + i * gstride, v);
+      widen_raw(r, v);
 #pragma unroll
       for (int k = 0; k < kPer; ++k) f(v[k]);
     }
@@ -369,12 +456,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int64_t j1 = jend < nitems ? jend : (nitems > j0 ? nitems : j0);  // this thread's
     W s1 = 0, s2 = 0, mn = static_cast<W>(kInf), mx = static_cast<W>(-kInf);
     W nz = 0;  // zeros of the run, counted in W (exact: at most kRunElems)
-    auto stats = [&](W v) {
+    mn2 = kWordInf;
+    mx2 = kWordInf | 0x80008000u;
+    auto stats = [&](W v) {  // kPacked: min and max by minmax_raw
       const W d = v - c;
       s1 += d;
       s2 = FmaSquare{}(s2, d);
-      mn = wmin(mn, v);
-      mx = wmax(mx, v);
+      if constexpr (!kPacked) {
+        mn = wmin(mn, v);
+        mx = wmax(mx, v);
+      }
       nz += v == W(0) ? W(1) : W(0);
     };
     auto push = [&](W v) {
@@ -395,6 +486,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       auto work = [&](const Raw (&g)[kUnrollM]) {
 #pragma unroll
         for (int u = 0; u < kUnrollM; ++u) {
+          minmax_raw(g[u]);
           W v[kPer];
           widen_raw(g[u], v);
 #pragma unroll
@@ -416,11 +508,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
     } else {
       for (; j + kUnrollM <= jsteady; j += kUnrollM) {  // the steady-state loop
+        Raw r[kUnrollM];
         W v[kUnrollM][kPer];
 #pragma unroll
-        for (int u = 0; u < kUnrollM; ++u) load(gtid + (j + u) * gstride, v[u]);
+        for (int u = 0; u < kUnrollM; ++u) r[u] = load_raw(gtid + (j + u) * gstride);
 #pragma unroll
         for (int u = 0; u < kUnrollM; ++u) {
+          minmax_raw(r[u]);
+          widen_raw(r[u], v[u]);
 #pragma unroll
           for (int k = 0; k < kPer; ++k) push(v[u][k]);
         }
@@ -429,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     if constexpr (kWarpBins) {
       // The last items, fewer than kUnrollM + 1: this thread's moments, then
       // their bins with the warp's lanes together (a lane without one adds none).
-      revisit(j, j1, stats);
+      revisit(j, j1, stats, true);
       const int64_t jlast = jend < items_warp ? jend : items_warp;
       for (; j < jlast; ++j) {
         const bool mine = j < j1;
@@ -440,7 +535,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
       if (j1 == j0) continue;  // no items of this thread's in this run
     } else {
-      revisit(j, j1, push);  // the last items, fewer than kUnrollM
+      revisit(j, j1, push, true);  // the last items, fewer than kUnrollM
+    }
+    if constexpr (kPacked) {
+      mn = wmin(half_of_word<T>(mn2, 0), half_of_word<T>(mn2, 1));
+      mx = wmax(half_of_word<T>(mx2, 0), half_of_word<T>(mx2, 1));
     }
     const int64_t m = (j1 - j0) * kPer;
     const bool finite = s2 - s2 == W(0);  // false iff a NaN/Inf (or an overflowing square)
@@ -560,7 +659,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   } else if constexpr (kSharedCounts) {
     // The block's counts, merged into the ring once.
     for (int64_t b = tid; b < hist.nbins; b += blockDim.x) {
-      const unsigned int cnt = s_cnt[1 + b];
+      const unsigned int cnt = kPairs ? pairs[b].count : s_cnt[1 + b];
       if (cnt) DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(cnt) * tgt.mult);
     }
   }
