@@ -340,7 +340,8 @@ def test_blocks_larger_than_the_launchers_fault(emu):
 @pytest.mark.parametrize("h", [
     Histogram.log2(-10, 10),  # underflow and overflow bins in use
     Histogram.log2(-140, 10),  # below float's normal range: log2_bin per element, not the exponent byte
-    Histogram.linear(1e6, 1e6 + 1.0, 100),  # bins finer than float resolves there (lo split in two floats)
+    Histogram.linear(1e6, 1e6 + 16.0, 100),  # bins 2.6 floats wide: at linear_float_ok's limit, in float
+    Histogram.linear(1e6, 1e6 + 14.0, 100),  # 2.2 floats wide: past the limit, bins in double (kModeWideExact)
     Histogram.linear(-1e3, 1e3, 40),
     Histogram.linear(-2.0, 3.0, 2046),
     Histogram.linear(-2.0, 3.0, 2047),
@@ -387,7 +388,8 @@ A100 = 167936 // 4 - 1024 - STATIC_SMEM
     (Histogram.log2(-1100, 1100), True, H100, (MODE_LOG2, 4 * 2204)),  # the widest log2
     (Histogram.log2(-1100, 1100), False, 0, (MODE_LOG2, 4 * 2204)),  # always shared
     (Histogram.log2(), True, H100, (MODE_LOG2EXP, 0)),
-    (Histogram.linear(1e6, 1e6 + 1, 100), True, H100, (MODE_LINEAR, 8 * 100 + 16)),
+    (Histogram.linear(1e6, 1e6 + 16, 100), True, H100, (MODE_LINEAR, 8 * 100 + 16)),  # bins 2.6 floats wide
+    (Histogram.linear(1e6, 1e6 + 14, 100), True, H100, (MODE_WIDE_EXACT, 0)),  # 2.2: float cannot estimate
     (Histogram.linear(1e13, 1e13 + 1, 10), True, H100, (MODE_WIDE_EXACT, 0)),
     (Histogram.linear(0, 1e-38, 10), True, H100, (MODE_WIDE_EXACT, 0)),
     (Histogram.linear(0, 1e-38, 10), False, H100, (MODE_LINEAR, 4 * 13)),
@@ -485,10 +487,13 @@ def test_wide_strided_view(emu):
 
 
 LINEAR_SPECS = [(-1, 1, 2500), (0, 1, 1), (0, 10, 100), (-4, 4, 4096), (-4, 4, 100000), (100, 101, 10000),
-                (1e6, 1e6 + 1, 100), (-1e-30, 3e-30, 777), (1e20, 1.0000001e20, 50), (0.1, 0.7, 12345),
-                (-2.0**20, 2.0**20, 2**20), (-3.3, 7.1, 1_000_000), (2.0**41, 2.0**41 + 100, 100),
-                (-(2.0**41), -(2.0**41) + 1000, 1000), (1e6 + 0.1, 1e6 + 1.1, 100),  # lo not a float
-                (-123456.789, -123455.789, 10000), (7.3e9 + 0.3, 7.3e9 + 1000.3, 200000)]
+                (1e6, 1e6 + 17.5, 100), (-1e-30, 3e-30, 777), (1e20, 1e20 + 50 * 2e13, 50), (0.1, 0.7, 12345),
+                (-2.0**20, 2.0**20, 2**20), (-3.3, 7.1, 1_000_000), (2.0**41, 2.0**41 + 100 * 4e5, 100),
+                (-(2.0**41), -(2.0**41) + 1000 * 4e5, 1000), (1e6 + 0.1, 1e6 + 17.6, 100),  # lo not a float
+                (-123456.789, -123206.789, 10000), (7.3e9 + 0.3, 7.3e9 + 0.3 + 200000 * 1400, 200000)]
+# Bins narrower than about three floats' spacing at lo: float cannot estimate them.
+LINEAR_SPECS_DOUBLE = [(1e6, 1e6 + 14.0, 100), (1e6, 1e6 + 1.0, 100), (2.0**41, 2.0**41 + 100, 100),
+                       (-123456.789, -123455.789, 10000), (7.3e9 + 0.3, 7.3e9 + 1000.3, 200000)]
 
 
 @pytest.mark.parametrize("lo,hi,bins", LINEAR_SPECS)
@@ -513,6 +518,14 @@ def test_linear_bin_by_threshold_is_linear_bin(emu, lo, hi, bins):
     assert not bad.any(), f"{int(bad.sum())} of {len(v)}: e.g. v={v[bad][:3].tolist()} {got[bad][:3].tolist()} vs {want[bad][:3].tolist()}"
     # The specials' fixed bins, which the kernel takes back by its NaN/Inf counts.
     assert got[-3:].tolist() == [bins + 1, 0, 0]
+
+
+@pytest.mark.parametrize("lo,hi,bins", LINEAR_SPECS_DOUBLE)
+def test_linear_bins_too_narrow_for_float(emu, lo, hi, bins):
+    """linear_float_ok refuses bins narrower than about three floats' spacing
+    at lo, which then bin in double (kModeWideExact, test_histogram_kinds)."""
+    h = Histogram.linear(lo, hi, bins)
+    assert not emu.linear_bins(lo, hi, bins, float_edges(h, max(1, bins // 2000)).contiguous())[2]
 
 
 def test_strided_views_read_through_the_host_plan(emu):

@@ -33,27 +33,28 @@ enum HistMode : int {
                        // each bin by linear_bin in double
 };
 
-// Whether the float estimate of a linear bin, q = fl(fl(v - lo_h) * inv + off)
-// (lo_h = float(lo), inv = float(1 / width), off = float(1/2 - (lo - lo_h) * inv):
-// linear_thr), is close enough to v's exact position plus a half,
-// p + 1/2 with p = (v - lo) / width, for linear_bin_thr's one compare to be
-// exact: within 0.4 bins for v in [lo, hi], and on the same side of the range
-// outside it. With u = 2**-24, v - lo_h and the product each round by u
-// relative (or 2**-150 absolute below float's normal range), inv and off by u
-// relative and the fma's sum by u: the error of q is below
-// 3u * |p| + 2u + 5u**2 * |lo| / width + 2**-148 * (1 / width + 1), and
-// the double edges lie within 2**-52 * (bins + |lo| / width) bins of
-// lo + i * width. Their sum for |p| <= bins is bounded here by 0.4 (so v
-// lies strictly between edges j - 1 and j + 1, j = trunc(q)); beyond the range
-// the error grows with |p| only by the factor 3u, so q stays below 1 under lo
-// and at or above bins over hi. Every quantity must also be a finite normal
-// float: |lo|, |hi| and 1 / width below 2**126, 1 / width at least 2**-125.
+// Whether the float estimate of a linear bin, q = fl(v * inv + off) in one
+// fma (inv = float(1 / width), off = float(1/2 - lo * inv): linear_thr), is
+// close enough to v's exact position plus a half, p + 1/2 with
+// p = (v - lo) / width, for linear_bin_thr's one compare to be exact: within
+// 0.4 bins for v in [lo, hi], and on the same side of the range outside it.
+// With u = 2**-24 and r = |lo| / width: inv's rounding moves v * inv + off by
+// u * |p| only (off is formed with the same inv), off's by u * (r + 1/2), and
+// the fma's by u * |q|; the double edges lie within 2**-52 * (bins + r) bins
+// of lo + i * width. So the error is below (2 * bins + r + 2) * u +
+// (bins + r) * 2**-50 + 2**-148 for |p| <= bins (bounded here, with margin,
+// by 0.4: v lies strictly between edges j - 1 and j + 1, j = trunc(q));
+// beyond the range it grows with |p| only by 2u, so q stays below 1 under lo
+// and at or above bins over hi. The r term rules out bins narrower than
+// about three floats' spacing at lo (r > ~6.7e6), which bin in double.
+// Every quantity must also be a finite normal float: |lo|, |hi| and
+// 1 / width below 2**126, 1 / width at least 2**-125.
 // False means kModeWideExact.
 C10_HOST_DEVICE inline bool linear_float_ok(const HistSpec& h) {
   const double alo = h.lo < 0 ? -h.lo : h.lo, ahi = h.hi < 0 ? -h.hi : h.hi;
   if (!(alo < 0x1p126 && ahi < 0x1p126 && h.inv_width < 0x1p126 && h.inv_width >= 0x1p-125)) return false;
   const double b = static_cast<double>(h.bins), r = alo * h.inv_width;
-  return (3.0 * b + 2.0) * 0x1p-24 + r * 0x1p-45 + 0x1p-148 * (h.inv_width + 1.0) + (b + r) * 0x1p-52 <= 0.4;
+  return (3.0 * b + r + 2.0) * 0x1p-24 + (b + r) * 0x1p-50 + 0x1p-148 <= 0.4;
 }
 
 // Least float >= e (e finite or infinite): a value v (float) is >= e iff
@@ -82,17 +83,15 @@ C10_HOST_DEVICE constexpr int64_t smem_budget(int64_t per_sm, int64_t reserved, 
 // the host once per launch (so no double arithmetic is left in the kernel to
 // be recomputed inside its loop).
 struct LinearThr {
-  float lo_h;  // float(lo)
-  float inv;   // float(1 / width)
-  float off;   // float(1/2 - (lo - lo_h) * inv): lo's remainder and the rounding half
+  float inv;  // float(1 / width)
+  float off;  // float(1/2 - lo * inv): lo's place in bins and the rounding half
   int bins;
 };
 
 C10_HOST_DEVICE inline LinearThr linear_thr(const HistSpec& h) {
   LinearThr f{};
-  f.lo_h = static_cast<float>(h.lo);
   f.inv = static_cast<float>(h.inv_width);
-  f.off = static_cast<float>(0.5 - (h.lo - static_cast<double>(f.lo_h)) * static_cast<double>(f.inv));
+  f.off = static_cast<float>(0.5 - h.lo * static_cast<double>(f.inv));
   f.bins = static_cast<int>(h.bins);
   return f;
 }

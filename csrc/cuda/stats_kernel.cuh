@@ -230,7 +230,7 @@ struct FmaSquare {
 // kernel takes those back by its NaN/Inf counts. No divide, no double, no
 // branch.
 __device__ __forceinline__ unsigned linear_estimate(float v, const LinearThr& f) {
-  const unsigned q = __float2uint_rz(fmaf(v - f.lo_h, f.inv, f.off));
+  const unsigned q = __float2uint_rz(fmaf(v, f.inv, f.off));
   return q < static_cast<unsigned>(f.bins) ? q : static_cast<unsigned>(f.bins);
 }
 __device__ __forceinline__ int linear_bin_thr(float v, const float* thr, const LinearThr& f) {
