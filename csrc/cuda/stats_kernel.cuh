@@ -508,14 +508,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
     } else {
       for (; j + kUnrollM <= jsteady; j += kUnrollM) {  // the steady-state loop
-        Raw r[kUnrollM];
         W v[kUnrollM][kPer];
+        if constexpr (kPacked) {
+          Raw r[kUnrollM];
 #pragma unroll
-        for (int u = 0; u < kUnrollM; ++u) r[u] = load_raw(gtid + (j + u) * gstride);
+          for (int u = 0; u < kUnrollM; ++u) r[u] = load_raw(gtid + (j + u) * gstride);
+#pragma unroll
+          for (int u = 0; u < kUnrollM; ++u) {
+            minmax_raw(r[u]);
+            widen_raw(r[u], v[u]);
+          }
+        } else {
+#pragma unroll
+          for (int u = 0; u < kUnrollM; ++u) load(gtid + (j + u) * gstride, v[u]);
+        }
 #pragma unroll
         for (int u = 0; u < kUnrollM; ++u) {
-          minmax_raw(r[u]);
-          widen_raw(r[u], v[u]);
 #pragma unroll
           for (int k = 0; k < kPer; ++k) push(v[u][k]);
         }
