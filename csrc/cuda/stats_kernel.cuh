@@ -18,6 +18,7 @@
 #ifndef HOOKCAP_CUDA_EMU
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #endif
 
 namespace hookcap {
@@ -125,51 +126,100 @@ __device__ __forceinline__ Words16 load16(const void* p) {
 #endif
 }
 
-// Two 16-bit elements T (bfloat16 or float16) packed in a 32-bit word, as
-// loaded: their elementwise min and max, one instruction for both halves (a
-// NaN half gives the other operand's; the kernel redoes runs holding NaN).
-// The harness, without the half types, compares the halves as floats.
+// Vectors of 16-bit and 8-bit floats are worked as 32-bit words of two
+// 16-bit floats ("pairs"): bfloat16 as bfloat16, float16 and float8 as
+// float16 (every float8 value is one: e5m2 is float16's top byte, e4m3 is
+// converted by the hardware, sm_89 on). A run's min and max are taken on the
+// pairs, two elements per instruction (minmax2).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+constexpr bool kHwFp8 = false;  // e4m3 widened element by element (dtype_load.h)
+#else
+constexpr bool kHwFp8 = true;
+#endif
 template <typename T>
+constexpr bool kPairs16 = sizeof(T) == 2 || std::is_same_v<T, c10::Float8_e5m2> ||
+                          (std::is_same_v<T, c10::Float8_e4m3fn> && kHwFp8);
+template <typename T>
+using pair_t = std::conditional_t<std::is_same_v<T, c10::BFloat16>, c10::BFloat16, c10::Half>;
+template <typename T>
+constexpr int kPairWords = 8 / sizeof(T);  // pairs in a 16-byte vector
+
+// Element `hi` (0: low half, 1: high half) of a pair of P, as a float.
+template <typename P>
 __device__ __forceinline__ float half_of_word(uint32_t w, int hi) {
   const uint32_t h = hi ? w >> 16 : w & 0xffffu;
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<P, c10::BFloat16>) {
     return float_of_bits(h << 16);
   } else {
     return static_cast<float>(c10::Half(static_cast<uint16_t>(h), c10::Half::from_bits()));
   }
 }
-template <typename T, bool kMax>
+
+// Two e4m3 (the low 16 bits of `two`) as a pair of float16.
+__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint32_t two) {
+#ifdef HOOKCAP_CUDA_EMU
+  const c10::Half lo(fp8_e4m3fn_to_float(two & 0xffu)), hi(fp8_e4m3fn_to_float((two >> 8) & 0xffu));
+  return static_cast<uint32_t>(lo.x) | static_cast<uint32_t>(hi.x) << 16;
+#else
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(r.x) | static_cast<uint32_t>(r.y) << 16;
+#endif
+}
+
+// A 16-byte vector's elements as pairs (kPairs16<T>), in an order of their own.
+template <typename T>
+__device__ __forceinline__ void pairs_of_words(const Words16& q, uint32_t (&p)[kPairWords<T>]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 2) {
+      p[i] = q.w[i];
+    } else if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
+      p[2 * i] = (q.w[i] << 8) & 0xff00ff00u;  // bytes 0 and 2
+      p[2 * i + 1] = q.w[i] & 0xff00ff00u;     // bytes 1 and 3
+    } else {
+      p[2 * i] = e4m3x2_to_half2(q.w[i]);
+      p[2 * i + 1] = e4m3x2_to_half2(q.w[i] >> 16);
+    }
+  }
+}
+
+// The elementwise min (kMax: max) of two pairs of P, one instruction for
+// both halves. A NaN half gives the other operand's: the kernel redoes runs
+// holding NaN. The harness, without the half types, compares as floats.
+template <typename P, bool kMax>
 __device__ __forceinline__ uint32_t minmax2(uint32_t a, uint32_t b) {
 #ifdef HOOKCAP_CUDA_EMU
   uint32_t r = 0;
   for (int hi = 0; hi < 2; ++hi) {
-    const float fa = half_of_word<T>(a, hi), fb = half_of_word<T>(b, hi);
+    const float fa = half_of_word<P>(a, hi), fb = half_of_word<P>(b, hi);
     const bool take_b = fa != fa || (kMax ? fb > fa : fb < fa);
     r |= ((take_b ? b : a) >> (16 * hi) & 0xffffu) << (16 * hi);
   }
   return r;
 #else
-  using P = std::conditional_t<std::is_same_v<T, c10::BFloat16>, __nv_bfloat162, __half2>;
-  P pa, pb, pr;
-  memcpy(&pa, &a, 4);
-  memcpy(&pb, &b, 4);
-  pr = kMax ? __hmax2(pa, pb) : __hmin2(pa, pb);
+  using V = std::conditional_t<std::is_same_v<P, c10::BFloat16>, __nv_bfloat162, __half2>;
+  V va, vb, vr;
+  memcpy(&va, &a, 4);
+  memcpy(&vb, &b, 4);
+  vr = kMax ? __hmax2(va, vb) : __hmin2(va, vb);
   uint32_t r;
-  memcpy(&r, &pr, 4);
+  memcpy(&r, &vr, 4);
   return r;
 #endif
 }
 
-// A 16-byte vector of elements T, loaded as words, in the working type W.
-// bfloat16 two by two, the low element by a shift and the high one by a mask
-// (element by element, every other one takes a byte permute more).
-template <typename W, typename T>
+// A 16-byte vector of elements T, loaded as words, in the working type W:
+// by pairs (kByPairs: kPairs16<T>, float; bfloat16 always, a shift and a
+// mask per pair), else element by element.
+template <typename W, typename T, bool kByPairs>
 __device__ __forceinline__ void widen_words(const Words16& q, W (&out)[Vec16<T>::kN]) {
-  if constexpr (std::is_same_v<T, c10::BFloat16> && sizeof(W) == sizeof(float)) {
+  if constexpr (kByPairs || (std::is_same_v<T, c10::BFloat16> && sizeof(W) == sizeof(float))) {
+    uint32_t p[kPairWords<T>];
+    pairs_of_words<T>(q, p);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      out[2 * i] = float_of_bits(q.w[i] << 16);
-      out[2 * i + 1] = float_of_bits(q.w[i] & 0xffff0000u);
+    for (int i = 0; i < kPairWords<T>; ++i) {
+      out[2 * i] = half_of_word<pair_t<T>>(p[i], 0);
+      out[2 * i + 1] = half_of_word<pair_t<T>>(p[i], 1);
     }
   } else {
     const Vec16<T> e = __builtin_bit_cast(Vec16<T>, q);
@@ -384,27 +434,40 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       return x[strided_offset(desc, item)];
     }
   };
+  // Vectors of pairs (kPairs16; not wide-exact, whose double binning needs
+  // the registers): widened by pairs, a run's min and max on the pairs.
+  constexpr bool kPacked = kVec && kPairs16<T> && kFloat && kMode != kModeWideExact;
   auto widen_raw = [&](const Raw& r, W (&out)[kPer]) {
     if constexpr (kVec) {
-      widen_words<W, T>(r, out);
+      widen_words<W, T, kPacked>(r, out);
     } else {
       out[0] = widen<W>(r);
     }
   };
   auto load = [&](int64_t item, W (&out)[kPer]) { widen_raw(load_raw(item), out); };
 
-  // 16-bit vectors: a run's min and max on the words as loaded, two
-  // elements per instruction (minmax2), with (min, max) of each half.
-  constexpr bool kPacked = kVec && sizeof(T) == 2;
-  constexpr uint32_t kWordInf = std::is_same_v<T, c10::BFloat16> ? 0x7f807f80u : 0x7c007c00u;
+  // kPacked: a run's min and max on the pairs, two elements per
+  // instruction, then (min, max) of each half.
+  using P = pair_t<T>;
+  constexpr uint32_t kWordInf = std::is_same_v<P, c10::BFloat16> ? 0x7f807f80u : 0x7c007c00u;
   uint32_t mn2 = kWordInf, mx2 = kWordInf | 0x80008000u;  // +Inf, -Inf in both halves
-  auto minmax_raw = [&](const Raw& r) {
+  // widen_raw, and with kPacked the run's min and max.
+  auto widen_mm = [&](const Raw& r, W (&out)[kPer]) {
     if constexpr (kPacked) {
+      uint32_t p[kPairWords<T>];
+      pairs_of_words<T>(r, p);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        mn2 = minmax2<T, false>(mn2, r.w[i]);
-        mx2 = minmax2<T, true>(mx2, r.w[i]);
+      for (int i = 0; i < kPairWords<T>; ++i) {
+        mn2 = minmax2<P, false>(mn2, p[i]);
+        mx2 = minmax2<P, true>(mx2, p[i]);
       }
+#pragma unroll
+      for (int i = 0; i < kPairWords<T>; ++i) {
+        out[2 * i] = half_of_word<P>(p[i], 0);
+        out[2 * i + 1] = half_of_word<P>(p[i], 1);
+      }
+    } else {
+      widen_raw(r, out);
     }
   };
 
@@ -413,9 +476,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   auto revisit = [&](int64_t i0, int64_t i1, auto&& f, bool with_minmax = false) {
     for (int64_t i = i0; i < i1; ++i) {
       const Raw r = load_raw(gtid + i * gstride);
-      if (with_minmax) minmax_raw(r);
       W v[kPer];
-      widen_raw(r, v);
+      if (with_minmax) {
+        widen_mm(r, v);
+      } else {
+        widen_raw(r, v);
+      }
 #pragma unroll
       for (int k = 0; k < kPer; ++k) f(v[k]);
     }
@@ -458,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     W nz = 0;  // zeros of the run, counted in W (exact: at most kRunElems)
     mn2 = kWordInf;
     mx2 = kWordInf | 0x80008000u;
-    auto stats = [&](W v) {  // kPacked: min and max by minmax_raw
+    auto stats = [&](W v) {  // kPacked: min and max by widen_mm
       const W d = v - c;
       s1 += d;
       s2 = FmaSquare{}(s2, d);
@@ -486,9 +552,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       auto work = [&](const Raw (&g)[kUnrollM]) {
 #pragma unroll
         for (int u = 0; u < kUnrollM; ++u) {
-          minmax_raw(g[u]);
           W v[kPer];
-          widen_raw(g[u], v);
+          widen_mm(g[u], v);
 #pragma unroll
           for (int k = 0; k < kPer; ++k) push(v[k]);
         }
@@ -515,8 +580,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
           for (int u = 0; u < kUnrollM; ++u) r[u] = load_raw(gtid + (j + u) * gstride);
 #pragma unroll
           for (int u = 0; u < kUnrollM; ++u) {
-            minmax_raw(r[u]);
-            widen_raw(r[u], v[u]);
+            widen_mm(r[u], v[u]);
           }
         } else {
 #pragma unroll
@@ -546,8 +610,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       revisit(j, j1, push, true);  // the last items, fewer than kUnrollM
     }
     if constexpr (kPacked) {
-      mn = wmin(half_of_word<T>(mn2, 0), half_of_word<T>(mn2, 1));
-      mx = wmax(half_of_word<T>(mx2, 0), half_of_word<T>(mx2, 1));
+      mn = wmin(half_of_word<P>(mn2, 0), half_of_word<P>(mn2, 1));
+      mx = wmax(half_of_word<P>(mx2, 0), half_of_word<P>(mx2, 1));
     }
     const int64_t m = (j1 - j0) * kPer;
     const bool finite = s2 - s2 == W(0);  // false iff a NaN/Inf (or an overflowing square)
