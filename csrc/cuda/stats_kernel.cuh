@@ -435,8 +435,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     }
   };
   // Vectors of pairs (kPairs16; not wide-exact, whose double binning needs
-  // the registers): widened by pairs, a run's min and max on the pairs.
-  constexpr bool kPacked = kVec && kPairs16<T> && kFloat && kMode != kModeWideExact;
+  // the registers, nor float8 log2 by log2_bin, which spills with them on
+  // sm_89): widened by pairs, a run's min and max on the pairs.
+  constexpr bool kPacked = kVec && kPairs16<T> && kFloat && kMode != kModeWideExact &&
+                           !(sizeof(T) == 1 && kMode == kModeLog2);
   auto widen_raw = [&](const Raw& r, W (&out)[kPer]) {
     if constexpr (kVec) {
       widen_words<W, T, kPacked>(r, out);
