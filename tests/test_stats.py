@@ -260,6 +260,24 @@ def test_histogram_arguments_validated():
         _ops.accumulate(torch.randn(10, dtype=torch.float64), ring, new_state("cpu"), 0, narrow)
 
 
+@pytest.mark.parametrize("factor", [0.9, 1.1])
+def test_python_and_op_share_the_narrowest_width(factor):
+    # Histogram.linear (MIN_WIDTH_EXP) and the op (kLinearMinWidthExp) draw the line at the same width.
+    lo, bins = -3.0, 4
+    hi = lo + bins * math.ldexp(abs(lo), hookcap.histogram.MIN_WIDTH_EXP) * factor
+    raw = Histogram("linear", lo, hi, bins)
+    ring = torch.zeros(2, 1, _layout.HEADER + raw.nbins, dtype=torch.int64)
+    if factor < 1:
+        with pytest.raises(ValueError, match="narrower"):
+            Histogram.linear(lo, hi, bins)
+        with pytest.raises(RuntimeError, match="narrower"):
+            _ops.accumulate(torch.randn(10, dtype=torch.float64), ring, new_state("cpu"), 0, raw)
+    else:
+        assert Histogram.linear(lo, hi, bins).nbins == raw.nbins
+        _ops.accumulate(torch.full((10,), lo, dtype=torch.float64), ring, new_state("cpu"), 0, raw)
+        assert ring[0, 0, _layout.HEADER + 1] == 10  # every value on the first edge: bin 1
+
+
 @pytest.mark.parametrize("lo", [1e16, -3.5e5, 1.0, -2.0 ** -30])
 @pytest.mark.parametrize("bins", [1, 7, 1000])
 def test_narrowest_linear_bins_exact(lo, bins):
