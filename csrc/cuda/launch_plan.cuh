@@ -127,7 +127,7 @@ C10_HOST_DEVICE inline HistPlan hist_plan(const HistSpec& h, bool work_is_float,
     p.mode = kModeWideExact;
     return p;
   }
-  if (counts + thr <= budget) {
+  if (counts + thr <= budget) {  // float: as bins + 2 (threshold, count) pairs, the same bytes
     p.mode = kModeLinear;
     p.smem = counts + thr;
   } else {

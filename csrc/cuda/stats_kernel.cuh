@@ -208,6 +208,16 @@ __device__ __forceinline__ uint32_t minmax2(uint32_t a, uint32_t b) {
 #endif
 }
 
+// Pairs of P as floats, two elements each.
+template <typename P, int kWords>
+__device__ __forceinline__ void widen_pairs(const uint32_t (&p)[kWords], float (&out)[2 * kWords]) {
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) {
+    out[2 * i] = half_of_word<P>(p[i], 0);
+    out[2 * i + 1] = half_of_word<P>(p[i], 1);
+  }
+}
+
 // A 16-byte vector of elements T, loaded as words, in the working type W:
 // by pairs (kByPairs: kPairs16<T>, float; bfloat16 always, a shift and a
 // mask per pair), else element by element.
@@ -216,11 +226,7 @@ __device__ __forceinline__ void widen_words(const Words16& q, W (&out)[Vec16<T>:
   if constexpr (kByPairs || (std::is_same_v<T, c10::BFloat16> && sizeof(W) == sizeof(float))) {
     uint32_t p[kPairWords<T>];
     pairs_of_words<T>(q, p);
-#pragma unroll
-    for (int i = 0; i < kPairWords<T>; ++i) {
-      out[2 * i] = half_of_word<pair_t<T>>(p[i], 0);
-      out[2 * i + 1] = half_of_word<pair_t<T>>(p[i], 1);
-    }
+    widen_pairs<pair_t<T>>(p, out);
   } else {
     const Vec16<T> e = __builtin_bit_cast(Vec16<T>, q);
 #pragma unroll
@@ -452,7 +458,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // instruction, then (min, max) of each half.
   using P = pair_t<T>;
   constexpr uint32_t kWordInf = std::is_same_v<P, c10::BFloat16> ? 0x7f807f80u : 0x7c007c00u;
-  uint32_t mn2 = kWordInf, mx2 = kWordInf | 0x80008000u;  // +Inf, -Inf in both halves
+  constexpr uint32_t kWordNegInf = kWordInf | 0x80008000u;
+  uint32_t mn2, mx2;  // the run's, from +Inf and -Inf in both halves
   // widen_raw, and with kPacked the run's min and max.
   auto widen_mm = [&](const Raw& r, W (&out)[kPer]) {
     if constexpr (kPacked) {
@@ -463,11 +470,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         mn2 = minmax2<P, false>(mn2, p[i]);
         mx2 = minmax2<P, true>(mx2, p[i]);
       }
-#pragma unroll
-      for (int i = 0; i < kPairWords<T>; ++i) {
-        out[2 * i] = half_of_word<P>(p[i], 0);
-        out[2 * i + 1] = half_of_word<P>(p[i], 1);
-      }
+      widen_pairs<P>(p, out);
     } else {
       widen_raw(r, out);
     }
@@ -525,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     W s1 = 0, s2 = 0, mn = static_cast<W>(kInf), mx = static_cast<W>(-kInf);
     W nz = 0;  // zeros of the run, counted in W (exact: at most kRunElems)
     mn2 = kWordInf;
-    mx2 = kWordInf | 0x80008000u;
+    mx2 = kWordNegInf;
     auto stats = [&](W v) {  // kPacked: min and max by widen_mm
       const W d = v - c;
       s1 += d;
@@ -576,7 +579,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     } else {
       for (; j + kUnrollM <= jsteady; j += kUnrollM) {  // the steady-state loop
         W v[kUnrollM][kPer];
-        if constexpr (kPacked) {
+        if constexpr (kPacked) {  // the other loops keep their load-and-widen order (no spill)
           Raw r[kUnrollM];
 #pragma unroll
           for (int u = 0; u < kUnrollM; ++u) r[u] = load_raw(gtid + (j + u) * gstride);
