@@ -296,7 +296,8 @@ def hist_kinds(Histogram) -> dict:
         "log2": (Histogram.log2(), "log2, exponent byte counted per warp (lo >= -126)"),
         "log2 lo=-140": (Histogram.log2(-140, 64), "log2 in shared memory (bins below float normals)"),
         "linear 100": (Histogram.linear(-4, 4, 100), "linear in shared memory, float thresholds"),
-        "linear 4096": (Histogram.linear(-4, 4, 4096), "linear in shared memory (dynamic, > 48 KB opt-in)"),
+        "linear 4096": (Histogram.linear(-4, 4, 4096), "linear in shared memory (dynamic, 32.8 KB)"),
+        "linear 6800": (Histogram.linear(-4, 4, 6800), "linear in shared memory (dynamic, 54.4 KB: > 48 KB opt-in)"),
         "linear 10000": (Histogram.linear(-4, 4, 10000), "wide: counts by warp-aggregated atomics"),
         "linear 20000": (Histogram.linear(-4, 4, 20000), "wide-exact: bins in double"),
     }
@@ -625,12 +626,104 @@ def overhead_stage(args) -> dict:
                    sync_debug_mode="error on every steady-state step" if cuda else "not available on cpu")
     if cuda:
         details["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    # Extras of their own: a failure here is recorded, never loses the rows above.
+    for key, fn in (("read_floor", lambda: read_floor(model, cfgs, autocast, loss_fn, opt, device)),
+                    ("pipelined", lambda: pipelined(model, cfgs, autocast, loss_fn, opt, device, rounds=2))):
+        try:
+            details[key] = fn()
+        except Exception:
+            details[key] = {"error": traceback.format_exc()[-2000:]}
     if sync_errors:
         who = ", ".join(sync_errors)
         hint = " (the baseline too: the workload itself syncs)" if "no telemetry" in sync_errors else ""
         first = "\n".join(next(iter(sync_errors.values())).strip().splitlines()[-15:])
         raise StepFailed(f"host sync under set_sync_debug_mode('error') in: {who}{hint}\n{first}", details)
     return details
+
+
+def device_copy_gbps(device, nbytes: int = 2 << 30) -> float:
+    """Bytes moved (read + written) per second by a device-to-device copy of ``nbytes``."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    clock = __import__("bench_overhead").timer(device)
+    clock(lambda: y.copy_(x))
+    t = statistics.median(clock(lambda: y.copy_(x)) for _ in range(10))
+    del x, y
+    return 2 * nbytes / t / 1e9
+
+
+def read_floor(model, cfgs, autocast, loss_fn, opt, device) -> dict:
+    """What hookcap every=1 reads per step, and that read's time at copy bandwidth.
+
+    The recorded metrics are taken from the every=1 Monitor's history; one
+    step with plain hooks on the same modules sums the bytes of each recorded
+    output (and of its gradient, the same dtype, when grad_output is recorded)."""
+    import numpy as np
+
+    mon = next(c.mon for c in cfgs if c.name.startswith("hookcap every=1"))
+    h = mon.history()
+    kinds = collections.defaultdict(set)
+    for name in h.names:
+        path, kind = name.rsplit("/", 1)
+        kinds[path].add(kind)
+    mods = dict(model.named_modules())
+    acc = {"bytes": 0, "elements": 0}
+
+    def hook(path):
+        def f(mod, args, out):
+            outs = out if isinstance(out, (tuple, list)) else [out]
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    k = ("output" in kinds[path]) + ("grad_output" in kinds[path] and t.requires_grad)
+                    acc["bytes"] += k * t.numel() * t.element_size()
+                    acc["elements"] += k * t.numel()
+        return f
+
+    handles = [mods[p].register_forward_hook(hook(p)) for p in kinds if p in mods]
+    try:
+        with autocast:
+            loss = loss_fn()
+        loss.backward()
+        opt.zero_grad(set_to_none=True)
+    finally:
+        for hd in handles:
+            hd.remove()
+    recorded = float(np.nansum(h["count"][-1])) if len(h.steps) else float("nan")
+    bw = device_copy_gbps(device) if device.type == "cuda" else float("nan")
+    return {"metrics": len(h.names), "modules_not_found": sorted(p for p in kinds if p not in mods),
+            "captured_bytes": acc["bytes"], "captured_elements_by_hooks": acc["elements"],
+            "recorded_elements_last_step": recorded, "copy_gbps": bw,
+            "floor_ms": acc["bytes"] / (bw * 1e9) * 1e3 if bw == bw else None}
+
+
+def pipelined(model, cfgs, autocast, loss_fn, opt, device, rounds: int, steps: int = 10) -> dict:
+    """ms per step over ``steps`` back-to-back steps with no host sync between
+    them (one event pair around all), configurations interleaved, ``rounds``
+    rounds after one warm-up round: host work overlaps the GPU as in a real loop."""
+    clock = __import__("bench_overhead").timer(device)
+    out = {c.name: [] for c in cfgs}
+    for r in range(rounds + 1):
+        for c in cfgs:
+            c.attach(model)
+
+            def many():
+                for _ in range(steps):
+                    with autocast:
+                        loss = loss_fn()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    c.after_step()
+
+            if r == 0:
+                many()
+            else:
+                out[c.name].append(clock(many) / steps * 1e3)
+            c.detach()
+    base = statistics.median(out["no telemetry"])
+    return {"steps": steps, "rounds": rounds,
+            "rows": [{"config": k, "ms_per_step": statistics.median(v),
+                      "overhead_pct": 100 * (statistics.median(v) / base - 1)} for k, v in out.items()]}
 
 
 def build_info_stage(args) -> dict:
@@ -723,6 +816,17 @@ def summary_md(report: dict) -> str:
         for r in o["rows"]:
             out.append(f"| {r['config']} | {ms(r['median_ms'])} | {r['overhead_pct']:+.1f}% | {ms(r['mean_ms'])} "
                        f"| {r['samples']} | {r['sync_checked_steps']} | {'SYNC' if r['sync_error'] else 'none'} |")
+        pl, fl = o.get("pipelined", {}), o.get("read_floor", {})
+        if pl.get("rows"):
+            out += ["", f"No host sync between steps ({pl['steps']} steps per event pair, {pl['rounds']} rounds):", "",
+                    "| config | ms per step | overhead |", "|---|---:|---:|"]
+            out += [f"| {r['config']} | {r['ms_per_step']:.2f} | {r['overhead_pct']:+.1f}% |" for r in pl["rows"]]
+        if fl.get("floor_ms") is not None:
+            out += ["", f"Read floor of every=1: {fl['captured_bytes'] / 1e9:.2f} GB captured per step "
+                        f"({fl['metrics']} metrics) / copy {fl['copy_gbps']:.0f} GB/s = {fl['floor_ms']:.2f} ms."]
+        for key in ("pipelined", "read_floor"):
+            if "error" in o.get(key, {}):
+                out += ["", f"{key} failed:", "```", o[key]["error"].strip()[-800:], "```"]
     errors = [s for s in steps if not s["ok"]]
     if errors:
         out += ["", "## Errors"]
