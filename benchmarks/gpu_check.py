@@ -387,6 +387,10 @@ def kernel_stage(args) -> dict:
     details.update(sizes=sizes, budget_s_per_config=budget, min_rounds=min_rounds)
     rows = []
     copy_gbps = {}
+    # Inputs under 4x the L2 are read (partly) from cache or are launch-bound:
+    # their "x copy" says nothing of memory speed (the table leaves it out).
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 0
+    details["l2_bytes"] = l2_bytes
 
     def fits(n: int, dtype: torch.dtype) -> bool:
         """Input, copy target and a float32 temporary (fp8 is made from one) twice over in free memory."""
@@ -419,6 +423,7 @@ def kernel_stage(args) -> dict:
                          "op": "copy" if label == "copy" else "hookcap",
                          "hist": None if label == "copy" else label, "us_per_call": med * 1e6, "gbps": gbps,
                          "copy_fraction": gbps / copy_gbps[dname, ref or n], "copy_elements": ref or n,
+                         "cache_resident": nbytes < 4 * l2_bytes,
                          "samples": samples})
         log(f"  {dname:>13} {sci(n):>3} {layout:<10}" + "".join(
             f" | {r['hist'] or 'copy'} {r['gbps']:.0f}" for r in rows[-len(timed):]) + " GB/s")
@@ -795,10 +800,13 @@ def summary_md(report: dict) -> str:
     if k.get("rows"):
         out += ["", f"## Kernel: hookcap._ops.accumulate vs copy ({k['timer']}, median per call)", "",
                 "GB/s: input bytes per second (the copy counts read + write); × copy: the fraction of the "
-                "copy's GB/s for the same dtype and size.", "", KERNEL_HEADER, "|---|---:|---|---|---:|---:|---:|"]
+                "copy's GB/s for the same dtype and size, given only for inputs of at least 4× the L2 "
+                f"({k.get('l2_bytes', 0) / 2**20:.0f} MiB): smaller ones are cache-resident or launch-bound.",
+                "", KERNEL_HEADER, "|---|---:|---|---|---:|---:|---:|"]
         out += [f"| {r['dtype']} | {sci(r['elements'])} | {r['layout']} | "
                 f"{'copy' if r['op'] == 'copy' else 'hookcap ' + r['hist']} | {r['us_per_call']:.1f} | "
-                f"{r['gbps']:.1f} | {r['copy_fraction']:.2f} |" for r in k["rows"]]
+                f"{r['gbps']:.1f} | {'-' if r.get('cache_resident') else format(r['copy_fraction'], '.2f')} |"
+                for r in k["rows"]]
         out += ["", "Histogram paths: " + "; ".join(f"{a}: {b}" for a, b in k["hist_kinds"].items()) + "."]
         c = k["correctness"]
         out += [f"Correctness at 1e6 elements: {sum(r['ok'] for r in c)}/{len(c)} checks match "

@@ -19,11 +19,14 @@ from . import _compile
 from ._catalog import Catalog
 from ._config import SLOTS, Config, metric_name
 from ._fastpath import NO_ROW, FastPath, ring_index_of, row_id, row_of
-from ._ring import UNNAMED, DeviceRing
+from ._ring import UNNAMED, DeviceRing, capturing
 
 log = logging.getLogger("hookcap")
 
 SKIPPED = -1  # Recorder.register's answer for a call that is not recorded
+CAPTURE_SKIP = ("first seen while a CUDA graph was being captured: its row cannot be created inside the "
+                "capture (run the model eagerly once before capturing; the graph's replays do not record "
+                "this call)")
 _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
 
@@ -142,6 +145,14 @@ class Recorder:
             log.warning(message)
 
     # -- rows -------------------------------------------------------------------
+    def capturing(self) -> bool:
+        """Whether a CUDA graph capture is under way on the current stream of a
+        ring's device (of the current CUDA device while there is no ring yet)."""
+        devices = {r.device for r in self.ring_list if r.is_cuda}
+        if not devices and torch.cuda.is_initialized():
+            devices = {torch.device("cuda", torch.cuda.current_device())}
+        return any(capturing(d) for d in devices)
+
     def ring_of(self, rid: int) -> DeviceRing:
         return self.ring_list[ring_index_of(rid)]
 
@@ -182,6 +193,9 @@ class Recorder:
         first-execution order."""
         name, kind, path = key[:3]
         metric = metric_name(name, kind, path)
+        if capturing(device):
+            self.skip_call(metric, CAPTURE_SKIP)
+            return SKIPPED
         meta = {"module_type": mtype, "kind": kind, "shape": shape, "dtype": dtype}
         with self._lock:
             if key in self.rows:
@@ -200,6 +214,9 @@ class Recorder:
         """The row id of module ``name``'s timing row on ``device``."""
         rid = self._time_rows.get((name, device))
         if rid is None:
+            if capturing(device):
+                self.skip_call(f"{name} timing", CAPTURE_SKIP)
+                return SKIPPED
             with self._lock:
                 rid = self._add_row(device, None, self.catalog.timing_index(name))
                 self._time_rows[(name, device)] = rid
@@ -231,7 +248,11 @@ class Recorder:
         key = (name, kind, path, t.device, ci)
         rid = self.rows.get(key)
         if rid is None:
-            rid = self.register(key, t, mtype)
+            try:
+                rid = self.register(key, t, mtype)
+            except Exception as e:  # telemetry must never take the run down
+                self.skip_call(metric_name(*key[:3]), f"{type(e).__name__}: {e}")
+                return
             if rid == SKIPPED:
                 return
         if replace:
@@ -265,8 +286,12 @@ class Recorder:
             return
         rid = self.rows.get(key)
         if rid is None:
-            rid = self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name=True)
-        if rid in self.skipped:
+            try:
+                rid = self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name=True)
+            except Exception as e:  # telemetry must never take the run down
+                self.skip_call(metric_name(name, "grad_output", path), f"{type(e).__name__}: {e}")
+                return
+        if rid == SKIPPED or rid in self.skipped:
             return
         try:
             self.fast.capture_grad(t, rid)

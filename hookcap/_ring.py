@@ -43,6 +43,46 @@ def copies_to_wait(pending, resets: bool, slot: int) -> list:
     return [p for p in pending if resets and p.slot == slot and p.event is not None]
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph
+    (then nothing may sync, copy from pageable memory or query an event)."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def fill_state(state: torch.Tensor, step: int, enabled: bool, slot: int) -> None:
+    """Write (step, enabled, slot) into a device state by fills: stream-ordered,
+    no copy from pageable host memory (which would synchronise, and is not
+    allowed while a CUDA graph is being captured)."""
+    for i, v in enumerate((step, int(enabled), slot)):
+        state[i].fill_(v)
+
+
+def grow_ring(ring: torch.Tensor, state: torch.Tensor, more: int, keep_old: bool) -> torch.Tensor:
+    """A ring of ``more`` rows holding ``ring``'s rows.
+
+    ``keep_old``: the old buffer stays in use (a captured CUDA graph writes
+    into it) and is folded into every drained slot, so the new buffer starts
+    with its rows reset, not copied: a copy would count the current slot's
+    writes twice. Writes queued on other streams land before the copy, and the
+    old buffer is not reused before the copy has read it."""
+    slots, rows, width = ring.shape
+    grown = torch.empty((slots, more, width), dtype=torch.int64, device=ring.device)
+    if keep_old:
+        grown[:, :, _layout.STEP_TAG] = _UNTAGGED
+        _ops.reset_rows(grown, state, 0, more)
+        return grown
+    if ring.is_cuda:
+        _C._join_write_streams(ring.device.index)  # hook ops queued on side streams
+        ring.record_stream(torch.cuda.current_stream(ring.device))
+    grown[:, :rows].copy_(ring)
+    grown[:, rows:, _layout.STEP_TAG] = _UNTAGGED
+    _ops.reset_rows(grown, state, rows, more)
+    return grown
+
+
 def fold_retired(rows: np.ndarray, retired: list) -> np.ndarray:
     """Rows [n, width] of a slot merged with the same slot's rows [k <= n,
     width] of each retired ring (row i is the same metric in all), as if every
@@ -107,16 +147,14 @@ class DeviceRing:
             # Grown by a quarter: every recorded step resets (and the host
             # reads) whole slots, so spare rows cost time every step.
             more = rows + max(64, rows // 4)
-            grown = torch.empty((self.slots, more, self.width), dtype=torch.int64, device=self.device)
-            grown[:, :rows].copy_(self.ring)
-            grown[:, rows:, _layout.STEP_TAG] = _UNTAGGED
-            if self.is_cuda and _C._captured_ring(self.ring.data_ptr()):
+            captured = self.is_cuda and _C._captured_ring(self.ring.data_ptr())
+            grown = grow_ring(self.ring, self.state, more, keep_old=captured)
+            if captured:
                 self._retire(self.ring)
             self.ring = grown
             self._host_view = None if self.is_cuda else grown.numpy()
             self._reset_for.clear()
             self._pinned.clear()
-            _ops.reset_rows(self.ring, self.state, rows, more)
         row = self.nrows
         if timer is not None:
             self.timer_of_row[row] = timer
@@ -143,7 +181,10 @@ class DeviceRing:
     def set_state(self, step: int, enabled: bool, slot: int) -> None:
         """Put the device state at (step, enabled, slot) and reset that slot
         (a ring created mid-run, a resumed step counter)."""
-        self.state.copy_(torch.tensor([step, int(enabled), slot]))
+        if self.is_cuda:
+            fill_state(self.state, step, enabled, slot)
+        else:
+            self._state_view[:] = (step, int(enabled), slot)
         self._reset_for.clear()
         for buf in (self.ring, *self.retired):
             buf[:, :, _layout.STEP_TAG] = _UNTAGGED
@@ -189,7 +230,8 @@ class DeviceRing:
                 buf[:k].copy_(old[slot, :k], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._side)
-        self.pending.append(_Pending(step, slot, n, None, pinned, ev, self.ring, retired or None))
+        self.pending.append(_Pending(step, slot, n, None, pinned=pinned, event=ev, source=self.ring,
+                                     retired=retired or None))
         return True
 
     def ready(self, wait: bool = False):

@@ -112,8 +112,11 @@ class Timing:
                     if dev.type == "meta":
                         open_calls.append(None)
                         return None
-                    last[1] = rid = rec.time_row(name, dev)
-                    last[0] = dev
+                    rid = rec.time_row(name, dev)
+                    if rid < 0:  # not recordable now (first seen inside a CUDA graph capture)
+                        open_calls.append(None)
+                        return None
+                    last[1], last[0] = rid, dev
                 fast.time_mark(rid, 0, True)
                 new, end = None, None
                 if torch.is_grad_enabled():

@@ -12,8 +12,13 @@ _DEFAULT = Histogram.log2()
 
 
 def new_state(device: torch.device | str) -> torch.Tensor:
-    """A fresh step state int64[3] = (step 0, enabled, slot 0) on ``device``."""
-    return torch.tensor([0, 1, 0], dtype=torch.int64).to(device)
+    """A fresh step state int64[3] = (step 0, enabled, slot 0) on ``device``.
+
+    Made on the device itself (no copy from host memory, which would
+    synchronise and is not allowed while a CUDA graph is being captured)."""
+    state = torch.zeros(3, dtype=torch.int64, device=device)
+    state[1].fill_(1)
+    return state
 
 
 def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT) -> dict:

@@ -304,6 +304,12 @@ class Monitor:
         With ``rank_sinks="merged"`` in a multi-rank run, also a (host-only)
         collective on every rank: see the class docstring."""
         rec, hooks = self._recorder, self._hooks
+        if rec.capturing():
+            # Closing a step copies a slot to the host and polls events: not
+            # capturable. The step stays open; call step() after replay().
+            rec.warn_once("step in capture", "hookcap: step() while a CUDA graph is being captured does "
+                                             "nothing (call it outside the capture, after each replay)")
+            return
         if not self._attached:
             rec.warn_once("step unattached", "hookcap: step() on a Monitor that is not attached: it "
                                              "records nothing (call attach() or use `with mon:`)")

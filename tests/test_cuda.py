@@ -1,6 +1,15 @@
-"""CUDA kernels against the CPU op on the same inputs. Needs a GPU: every test
-here is skipped, visibly, when none is visible (the kernels are still compiled
-in CI and their source is executed by tests/test_cuda_emu.py)."""
+"""The device path of hookcap, run on every device there is.
+
+Each test takes ``dev``: "cpu" always runs (so a wrong call, signature or
+helper here fails in CI, not on the first GPU found), "cuda" runs where a GPU
+and the CUDA kernels are, and is skipped visibly elsewhere. On the CPU the
+same calls run with the CPU kernels; what only a GPU has (streams, graphs,
+events, sync checks, allocator statistics) is asserted on CUDA alone. Tests
+with nothing to run on a CPU are CUDA-only."""
+
+import contextlib
+import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -12,12 +21,60 @@ from hookcap import Histogram, _layout, _ops
 from hookcap.functional import new_state
 
 HAVE_GPU = torch.cuda.is_available() and hookcap.build_info()["cuda"]
-pytestmark = pytest.mark.skipif(
-    not HAVE_GPU,
-    reason="no CUDA device visible (or CUDA kernels not built): CUDA-vs-CPU comparison not run",
-)
+# gpu_check.py reads this reason: seen on a GPU machine, the kernels were not found.
+NO_GPU = "no CUDA device visible (or CUDA kernels not built): the CUDA half of this test did not run"
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU))]
+cuda_only = pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+# -- device helpers: on the CPU, streams are the one stream and work is done when issued --
+
+
+def side_stream(dev):
+    return torch.cuda.Stream() if dev == "cuda" else None
+
+
+def on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def wait(a, b):
+    """Stream ``a`` waits for the work queued on ``b`` (no-op on the CPU)."""
+    if a is not None and b is not None:
+        a.wait_stream(b)
+
+
+def current(dev):
+    return torch.cuda.current_stream() if dev == "cuda" else None
+
+
+def busy(dev, cycles):
+    """Keep the current stream busy for a while before what follows (CUDA only)."""
+    if dev == "cuda":
+        torch.cuda._sleep(cycles)
+
+
+@contextlib.contextmanager
+def no_sync(dev):
+    """On CUDA, a host sync inside raises."""
+    if dev != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def synchronize(dev):
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- the op --------------------------------------------------------------------------------
 
 
 def specials(n, dtype, seed):
@@ -33,8 +90,8 @@ def specials(n, dtype, seed):
     return x.to(dtype)
 
 
-def compare(x_cpu, h):
-    got = hookcap.tensor_stats(x_cpu.cuda(), h)
+def compare(x_cpu, h, dev):
+    got = hookcap.tensor_stats(x_cpu.to(dev), h)
     cpu = hookcap.tensor_stats(x_cpu, h)
     ref = hookcap.reference.tensor_stats(x_cpu, h)
     assert_stats_match(got, ref, abs_sum=abs_sum(x_cpu))
@@ -42,47 +99,51 @@ def compare(x_cpu, h):
         np.testing.assert_array_equal(got["hist"], cpu["hist"])
 
 
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h", [Histogram.log2(), Histogram.linear(-2, 3, 11), Histogram.linear(-2, 3, 5000),
                                None])
 @pytest.mark.parametrize("n", [1, 5, 1023, 1_000_003])
-def test_cuda_matches_cpu(dtype, h, n):
-    compare(specials(n, dtype, n), h)
+def test_matches_cpu_and_reference(dev, dtype, h, n):
+    compare(specials(n, dtype, n), h, dev)
 
 
-def test_cuda_strided_and_misaligned():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_strided_and_misaligned(dev):
     x = specials(300 * 70, torch.float32, 1).reshape(300, 70)
-    compare(x.t()[3:, ::2].contiguous().t(), Histogram.log2())  # permuted dense
+    compare(x.t()[3:, ::2].contiguous().t(), Histogram.log2(), dev)  # permuted dense
     for view in (x[::3, 5:41], x.t()[7:, ::2], x[:, 1], x.reshape(-1)[3:], x[:1].expand(50, 70)):
-        got = hookcap.tensor_stats(x.cuda().as_strided(view.size(), view.stride(), view.storage_offset()))
+        got = hookcap.tensor_stats(x.to(dev).as_strided(view.size(), view.stride(), view.storage_offset()))
         ref = hookcap.reference.tensor_stats(view)
         assert_stats_match(got, ref, abs_sum=abs_sum(view))
 
 
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h", [Histogram.log2(), Histogram.linear(-2, 3, 11), None])
-def test_cuda_rows_of_whole_vectors(dtype, h):
-    # Column slices and a split of a fused last dimension: read as 16-byte vectors.
+def test_rows_of_whole_vectors(dev, dtype, h):
+    # Column slices and a split of a fused last dimension: read as 16-byte vectors on CUDA.
     x = specials(1000 * 96, dtype, 2).reshape(1000, 96)
     for view in (x[:, 16:80], x.split(32, dim=1)[1], x[:, 1:65]):
-        g = x.cuda().as_strided(view.size(), view.stride(), view.storage_offset())
+        g = x.to(dev).as_strided(view.size(), view.stride(), view.storage_offset())
         got, cpu = hookcap.tensor_stats(g, h), hookcap.tensor_stats(view, h)
         assert_stats_match(got, hookcap.reference.tensor_stats(view, h), abs_sum=abs_sum(view))
         if h is not None:
             np.testing.assert_array_equal(got["hist"], cpu["hist"])
 
 
-def test_cuda_ring_merge_slots_and_advance():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_ring_merge_slots_and_advance(dev):
     h = Histogram.log2()
     width = _layout.HEADER + h.nbins
-    ring = torch.zeros((3, 2, width), dtype=torch.int64, device="cuda")
-    st = new_state("cuda")
+    ring = torch.zeros((3, 2, width), dtype=torch.int64, device=dev)
+    st = new_state(dev)
     _ops.reset_slot(ring, st)
     parts = [torch.randn(5000) + 100, torch.randn(77, 3).t(), torch.tensor([float("nan"), 0.0])]
     for p in parts:
-        _ops.accumulate(p.cuda(), ring, st, 1, h)
+        _ops.accumulate(p.to(dev), ring, st, 1, h)
     _ops.advance(ring, st, 1)
-    _ops.accumulate(torch.ones(10, device="cuda"), ring, st, 0, h)
+    _ops.accumulate(torch.ones(10, device=dev), ring, st, 0, h)
     raw = ring.cpu().numpy()
     assert st.cpu().tolist() == [1, 1, 1]
     flat = torch.cat([p.reshape(-1).double() for p in parts])
@@ -93,25 +154,31 @@ def test_cuda_ring_merge_slots_and_advance():
     assert _layout.decode(raw[1, 0])["count"] == 10
 
 
-def test_cuda_ops_do_not_sync_or_allocate():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_ops_do_not_sync_or_allocate(dev):
     h = Histogram.log2()
-    x = torch.randn(1 << 20, device="cuda")
-    ring = torch.zeros((2, 1, _layout.HEADER + h.nbins), dtype=torch.int64, device="cuda")
-    st = new_state("cuda")
+    n = 1 << 20
+    x = torch.randn(n, device=dev)
+    ring = torch.zeros((2, 1, _layout.HEADER + h.nbins), dtype=torch.int64, device=dev)
+    st = new_state(dev)
     _ops.reset_slot(ring, st)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
+    synchronize(dev)
+    before = torch.cuda.memory_stats()["allocation.all.allocated"] if dev == "cuda" else None
+    with no_sync(dev):
+        for i in range(3):
             _ops.accumulate(x, ring, st, 0, h)
-            _ops.accumulate(x.t() if x.dim() > 1 else x[1:], ring, st, 0, h)
-            _ops.advance(ring, st, 1)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+            _ops.accumulate(x[1:], ring, st, 0, h)
+            if i < 2:
+                _ops.advance(ring, st, 1)
+    if dev == "cuda":
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    # Step 2 sits in slot 0 (slots 0, 1, 0) and holds both writes of that step only.
+    assert st.cpu().tolist() == [2, 1, 0]
+    row = ring[0, 0].cpu()
+    assert row[_layout.COUNT] == 2 * n - 1 and row[_layout.CALLS] == 2
 
 
+@cuda_only
 def test_cuda_graph_replay_uses_device_slot():
     h = Histogram.log2()
     ring = torch.zeros((4, 1, _layout.HEADER + h.nbins), dtype=torch.int64, device="cuda")
@@ -136,9 +203,12 @@ def test_cuda_graph_replay_uses_device_slot():
     assert counts[:3] == [4096.0] * 3 and st.cpu().tolist()[0] == 3
 
 
-def _graph_model():
+# -- the Monitor on a device ----------------------------------------------------------------
+
+
+def _graph_model(dev):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).cuda()
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dev)
 
 
 def _assert_steps_equal(h, steps, ref_step, names=None):
@@ -153,34 +223,38 @@ def _assert_steps_equal(h, steps, ref_step, names=None):
             np.testing.assert_array_equal(h.histogram(name)[i], h.histogram(name)[r])
 
 
-def _capture_after_warmup(model, x, mon):
-    """Three eager steps on a side stream (rows registered), then a captured
-    forward + backward: the graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+def _capture_after_warmup(model, x, mon, dev):
+    """Three eager steps on a side stream (rows registered), then the step's
+    forward + backward as a replayable function: a captured CUDA graph's
+    replay on CUDA, the same eager step on the CPU."""
+    side = side_stream(dev)
+    wait(side, current(dev))
+    with on(side):
         for _ in range(3):
             model(x).sum().backward()
             model.zero_grad(set_to_none=True)
             mon.step()
-    torch.cuda.current_stream().wait_stream(side)
+    wait(current(dev), side)
+    if dev != "cuda":
+        return lambda: model(x).sum().backward()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         model(x).sum().backward()
-    return g
+    return g.replay
 
 
-def test_monitor_records_every_cuda_graph_replay():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_monitor_records_every_graph_replay(dev):
     # Rows are registered in eager warm-up steps; the captured step's kernels
     # read the slot from the device state, so each replay + step() fills a
     # new slot and the drain reads it (no host value is baked into the graph).
-    model = _graph_model()
-    x = torch.randn(8, 16, device="cuda")
+    model = _graph_model(dev)
+    x = torch.randn(8, 16, device=dev)
     mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
-    g = _capture_after_warmup(model, x, mon)
+    replay = _capture_after_warmup(model, x, mon, dev)
     first = mon.current_step
     for _ in range(4):
-        g.replay()
+        replay()
         mon.step()
     h = mon.history()
     assert list(h.steps)[-4:] == list(range(first, first + 4))
@@ -189,11 +263,14 @@ def test_monitor_records_every_cuda_graph_replay():
     mon.detach()
 
 
-def test_monitor_with_compile_reduce_overhead():
-    model = _graph_model()
-    x = torch.randn(8, 16, device="cuda")
+@pytest.mark.parametrize("dev", DEVICES)
+def test_monitor_with_compile(dev):
+    # CUDA: CUDA graphs under compile (reduce-overhead); CPU: the same hooks traced by dynamo.
+    model = _graph_model(dev)
+    x = torch.randn(8, 16, device=dev)
     mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
-    cm = torch.compile(model, mode="reduce-overhead")
+    cm = (torch.compile(model, mode="reduce-overhead") if dev == "cuda"
+          else torch.compile(model, backend="aot_eager"))
     for _ in range(8):  # warm-up, recording and replays
         cm(x).sum().backward()
         model.zero_grad(set_to_none=True)
@@ -203,63 +280,74 @@ def test_monitor_with_compile_reduce_overhead():
     assert {n.split("/")[1] for n in h.names} == {"output", "grad_output"}
     _assert_steps_equal(h, range(8), ref_step=0)
     mon.detach()
+    torch._dynamo.reset()
 
 
-def test_cuda_timing_is_stream_ordered_and_matches_events():
-    # %globaltimer marks around each Linear: no host sync in steady state, and
-    # the forward time of a module agrees with CUDA events around the same work.
+@pytest.mark.parametrize("dev", DEVICES)
+def test_timing_is_stream_ordered_and_matches_a_clock(dev):
+    # CUDA: %globaltimer marks around each Linear, no host sync in steady state,
+    # checked against CUDA events; CPU: host clock marks against perf_counter.
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(3)]).cuda()
-    x = torch.randn(8192, 2048, device="cuda")
+    d, rows = (2048, 8192) if dev == "cuda" else (512, 2048)
+    model = torch.nn.Sequential(*[torch.nn.Linear(d, d) for _ in range(3)]).to(dev)
+    x = torch.randn(rows, d, device=dev)
     mon = hookcap.Monitor(model, capture=("output", "grad_output"), timing=True).attach()
     for _ in range(2):  # warm-up: rows registered, kernels loaded
         model(x).sum().backward()
         mon.step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        start.record()
+    synchronize(dev)
+    if dev == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with no_sync(dev):
+        t0 = time.perf_counter()
+        if dev == "cuda":
+            start.record()
         y = model(x)
-        end.record()
+        if dev == "cuda":
+            end.record()
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
         y.sum().backward()
         mon.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    synchronize(dev)
+    if dev == "cuda":
+        elapsed_ms = start.elapsed_time(end)
     h = mon.history()
     s = list(h.steps).index(2)
     fwd = [h["fwd_ms"][s, h.column(f"{i}/output")] for i in range(3)]
     bwd = [h["bwd_ms"][s, h.column(f"{i}/output")] for i in range(3)]
     assert all(f > 0 for f in fwd) and np.isnan(bwd[0]) and all(b > 0 for b in bwd[1:])
-    # The three forwards lie inside the event pair (plus hookcap's own kernels).
-    assert sum(fwd) <= start.elapsed_time(end) * 1.05 + 0.05
-    assert sum(fwd) >= 0.5 * start.elapsed_time(end)
+    # The three forwards lie inside the clock's pair (plus hookcap's own work).
+    assert sum(fwd) <= elapsed_ms * 1.05 + 0.05
+    assert sum(fwd) >= 0.5 * elapsed_ms
     mon.detach()
 
 
-def _mapped_cudart(ctypes):
+def _mapped_cudart():
     """The CUDA runtime this process already mapped (torch's, which hookcap's
     extension shares by soname): another copy loaded by name would keep its own
-    last error, and the test would test nothing."""
+    last error, and the test would test nothing. None if none is mapped."""
     with open("/proc/self/maps") as f:
         paths = {line.split()[-1] for line in f if "/libcudart" in line}
-    if len(paths) != 1:
-        pytest.skip(f"expected one mapped libcudart, found {sorted(paths)} (statically linked runtime?)")
-    return ctypes.CDLL(paths.pop())
+    assert len(paths) <= 1, f"several CUDA runtimes mapped: {sorted(paths)}"
+    return ctypes.CDLL(paths.pop()) if paths else None
 
 
-def test_a_pending_error_of_another_library_survives_hookcap_launches():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_pending_error_of_another_library_survives_hookcap_ops(dev):
     """Launches go through cudaLaunchKernel, which returns their own error:
     an error another library left pending (here: cudaSetDevice on a device
-    that does not exist) is neither cleared nor reported as hookcap's."""
-    import ctypes
-
-    ring = torch.zeros((1, 1, _layout.HEADER), dtype=torch.int64, device="cuda")
-    rt = _mapped_cudart(ctypes)  # after CUDA is initialised: the runtime is mapped
-    state = new_state("cuda")
-    x = torch.ones(1000, device="cuda")  # before the planted error: torch's own launch check would raise it
-    torch.cuda.synchronize()
+    that does not exist) is neither cleared nor reported as hookcap's.
+    On the CPU (with a CUDA build of torch) the same runtime is asked, and
+    hookcap's CPU ops leave it alone."""
+    ring = torch.zeros((2, 1, _layout.HEADER), dtype=torch.int64, device=dev)
+    state = new_state(dev)
+    _ops.reset_slot(ring, state)
+    x = torch.ones(1000, device=dev)  # before the planted error: torch's own launch check would raise it
+    synchronize(dev)
+    rt = _mapped_cudart()  # after CUDA is initialised (on CUDA): the runtime is mapped
+    if rt is None:
+        assert dev == "cpu" and torch.version.cuda is None, "a CUDA torch maps its runtime at import"
+        pytest.skip("CPU-only torch: no CUDA runtime to plant an error in")
     assert rt.cudaSetDevice(ctypes.c_int(10_000)) != 0
     pending = rt.cudaPeekAtLastError()
     assert pending != 0
@@ -267,7 +355,8 @@ def test_a_pending_error_of_another_library_survives_hookcap_launches():
     _ops.advance(ring, state, 1)
     assert rt.cudaPeekAtLastError() == pending  # still there, for its owner
     assert rt.cudaGetLastError() == pending
-    torch.cuda.synchronize()
+    synchronize(dev)
+    assert ring[0, 0, _layout.COUNT].item() == 1000 and state.cpu().tolist() == [1, 1, 1]
 
 
 def _train_recorded(device, steps=3):
@@ -306,12 +395,13 @@ def _train_recorded(device, steps=3):
     return mon.history(), values
 
 
-def test_monitor_on_cuda_matches_cpu_and_the_captured_tensors():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_monitor_matches_the_captured_tensors(dev):
     # Matmuls round differently on the two devices, so the devices must agree
-    # on what is recorded (names, steps, element counts), and each CUDA
-    # statistic must match the float64 reference of the very tensor it saw.
+    # on what is recorded (names, steps, element counts), and each statistic
+    # must match the float64 reference of the very tensor it saw.
     h_cpu, _ = _train_recorded("cpu")
-    h, values = _train_recorded("cuda")
+    h, values = _train_recorded(dev)
     assert h.names == h_cpu.names and len(h.names) == 8  # 4 outputs and their gradients
     assert list(h.steps) == list(h_cpu.steps) == [0, 1, 2]
     np.testing.assert_array_equal(h["count"], h_cpu["count"])
@@ -325,37 +415,42 @@ def test_monitor_on_cuda_matches_cpu_and_the_captured_tensors():
         assert_stats_match(got, want, abs_sum=float(np.abs(vals).sum()))
 
 
-def test_drain_waits_for_ops_on_another_stream():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_drain_waits_for_ops_on_another_stream(dev):
     """A hook's op launched on a side stream, still queued behind a long kernel
     there when the drain runs, lands in the slot before it is copied."""
-    ring = torch.zeros((1, 1, _layout.HEADER), dtype=torch.int64, device="cuda")
-    state = new_state("cuda")
+    ring = torch.zeros((1, 1, _layout.HEADER), dtype=torch.int64, device=dev)
+    state = new_state(dev)
     _ops.reset_slot(ring, state)
-    hookcap._C._join_write_streams(0)  # forget earlier writers
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)  # tens of ms at GPU clocks
-        _ops.accumulate(torch.ones(1000, device="cuda"), ring, state, 0, None)
-    assert hookcap._C._join_write_streams(0) == 1
+    if dev == "cuda":
+        hookcap._C._join_write_streams(0)  # forget earlier writers
+    side = side_stream(dev)
+    wait(side, current(dev))
+    with on(side):
+        busy(dev, 100_000_000)  # tens of ms at GPU clocks
+        _ops.accumulate(torch.ones(1000, device=dev), ring, state, 0, None)
+    if dev == "cuda":
+        assert hookcap._C._join_write_streams(0) == 1
     host = ring.cpu()  # ordered on the current stream only
     assert host[0, 0, _layout.COUNT] == 1000 and host[0, 0, _layout.CALLS] == 1
-    torch.cuda.synchronize()
+    synchronize(dev)
 
 
-def test_monitor_records_outputs_computed_on_a_side_stream():
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
-    x = torch.randn(32, 64, device="cuda")
+@pytest.mark.parametrize("dev", DEVICES)
+def test_monitor_records_outputs_computed_on_a_side_stream(dev):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).to(dev)
+    x = torch.randn(32, 64, device=dev)
     mon = hookcap.Monitor(model, capture=("output",)).attach()
-    side = torch.cuda.Stream()
+    side = side_stream(dev)
     for _ in range(3):
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(50_000_000)
+        wait(side, current(dev))
+        with on(side):
+            busy(dev, 50_000_000)
             out = model(x)
         mon.step()  # on the default stream, while the side stream still runs
-        torch.cuda.current_stream().wait_stream(side)
-        ref = [model[0](x), model[1](model[0](x)), out]
+        wait(current(dev), side)
+        with mon.paused():  # the reference's own calls are not part of the next step
+            ref = [model[0](x), model[1](model[0](x)), out]
     mon.detach()
     h = mon.history()
     assert h.names == ["0/output", "1/output", "2/output"] and list(h.steps) == [0, 1, 2]
@@ -364,24 +459,105 @@ def test_monitor_records_outputs_computed_on_a_side_stream():
         assert h["max"][-1, c] == t.max().item()
 
 
-def test_graph_captured_before_the_ring_grows_still_records(caplog):
-    """The graph keeps the ring address it captured: when 80 new metrics grow
-    the ring, the old buffer is kept (not freed under the graph) and folded
-    into every step, so replays are still recorded in full."""
-    model = _graph_model()
-    extra = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(80)]).cuda()
-    x, y = torch.randn(8, 16, device="cuda"), torch.randn(2, 4, device="cuda")
+@pytest.mark.parametrize("dev", DEVICES)
+def test_ring_growth_after_capture_still_records_each_step_once(dev, caplog):
+    """CUDA: the graph keeps the ring address it captured: when 80 new metrics
+    grow the ring, the old buffer is kept (not freed under the graph) and
+    folded into every step, and its rows are not also copied into the new one
+    (which would count the step's earlier writes twice). CPU: the same steps,
+    eager, with the ring grown and copied."""
+    model = _graph_model(dev)
+    extra = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(80)]).to(dev)
+    x, y = torch.randn(8, 16, device=dev), torch.randn(2, 4, device=dev)
     mon = hookcap.Monitor(torch.nn.ModuleDict({"m": model, "extra": extra}),
                           capture=("output", "grad_output")).attach()
-    g = _capture_after_warmup(model, x, mon)
+    replay = _capture_after_warmup(model, x, mon, dev)
     first = mon.current_step
     for i in range(4):
-        g.replay()
+        replay()
         if i == 1:
             with torch.no_grad():
                 extra(y)  # 80 new rows: the ring grows
         mon.step()
-    names = [n for n in mon.history().names if n.startswith("m.")]
-    assert len(names) == 6 and "grew after a CUDA graph captured" in caplog.text
-    _assert_steps_equal(mon.history(), range(first, first + 4), ref_step=2, names=names)
+    h = mon.history()
+    names = [n for n in h.names if n.startswith("m.")]
+    assert len(names) == 6
+    assert ("grew after a CUDA graph captured" in caplog.text) == (dev == "cuda")
+    _assert_steps_equal(h, range(first, first + 4), ref_step=2, names=names)
+    s = list(h.steps).index(first + 1)
+    for i in range(80):
+        assert h["count"][s, h.column(f"extra.{i}/output")] == 8
+    mon.detach()
+
+
+# -- CUDA graph capture: no sync, no blocking copy, no event query, nothing raised ------------
+
+
+@cuda_only
+def test_a_cold_monitor_inside_a_capture_skips_with_a_warning(caplog):
+    """Rows first seen while capturing are skipped (their ring would be made
+    inside the capture), with one warning per metric; the capture succeeds
+    and later eager steps record them."""
+    model = _graph_model("cuda")
+    x = torch.randn(8, 16, device="cuda")
+    mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm torch's own kernels, with hookcap paused
+        with mon.paused():
+            model(x).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        model(x).sum().backward()
+        mon.step()  # refused inside the capture: a warning, nothing else
+    g.replay()
+    assert "first seen while a CUDA graph was being captured" in caplog.text
+    assert "step() while a CUDA graph is being captured" in caplog.text
+    model(x).sum().backward()
+    mon.step()
+    h = mon.history()
+    assert len(h.names) == 6 and (h["count"][-1] > 0).all()
+    mon.detach()
+
+
+@cuda_only
+def test_first_ring_on_a_device_is_made_without_a_host_sync():
+    model = _graph_model("cuda")
+    x = torch.randn(8, 16, device="cuda")
+    model(x).sum().backward()  # torch's own lazy initialisation
+    torch.cuda.synchronize()
+    mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
+    with no_sync("cuda"):
+        model(x).sum().backward()
+    mon.step()
+    h = mon.history()
+    assert len(h.names) == 6 and (h["count"][-1] > 0).all()
+    mon.detach()
+
+
+def test_capture_guards_skip_new_rows_and_refuse_step(monkeypatch, caplog):
+    """The guards' logic on the CPU (capture itself needs CUDA): while a
+    capture is reported, rows first seen are skipped with one warning per
+    metric, nothing is raised, and step() does nothing; afterwards the same
+    calls are recorded."""
+    import hookcap._recorder as recorder
+
+    capturing = [True]
+    monkeypatch.setattr(recorder, "capturing", lambda device: capturing[0])
+    monkeypatch.setattr(recorder.Recorder, "capturing", lambda self: capturing[0])
+    model = _graph_model("cpu")
+    x = torch.randn(8, 16)
+    mon = hookcap.Monitor(model, capture=("output", "grad_output"), timing=True).attach()
+    for _ in range(2):
+        model(x).sum().backward()
+        mon.step()
+    assert mon.current_step == 0 and not mon._recorder.rows
+    assert caplog.text.count("first seen while a CUDA graph was being captured") == 3 + 3 + 3  # outputs, gradients, timers
+    assert caplog.text.count("step() while a CUDA graph is being captured") == 1
+    capturing[0] = False
+    model(x).sum().backward()
+    mon.step()
+    h = mon.history()
+    assert mon.current_step == 1 and len(h.names) == 6 and (h["count"][-1] > 0).all()
     mon.detach()

@@ -56,6 +56,13 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert [r["config"] for r in overhead["rows"]] == ["no telemetry", "hookcap every=1 log2 hist",
                                                        "hookcap every=10"]
     assert all(r["median_ms"] > 0 and r["samples"] > 0 for r in overhead["rows"])
+    pipelined = overhead["pipelined"]
+    assert [r["config"] for r in pipelined["rows"]] == [r["config"] for r in overhead["rows"]]
+    assert all(r["ms_per_step"] > 0 for r in pipelined["rows"])
+    floor = overhead["read_floor"]  # the bytes the every=1 Monitor read, counted by plain hooks
+    assert floor["modules_not_found"] == [] and floor["metrics"] > 0
+    assert floor["captured_elements_by_hooks"] == floor["recorded_elements_last_step"] > 0
+    assert floor["captured_bytes"] == 4 * floor["captured_elements_by_hooks"]  # float32 on the CPU
     assert steps["build"]["build_info"]["torch_version"] == torch.__version__
 
     summary = (tmp_path / "summary.md").read_text()

@@ -234,3 +234,63 @@ def test_retired_ring_rows_fold_into_the_slot_as_one_row(histogram):
         assert_stats_match(got, ref, abs_sum=abs_sum(values))
     rows = new[0].numpy()
     assert fold_retired(rows, []) is rows  # nothing retired: the rows as they are
+
+
+def test_growth_beside_a_kept_ring_counts_each_write_once():
+    """A ring a CUDA graph captured is kept (and folded into each drained
+    slot) when it grows: the new buffer starts with its rows reset, so the
+    step's writes before the growth are counted once, from the old buffer.
+    Without a kept ring, the rows are copied and the new ones reset."""
+    from hookcap._ring import fold_retired, grow_ring
+
+    st = new_state("cpu")
+    st[2] = 1  # the current slot is 1 of 2
+    old = make_ring(2, 2)
+    _ops.reset_slot(old, st)
+    g = torch.Generator().manual_seed(5)
+    before = [torch.randn(300, generator=g) * 2, torch.randn(40, generator=g) + 7]
+    after = torch.randn(100, generator=g)
+    for row, x in enumerate(before):
+        _ops.accumulate(x, old, st, row, H)
+
+    kept = grow_ring(old, st, 5, keep_old=True)
+    assert kept.shape == (2, 5, old.shape[2])
+    _ops.accumulate(after, kept, st, 0, H)  # eager writes go to the new buffer
+    folded = fold_retired(kept[1].numpy().copy(), [old[1].numpy().copy()])
+    for row, values in enumerate([torch.cat([before[0], after]), before[1]]):
+        got = {k: float(v) for k, v in _layout.decode(folded[row]).items()}
+        got["hist"], got["bin_edges"] = folded[row, _layout.HEADER:], H.bin_edges
+        ref = hookcap.reference.stats_from_values(values.double().numpy(), H)
+        assert_stats_match(got, ref, abs_sum=abs_sum(values))
+    assert (folded[2:, _layout.COUNT] == 0).all()
+
+    copied = grow_ring(old, st, 5, keep_old=False)
+    np.testing.assert_array_equal(copied[:, :2].numpy(), old.numpy())
+    assert (copied[1, 2:, _layout.COUNT] == 0).all()  # new rows of the current slot: reset
+
+
+def test_state_is_made_and_set_on_the_device_without_a_host_copy():
+    """No copy from host memory (a sync, and not allowed in a CUDA graph
+    capture): the state is made and set by device factories and fills."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hookcap._ring import fill_state
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        st = new_state("meta")
+        fill_state(st, 5, True, 2)
+    copies = [n for n in ops.names if n.split(".")[0] in ("lift_fresh", "lift_fresh_copy", "_to_copy", "copy_")]
+    assert ops.names and not copies, ops.names
+    st = new_state("cpu")
+    assert st.tolist() == [0, 1, 0]
+    fill_state(st, 5, False, 2)
+    assert st.tolist() == [5, 0, 2]
