@@ -42,6 +42,12 @@ def plain_tensor(t):
     return t
 
 
+# The dtypes the kernels dispatch on (csrc/hookcap/op_checks.h).
+_SUPPORTED_DTYPES = frozenset(
+    [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+    + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)])
+
+
 def skip_reason(t) -> str | None:
     """Why ``t`` cannot be recorded, or None."""
     if t.layout != torch.strided:
@@ -54,6 +60,8 @@ def skip_reason(t) -> str | None:
         return "meta tensors hold no values"
     if type(t) is not torch.Tensor:
         return f"tensor subclass {type(t).__name__} is not supported"
+    if t.dtype not in _SUPPORTED_DTYPES:
+        return f"dtype {t.dtype} is not supported"
     return None
 
 

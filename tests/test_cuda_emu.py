@@ -820,7 +820,7 @@ def test_out_of_range_slot_writes_nothing(emu, slot):
 
 
 # ---------------------------------------------------------------------------
-# reset_rows_kernel (whole slot), advance_kernel
+# reset_rows_kernel (whole slot), advance_reset_kernel + advance_state_kernel
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("grid,block", [(1, 32), (3, 64), (40, 256)])
 def test_reset_slot_matches_cpu(emu, grid, block):
@@ -848,8 +848,8 @@ def test_reset_rows_matches_cpu(emu, begin, end, grid, block):
     assert ring[1, begin:end, _layout.STEP_TAG].tolist() == [4] * (end - begin)
 
 
-@pytest.mark.parametrize("every,block", [(1, 1024), (3, 1024), (3, 64)])
-def test_advance_matches_cpu(emu, every, block):
+@pytest.mark.parametrize("every,block,grid", [(1, 1024, 1), (3, 256, 2), (3, 64, 3), (1, 32, 1)])
+def test_advance_matches_cpu(emu, every, block, grid):
     h = Histogram.log2(-4, 4)
     ring = new_ring(3, 4, h)
     cpu = ring.clone()
@@ -859,7 +859,7 @@ def test_advance_matches_cpu(emu, every, block):
     for step in range(1, 8):
         emu_accumulate(emu, x, ring, st, step % 4, h, 1, 64)
         OPS.accumulate(x, cpu, cst, step % 4, *hist_args(h))
-        emu.advance(ring, st, every, block)
+        emu.advance(ring, st, every, block, grid)
         OPS.advance(cpu, cst, every)
         assert st.tolist() == cst.tolist() == [step, int(step % every == 0), (step // every) % 3]
         seen_off |= st[1].item() == 0
@@ -881,6 +881,7 @@ VARIANTS = {
     "plain": [],
     "break_index": ["-DHOOKCAP_EMU_BREAK_INDEX"],
     "break_sync": ["-DHOOKCAP_EMU_BREAK_SYNC"],
+    "break_reset_walk": ["-DHOOKCAP_EMU_BREAK_RESET_WALK"],
     "tsan": ["-fsanitize=thread"],
     "tsan_break_sync": ["-fsanitize=thread", "-DHOOKCAP_EMU_BREAK_SYNC"],
 }
@@ -993,5 +994,13 @@ def test_results_catch_a_removed_syncthreads(selftest, schedule):
 def test_results_catch_a_broken_index(selftest):
     """Test-only build whose vector-tail loop forgets the misaligned head."""
     r = _run(selftest["break_index"], 0, 0)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "MISMATCH" in r.stdout
+
+
+def test_results_catch_a_broken_reset_walk(selftest):
+    """Test-only build whose reset loop steps its column wrongly: the slots
+    that advance and reset_rows reset are caught."""
+    r = _run(selftest["break_reset_walk"], 0, 0)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "MISMATCH" in r.stdout

@@ -51,7 +51,7 @@ def test_meta_kernel_checks_arguments_without_data():
     ring = torch.empty((1, 1, _layout.HEADER), dtype=torch.int64, device="meta")
     state = torch.empty(3, dtype=torch.int64, device="meta")
     torch.ops.hookcap.accumulate(x, ring, state, 0, 0, 0.0, 0.0, 0)
-    with pytest.raises(RuntimeError, match="only floating-point"):
+    with pytest.raises(RuntimeError, match="supported dtypes are float16"):
         torch.ops.hookcap.accumulate(x.int(), ring, state, 0, 0, 0.0, 0.0, 0)
 
 

@@ -299,7 +299,7 @@ def test_narrowest_linear_bins_exact(lo, bins):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint8])
 def test_non_float_dtype_clear_error(dtype):
     x = torch.zeros(4, dtype=dtype)
-    with pytest.raises(RuntimeError, match="only floating-point tensors"):
+    with pytest.raises(RuntimeError, match="supported dtypes are float16, bfloat16"):
         hookcap.tensor_stats(x)
 
 
@@ -401,3 +401,18 @@ def test_log2_histograms_of_different_ranges_alternate():
         got = check(x, h)
         ref = hookcap.reference.tensor_stats(x, h)
         assert list(got["hist"]) == list(ref["hist"])
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"])
+def test_floating_types_the_kernels_do_not_take_are_refused_by_name(name):
+    """Float types outside the dispatch list fail in the op's check with the
+    list of supported dtypes, and the Monitor skips such tensors with that reason."""
+    from hookcap._recorder import skip_reason
+
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        pytest.skip(f"torch {torch.__version__} has no {name}")
+    x = torch.zeros(8).to(dtype)
+    with pytest.raises(RuntimeError, match="supported dtypes are float16, bfloat16, float32"):
+        hookcap.tensor_stats(x)
+    assert skip_reason(x) == f"dtype {dtype} is not supported"

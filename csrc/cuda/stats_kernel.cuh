@@ -773,26 +773,47 @@ void dispatch_accumulate(ReadKind read, const HistSpec& h, int64_t smem_budget, 
   }
 }
 
-// Advance the state by one step and reset the new slot if the step is
-// recorded. Launched with ONE block: the state is read by every thread
-// before thread 0 writes it back after the barrier.
-__global__ void advance_kernel(int64_t* ring, int64_t* state, int64_t slots,
-                               int64_t rows, int64_t width, int64_t every) {
+// Write the reset value of every `width`-word row into words start,
+// start + stride, ... of `total` from `base`, for `step`. The column follows
+// the index incrementally (stride % width < width: at most one subtraction),
+// so a thread divides once, not once per word.
+__device__ __forceinline__ void reset_words(int64_t* base, int64_t total, int64_t width, int64_t step,
+                                            int64_t start, int64_t stride) {
+  if (start >= total) return;
+  int64_t col = start % width;
+  const int64_t col_step = stride % width;
+  for (int64_t i = start; i < total; i += stride) {
+    base[i] = reset_value(col, step);
+#ifndef HOOKCAP_EMU_BREAK_RESET_WALK  // fault injection for tests/cuda_emu only
+    col += col_step;
+    if (col >= width) col -= width;
+#else
+    col = (col + col_step) % (width - 1);
+#endif
+  }
+}
+
+// Advance, part 1 (any grid): reset the slot the next step opens, if that
+// step is recorded. Reads the state and leaves it as it is, so every block
+// sees the same one; advance_state_kernel, next on the same stream, moves it.
+__global__ void advance_reset_kernel(int64_t* ring, const int64_t* state, int64_t slots,
+                                     int64_t rows, int64_t width, int64_t every) {
   if (state[kStateSlot] < 0 || state[kStateSlot] >= slots) return;  // corrupt state
   const StepState next = next_state(state, every, slots);
-  if (next.enabled) {
-    int64_t* base = ring + next.slot * rows * width;
-    const int64_t total = rows * width;
-    for (int64_t i = threadIdx.x; i < total; i += blockDim.x) {
-      base[i] = reset_value(i % width, next.step);
-    }
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    state[kStateStep] = next.step;
-    state[kStateEnabled] = next.enabled;
-    state[kStateSlot] = next.slot;
-  }
+  if (!next.enabled) return;
+  reset_words(ring + next.slot * rows * width, rows * width, width, next.step,
+              static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+              static_cast<int64_t>(gridDim.x) * blockDim.x);
+}
+
+// Advance, part 2 (one thread, after part 1): the state moves by one step.
+__global__ void advance_state_kernel(int64_t* state, int64_t slots, int64_t every) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  if (state[kStateSlot] < 0 || state[kStateSlot] >= slots) return;  // corrupt state
+  const StepState next = next_state(state, every, slots);
+  state[kStateStep] = next.step;
+  state[kStateEnabled] = next.enabled;
+  state[kStateSlot] = next.slot;
 }
 
 // Reset rows [begin, end) of the slot the state points at (for its step):
@@ -802,14 +823,9 @@ __global__ void reset_rows_kernel(int64_t* ring, const int64_t* state, int64_t s
                                   int64_t rows, int64_t width, int64_t begin, int64_t end) {
   const int64_t slot = state[kStateSlot];
   if (slot < 0 || slot >= slots) return;  // corrupt state: never write out of bounds
-  const int64_t step = state[kStateStep];
-  int64_t* base = ring + (slot * rows + begin) * width;
-  const int64_t total = (end - begin) * width;
-  const int64_t gstride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < total; i += gstride) {
-    base[i] = reset_value(i % width, step);
-  }
+  reset_words(ring + (slot * rows + begin) * width, (end - begin) * width, width, state[kStateStep],
+              static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+              static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
 
 }  // namespace kernels

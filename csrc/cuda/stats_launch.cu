@@ -32,14 +32,17 @@ constexpr int kMaxDevices = 64;
 // Grid bound: a few resident blocks per SM; the grid-stride loop covers the
 // rest. SM counts are cached per device (attribute query is host-only).
 int64_t max_blocks(int device) {
-  static int sms[kMaxDevices] = {0};
+  // Hooks may launch from several threads: relaxed atomics (racing writers store the same value).
+  static std::atomic<int> sms[kMaxDevices] = {};
   if (device < 0 || device >= kMaxDevices) return 1024;
-  if (sms[device] == 0) {
+  int n = sms[device].load(std::memory_order_relaxed);
+  if (n == 0) {
     int v = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
-    sms[device] = std::max(v, 1);
+    n = std::max(v, 1);
+    sms[device].store(n, std::memory_order_relaxed);
   }
-  return static_cast<int64_t>(sms[device]) * kBlocksPerSm;
+  return static_cast<int64_t>(n) * kBlocksPerSm;
 }
 
 // Streams that wrote a device's rings since the drain last joined them. A
@@ -183,16 +186,18 @@ void launch(const char* what, void (*kernel)(P...), dim3 grid, dim3 block, cudaS
 // kernels::kMinBlocks blocks of kThreads still fit per SM (kernels::smem_budget;
 // H100: 56,512 bytes, A100: 40,128), cached per device (host-only queries).
 int64_t smem_budget(int device) {
-  static int64_t budget[kMaxDevices] = {0};
+  static std::atomic<int64_t> budget[kMaxDevices] = {};  // as max_blocks
   if (device < 0 || device >= kMaxDevices) return 0;
-  if (budget[device] == 0) {
+  int64_t b = budget[device].load(std::memory_order_relaxed);
+  if (b == 0) {
     int per_sm = 0, reserved = 0, optin = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    budget[device] = std::max<int64_t>(kernels::smem_budget(per_sm, reserved, optin), 1);
+    b = std::max<int64_t>(kernels::smem_budget(per_sm, reserved, optin), 1);
+    budget[device].store(b, std::memory_order_relaxed);
   }
-  return budget[device];
+  return b;
 }
 
 // Let `kernel` take `bytes` of dynamic shared memory on `device` (the current
@@ -257,12 +262,17 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
       });
 }
 
+// Blocks of kThreads for a reset of `words` ring words: one word per thread
+// up to 1,024 blocks (a slot of thousands of metrics), then a grid-stride loop.
+int64_t reset_blocks(int64_t words) {
+  return std::max<int64_t>(1, std::min<int64_t>((words + kThreads - 1) / kThreads, 1024));
+}
+
 void launch_reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
   if (begin == end) return;
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  const int64_t total = (end - begin) * ring.size(2);
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, 1024));
+  const int64_t blocks = reset_blocks((end - begin) * ring.size(2));
   launch("hookcap.reset_rows", &kernels::reset_rows_kernel, dim3(blocks), dim3(kThreads), stream,
          ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
          ring.size(2), begin, end);
@@ -283,9 +293,13 @@ void advance_cuda(at::Tensor& ring, at::Tensor& state, int64_t every) {
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  launch("hookcap.advance", &kernels::advance_kernel, dim3(1), dim3(1024), stream,
-         ring.data_ptr<int64_t>(), state.data_ptr<int64_t>(), ring.size(0), ring.size(1),
+  // Two launches: every block of the reset reads the state before it moves.
+  launch("hookcap.advance", &kernels::advance_reset_kernel,
+         dim3(reset_blocks(ring.size(1) * ring.size(2))), dim3(kThreads), stream,
+         ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
          ring.size(2), every);
+  launch("hookcap.advance", &kernels::advance_state_kernel, dim3(1), dim3(1), stream,
+         state.data_ptr<int64_t>(), ring.size(0), every);
 }
 
 // Device clock, stream-ordered: %globaltimer (ns) read by one thread when the

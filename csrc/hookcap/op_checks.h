@@ -113,9 +113,12 @@ inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
 inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
                              const at::Tensor& state, int64_t row) {
   check_ring_state(ring, state);
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()),
-              "hookcap.accumulate: only floating-point tensors are supported "
-              "(float16, bfloat16, float32, float64, float8), got ", x.scalar_type());
+  // The types the kernels dispatch on, no other (float8 fnuz and e8m0 are floating types too).
+  const at::ScalarType t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16 ||
+                  t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2,
+              "hookcap.accumulate: supported dtypes are float16, bfloat16, float32, float64, "
+              "float8_e4m3fn and float8_e5m2, got ", t);
   TORCH_CHECK(x.layout() == at::kStrided,
               "hookcap.accumulate: only strided (dense-layout) tensors are supported, got ",
               x.layout());

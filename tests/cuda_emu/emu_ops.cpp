@@ -111,14 +111,14 @@ void reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_
                           ring.size(1), ring.size(2), begin, end, g, b);
 }
 
-void advance(at::Tensor& ring, at::Tensor& state, int64_t every, int64_t block) {
+void advance(at::Tensor& ring, at::Tensor& state, int64_t every, int64_t block, int64_t grid) {
   check_ring_state(ring, state);
   check_cpu(ring);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
-  const dim3 b = dim(block, "block");
+  const dim3 g = dim(grid, "grid"), b = dim(block, "block");
   py::gil_scoped_release nogil;
   hookcap_emu::advance(ring.data_ptr<int64_t>(), state.data_ptr<int64_t>(), ring.size(0),
-                       ring.size(1), ring.size(2), every, b);
+                       ring.size(1), ring.size(2), every, g, b);
 }
 
 // order: 0 forward, 1 reverse, 2 shuffled by seed; schedule: 0 concurrent,
@@ -418,7 +418,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_divide", &fast_divide);
   m.def("reset_slot", &reset_slot);
   m.def("reset_rows", &reset_rows);
-  m.def("advance", &advance);
+  m.def("advance", &advance, py::arg("ring"), py::arg("state"), py::arg("every"), py::arg("block"),
+        py::arg("grid") = 1);
   m.def("configure", &configure, py::arg("order") = 0, py::arg("seed") = 0,
         py::arg("schedule") = 0);
   m.def("stats", &stats);

@@ -42,11 +42,13 @@ inline void reset_slot(int64_t* ring, const int64_t* state, int64_t slots, int64
   reset_rows(ring, state, slots, rows, width, 0, rows, grid, block);
 }
 
-// The launcher always uses one block (the kernel requires it).
+// As the launcher: the reset of the next slot on any grid, then the state
+// moved by one thread (the next launch on the same stream).
 inline void advance(int64_t* ring, int64_t* state, int64_t slots, int64_t rows, int64_t width,
-                    int64_t every, dim3 block) {
-  emu::launch(hookcap::kernels::advance_kernel, dim3(1), block, 0, ring, state, slots, rows,
-              width, every);
+                    int64_t every, dim3 grid, dim3 block) {
+  emu::launch(hookcap::kernels::advance_reset_kernel, grid, block, 0, ring,
+              static_cast<const int64_t*>(state), slots, rows, width, every);
+  emu::launch(hookcap::kernels::advance_state_kernel, dim3(1), dim3(1), 0, state, slots, every);
 }
 
 }  // namespace hookcap_emu

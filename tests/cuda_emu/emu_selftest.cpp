@@ -283,7 +283,7 @@ void scenario_state() {
   ring.reset(dim3(1), dim3(32));
   // every = 1: each step is recorded and takes the next slot (mod 3).
   for (int64_t step = 1; step <= 4; ++step) {
-    hookcap_emu::advance(ring.data.data(), ring.state, 3, 2, ring.width, 1, dim3(128));
+    hookcap_emu::advance(ring.data.data(), ring.state, 3, 2, ring.width, 1, dim3(3), dim3(128));
     CHECK(ring.state[0] == step && ring.state[1] == 1 && ring.state[2] == step % 3,
           "advance every=1 step %ld: state (%ld, %ld, %ld)", step, ring.state[0], ring.state[1],
           ring.state[2]);
@@ -291,7 +291,7 @@ void scenario_state() {
   }
   // every = 3 from step 4 (slot 1): steps 5, 7 are off; 6 takes slot 2.
   std::vector<int64_t> before = ring.data;
-  hookcap_emu::advance(ring.data.data(), ring.state, 3, 2, ring.width, 3, dim3(64));
+  hookcap_emu::advance(ring.data.data(), ring.state, 3, 2, ring.width, 3, dim3(2), dim3(64));
   CHECK(ring.state[0] == 5 && ring.state[1] == 0 && ring.state[2] == 1, "every=3 step 5");
   CHECK(ring.data == before, "an off step reset a slot");
   // Disabled step: accumulate writes nothing.
@@ -300,7 +300,8 @@ void scenario_state() {
   hookcap_emu::accumulate<float>(x.data(), 300, hookcap::kReadFlat, StridedDesc{}, ring.target(0, 300),
                                  none.spec(), dim3(2), dim3(64));
   CHECK(ring.data == before, "accumulate wrote while disabled");
-  hookcap_emu::advance(ring.data.data(), ring.state, 3, 2, ring.width, 3, dim3(64));
+  // One block narrower than the slot: each thread resets several words (the column walk wraps).
+  hookcap_emu::advance(ring.data.data(), ring.state, 3, 2, ring.width, 3, dim3(1), dim3(32));
   CHECK(ring.state[0] == 6 && ring.state[1] == 1 && ring.state[2] == 2, "every=3 step 6");
   check_reset("advance every=3", ring, 2, 6);
   // reset_rows: row 1 of slot 2 only.
@@ -347,7 +348,8 @@ int main(int argc, char** argv) {
     scenario_rows<c10::BFloat16>("bfloat16 rows", 90, 24, 40, lin, dim3(2), dim3(64));
     scenario_state();
     const emu::Stats s1 = emu::stats();
-    CHECK(s1.blocks - s0.blocks == 33 + 4 + 3, "blocks run: %lu", s1.blocks - s0.blocks);
+    // advance: its reset's grid and one block for the state, 4 x (3 + 1) + (2 + 1) + (1 + 1).
+    CHECK(s1.blocks - s0.blocks == 33 + 4 + 3 - 6 + 21, "blocks run: %lu", s1.blocks - s0.blocks);
   } catch (const emu::KernelFault& e) {
     std::printf("KERNEL FAULT: %s\n", e.what());
     return 3;
