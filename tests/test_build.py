@@ -50,5 +50,5 @@ def test_cuda_launches_go_through_the_checked_launcher():
     assert "C10_CUDA_KERNEL_LAUNCH_CHECK" not in code
     # only right after a failed call of ours: a launch, a drain's event record/wait
     assert code.count("cudaGetLastError") == 2
-    # accumulate (with its dynamic shared memory), reset_rows, advance, time_mark
-    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 4
+    # accumulate (with its dynamic shared memory), reset_rows, advance (reset, then state), time_mark
+    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 5
