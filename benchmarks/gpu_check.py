@@ -524,13 +524,25 @@ def is_sync_error(e: RuntimeError) -> bool:
     return "synchroniz" in str(e)  # "called a synchronizing CUDA operation"
 
 
+def forward_backward(autocast, loss_fn) -> None:
+    with autocast:
+        loss = loss_fn()
+    loss.backward()
+
+
+def train_step(autocast, loss_fn, opt, cfg) -> None:
+    """One training step of the workload under configuration ``cfg`` (its step() last)."""
+    forward_backward(autocast, loss_fn)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    cfg.after_step()
+
+
 def workload_sync(model, loss_fn, autocast) -> str | None:
     """The traceback of a host sync in one forward + backward of the bare workload
     (after two unchecked ones: lazy initialisation may sync), or None."""
     def fwd_bwd():
-        with autocast:
-            loss = loss_fn()
-        loss.backward()
+        forward_backward(autocast, loss_fn)
 
     try:
         fwd_bwd()
@@ -586,12 +598,7 @@ def overhead_stage(args) -> dict:
             c.attach(model)
 
             def step():
-                with autocast:
-                    loss = loss_fn()
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                c.after_step()
+                train_step(autocast, loss_fn, opt, c)
 
             samples = []
             for s in range(steps_per_round):
@@ -632,8 +639,8 @@ def overhead_stage(args) -> dict:
     if cuda:
         details["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     # Extras of their own: a failure here is recorded, never loses the rows above.
-    for key, fn in (("read_floor", lambda: read_floor(model, cfgs, autocast, loss_fn, opt, device)),
-                    ("pipelined", lambda: pipelined(model, cfgs, autocast, loss_fn, opt, device, rounds=2))):
+    for key, fn in (("read_floor", lambda: read_floor(model, cfgs, autocast, loss_fn, opt, clock, cuda)),
+                    ("pipelined", lambda: pipelined(model, cfgs, autocast, loss_fn, opt, clock, rounds=2))):
         try:
             details[key] = fn()
         except Exception:
@@ -646,18 +653,17 @@ def overhead_stage(args) -> dict:
     return details
 
 
-def device_copy_gbps(device, nbytes: int = 2 << 30) -> float:
-    """Bytes moved (read + written) per second by a device-to-device copy of ``nbytes``."""
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+def device_copy_gbps(clock, nbytes: int = 2 << 30) -> float:
+    """Bytes moved (read + written) per second by a copy of ``nbytes`` on the CUDA device."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
-    clock = __import__("bench_overhead").timer(device)
     clock(lambda: y.copy_(x))
     t = statistics.median(clock(lambda: y.copy_(x)) for _ in range(10))
     del x, y
     return 2 * nbytes / t / 1e9
 
 
-def read_floor(model, cfgs, autocast, loss_fn, opt, device) -> dict:
+def read_floor(model, cfgs, autocast, loss_fn, opt, clock, cuda: bool) -> dict:
     """What hookcap every=1 reads per step, and that read's time at copy bandwidth.
 
     The recorded metrics are taken from the every=1 Monitor's history; one
@@ -686,26 +692,23 @@ def read_floor(model, cfgs, autocast, loss_fn, opt, device) -> dict:
 
     handles = [mods[p].register_forward_hook(hook(p)) for p in kinds if p in mods]
     try:
-        with autocast:
-            loss = loss_fn()
-        loss.backward()
+        forward_backward(autocast, loss_fn)
         opt.zero_grad(set_to_none=True)
     finally:
         for hd in handles:
             hd.remove()
     recorded = float(np.nansum(h["count"][-1])) if len(h.steps) else float("nan")
-    bw = device_copy_gbps(device) if device.type == "cuda" else float("nan")
+    bw = device_copy_gbps(clock) if cuda else float("nan")
     return {"metrics": len(h.names), "modules_not_found": sorted(p for p in kinds if p not in mods),
             "captured_bytes": acc["bytes"], "captured_elements_by_hooks": acc["elements"],
             "recorded_elements_last_step": recorded, "copy_gbps": bw,
             "floor_ms": acc["bytes"] / (bw * 1e9) * 1e3 if bw == bw else None}
 
 
-def pipelined(model, cfgs, autocast, loss_fn, opt, device, rounds: int, steps: int = 10) -> dict:
+def pipelined(model, cfgs, autocast, loss_fn, opt, clock, rounds: int, steps: int = 10) -> dict:
     """ms per step over ``steps`` back-to-back steps with no host sync between
     them (one event pair around all), configurations interleaved, ``rounds``
     rounds after one warm-up round: host work overlaps the GPU as in a real loop."""
-    clock = __import__("bench_overhead").timer(device)
     out = {c.name: [] for c in cfgs}
     for r in range(rounds + 1):
         for c in cfgs:
@@ -713,12 +716,7 @@ def pipelined(model, cfgs, autocast, loss_fn, opt, device, rounds: int, steps: i
 
             def many():
                 for _ in range(steps):
-                    with autocast:
-                        loss = loss_fn()
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    c.after_step()
+                    train_step(autocast, loss_fn, opt, c)
 
             if r == 0:
                 many()

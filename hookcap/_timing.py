@@ -20,7 +20,7 @@ from torch import nn
 from . import _compile, _layout
 from ._catalog import Catalog
 from ._fastpath import row_of
-from ._recorder import Recorder
+from ._recorder import SKIPPED, Recorder
 from ._tree import tensor_leaves
 
 _TIME_MARK = torch.ops.hookcap.time_mark.default
@@ -113,7 +113,7 @@ class Timing:
                         open_calls.append(None)
                         return None
                     rid = rec.time_row(name, dev)
-                    if rid < 0:  # not recordable now (first seen inside a CUDA graph capture)
+                    if rid == SKIPPED:  # not recordable now (first seen inside a CUDA graph capture)
                         open_calls.append(None)
                         return None
                     last[1], last[0] = rid, dev
