@@ -114,9 +114,9 @@ def emu_accumulate(emu, x, ring, state, row, h, grid, block):
     return emu.accumulate(x, ring, state, row, *hist_args(h), grid, block)
 
 
-def run_emu(emu, x, h, grid, block):
+def run_emu(emu, x, h, grid, block, tree=True):
     ring = new_ring(1, 1, h)
-    emu_accumulate(emu, x, ring, torch.tensor([0, 1, 0]), 0, h, grid, block)
+    emu.accumulate(x, ring, torch.tensor([0, 1, 0]), 0, *hist_args(h), grid, block, tree=tree)
     return ring[0, 0].numpy()
 
 
@@ -874,6 +874,82 @@ def test_advance_matches_cpu(emu, every, block, grid):
 
 
 # ---------------------------------------------------------------------------
+# The tree merge of block partials (launch_plan.cuh): one ticket per block and
+# group, one merge into the ring
+# ---------------------------------------------------------------------------
+TREE_HISTS = {
+    "none": None,
+    "log2": LOG2,  # float: exponent bytes in the records; float64: ring bins
+    "linear-13": Histogram.linear(-3.0, 5.0, 13),  # float: counts with thresholds (pairs)
+    "linear-254": Histogram.linear(-3.0, 5.0, 254),  # 256 counts: the largest table a record holds
+    "linear-255": Histogram.linear(-3.0, 5.0, 255),  # one more: each block's counts into the ring
+    "wide": Histogram.linear(-3.0, 5.0, 20000),  # counted into the ring as it goes
+}
+
+
+TREE_CASES = [  # (dtype, histogram): each way a record carries the counts, or does not
+    (torch.float32, "none"), (torch.float32, "log2"), (torch.bfloat16, "log2"),
+    (torch.float64, "log2"), (torch.float16, "linear-13"), (torch.float32, "linear-254"),
+    (torch.float32, "linear-255"), (torch.bfloat16, "wide"),
+]
+
+
+@pytest.mark.parametrize("dtype,hname,grid", [
+    *[(d, h, 33) for d, h in TREE_CASES],  # one full group and one more: two levels
+    (torch.bfloat16, "log2", 97), (torch.float64, "log2", 2), (torch.float32, "linear-255", 2),
+])
+def test_tree_merge_matches_reference_cpu_and_direct(emu, dtype, hname, grid):
+    """The tree's shapes (one group; a full group and one more; four groups),
+    blocks of one warp (each thread writes several counts) in shuffled order, against the float64 reference, the CPU op, and
+    the same launch with every block merging into the ring; the scratch's
+    tickets are left at 0."""
+    h, block = TREE_HISTS[hname], 32
+    x = sample(grid * block * 16 + 77, dtype, seed=grid)
+    emu.configure(order=2, seed=grid)
+    tree = run_emu(emu, x, h, grid, block)
+    assert emu.tree_tickets() == [0] * 64
+    check(tree, x, h, cpu_raw=run_cpu(x, h))
+    direct = run_emu(emu, x, h, grid, block, tree=False)
+    for c in EXACT_COLS:
+        col = getattr(_layout, c)
+        assert tree[col] == direct[col], c
+    np.testing.assert_array_equal(tree[_layout.HEADER:], direct[_layout.HEADER:])
+
+
+def test_tree_with_stride_zero_multiplicity(emu):
+    """An expanded view (each element read stands for 3): counts and
+    histogram counts scaled once, at the merge into the ring."""
+    base = sample(40 * 32 * 4, torch.float32, seed=5).reshape(-1, 1)
+    x = base.expand(-1, 3)
+    for h in (LOG2, Histogram.linear(-3.0, 5.0, 13)):
+        raw = run_emu(emu, x, h, 40, 32)
+        check(raw, x.reshape(-1), h, cpu_raw=run_cpu(x, h))
+
+
+def test_tree_bounds_a_launchs_global_atomics(emu):
+    """The launcher's grid for a large tensor on an H100 (528 blocks) with the
+    default log2 histogram on bfloat16 activations: the launch sends at most
+    1,000 global atomics (a ticket per block and per group, then one merge),
+    where every block merging into the ring would send about `grid` times
+    the merge's. (The count does not depend on the threads per block: 32
+    here, for speed.)"""
+    grid = 528
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(grid * 32 * 8 * 2, generator=g).to(torch.bfloat16)
+    before = emu.stats()["device_atomics"]
+    raw = run_emu(emu, x, LOG2, grid, 32)
+    sent = emu.stats()["device_atomics"] - before
+    check(raw, x, LOG2)
+    bins = int((raw[_layout.HEADER:] != 0).sum())
+    merge = 2 + 1 + 11 + bins  # count and calls, the shift, the header, the bins
+    assert grid + 17 + 1 <= sent <= grid + 17 + merge <= 1000, (sent, bins)
+    # Every block into the ring: the same merge per block, on a smaller grid.
+    before = emu.stats()["device_atomics"]
+    run_emu(emu, x[: 33 * 32 * 16], LOG2, 33, 32, tree=False)
+    assert emu.stats()["device_atomics"] - before >= 33 * 11, "direct merges"
+
+
+# ---------------------------------------------------------------------------
 # ThreadSanitizer and fault injection: the standalone driver (no libtorch)
 # ---------------------------------------------------------------------------
 TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1 exitcode=66 second_deadlock_stack=1"}
@@ -882,6 +958,7 @@ VARIANTS = {
     "break_index": ["-DHOOKCAP_EMU_BREAK_INDEX"],
     "break_sync": ["-DHOOKCAP_EMU_BREAK_SYNC"],
     "break_reset_walk": ["-DHOOKCAP_EMU_BREAK_RESET_WALK"],
+    "break_ticket": ["-DHOOKCAP_EMU_BREAK_TICKET"],
     "tsan": ["-fsanitize=thread"],
     "tsan_break_sync": ["-fsanitize=thread", "-DHOOKCAP_EMU_BREAK_SYNC"],
 }
@@ -1004,3 +1081,12 @@ def test_results_catch_a_broken_reset_walk(selftest):
     r = _run(selftest["break_reset_walk"], 0, 0)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "MISMATCH" in r.stdout
+
+
+def test_results_catch_a_ticket_left_set(selftest):
+    """Test-only build whose tree merge leaves its groups' tickets set: the
+    next launch on the scratch never finds its last block, so its statistics
+    are lost (the two-level scenario's later launches)."""
+    r = _run(selftest["break_ticket"], 0, 0)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "two levels" in r.stdout and "MISMATCH" in r.stdout

@@ -65,6 +65,28 @@ C10_HOST_DEVICE inline float float_at_or_above(double e) {
   return f;
 }
 
+// Block partials merged by a tree instead of each block's atomics on the
+// ring row (a launch's per-block cost): each block of a launch of 2 ..
+// kMaxTreeBlocks blocks writes its partial (moments, and its histogram
+// counts when they fit kTableCounts) to a scratch record and takes a ticket
+// of its group of kTreeFan blocks; the group's last block merges the group
+// (into a record of the next level, or, at the top, into the ring). So a
+// launch sends one ticket per block and per group, and one merge.
+// Scratch layout (int64 words): kTicketWords tickets (level 0 group g at g,
+// level 1 at kTreeFan; each left at 0 by its group's last block), then the
+// records: level 0 at [0, grid), level 1 at [grid, grid + groups).
+constexpr int kTreeFan = 32;                             // one warp's lanes
+constexpr int64_t kMaxTreeBlocks = kTreeFan * kTreeFan;  // two levels
+constexpr int kTableCounts = 256;                        // uint32 counts of a record
+constexpr int64_t kRecordHeader = 16;                    // Acc (12 words), shift, spare
+constexpr int64_t kRecordWords = kRecordHeader + kTableCounts / 2;
+constexpr int64_t kTicketWords = 64;
+
+// Scratch words for launches of up to `blocks` blocks (at most kMaxTreeBlocks).
+C10_HOST_DEVICE constexpr int64_t tree_scratch_words(int64_t blocks) {
+  return kTicketWords + (blocks + (blocks + kTreeFan - 1) / kTreeFan) * kRecordWords;
+}
+
 // Static shared memory of the accumulate kernels other than kModeLog2Exp (the
 // per-warp partials): the launcher's shared-memory budget leaves room for it.
 constexpr int64_t kStaticSmem = kWarps * static_cast<int64_t>(sizeof(Acc) + sizeof(int64_t));

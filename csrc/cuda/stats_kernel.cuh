@@ -36,19 +36,42 @@ __device__ __forceinline__ unsigned char* dynamic_smem() {
 }
 #endif
 
+// Every global-memory atomic of the kernels goes through here (the harness
+// counts them: a launch's fixed cost).
+#ifdef HOOKCAP_CUDA_EMU
+#define HOOKCAP_NOTE_ATOMIC() emu::note_device_atomic()
+#else
+#define HOOKCAP_NOTE_ATOMIC() ((void)0)
+#endif
 struct DeviceAtomics {
   static __device__ __forceinline__ void add_i64(int64_t* p, int64_t v) {
+    HOOKCAP_NOTE_ATOMIC();
     atomicAdd(reinterpret_cast<unsigned long long*>(p),
               static_cast<unsigned long long>(v));
   }
   static __device__ __forceinline__ void add_f64(int64_t* p, double v) {
+    HOOKCAP_NOTE_ATOMIC();
     atomicAdd(reinterpret_cast<double*>(p), v);
   }
   static __device__ __forceinline__ void min_i64(int64_t* p, int64_t v) {
+    HOOKCAP_NOTE_ATOMIC();
     atomicMin(reinterpret_cast<long long*>(p), static_cast<long long>(v));
   }
   static __device__ __forceinline__ void max_i64(int64_t* p, int64_t v) {
+    HOOKCAP_NOTE_ATOMIC();
     atomicMax(reinterpret_cast<long long*>(p), static_cast<long long>(v));
+  }
+  // *p = v if *p == expect; returns the old *p.
+  static __device__ __forceinline__ int64_t cas_i64(int64_t* p, int64_t expect, int64_t v) {
+    HOOKCAP_NOTE_ATOMIC();
+    return static_cast<int64_t>(atomicCAS(reinterpret_cast<unsigned long long*>(p),
+                                          static_cast<unsigned long long>(expect),
+                                          static_cast<unsigned long long>(v)));
+  }
+  // Adds 1; returns the old value.
+  static __device__ __forceinline__ int64_t ticket(int64_t* p) {
+    HOOKCAP_NOTE_ATOMIC();
+    return static_cast<int64_t>(atomicAdd(reinterpret_cast<unsigned long long*>(p), 1ull));
   }
 };
 
@@ -63,6 +86,8 @@ struct RowTarget {
   int64_t count;  // logical elements this launch adds to the row's count (strided.h's splits: 0 after the first)
   int64_t calls;  // 1, or 0 for a split's later launches
   int64_t mult;   // logical elements each element read stands for (stride-0 dimensions)
+  int64_t* scratch;  // tree_scratch_words(grid) words for the tree merge (launch_plan.cuh), or null:
+                     // every block merges into the ring
 };
 
 template <typename T>
@@ -320,6 +345,44 @@ __device__ __forceinline__ void warp_add_bin(int64_t* hrow, int key, int64_t mul
   }
 }
 
+// A block partial's record in the tree's scratch (launch_plan.cuh): the Acc
+// as 12 words, then its shift (kShiftUnset: none).
+__device__ __forceinline__ void record_write(int64_t* r, const Acc& a, bool has, double shift) {
+  r[0] = dbits(a.sum);
+  r[1] = dbits(a.sumsq);
+  r[2] = dbits(a.s1);
+  r[3] = dbits(a.s2);
+  r[4] = dbits(a.mn);
+  r[5] = dbits(a.mx);
+  r[6] = dbits(a.amx);
+  r[7] = a.nnan;
+  r[8] = a.npinf;
+  r[9] = a.nninf;
+  r[10] = a.nzero;
+  r[11] = a.nfin;
+  r[12] = has ? dbits(shift) : kShiftUnset;
+}
+
+// Read through volatile loads: written by other blocks of the launch (past
+// their __threadfence), not to be served from a stale L1 line.
+__device__ __forceinline__ void record_read(const volatile int64_t* r, Acc& a, bool& has, double& shift) {
+  a.sum = bitsd(r[0]);
+  a.sumsq = bitsd(r[1]);
+  a.s1 = bitsd(r[2]);
+  a.s2 = bitsd(r[3]);
+  a.mn = bitsd(r[4]);
+  a.mx = bitsd(r[5]);
+  a.amx = bitsd(r[6]);
+  a.nnan = r[7];
+  a.npinf = r[8];
+  a.nninf = r[9];
+  a.nzero = r[10];
+  a.nfin = r[11];
+  const int64_t s = r[12];
+  has = s != kShiftUnset;
+  shift = has ? bitsd(s) : 0.0;
+}
+
 template <typename T, int kMode, int kRead>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     accumulate_kernel(const T* __restrict__ x, int64_t n, StridedDesc desc, RowTarget tgt,
@@ -334,6 +397,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   __shared__ std::conditional_t<kMode == kModeLog2Exp, Log2ExpSmem, char> sh;
   __shared__ Acc s_warp[kWarps];
   __shared__ int64_t s_shift[kWarps];  // each warp partial's shift (bits), or kShiftUnset
+  __shared__ int s_last;               // the tree: whether this block merges its group
 
   if (blockDim.x > kThreads) __trap();  // shared memory is sized for kThreads
   const int64_t enabled = tgt.state[kStateEnabled];
@@ -670,8 +734,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   }
 
   // Partials merge about one shift: within a warp its lowest lane's that has
-  // one, across warps warp 0's first such partial, and per row the first block
-  // to merge sets it (later blocks rebase onto it). No extra barrier.
+  // one, across warps warp 0's first such partial, across blocks (the tree)
+  // the first such record's of a group, and per row the first merge into the
+  // ring sets it (later merges rebase onto it).
   Acc acc = to_acc(part, shift);
   warp_common_shift(acc, has_shift, shift);
   warp_reduce(acc);
@@ -682,7 +747,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
 #ifndef HOOKCAP_EMU_BREAK_SYNC  // fault injection for tests/cuda_emu only
   __syncthreads();
 #endif
-  if (warp == 0) {
+  if (warp == 0) {  // the block's partial, in lane 0
     const int nwarps = blockDim.x / kWarpSize;
     const bool mine = lane < nwarps && s_shift[lane] != kShiftUnset;
     shift = mine ? bitsd(s_shift[lane]) : 0.0;
@@ -694,51 +759,151 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     has_shift = mine;
     warp_common_shift(acc, has_shift, shift);
     warp_reduce(acc);
-    if (lane == 0) {
-      if (has_shift) {
-        const auto old = static_cast<int64_t>(atomicCAS(
-            reinterpret_cast<unsigned long long*>(row + kShift),
-            static_cast<unsigned long long>(kShiftUnset), static_cast<unsigned long long>(dbits(shift))));
-        if (old != kShiftUnset) acc_rebase(acc, shift, bitsd(old));
-      }
-      if (blockIdx.x == 0) {
-        if (tgt.count) DeviceAtomics::add_i64(row + kCount, tgt.count);
-        if (tgt.calls) DeviceAtomics::add_i64(row + kCalls, tgt.calls);
-      }
-      if (tgt.mult != 1) acc_scale(acc, tgt.mult);
-      row_merge<DeviceAtomics>(row, acc);
-      if constexpr (kMode == kModeLog2Exp) {
-        // Exponent byte 0 holds the zeros (bin 0) and float subnormals,
-        // which lie below lo_exp >= -126 (the underflow bin 1).
-        int64_t zero_or_sub = 0;
-        for (int w = 0; w < kWarps; ++w) zero_or_sub += sh.tab[w][0];
-        zero_or_sub *= tgt.mult;
-        if (acc.nzero) DeviceAtomics::add_i64(hrow, acc.nzero);
-        if (zero_or_sub > acc.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - acc.nzero);
-      }
-      if constexpr (kThresholds) {
-        // linear_bin_thr put NaN and -Inf in bin 0 and +Inf in bins + 1.
-        if (acc.nnan + acc.nninf) DeviceAtomics::add_i64(hrow, -(acc.nnan + acc.nninf));
-        if (acc.npinf) DeviceAtomics::add_i64(hrow + hist.bins + 1, -acc.npinf);
-      }
-    }
   }
-  if constexpr (kMode == kModeLog2Exp) {
-    // Exponent bytes 1..254 (finite normals) to their bins; 255 is NaN/Inf.
-    for (int e = 1 + tid; e < 255; e += blockDim.x) {
-      unsigned int cnt = 0;
-      for (int w = 0; w < kWarps; ++w) cnt += sh.tab[w][e];
-      if (cnt) {
-        const float v = bitsf(static_cast<int32_t>(e) << 23);
-        DeviceAtomics::add_i64(hrow + log2_bin(v, lo_exp, hi_exp), static_cast<int64_t>(cnt) * tgt.mult);
+
+  // The block's histogram counts, entry i: kModeLog2Exp, of exponent byte i
+  // (0: zeros and float subnormals, 255: NaN/Inf); counted in shared memory,
+  // of ring bin i. (kWarpBins modes counted into the ring as they went.)
+  constexpr bool kCounts = kMode == kModeLog2Exp || kSharedCounts;
+  const int64_t ncounts = kMode == kModeLog2Exp ? 256 : kSharedCounts ? hist.nbins : 0;
+  auto block_count = [&](int64_t i) -> unsigned int {
+    if constexpr (kMode == kModeLog2Exp) {
+      unsigned int c = 0;
+      for (int w = 0; w < kWarps; ++w) c += sh.tab[w][i];
+      return c;
+    } else if constexpr (kPairs) {
+      return pairs[i].count;
+    } else if constexpr (kSharedCounts) {
+      return s_cnt[1 + i];
+    } else {
+      return 0u;
+    }
+  };
+  // Into the ring: the moments (lane 0 of warp 0; `zero_or_sub`: count 0)...
+  auto merge_moments = [&](Acc a, bool a_has, double a_shift, int64_t zero_or_sub) {
+    if (a_has) {
+      const int64_t old = DeviceAtomics::cas_i64(row + kShift, kShiftUnset, dbits(a_shift));
+      if (old != kShiftUnset) acc_rebase(a, a_shift, bitsd(old));
+    }
+    if (tgt.mult != 1) acc_scale(a, tgt.mult);
+    row_merge<DeviceAtomics>(row, a);
+    if constexpr (kMode == kModeLog2Exp) {
+      // Exponent byte 0 holds the zeros (bin 0) and float subnormals,
+      // which lie below lo_exp >= -126 (the underflow bin 1).
+      zero_or_sub *= tgt.mult;
+      if (a.nzero) DeviceAtomics::add_i64(hrow, a.nzero);
+      if (zero_or_sub > a.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - a.nzero);
+    }
+    if constexpr (kThresholds) {
+      // linear_bin_thr put NaN and -Inf in bin 0 and +Inf in bins + 1.
+      if (a.nnan + a.nninf) DeviceAtomics::add_i64(hrow, -(a.nnan + a.nninf));
+      if (a.npinf) DeviceAtomics::add_i64(hrow + hist.bins + 1, -a.npinf);
+    }
+  };
+  // ... and the counts (every thread: entries tid, tid + blockDim.x, ...).
+  auto merge_counts = [&](auto&& cnt) {
+    for (int64_t i = tid; i < ncounts; i += blockDim.x) {
+      if constexpr (kMode == kModeLog2Exp) {
+        if (i == 0 || i == 255) continue;  // zeros and subnormals: merge_moments; NaN/Inf: none
+        const unsigned int c = cnt(i);
+        if (c) {
+          const float v = bitsf(static_cast<int32_t>(i) << 23);
+          DeviceAtomics::add_i64(hrow + log2_bin(v, lo_exp, hi_exp), static_cast<int64_t>(c) * tgt.mult);
+        }
+      } else {
+        const unsigned int c = cnt(i);
+        if (c) DeviceAtomics::add_i64(hrow + i, static_cast<int64_t>(c) * tgt.mult);
       }
     }
-  } else if constexpr (kSharedCounts) {
-    // The block's counts, merged into the ring once.
-    for (int64_t b = tid; b < hist.nbins; b += blockDim.x) {
-      const unsigned int cnt = kPairs ? pairs[b].count : s_cnt[1 + b];
-      if (cnt) DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(cnt) * tgt.mult);
+  };
+  if (warp == 0 && lane == 0 && blockIdx.x == 0) {
+    if (tgt.count) DeviceAtomics::add_i64(row + kCount, tgt.count);
+    if (tgt.calls) DeviceAtomics::add_i64(row + kCalls, tgt.calls);
+  }
+  const bool tree = tgt.scratch != nullptr && gridDim.x > 1 && gridDim.x <= kMaxTreeBlocks;
+  if (!tree) {  // every block into the ring
+    if (warp == 0 && lane == 0) {
+      merge_moments(acc, has_shift, shift, kMode == kModeLog2Exp ? block_count(0) : 0);
     }
+    if constexpr (kCounts) merge_counts(block_count);
+    return;
+  }
+
+  // The tree (launch_plan.cuh): the block's record, then a ticket per level;
+  // the last block of a group merges the group's records.
+  const bool table = kCounts && ncounts <= kTableCounts;  // counts travel with the records
+  if (kCounts && !table) merge_counts(block_count);       // else each block's go to the ring
+  int64_t* tickets = tgt.scratch;
+  int64_t* records = tgt.scratch + kTicketWords;
+  // The merged counts, entry i owned by thread i % blockDim.x: shared memory
+  // the block's own counts no longer need once its record is written.
+  unsigned int* s_sum = nullptr;
+  if constexpr (kMode == kModeLog2Exp) {
+    s_sum = &sh.tab[0][0];
+  } else {
+    s_sum = reinterpret_cast<unsigned int*>(dynamic_smem());
+  }
+  int64_t* rec = records + static_cast<int64_t>(blockIdx.x) * kRecordWords;
+  if (warp == 0 && lane == 0) record_write(rec, acc, has_shift, shift);
+  if (table) {
+    unsigned int* t = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
+    for (int64_t i = tid; i < ncounts; i += blockDim.x) t[i] = block_count(i);
+  }
+  int64_t idx = blockIdx.x, nrec = gridDim.x, base = 0;  // this level: record, records, first
+  for (int level = 0;; ++level) {
+    const int64_t group = idx / kTreeFan, first = group * kTreeFan;
+    const int members = static_cast<int>(nrec - first < kTreeFan ? nrec - first : kTreeFan);
+    // Publish the record, then take the group's ticket: the last merges.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      int64_t* t = tickets + (level == 0 ? group : kTreeFan);
+#ifndef HOOKCAP_EMU_BREAK_TICKET  // fault injection for tests/cuda_emu only
+      const bool last = DeviceAtomics::ticket(t) == members - 1;
+      if (last) *t = 0;  // for the next launch on this stream
+#else
+      const bool last = DeviceAtomics::ticket(t) == members - 1;
+#endif
+      s_last = last ? 1 : 0;
+    }
+    __syncthreads();
+    if (s_last == 0) return;
+    __threadfence();
+    const volatile int64_t* grp = records + (base + first) * kRecordWords;
+    if (warp == 0) {
+      has_shift = false;
+      shift = 0.0;
+      acc_init(acc);
+      if (lane < members) record_read(grp + lane * kRecordWords, acc, has_shift, shift);
+      warp_common_shift(acc, has_shift, shift);
+      warp_reduce(acc);
+    }
+    if (table) {
+      for (int64_t i = tid; i < ncounts; i += blockDim.x) {
+        unsigned int c = 0;
+        for (int m = 0; m < members; ++m) {
+          c += reinterpret_cast<const volatile unsigned int*>(grp + m * kRecordWords + kRecordHeader)[i];
+        }
+        s_sum[i] = c;
+      }
+    }
+    if (nrec <= kTreeFan) {  // the top: into the ring
+      if (warp == 0 && lane == 0) {
+        merge_moments(acc, has_shift, shift, kMode == kModeLog2Exp && table ? s_sum[0] : 0);
+      }
+      if (table) merge_counts([&](int64_t i) { return s_sum[i]; });
+      return;
+    }
+    // Into the group's record on the next level.
+    rec = records + (static_cast<int64_t>(gridDim.x) + group) * kRecordWords;
+    if (warp == 0 && lane == 0) record_write(rec, acc, has_shift, shift);
+    if (table) {
+      unsigned int* t = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
+      for (int64_t i = tid; i < ncounts; i += blockDim.x) t[i] = s_sum[i];
+    }
+    idx = group;
+    nrec = (nrec + kTreeFan - 1) / kTreeFan;
+    base = gridDim.x;
   }
 }
 

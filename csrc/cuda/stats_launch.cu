@@ -4,6 +4,7 @@
 // stats_kernel.cuh (also executed on the CPU by tests/cuda_emu).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -34,7 +35,7 @@ constexpr int kMaxDevices = 64;
 int64_t max_blocks(int device) {
   // Hooks may launch from several threads: relaxed atomics (racing writers store the same value).
   static std::atomic<int> sms[kMaxDevices] = {};
-  if (device < 0 || device >= kMaxDevices) return 1024;
+  if (device < 0 || device >= kMaxDevices) return kernels::kMaxTreeBlocks;
   int n = sms[device].load(std::memory_order_relaxed);
   if (n == 0) {
     int v = 0;
@@ -42,7 +43,7 @@ int64_t max_blocks(int device) {
     n = std::max(v, 1);
     sms[device].store(n, std::memory_order_relaxed);
   }
-  return static_cast<int64_t>(n) * kBlocksPerSm;
+  return std::min<int64_t>(static_cast<int64_t>(n) * kBlocksPerSm, kernels::kMaxTreeBlocks);
 }
 
 // Streams that wrote a device's rings since the drain last joined them. A
@@ -108,6 +109,49 @@ void note_write_stream(int device, cudaStream_t s) {
 void note_ring_write(int device, cudaStream_t s, const void* ring) {
   note_write_stream(device, s);
   note_capture(s, ring);
+}
+
+// Scratch of the accumulate kernels' tree merge (launch_plan.cuh), one per
+// stream that launches them: launches on one stream run one after another,
+// so they can share it (each leaves its tickets at 0). Created zeroed, on
+// that stream, at its first launch there (max_blocks' records) and kept for
+// the process (a few hundred KB per stream; torch's streams are pooled). A
+// launch captured into a CUDA graph, or beyond kMaxScratchStreams streams,
+// gets none: its blocks merge into the ring directly (correct, with a
+// higher per-launch cost), since a replay may run beside any eager launch.
+constexpr int kMaxScratchStreams = 64;
+struct ScratchSlot {
+  std::atomic<uintptr_t> key;  // stream handle + 1, 0 = free
+  std::atomic<int64_t*> words;
+};
+ScratchSlot g_scratch[kMaxDevices][kMaxScratchStreams];
+std::mutex g_scratch_mu;
+std::vector<at::Tensor>* g_scratch_keep = new std::vector<at::Tensor>();  // never freed: outlives exit
+
+int64_t* tree_scratch(const at::Device& device, cudaStream_t s, int64_t blocks) {
+  const int d = device.index();
+  if (blocks < 2 || d < 0 || d >= kMaxDevices || capturing(s)) return nullptr;
+  const uintptr_t key = reinterpret_cast<uintptr_t>(s) + 1;
+  ScratchSlot* slots = g_scratch[d];
+  for (int i = 0; i < kMaxScratchStreams; ++i) {  // hot path: found at once, two loads
+    const uintptr_t k = slots[i].key.load(std::memory_order_acquire);
+    if (k == key) return slots[i].words.load(std::memory_order_acquire);
+    if (k == 0) break;
+  }
+  std::lock_guard<std::mutex> lk(g_scratch_mu);
+  for (int i = 0; i < kMaxScratchStreams; ++i) {
+    const uintptr_t k = slots[i].key.load(std::memory_order_relaxed);
+    if (k == key) return slots[i].words.load(std::memory_order_relaxed);
+    if (k != 0) continue;
+    // Allocated and zeroed on the current stream (s), which orders it before the launch.
+    at::Tensor t = at::zeros({kernels::tree_scratch_words(max_blocks(d))},
+                             at::TensorOptions().dtype(at::kLong).device(device));
+    g_scratch_keep->push_back(t);
+    slots[i].words.store(t.data_ptr<int64_t>(), std::memory_order_relaxed);
+    slots[i].key.store(key, std::memory_order_release);
+    return t.data_ptr<int64_t>();
+  }
+  return nullptr;
 }
 
 }  // namespace
@@ -240,6 +284,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   const int64_t want = (plan.visit + kThreads * kPerThread - 1) / (kThreads * kPerThread);
   const int device = x_in.device().index();
   const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(device)));
+  int64_t* scratch = tree_scratch(x_in.device(), stream, blocks);
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_accumulate_cuda", [&] {
@@ -253,7 +298,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
               for_each_read(plan, [&](int64_t offset, bool first) {
                 const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                              row, ring.size(1), ring.size(2), ring.size(0),
-                                             first ? n : 0, first ? 1 : 0, plan.mult};
+                                             first ? n : 0, first ? 1 : 0, plan.mult, scratch};
                 launch_smem("hookcap.accumulate", kernel, dim3(blocks), dim3(kThreads),
                             static_cast<size_t>(hp.smem), stream, p + offset, plan.visit, desc,
                             tgt, h, hp.lin);

@@ -117,6 +117,7 @@ struct Config {
 // Counters, so tests can assert that a launch really ran what they asked.
 struct Stats {
   uint64_t launches = 0, blocks = 0, threads = 0, barrier_phases = 0, warp_phases = 0;
+  uint64_t device_atomics = 0;  // global-memory atomics the kernel counted (note_device_atomic)
 };
 
 namespace detail {
@@ -163,6 +164,7 @@ struct Sync {
 
 struct Stat {
   std::atomic<uint64_t> launches{0}, blocks{0}, threads{0}, barrier_phases{0}, warp_phases{0};
+  std::atomic<uint64_t> device_atomics{0};
 };
 inline Stat& stat() {
   static Stat s;
@@ -560,8 +562,12 @@ inline unsigned char* dynamic_smem() {
 inline Stats stats() {
   auto& s = detail::stat();
   return Stats{s.launches.load(), s.blocks.load(), s.threads.load(), s.barrier_phases.load(),
-               s.warp_phases.load()};
+               s.warp_phases.load(), s.device_atomics.load()};
 }
+
+// Kernels call this once per atomic on global memory (the harness cannot
+// tell global from shared addresses), so tests can count a launch's.
+inline void note_device_atomic() { detail::stat().device_atomics.fetch_add(1, detail::kRelaxed); }
 
 // kernel<<<grid, block, shared_bytes>>>(args...), synchronously. Arguments are
 // converted to the kernel's parameter types once, as CUDA does at launch;
@@ -704,8 +710,17 @@ inline unsigned __activemask() {
 
 [[noreturn]] inline void __trap() { emu::detail::ctx().block->fault("__trap()"); }
 
+// Fences. TSan does not model std::atomic_thread_fence (and warns at each
+// use): under it they order nothing, so TSan still reports any race a kernel
+// would rely on a fence to avoid. Blocks run one at a time, so what a block
+// publishes past a fence for later blocks is ordered by the launch's joins.
+#if defined(__SANITIZE_THREAD__)
+inline void __threadfence() { std::atomic_signal_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_signal_fence(std::memory_order_seq_cst); }
+#else
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+#endif
 
 template <typename T>
 T __ldg(const T* p) {

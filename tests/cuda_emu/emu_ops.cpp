@@ -22,6 +22,24 @@ void check_cpu(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu(), "emu: tensors must be on the CPU, got ", t.device());
 }
 
+// The tree merge's scratch, kept across launches as the launcher keeps one
+// per stream (so a launch that leaves a ticket set spoils the next one), grown
+// for larger grids; zeroed only when created. Null where the launcher passes
+// none (one block, or more than kMaxTreeBlocks).
+std::vector<int64_t> g_scratch;
+int64_t* tree_scratch(int64_t grid) {
+  if (grid < 2 || grid > kernels::kMaxTreeBlocks) return nullptr;
+  const auto words = static_cast<size_t>(kernels::tree_scratch_words(kernels::kMaxTreeBlocks));
+  if (g_scratch.size() < words) g_scratch.assign(words, 0);
+  return g_scratch.data();
+}
+
+// The scratch's tickets (all 0 between launches).
+std::vector<int64_t> tree_tickets() {
+  tree_scratch(2);
+  return std::vector<int64_t>(g_scratch.begin(), g_scratch.begin() + kernels::kTicketWords);
+}
+
 // Returns (flat, mult, strided dims, reads, vectors): the launcher's read plan
 // (vectors: a strided plan read as 16-byte vectors, strided.h vector_read).
 // smem_budget: the device's dynamic shared memory per block (smem_budget();
@@ -29,7 +47,7 @@ void check_cpu(const at::Tensor& t) {
 std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
     const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
     int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid,
-    int64_t block, int64_t max_walk, int64_t smem_budget) {
+    int64_t block, int64_t max_walk, int64_t smem_budget, bool tree) {
   check_accumulate(x_in, ring, state, row);
   check_cpu(x_in);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
@@ -39,6 +57,7 @@ std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
   const dim3 g = dim(grid, "grid"), b = dim(block, "block");
   int64_t reads = 0;
   ReadKind read = kReadFlat;
+  int64_t* scratch = tree ? tree_scratch(grid) : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_emu_accumulate", [&] {
@@ -50,7 +69,7 @@ std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
         for_each_read(plan, [&](int64_t offset, bool first) {
           const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                        row, ring.size(1), ring.size(2), ring.size(0),
-                                       first ? n : 0, first ? 1 : 0, plan.mult};
+                                       first ? n : 0, first ? 1 : 0, plan.mult, scratch};
           hookcap_emu::accumulate<scalar_t>(p + offset, plan.visit, read, desc, tgt, h, g, b, smem_budget);
           ++reads;
         });
@@ -194,6 +213,7 @@ py::dict stats() {
   d["threads"] = s.threads;
   d["barrier_phases"] = s.barrier_phases;
   d["warp_phases"] = s.warp_phases;
+  d["device_atomics"] = s.device_atomics;
   return d;
 }
 
@@ -405,7 +425,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("ring"), py::arg("state"), py::arg("row"), py::arg("hist_kind"),
         py::arg("hist_lo"), py::arg("hist_hi"), py::arg("hist_bins"), py::arg("grid"),
         py::arg("block"), py::arg("max_walk") = kMaxDims,
-        py::arg("smem_budget") = hookcap_emu::kH100SmemBudget);
+        py::arg("smem_budget") = hookcap_emu::kH100SmemBudget, py::arg("tree") = true);
+  m.def("tree_tickets", &tree_tickets);
   m.def("hist_plan", &hist_plan, py::arg("hist_kind"), py::arg("hist_lo"), py::arg("hist_hi"),
         py::arg("hist_bins"), py::arg("work_is_float"),
         py::arg("smem_budget") = hookcap_emu::kH100SmemBudget);

@@ -173,9 +173,12 @@ struct Ring {
   int64_t state[3] = {0, 1, 0};
   Ring(int64_t s, int64_t r, int64_t w) : slots(s), rows(r), width(w), data(s * r * w, 0x5a5a) {}
   int64_t* row(int64_t slot, int64_t r) { return data.data() + (slot * rows + r) * width; }
-  // A launch that adds `count` elements and one call, each element read once.
+  // A launch that adds `count` elements and one call, each element read once;
+  // its blocks merge by the tree (one scratch for every launch, as the
+  // launcher's per stream).
   kernels::RowTarget target(int64_t r, int64_t count) {
-    return {data.data(), state, r, rows, width, slots, count, 1, 1};
+    static std::vector<int64_t> scratch(kernels::tree_scratch_words(kernels::kMaxTreeBlocks), 0);
+    return {data.data(), state, r, rows, width, slots, count, 1, 1, scratch.data()};
   }
   void reset(dim3 grid, dim3 block) {
     hookcap_emu::reset_slot(data.data(), state, slots, rows, width, grid, block);
@@ -343,13 +346,15 @@ int main(int argc, char** argv) {
     scenario_dense<double>("float64 misaligned", 300, 1e-310, {2049}, 1, lin, dim3(2), dim3(64));
     scenario_dense<c10::Half>("float16", 14, 1e-7, {1531}, 3, wide, dim3(2), dim3(96));
     scenario_dense<c10::BFloat16>("bfloat16", 60, 1e-40, {777}, 1, log2, dim3(1), dim3(256));
+    // 40 blocks: two levels of the tree, three launches on one scratch.
+    scenario_dense<float>("float32 two levels", 60, 1e-41, {9000, 4000, 2500}, 0, log2, dim3(40), dim3(32));
     scenario_dense<c10::BFloat16>("bfloat16 wide", 3, 1e-40, {1999}, 1, wide_shared, dim3(2), dim3(64));
     scenario_strided<float>("float32 strided", 37, 3, 23, 41, log2, dim3(2), dim3(64));
     scenario_rows<c10::BFloat16>("bfloat16 rows", 90, 24, 40, lin, dim3(2), dim3(64));
     scenario_state();
     const emu::Stats s1 = emu::stats();
     // advance: its reset's grid and one block for the state, 4 x (3 + 1) + (2 + 1) + (1 + 1).
-    CHECK(s1.blocks - s0.blocks == 33 + 4 + 3 - 6 + 21, "blocks run: %lu", s1.blocks - s0.blocks);
+    CHECK(s1.blocks - s0.blocks == 33 + 4 + 3 - 6 + 21 + 2 + 120, "blocks run: %lu", s1.blocks - s0.blocks);
   } catch (const emu::KernelFault& e) {
     std::printf("KERNEL FAULT: %s\n", e.what());
     return 3;
