@@ -31,7 +31,15 @@ instructions per SM per clock), FP64 pipe 64 lanes per SM per clock, HBM3
 the element size; it ignores memory latency, shared-memory atomic conflicts and
 the per-launch start-up, which the GPU benchmark measures.
 
-Usage: ``python benchmarks/bench_sass.py [--arch 80,89,90] [--json out.json]``
+Then the fixed cost of a launch's epilogue, which SASS alone cannot count
+(it depends on the grid and the branches taken): the global atomics one
+launch sends, counted by executing the kernels' source in the CPU emulation
+harness (``tests/cuda_emu``) for a 16 M-element bfloat16 tensor of normal
+values with the default log2 histogram on the launcher's H100 grid (528
+blocks; the count depends on blocks, not threads: 32 per block there), with
+the tree merge of block partials and with every block merging into the ring.
+
+Usage: ``python benchmarks/bench_sass.py [--arch 80,89,90] [--json out.json] [--no-atomics]``
 (no GPU needed; needs hookcap built with CUDA and, for the SASS, nvdisasm from
 the toolkit or from triton's ``backends/nvidia/bin``).
 """
@@ -386,10 +394,39 @@ def parse_name(demangled: str) -> tuple[str, str] | None:
     return args[0], " ".join([SHORT.get(args[0], args[0]), modes.get(args[1], args[1]), reads.get(args[2], args[2])])
 
 
+def launch_atomics(n: int = 16 * 2**20, grid: int = 528) -> dict:
+    """Global atomics of one accumulate launch (see the module docstring),
+    with the tree merge and without; plus the histogram bins the data hit."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "cuda_emu"))
+    import emu_build
+
+    sys.path.insert(0, ROOT)
+    from hookcap import Histogram, _layout
+
+    emu = emu_build.load()
+    h = Histogram.log2()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = dict(elements=n, grid=grid, dtype="bfloat16", histogram="log2(-64, 64)")
+    for tree in (True, False):
+        ring = torch.zeros(1, 1, _layout.HEADER + h.nbins, dtype=torch.int64)
+        state = torch.tensor([0, 1, 0])
+        torch.ops.hookcap.reset_slot(ring, state)
+        before = emu.stats()["device_atomics"]
+        emu.accumulate(x, ring, state, 0, *h.op_args(), grid, 32, tree=tree)
+        out["tree" if tree else "direct"] = emu.stats()["device_atomics"] - before
+        out["bins_hit"] = int((ring[0, 0, _layout.HEADER:] != 0).sum())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="80,89,90")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-atomics", action="store_true", help="skip the emulated count of a launch's atomics")
     args = ap.parse_args()
     meta = build_meta()
     cuda_home = meta["cuda_home"]
@@ -436,9 +473,18 @@ def main() -> None:
         else:
             print(f"{r['arch']:>3} {r['kernel']:<34} {'(no loop found)':>27} {r['regs']:>4} {r['spill_bytes']:>5} {'':>4} "
                   f"{r['smem']:>6} {r['dyn_smem']:>6} {r['blocks_per_sm']:>6}")
+    atomics = None
+    if not args.no_atomics:
+        atomics = launch_atomics()
+        print(f"\n# epilogue: global atomics per launch, {atomics['elements'] / 2**20:.0f} M {atomics['dtype']} "
+              f"values, {atomics['histogram']} ({atomics['bins_hit']} bins hit), {atomics['grid']} blocks "
+              f"(emulated)")
+        print(f"tree merge (a ticket per block and per group, one merge): {atomics['tree']}")
+        print(f"every block merging into the ring:                      {atomics['direct']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(assumptions=H100, threads=THREADS, results=results), f, indent=1)
+            json.dump(dict(assumptions=H100, threads=THREADS, results=results, launch_atomics=atomics), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

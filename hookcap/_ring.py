@@ -52,6 +52,21 @@ def capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
+# Ring buffers (and their step state) a CUDA graph captured writes into,
+# parked when their DeviceRing is released: a graph that is replayed later
+# still writes there, so they are never freed, and their address is never
+# reused by another buffer (the extension's captured-ring registry holds it).
+_PARKED: list[torch.Tensor] = []
+
+
+def park_captured(buffers, captured) -> int:
+    """Keep, for the process, each of ``buffers`` that ``captured(data_ptr)``
+    says a CUDA graph wrote into. Returns how many were parked."""
+    kept = [b for b in buffers if captured(b.data_ptr())]
+    _PARKED.extend(kept)
+    return len(kept)
+
+
 def fill_state(state: torch.Tensor, step: int, enabled: bool, slot: int) -> None:
     """Write (step, enabled, slot) into a device state by fills: stream-ordered,
     no copy from pageable host memory (which would synchronise, and is not
@@ -163,6 +178,18 @@ class DeviceRing:
         self.nrows += 1
         self.rows_version += 1
         return row
+
+    def __del__(self):
+        # Released (its Monitor closed or collected): buffers a CUDA graph
+        # captured stay alive for replays of that graph.
+        try:
+            if self.is_cuda:
+                ring = self.__dict__.get("ring")
+                bufs = [b for b in (ring, *self.__dict__.get("retired", ())) if b is not None]
+                if park_captured(bufs, _C._captured_ring):
+                    _PARKED.append(self.state)  # the captured kernels read it
+        except Exception:  # interpreter shutdown: nothing left to protect
+            pass
 
     def _retire(self, old: torch.Tensor) -> None:
         self.retired.append(old)

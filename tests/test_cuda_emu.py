@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +28,10 @@ from hookcap.histogram import NO_HIST_ARGS
 
 ROOT = Path(__file__).resolve().parent.parent
 EMU = ROOT / "tests" / "cuda_emu"
-BUILD = EMU / "build"  # ignored by git (build/)
-CXX = os.environ.get("CXX", "c++")
-# Same FP contract as the real builds (no FMA contraction: linear bin edges).
-CFLAGS = ["-O1", "-std=c++20", "-ffp-contract=off", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
+sys.path.insert(0, str(EMU))
+from emu_build import BUILD, CFLAGS, CXX  # noqa: E402
+import emu_build  # noqa: E402
+
 LOG2 = Histogram.log2()
 THREADS = 256  # the launcher's block size
 OPS = torch.ops.hookcap
@@ -44,15 +45,7 @@ def _sources():
 @pytest.fixture(scope="session")
 def emu():
     """The kernels + harness as a Python module (built once; ninja keeps it)."""
-    BUILD.joinpath("py").mkdir(parents=True, exist_ok=True)
-    return cpp_ext.load(
-        name="hookcap_cuda_emu",
-        sources=[str(EMU / "emu_ops.cpp")],
-        extra_include_paths=[str(ROOT / "csrc"), str(EMU)],
-        extra_cflags=CFLAGS,
-        build_directory=str(BUILD / "py"),
-        verbose=False,
-    )
+    return emu_build.load()
 
 
 @pytest.fixture(autouse=True)
@@ -709,11 +702,13 @@ def test_std_when_mean_dwarfs_spread(emu):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("scale", [1e30, 1e-25])
-def test_float_runs_out_of_range_fall_back_to_double(emu, dtype, scale):
-    """Squares that overflow float (1e30) or underflow it (1e-25) fail
-    float_sums_ok: those runs are redone in double, so sumsq keeps double
-    precision instead of coming out Inf or 0."""
+@pytest.mark.parametrize("scale", [1e30, 1e-25, 1e-38])
+def test_float_runs_out_of_float_range(emu, dtype, scale):
+    """Squares that overflow float (1e30) fail float_sums_ok: those runs are
+    redone in double. Squares that underflow it (1e-25; 1e-38, float
+    subnormals among the values) are summed again in float with the values
+    times a power of two. Either way sumsq keeps its precision instead of
+    coming out Inf or 0."""
     g = torch.Generator().manual_seed(21)
     x = (torch.randn(5000, generator=g, dtype=torch.float64) * scale).to(dtype)
     x[3000:] = x[3000:] / scale  # later runs stay in float
@@ -959,6 +954,7 @@ VARIANTS = {
     "break_sync": ["-DHOOKCAP_EMU_BREAK_SYNC"],
     "break_reset_walk": ["-DHOOKCAP_EMU_BREAK_RESET_WALK"],
     "break_ticket": ["-DHOOKCAP_EMU_BREAK_TICKET"],
+    "break_rescale": ["-DHOOKCAP_EMU_BREAK_RESCALE"],
     "tsan": ["-fsanitize=thread"],
     "tsan_break_sync": ["-fsanitize=thread", "-DHOOKCAP_EMU_BREAK_SYNC"],
 }
@@ -1090,3 +1086,11 @@ def test_results_catch_a_ticket_left_set(selftest):
     r = _run(selftest["break_ticket"], 0, 0)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "two levels" in r.stdout and "MISMATCH" in r.stdout
+
+
+def test_results_catch_a_wrong_tiny_run_scale(selftest):
+    """Test-only build that takes a rescaled tiny run's moments back by the
+    wrong power of two: the tiny scenarios' sums and squares are caught."""
+    r = _run(selftest["break_rescale"], 0, 0)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "tiny" in r.stdout and "MISMATCH" in r.stdout

@@ -294,3 +294,19 @@ def test_state_is_made_and_set_on_the_device_without_a_host_copy():
     assert st.tolist() == [0, 1, 0]
     fill_state(st, 5, False, 2)
     assert st.tolist() == [5, 0, 2]
+
+
+def test_released_captured_buffers_are_parked_for_the_process():
+    """A buffer a CUDA graph captured (the registry's predicate) is kept when
+    its ring is released, so the graph's replays never write into memory
+    another tensor reuses; the others are let go."""
+    from hookcap import _ring
+
+    bufs = [torch.zeros(3, dtype=torch.int64) for _ in range(3)]
+    captured = {bufs[0].data_ptr(), bufs[2].data_ptr()}
+    before = len(_ring._PARKED)
+    assert _ring.park_captured(bufs, lambda p: p in captured) == 2
+    parked = _ring._PARKED[before:]
+    assert len(parked) == 2 and parked[0] is bufs[0] and parked[1] is bufs[2]
+    del _ring._PARKED[before:]
+    assert _ring.park_captured(bufs, lambda p: False) == 0 and len(_ring._PARKED) == before

@@ -690,13 +690,39 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       s1 = s2 = 0;
       revisit(j0, j1, [&](W v) { push_shifted(v, c, s1, s2, FmaSquare{}); });
     }
-    if (finite && float_sums_ok(s1, s2, mn, mx)) {
+    bool in_float = finite && float_sums_ok(s1, s2, mn, mx);
+    int scale_exp = 0;
+    if constexpr (kFloat) {
+      if (finite && !in_float && float_sums_tiny(s1, s2, mn, mx)) {
+        // Tiny values: again about the run's mean, values and center times
+        // 2**k (exact), in float (rare; re-read from cache).
+        const int k = tiny_run_exp(wmax(-mn, mx));
+        if (k > 0) {
+          const W sc = pow2f(k);
+          c = c + s1 / static_cast<W>(m);
+          const W cs = c * sc;
+          s1 = s2 = 0;
+          revisit(j0, j1, [&](W v) { push_shifted(v * sc, cs, s1, s2, FmaSquare{}); });
+          in_float = float_sums_ok(s1, s2, mn * sc, mx * sc);
+#ifndef HOOKCAP_EMU_BREAK_RESCALE  // fault injection for tests/cuda_emu only
+          scale_exp = k;
+#else
+          scale_exp = k - 1;
+#endif
+        }
+      }
+    }
+    if (in_float) {
       if (!has_shift) {
         shift = static_cast<double>(c);
         has_shift = true;
       }
-      thread_acc_add_run(part, s1, s2, m, c, shift, mn, mx, static_cast<uint32_t>(nz));
-      c = next_center(c, s1, s2, m);
+      thread_acc_add_run(part, s1, s2, m, c, shift, mn, mx, static_cast<uint32_t>(nz), scale_exp);
+      if (scale_exp > 0) {
+        c = next_center(c * pow2f(scale_exp), s1, s2, m) == W(0) ? W(0) : c;
+      } else {
+        c = next_center(c, s1, s2, m);
+      }
     } else {
       revisit(j0, j1, [&](W v) { exact(static_cast<double>(v)); });  // in double (the bins stand)
     }

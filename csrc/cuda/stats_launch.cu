@@ -65,16 +65,16 @@ bool capturing(cudaStream_t s) {
   return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
 }
 
-// Rings a CUDA graph capture wrote into: the graph keeps their address, so
-// a ring that grows must keep such a buffer alive (hookcap/_ring.py).
-constexpr int kMaxCapturedRings = 256;
+// Ring buffers a CUDA graph capture wrote into: the graph keeps their
+// address, so a ring that grows keeps such a buffer alive (hookcap/_ring.py),
+// and a released one is parked for the process, never freed: an address
+// here is never reused by another buffer. Added only while capturing.
 std::mutex g_captured_mu;
-uintptr_t g_captured_rings[kMaxCapturedRings];
-int g_ncaptured = 0;
+std::vector<uintptr_t>* g_captured_rings = new std::vector<uintptr_t>();  // never freed: outlives exit
 
 bool captured_locked(uintptr_t p) {  // g_captured_mu held
-  for (int i = 0; i < g_ncaptured; ++i) {
-    if (g_captured_rings[i] == p) return true;
+  for (const uintptr_t r : *g_captured_rings) {
+    if (r == p) return true;
   }
   return false;
 }
@@ -83,12 +83,7 @@ void note_capture(cudaStream_t s, const void* ring) {
   if (!capturing(s)) return;
   const auto p = reinterpret_cast<uintptr_t>(ring);
   std::lock_guard<std::mutex> lk(g_captured_mu);
-  if (captured_locked(p)) return;
-  if (g_ncaptured < kMaxCapturedRings) {
-    g_captured_rings[g_ncaptured++] = p;
-  } else {
-    TORCH_WARN_ONCE("hookcap: more than ", kMaxCapturedRings, " rings written inside CUDA graph captures");
-  }
+  if (!captured_locked(p)) g_captured_rings->push_back(p);
 }
 
 // Hot path: usually the first entry matches (one relaxed load).

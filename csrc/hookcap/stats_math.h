@@ -75,6 +75,10 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float bitsf(int32_t b) {
   return v;
 }
 
+// 2**k as a float (-126 <= k <= 127) and as a double (-1022 <= k <= 1023).
+C10_HOST_DEVICE C10_ALWAYS_INLINE float pow2f(int k) { return bitsf(static_cast<int32_t>(127 + k) << 23); }
+C10_HOST_DEVICE C10_ALWAYS_INLINE double pow2d(int k) { return bitsd(static_cast<int64_t>(1023 + k) << 52); }
+
 constexpr double kInf = __builtin_huge_val();
 
 // Order-preserving map double -> int64 (for non-NaN values): flip the
@@ -312,11 +316,17 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE Acc to_acc(const ThreadAcc<W>& t, double shift
 
 // Add a run of m finite values with moments s1, s2 about c (float sums) to a
 // thread's partial about `shift`.
+// scale_exp k > 0: s1, s2 are of the values and c times 2**k (a run of tiny
+// values, tiny_run_exp), so they are taken back by 2**-k and 2**-2k (exact).
 template <typename W>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_add_run(ThreadAcc<W>& t, W s1, W s2, int64_t m,
                                                           W c, double shift, W mn, W mx,
-                                                          uint32_t nz) {
+                                                          uint32_t nz, int scale_exp = 0) {
   double d1 = static_cast<double>(s1), d2 = static_cast<double>(s2);
+  if (scale_exp > 0) {
+    d1 *= pow2d(-scale_exp);
+    d2 *= pow2d(-2 * scale_exp);
+  }
   shift_rebase(d1, d2, static_cast<double>(m), static_cast<double>(c), shift);
   t.s1 += d1;
   t.s2 += d2;
@@ -348,6 +358,31 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_sums_ok(V s1, V s2, V mn, V mx) {
     const V a1 = s1 < 0 ? -s1 : s1;
     return a1 <= big && s2 <= big && (s2 >= tiny || (mn == mx && s1 == 0));
   }
+}
+
+// A run that failed float_sums_ok only because its squares are too small:
+// no NaN/Inf (the caller's check), no overflow, values that differ. Its
+// values are tiny (float's spacing at them is below the square root of
+// `tiny`), so summing them again times a power of two (tiny_run_exp) is
+// exact and keeps the run in float.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_sums_tiny(V s1, V s2, V mn, V mx) {
+  if constexpr (sizeof(V) == sizeof(double)) {
+    return false;
+  } else {
+    const V a1 = s1 < 0 ? -s1 : s1;
+    return a1 <= V(3.0e38f) && s2 < V(7.9e-31f) && !(mn == mx && s1 == 0);
+  }
+}
+
+// The exponent k in [1, 127] that brings a run's largest magnitude `amax`
+// (finite, below 1) to [1, 2), or 0 if amax is 1 or more (no rescaling):
+// the run's values, and any center between them, times 2**k are exact floats.
+C10_HOST_DEVICE C10_ALWAYS_INLINE int tiny_run_exp(float amax) {
+  int32_t b;
+  memcpy(&b, &amax, sizeof(b));
+  const int e = (b >> 23) & 0xff;  // biased exponent; 0 for subnormals
+  return e >= 127 ? 0 : (127 - e > 127 ? 127 : 127 - e);
 }
 
 // Shifted sums of a run are well conditioned when the shift lies within two

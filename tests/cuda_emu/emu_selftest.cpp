@@ -281,6 +281,27 @@ void scenario_rows(const char* name, int64_t rows, int64_t cols, int64_t ld, con
   check_row(name, ring.row(0, 0), all, 1, h, rtol_of<T>());
 }
 
+// Tiny finite values (|x| in [2**-100, 2**-60], zeros among them): every
+// float run's squares underflow, so each run is summed again scaled by a
+// power of two.
+template <typename T>
+void scenario_tiny(const char* name, size_t n, const Hist& h, dim3 grid, dim3 block) {
+  std::vector<T> x(n);
+  std::vector<double> all;
+  for (auto& e : x) {
+    const uint64_t r = next_u64();
+    const double m = 1.0 + static_cast<double>((r >> 8) % 100000) / 100000.0;
+    const double d = r % 16 == 0 ? 0.0 : std::ldexp((r >> 60) & 1 ? -m : m, -60 - static_cast<int>((r >> 30) % 41));
+    e = static_cast<T>(static_cast<float>(d));
+    all.push_back(as_double(e));
+  }
+  Ring ring(1, 1, kHeader + h.nbins());
+  ring.reset(dim3(1), dim3(32));
+  hookcap_emu::accumulate<T>(x.data(), static_cast<int64_t>(n), hookcap::kReadFlat, StridedDesc{},
+                             ring.target(0, static_cast<int64_t>(n)), h.spec(), grid, block);
+  check_row(name, ring.row(0, 0), all, 1, h, rtol_of<T>());
+}
+
 void scenario_state() {
   Ring ring(3, 2, kHeader + 4);
   ring.reset(dim3(1), dim3(32));
@@ -351,10 +372,12 @@ int main(int argc, char** argv) {
     scenario_dense<c10::BFloat16>("bfloat16 wide", 3, 1e-40, {1999}, 1, wide_shared, dim3(2), dim3(64));
     scenario_strided<float>("float32 strided", 37, 3, 23, 41, log2, dim3(2), dim3(64));
     scenario_rows<c10::BFloat16>("bfloat16 rows", 90, 24, 40, lin, dim3(2), dim3(64));
+    scenario_tiny<float>("float32 tiny", 4000, log2, dim3(2), dim3(64));
+    scenario_tiny<c10::BFloat16>("bfloat16 tiny", 3000, lin, dim3(1), dim3(64));
     scenario_state();
     const emu::Stats s1 = emu::stats();
     // advance: its reset's grid and one block for the state, 4 x (3 + 1) + (2 + 1) + (1 + 1).
-    CHECK(s1.blocks - s0.blocks == 33 + 4 + 3 - 6 + 21 + 2 + 120, "blocks run: %lu", s1.blocks - s0.blocks);
+    CHECK(s1.blocks - s0.blocks == 33 + 4 + 3 - 6 + 21 + 2 + 120 + 5, "blocks run: %lu", s1.blocks - s0.blocks);
   } catch (const emu::KernelFault& e) {
     std::printf("KERNEL FAULT: %s\n", e.what());
     return 3;
