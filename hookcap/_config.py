@@ -91,7 +91,7 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
             f"got {type(histogram).__name__}"
         )
     parse_capacity(capacity)
-    if not isinstance(every, int) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every: must be an int >= 1 (record every N-th step), got {every!r}")
     if modules is not None and not (
         isinstance(modules, str) or callable(modules) or isinstance(modules, (list, tuple))

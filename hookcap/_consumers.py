@@ -19,12 +19,25 @@ from .drained import DrainedStep
 log = logging.getLogger("hookcap")
 
 
+def as_list(value, what: str, one) -> list:
+    """``value`` (None, an iterable, or a single object that ``one`` accepts:
+    wrapped) as a list; anything else is a TypeError that names ``what``."""
+    if value is None:
+        return []
+    if one(value):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        raise TypeError(f"{what}: expected a list (or one {what[:-1]}), got {type(value).__name__}") from None
+
+
 class Sinks:
     """The Monitor's sinks. A sink that raises is disabled (logged once) and
     kept in ``failed`` with its error; training and the history go on."""
 
     def __init__(self, sinks):
-        self.active: list = list(sinks or [])
+        self.active: list = as_list(sinks, "sinks", one=lambda s: hasattr(s, "write"))
         self.failed: list = []
 
     def write(self, drained: DrainedStep) -> None:
@@ -74,7 +87,7 @@ class Consumers:
         self.config = config
         self.catalog = catalog
         self.store = HostStore(config.capacity)
-        self.detectors = [NonFinite()] if detectors is None else list(detectors)
+        self.detectors = [NonFinite()] if detectors is None else as_list(detectors, "detectors", one=callable)
         for d in self.detectors:
             if not callable(d):
                 raise ValueError(f"detectors: {d!r} is not callable")
@@ -88,7 +101,7 @@ class Consumers:
         self.anomalies: list[Anomaly] = []
         # Weak: the Monitor owns this object, and a bound method would make a cycle.
         self._dump = weakref.WeakMethod(dump) if hasattr(dump, "__self__") else (lambda: dump)
-        self._dumped = False
+        self._dumped: set[str] = set()  # anomaly kinds dumped (dump_on_anomaly)
         self._warned: set[tuple[str, str]] = set()
         self._raise: Anomaly | None = None
 
@@ -114,12 +127,13 @@ class Consumers:
 
     def _report(self, a: Anomaly) -> None:
         self.anomalies.append(a)
-        if self.dump_on_anomaly is not None and not self._dumped:
-            self._dumped = True
+        if self.dump_on_anomaly is not None and a.kind not in self._dumped:
+            first = not self._dumped
+            self._dumped.add(a.kind)
             try:
                 dump = self._dump()
                 if dump is not None:
-                    dump(self._dump_path(a))
+                    dump(self._dump_path(a, first))
             except Exception as e:
                 log.error("hookcap: dump_on_anomaly failed: %s: %s", type(e).__name__, e)
         if self.on_anomaly == "warn":
@@ -132,9 +146,13 @@ class Consumers:
         elif callable(self.on_anomaly):
             self.on_anomaly(a)
 
-    def _dump_path(self, a: Anomaly) -> str:
+    def _dump_path(self, a: Anomaly, first: bool) -> str:
+        """The first dump: ``path`` (a file), or ``hookcap-anomaly-step{N}.npz`` in
+        it (a directory); the first of each later kind adds ``-{kind}`` to the name."""
         p = os.fspath(self.dump_on_anomaly)
+        tag = "" if first else f"-{a.kind}"
         if os.path.isdir(p) or p.endswith(os.sep):
             os.makedirs(p, exist_ok=True)
-            return os.path.join(p, f"hookcap-anomaly-step{a.step}.npz")
-        return p
+            return os.path.join(p, f"hookcap-anomaly-step{a.step}{tag}.npz")
+        root, ext = os.path.splitext(p)
+        return f"{root}{tag}{ext}"

@@ -62,19 +62,21 @@ class Monitor:
         capacity: how much history the host keeps: a size in bytes (``"256MiB"``,
             ``"512MB"``, ``"2GiB"``; the default) or a number of recorded steps.
             The oldest steps are dropped first (``evicted_steps`` counts them).
-        every: record every N-th step; other steps launch nothing.
+        every: record every N-th step (an int >= 1); other steps launch nothing.
         optimizer: if given, ``step()`` runs after each optimizer step. A
             wrapper (accelerate's ``AcceleratedOptimizer``, Lightning's
             ``LightningOptimizer``) is followed to the innermost
             ``torch.optim.Optimizer``; an optimizer without step post-hooks
             has its ``step`` wrapped until ``detach()``.
         detectors: callables run on every drained step (default
-            ``[hookcap.NonFinite()]``; ``[]`` for none).
+            ``[hookcap.NonFinite()]``; ``[]`` for none; one detector alone is
+            taken as a list of one).
         on_anomaly: ``"warn"`` (one log warning per metric and kind), ``"raise"``
             (``hookcap.AnomalyError`` from ``step()``: on CPU at the ``step()`` that
             closes the anomalous step; on CUDA at a later ``step()``, at most the
             ring depth (4 recorded steps) later), ``None``, or ``callable(Anomaly)``.
-        sinks: consumers of drained steps (``hookcap.sinks.*``).
+        sinks: consumers of drained steps (``hookcap.sinks.*``); one sink alone
+            is taken as a list of one.
         timing: also record how long each hooked module's forward and backward
             take, per step (``h["fwd_ms"]``, ``h["bwd_ms"]``: milliseconds,
             summed over the module's calls in the step, on every metric of
@@ -91,7 +93,8 @@ class Monitor:
             (module boundaries fused away). Costs a pre-hook and two timing
             ops per module call (four with backward).
         dump_on_anomaly: path (or existing directory) for an automatic
-            ``dump()`` at the first anomaly.
+            ``dump()`` at the first anomaly, and at the first of each later
+            anomaly kind (``-{kind}`` added to the file name).
         dump_on_exit: path for a ``dump()`` when the process exits (atexit) or
             receives SIGTERM/SIGINT (the previous handler is chained, so the
             program's own handling, e.g. KeyboardInterrupt, still happens).

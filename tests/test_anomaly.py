@@ -216,3 +216,48 @@ def test_dump_load_round_trip_and_dump_on_anomaly(tmp_path):
     assert back == mon.history()
     assert [a.to_dict() for a in back.anomalies] == [a.to_dict() for a in mon.anomalies]
     assert back.order(3)[0] == "0/output"
+
+
+def test_dump_on_anomaly_keeps_the_first_dump_of_each_kind(tmp_path):
+    """A spike first, a NaN later: both are dumped (the NaN step is not lost
+    behind the spike's dump); a file path gets ``-{kind}`` for later kinds."""
+    for target in (str(tmp_path / "d") + "/", str(tmp_path / "crash.npz")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+        with Monitor(model, capture=("output",), detectors=[Spike(z=6, window=8, warmup=4), hookcap.NonFinite()],
+                     on_anomaly=None, dump_on_anomaly=target) as mon:
+            for i in range(10):
+                x = torch.randn(2, 3) * (1e4 if i == 6 else 1.0)
+                if i == 8:
+                    x[0, 0] = float("nan")
+                model(x)
+                mon.step()
+        kinds = {}
+        for a in mon.anomalies:
+            kinds.setdefault(a.kind, a.step)
+        assert kinds.get("spike") == 6 and 8 in [a.step for a in mon.anomalies if a.kind != "spike"], kinds
+        nan_kind = next(a.kind for a in mon.anomalies if a.step == 8 and a.kind != "spike")
+        if target.endswith("/"):
+            first, later = tmp_path / "d" / "hookcap-anomaly-step6.npz", tmp_path / "d" / f"hookcap-anomaly-step8-{nan_kind}.npz"
+        else:
+            first, later = tmp_path / "crash.npz", tmp_path / f"crash-{nan_kind}.npz"
+        assert hookcap.load(first).steps.tolist()[-1] == 6
+        assert hookcap.load(later).steps.tolist()[-1] == 8
+
+
+def test_one_detector_or_sink_is_taken_as_a_list_and_bad_arguments_are_named(tmp_path):
+    from hookcap import sinks
+
+    model = nn.Sequential(nn.Linear(3, 2))
+    with Monitor(model, detectors=hookcap.NonFinite(), sinks=sinks.JSONL(tmp_path / "m.jsonl")) as mon:
+        model(torch.randn(2, 3))
+        mon.step()
+    assert len(mon.detectors) == 1 and isinstance(mon.detectors[0], hookcap.NonFinite)
+    assert (tmp_path / "m.jsonl").read_text().strip()
+    with pytest.raises(TypeError, match="detectors"):
+        Monitor(model, detectors=3)
+    with pytest.raises(TypeError, match="sinks"):
+        Monitor(model, sinks=3)
+    for bad in (True, False, 2.0, 0):
+        with pytest.raises(ValueError, match="every"):
+            Monitor(model, every=bad)
