@@ -50,9 +50,15 @@ class Drain:
         self._partial: dict[int, list] = {}  # step -> [order, (ring index, keys, rows)...]
         self._plans: dict[tuple, _StepPlan] = {}
         self._keys: dict[int, tuple] = {}  # ring index -> (rows_version, ring, merge keys)
+        self._empty: list[StepRecord] = []  # steps closed before any ring existed
 
     def finish(self, rings, step: int, slot: int, order: np.ndarray) -> None:
-        """Hand over the slot of ``step`` (just closed) on every ring."""
+        """Hand over the slot of ``step`` (just closed) on every ring. With no
+        ring yet (no hooked module has run) the step is recorded empty."""
+        if not rings:
+            self._empty.append(make_record(step, np.empty(0, np.int64), np.empty((0, self.config.width), np.int64),
+                                           order))
+            return
         expect = set()
         for ring in rings:
             if ring.finish(step, slot):
@@ -103,6 +109,8 @@ class Drain:
                     done.append(self._complete(step))
         for ring, step, slot_rows in read:  # CPU slots read: reset while in cache
             ring.reset_read(slot_rows, self.config.hist_args, step + SLOTS * self.config.every)
+        done += self._empty
+        self._empty.clear()
         done.sort(key=lambda r: r.step)
         return done
 

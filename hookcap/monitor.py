@@ -324,10 +324,8 @@ class Monitor:
             order, failed_timers = rec.take_order()  # taken even when the step is dropped
             for module, message in failed_timers:
                 hooks.timing.failed(module, RuntimeError(message))
-            if rec.ring_list:
+            if rec.ring_list or self._attached:
                 self._drain.finish(rec.ring_list, rec.step, rec.slot, order)
-            elif self._attached:
-                self._warn_empty(rec.step)
         else:  # gradients that arrived in an off-step wrote nothing: forget them
             rec.fast.take()
         self._consume(wait=False)

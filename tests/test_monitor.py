@@ -486,3 +486,21 @@ def test_grad_input_of_a_module_that_modifies_its_input_in_place(kind):
     assert h["sum"][0, c] == pytest.approx(ref["sum"], rel=1e-5, abs=1e-6)
     assert h["sumsq"][0, c] == pytest.approx(ref["sumsq"], rel=1e-5)
     assert h["absmax"][0, c] == pytest.approx(ref["absmax"], rel=1e-6)
+
+
+def test_a_step_closed_before_any_forward_stays_in_the_history_all_nan():
+    """As the docs say of empty steps: a step() before the first forward (no
+    ring exists yet) is recorded too, NaN for every metric."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    x = torch.randn(2, 3, dtype=torch.float64)
+    m = m.double()
+    with hookcap.Monitor(m, capture=("output",)) as mon:
+        mon.step()
+        m(x)
+        mon.step()
+        mon.step()
+    h = mon.history()
+    assert h.steps.tolist() == [0, 1, 2]
+    l2 = h["l2norm"][:, h.names.index("0/output")]
+    assert np.isnan(l2[0]) and np.isnan(l2[2])
+    assert l2[1] == pytest.approx(float(torch.linalg.vector_norm(m(x))), rel=1e-12)

@@ -235,10 +235,11 @@ def test_default_modules_cover_attention_and_parametrized_linears():
     h = mon.history()
     assert {"attn/output.0", "proj/output", "sn/output"} <= set(h.names)
     assert not any("parametrizations" in n for n in h.names), h.names
-    with torch.no_grad():
-        a, w = net.attn(x, x, x)
-        assert_recorded(h, 0, "attn/output.0", [a])
-        assert_recorded(h, 0, "proj/output", [net.proj(a)])
+    # Recomputed as recorded, with grad enabled: under no_grad MultiheadAttention
+    # takes its fused inference path, whose last bits differ on some CPUs.
+    a, w = net.attn(x, x, x)
+    assert_recorded(h, 0, "attn/output.0", [a.detach()])
+    assert_recorded(h, 0, "proj/output", [net.proj(a).detach()])
 
 
 def test_a_bare_module_type_works_like_a_one_tuple():
@@ -392,7 +393,7 @@ def test_a_recorded_step_that_recorded_nothing_warns_once(caplog):
             mon.step()
     msgs = [r.getMessage() for r in caplog.records if "recorded nothing" in r.getMessage()]
     assert len(msgs) == 1 and "step 0" in msgs[0]
-    assert mon.history().steps.tolist() == [1, 2, 3]  # steps 2 and 3 are kept, empty
+    assert mon.history().steps.tolist() == [0, 1, 2, 3]  # steps 0, 2 and 3 are kept, empty
 
 
 def test_an_optimizer_without_step_hooks_gets_its_step_wrapped_until_detach():
