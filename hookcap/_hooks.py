@@ -16,7 +16,7 @@ from torch import nn
 from . import _compile
 from ._config import EVAL_PREFIX, ROOT_NAME, Config, example_names, metric_name, parametrization_internals
 from ._park import HookPark
-from ._recorder import Recorder
+from ._recorder import Recorder, placement_of
 from ._timing import Timing, inplace_grad_node
 from ._tree import tensor_leaves
 
@@ -93,6 +93,16 @@ class _StepWrapper:
             vars(self.optimizer).pop("step", None)
 
 
+def before_optimizer_step(optimizer, fn):
+    """Call ``fn()`` before each step of ``optimizer`` (or of the optimizer it
+    wraps); returns a handle with ``remove()``, or None where the optimizer
+    has no step pre-hooks."""
+    opt = innermost_optimizer(optimizer)
+    if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
+        return opt.register_step_pre_hook(lambda *a, **k: fn())
+    return None
+
+
 def after_optimizer_step(optimizer, fn):
     """Call ``fn()`` after each step of ``optimizer`` (or of the optimizer it
     wraps); returns a handle with ``remove()``."""
@@ -124,6 +134,10 @@ class Hooks:
         self.open_calls: list[list] = []  # per pre/post hook pair: its forward calls in flight
         self.timing = Timing(recorder, self.open_calls, self.key)
         self.params: list[tuple[str, torch.Tensor]] = []
+        # Replicated parameters in a multi-rank run: param_grad read from .grad at
+        # the optimizer's pre-step (or at step()), once per step.
+        self.reduced_grads: list[tuple[str, torch.Tensor]] = []
+        self._reduced_done = False
         # Monitor.everything: module -> name, and per-class counters for unnamed modules.
         self.global_names: weakref.WeakKeyDictionary | None = None
         self._class_counts: dict[str, int] = {}
@@ -149,7 +163,13 @@ class Hooks:
             self.params = [(n, p) for n, p in self._watched_params() if p.is_floating_point()]
         if "param_grad" in cfg.capture:
             for pname, p in self.params:
-                if p.requires_grad:
+                if not p.requires_grad:
+                    continue
+                if placement_of("param_grad", p) == "replicated":
+                    # A data-parallel wrapper (DDP) writes the reduced gradient into
+                    # .grad after backward: recorded before the optimizer steps.
+                    self.reduced_grads.append((pname, p))
+                else:
                     self.handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(pname)))
         if not self.handles and not ("param" in cfg.capture and self.params):
             self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="
@@ -163,6 +183,7 @@ class Hooks:
         self.open_calls.clear()
 
     def new_step(self) -> None:
+        self._reduced_done = False
         for open_calls in self.open_calls:  # a forward that raised never closed its call
             open_calls.clear()
 
@@ -175,11 +196,34 @@ class Hooks:
             self.park.park()
 
     def record_params(self) -> None:
-        """``param``: each watched parameter's values, at ``step()``."""
+        """``param``: each watched parameter's values, at ``step()``; and the
+        reduced gradients not recorded at an optimizer pre-step yet."""
         if "param" in self.config.capture:
             with torch.no_grad():
                 for pname, p in self.params:
                     self.recorder.write(pname, "param", "", p.detach(), "Parameter", 0)
+        self.record_reduced_grads(at_step=True)
+
+    def record_reduced_grads(self, at_step: bool = False) -> None:
+        """``param_grad`` of replicated parameters (multi-rank, plain tensors):
+        ``.grad`` as the optimizer sees it, after the data-parallel reduction;
+        once per step (the optimizer's pre-step, else ``step()``)."""
+        if not self.reduced_grads or self._reduced_done or not self.recorder.recording:
+            return
+        self._reduced_done = True
+        missing = []
+        with torch.no_grad():
+            for pname, p in self.reduced_grads:
+                if p.grad is None:
+                    missing.append(pname)
+                else:
+                    self.recorder.write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True)
+        if at_step and missing and len(missing) == len(self.reduced_grads):
+            self.recorder.warn_once("reduced grads", (
+                "hookcap: param_grad in a multi-rank run is read from .grad before the optimizer steps "
+                "(Monitor(optimizer=...)) or at step(); at this step() no watched parameter had a .grad "
+                "(zero_grad() before step()?): pass the optimizer to the Monitor, or call step() before "
+                "zero_grad()"))
 
     def _watched_params(self) -> Iterable[tuple[str, nn.Parameter]]:
         """All parameters when ``modules`` is None, else those owned directly by

@@ -31,6 +31,27 @@ _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
 
 
+def multi_rank() -> bool:
+    """Whether torch.distributed runs this process as one of several ranks."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def placement_of(kind: str, t) -> str:
+    """How a metric's data lie across ranks, for the merged history and sinks:
+    ``"sharded"`` (a DTensor parameter or gradient: each rank holds its part,
+    summed), ``"replicated"`` (a plain parameter or its gradient in a
+    multi-rank run: DDP, HSDP's replicate dimension: the same tensor on every
+    rank, counted once) or ``"per_rank"`` (activations and their gradients:
+    each rank's own data, summed)."""
+    if kind not in ("param", "param_grad"):
+        return "per_rank"
+    if callable(getattr(t, "to_local", None)):
+        return "sharded"
+    return "replicated" if multi_rank() else "per_rank"
+
+
 def plain_tensor(t):
     """A plain strided tensor to record for ``t`` (a Parameter's data, a
     DTensor's local shard), else ``t`` itself."""
@@ -176,14 +197,15 @@ class Recorder:
         self._calls[(name, kind)] = ci + 1
         return ci
 
-    def register(self, key: tuple, t: torch.Tensor, mtype: str, defer_name: bool = False) -> int:
+    def register(self, key: tuple, t: torch.Tensor, mtype: str, defer_name: bool = False,
+                 placement: str = "per_rank") -> int:
         """The row id of ``key`` = (name, kind, path, device, call) for tensor
         ``t``, or SKIPPED (warned once) if ``t`` cannot be recorded."""
         reason = skip_reason(t)
         if reason is not None:
             self.skip_call(metric_name(*key[:3]), reason)
             return SKIPPED
-        return self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name)
+        return self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name, placement)
 
     def skip_call(self, metric: str, reason: str) -> None:
         """One call of ``metric`` is not recorded: warned once per metric and
@@ -193,7 +215,7 @@ class Recorder:
                        f"hookcap: {metric}: a call was not recorded: {reason} (warned once per metric "
                        "and reason; other calls are recorded)")
 
-    def register_row(self, key, device, shape, dtype, mtype, defer_name=False) -> int:
+    def register_row(self, key, device, shape, dtype, mtype, defer_name=False, placement="per_rank") -> int:
         """The row id of a metric's call, created on first use.
         ``defer_name``: a row whose first write happens in C++ (a gradient)
         gets its metric name when that write is seen (``take_order``), so
@@ -204,7 +226,7 @@ class Recorder:
         if capturing(device):
             self.skip_call(metric, CAPTURE_SKIP)
             return SKIPPED
-        meta = {"module_type": mtype, "kind": kind, "shape": shape, "dtype": dtype}
+        meta = {"module_type": mtype, "kind": kind, "shape": shape, "dtype": dtype, "placement": placement}
         with self._lock:
             if key in self.rows:
                 return self.rows[key]
@@ -251,13 +273,15 @@ class Recorder:
         write of the step (``param_grad``). ``via_op``: through the dispatcher
         op, traceable by compiled autograd (gradient hooks), logged here;
         else through the C++ sink, which logs it."""
+        placement = None
         if type(t) is not torch.Tensor:
+            placement = placement_of(kind, t)
             t = plain_tensor(t)
         key = (name, kind, path, t.device, ci)
         rid = self.rows.get(key)
         if rid is None:
             try:
-                rid = self.register(key, t, mtype)
+                rid = self.register(key, t, mtype, placement=placement or placement_of(kind, t))
             except Exception as e:  # telemetry must never take the run down
                 self.skip_call(metric_name(*key[:3]), f"{type(e).__name__}: {e}")
                 return

@@ -2,26 +2,42 @@
 histograms add, extrema combine, moments are re-expressed about one common
 shift — the same merge as repeated writes into one ring row, done with one
 packed MIN all-reduce and one packed SUM all-reduce (plus one small object
-all-gather to agree on metric names and steps)."""
+all-gather to agree on metric names and steps).
+
+Each metric's ``placement`` (its meta, ``hookcap._recorder.placement_of``)
+says how: ``"per_rank"`` (activations: each rank's own data) and
+``"sharded"`` (DTensor parameters and gradients: each rank's part) are
+summed; ``"replicated"`` (plain parameters and their gradients in a
+multi-rank run: the same tensor on every rank) is counted once, from the
+lowest rank that has it, and ranks whose copies differ (counts, extrema or
+histogram) are logged: replicas that should be identical have diverged."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+import logging
+
 from . import _layout
 from ._record import StepRecord, make_record
 from .history import History
 
+log = logging.getLogger("hookcap")
+
 _I64_MAX = np.iinfo(np.int64).max
+# Columns a replica's copy must match bit for bit (sums may differ in their
+# last bits: a GPU merges blocks in no fixed order).
+_EXACT_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS,
+               _layout.MIN, _layout.MAX, _layout.ABSMAX]
 _SUM_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS, _layout.CALLS]
 _F64_COLS = [_layout.SUM, _layout.SUMSQ, _layout.S1, _layout.S2]
 
 
 def _dense(records, local_names: list[str], nbins: int, names: list[str], steps: list[int]):
     """Raw int64 rows [S, M, width] of ``records`` (whose metric indices refer
-    to ``local_names``) aligned to (steps, names); cells a rank never wrote
-    hold the values of a freshly reset row."""
+    to ``local_names``) aligned to (steps, names), and which cells this rank
+    wrote; cells a rank never wrote hold the values of a freshly reset row."""
     S, M = len(steps), len(names)
     rows = np.zeros((S, M, _layout.HEADER + nbins), dtype=np.int64)
     rows[..., _layout.SHIFT] = _layout.SHIFT_UNSET
@@ -31,12 +47,24 @@ def _dense(records, local_names: list[str], nbins: int, names: list[str], steps:
     pos = {n: i for i, n in enumerate(names)}
     col = np.array([pos[n] for n in local_names], dtype=np.int64)
     srow = {s: i for i, s in enumerate(steps)}
+    has = np.zeros((S, M), dtype=bool)
     for r in records:
         i = srow[r.step]
         m = col[r.metrics]
         rows[i, m, : _layout.HEADER] = r.header
         rows[i, m, _layout.HEADER + r.hist_lo: _layout.HEADER + r.hist_lo + r.hist.shape[1]] = r.hist
-    return rows
+        has[i, m] = True
+    return rows, has
+
+
+def _fingerprint(rows: np.ndarray) -> np.ndarray:
+    """A 62-bit hash of each row's exact columns and histogram (replicas'
+    copies agree on it)."""
+    cols = np.concatenate([rows[..., _EXACT_COLS], rows[..., _layout.HEADER:]], axis=-1).view(np.uint64)
+    mult = (np.arange(cols.shape[-1], dtype=np.uint64) * np.uint64(2) + np.uint64(0x9E3779B97F4A7C15))
+    with np.errstate(over="ignore"):
+        h = np.bitwise_xor.reduce(cols * mult, axis=-1) if cols.shape[-1] else np.zeros(cols.shape[:-1], np.uint64)
+    return (h & np.uint64((1 << 62) - 1)).astype(np.int64)
 
 
 def union_names(infos, names: list[str] | None = None, metas: dict | None = None):
@@ -53,19 +81,30 @@ def union_names(infos, names: list[str] | None = None, metas: dict | None = None
     return names, metas
 
 
+def replicated_names(metas: dict) -> set[str]:
+    """The metrics whose meta says ``placement == "replicated"``."""
+    return {n for n, m in metas.items() if m.get("placement") == "replicated"}
+
+
 def merge_records(records, local_names: list[str], spec, names: list[str], steps: list[int],
-                  group=None) -> list[StepRecord]:
+                  group=None, replicated=()) -> list[StepRecord]:
     """Collective (every rank of ``group``, with the same ``names`` and
     ``steps``): this rank's ``records`` (metric indices into ``local_names``;
     only steps in ``steps``) merged with every other rank's, one record per
     step of ``steps`` against ``names``. Counts, sums and histograms add,
     extrema combine, moments are re-expressed about one common shift: one
-    packed MIN and one packed SUM all-reduce. Execution order and per-call
-    data are this rank's (empty for a step it lacks)."""
+    packed MIN and one packed SUM all-reduce. Metrics named in ``replicated``
+    are counted once (the lowest rank that has the step's row; see the module
+    docstring). Execution order and per-call data are this rank's (empty for
+    a step it lacks)."""
     import torch.distributed as dist
 
     nb = spec.nbins if spec is not None else 0
-    rows = _dense(records, local_names, nb, names, steps)
+    rows, has = _dense(records, local_names, nb, names, steps)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rep = np.array([n in replicated for n in names], dtype=bool)
+    rep_has = has & rep[None, :]
+    fp = np.where(rep_has, _fingerprint(rows), _I64_MAX)
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
@@ -74,12 +113,23 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     #    its own data, so any of them keeps the merged variance well conditioned).
     shift_key = np.where(rows[..., _layout.SHIFT] == _layout.SHIFT_UNSET, _I64_MAX,
                          _layout.order_key(rows[..., _layout.SHIFT].view(np.float64)))
+    # Replicated metrics: the lowest rank with the row owns it; the
+    # fingerprint's min and max tell whether the copies agree.
+    owner = np.where(rep_has, rank, world)
     mins = np.stack([rows[..., _layout.MIN], -rows[..., _layout.MAX], -rows[..., _layout.ABSMAX],
-                     shift_key], axis=-1)
+                     shift_key, owner, fp, np.where(rep_has, -fp, _I64_MAX)], axis=-1)
     t = torch.from_numpy(np.ascontiguousarray(mins)).to(device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     mins = t.cpu().numpy()
     has_shift = mins[..., 3] != _I64_MAX
+    diverged = (mins[..., 4] < world) & (mins[..., 5] != -mins[..., 6])
+    if diverged.any() and rank == 0:
+        bad = [names[m] for m in np.unique(np.nonzero(diverged)[1])]
+        log.warning("hookcap: replicated metrics differ across ranks (replicas diverged, or the tensor is "
+                    "not replicated): %s%s; the merged history holds the lowest rank's copy",
+                    ", ".join(bad[:5]), f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    # Each replicated row's data from its owner only.
+    drop = rep[None, :] & (mins[..., 4] != rank)
     common = np.where(has_shift, _layout._unkey(np.where(has_shift, mins[..., 3], 0)), 0.0)
 
     # 2) one SUM all-reduce (float64: counts are exact below 2**53): counts,
@@ -89,6 +139,7 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     sums = np.concatenate([rows[..., _SUM_COLS].astype(np.float64), f[..., 0:1], f[..., 1:2],
                            s1[..., None], s2[..., None], rows[..., _layout.HEADER:].astype(np.float64)],
                           axis=-1)
+    sums[drop] = 0.0
     t = torch.from_numpy(np.ascontiguousarray(sums)).to(device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     sums = t.cpu().numpy()
@@ -133,7 +184,7 @@ def merge_across_ranks(h: History, group=None) -> History:
         raise ValueError("merge_across_ranks: ranks recorded with different histogram specs")
     names, metas = union_names(infos)
     steps = sorted({s for i in infos for s in i["steps"]})
-    recs = merge_records(h._records, h.names, h.histogram_spec, names, steps, group)
+    recs = merge_records(h._records, h.names, h.histogram_spec, names, steps, group, replicated_names(metas))
     merged = History(recs, names, metas, h.histogram_spec)
     merged.anomalies = list(getattr(h, "anomalies", []))
     return merged

@@ -21,7 +21,7 @@ from ._config import CAPTURE_KINDS, DEFAULT_CAPACITY, DEFAULT_HISTOGRAM, RANK_SI
 from ._consumers import Consumers, Sinks, check_on_anomaly
 from ._drain import Drain
 from ._exit import ExitDump
-from ._hooks import Hooks, after_optimizer_step, innermost_optimizer
+from ._hooks import Hooks, after_optimizer_step, before_optimizer_step, innermost_optimizer
 from ._ranks import RankMerger
 from ._recorder import Recorder
 from .anomaly import Anomaly, AnomalyError
@@ -57,7 +57,10 @@ class Monitor:
             the module sends to each floating input that requires grad),
             ``"grad_output"`` (gradient w.r.t. the module's outputs),
             ``"param"`` (values at ``step()``), ``"param_grad"`` (final
-            accumulated gradient of each step).
+            accumulated gradient of each step; in a multi-rank run, plain
+            parameters' ``.grad`` before the optimizer steps, after DDP's
+            reduction: pass ``optimizer``, or call ``step()`` before
+            ``zero_grad()``; DTensor shards as they accumulate).
         histogram: ``Histogram.log2()`` (default), ``Histogram.linear(...)`` or None.
         capacity: how much history the host keeps: a size in bytes (``"256MiB"``,
             ``"512MB"``, ``"2GiB"``; the default) or a number of recorded steps.
@@ -275,6 +278,10 @@ class Monitor:
         try:
             self._hooks.attach()
             if self.optimizer is not None:
+                if self._hooks.reduced_grads:
+                    pre = before_optimizer_step(self.optimizer, self._hooks.record_reduced_grads)
+                    if pre is not None:
+                        self._hooks.handles.append(pre)
                 self._hooks.handles.append(after_optimizer_step(self.optimizer, self.step))
         except BaseException:
             self._hooks.remove()
@@ -337,6 +344,12 @@ class Monitor:
         anomaly = self._consumers.raise_pending()
         if anomaly is not None:
             raise AnomalyError(anomaly)
+
+    def _before_optimizer_step(self) -> None:
+        """For callbacks that see the optimizer's step coming (HF, Lightning):
+        param_grad of replicated parameters from ``.grad`` now, reduced."""
+        if self._attached:
+            self._hooks.record_reduced_grads()
 
     @contextlib.contextmanager
     def paused(self):

@@ -128,6 +128,48 @@ def test_ddp_activation_stats_merge_to_global_batch(tmp_path):
     assert np.isnan(other["count"][1, other.column("./output")])
 
 
+def _ddp_grad_worker(rank, world, store, out):
+    _init(rank, world, store)
+    torch.set_num_threads(1)
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mon = Monitor(model, capture=("param", "param_grad"), optimizer=opt).attach()
+    grads, params = [], []
+    for x in batches():
+        ddp(x[rank * 4:(rank + 1) * 4] * (1 + rank)).pow(2).mean().backward()
+        grads.append({n: p.grad.double().clone() for n, p in model.named_parameters()})
+        opt.step()  # the Monitor's step() runs after it
+        params.append({n: p.detach().double().clone() for n, p in model.named_parameters()})
+        opt.zero_grad()
+    local, merged = mon.history(), mon.history(all_ranks=True)
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump((local, merged, grads, params), f)
+    _finish()
+
+
+def test_ddp_param_grad_is_the_reduced_gradient_and_replicas_count_once(tmp_path):
+    """Under DDP, param_grad is the gradient the optimizer steps with (after the
+    all-reduce; each rank's local gradient differs: rank 1's batch is scaled),
+    on every rank and in the merged history, where a replicated parameter and
+    its gradient count once (count = numel)."""
+    res = spawn_all(_ddp_grad_worker, tmp_path)
+    for local, merged, grads, params in res:
+        for h in (local, merged):
+            assert h.meta("0.weight/param_grad")["placement"] == "replicated"
+            for s, (g, p) in enumerate(zip(grads, params)):
+                for name in g:
+                    for kind, ref_t in (("param_grad", g[name]), ("param", p[name])):
+                        ref = hookcap.reference.tensor_stats(ref_t)
+                        c = h.column(f"{name}/{kind}")
+                        assert h["count"][s, c] == ref_t.numel()
+                        for stat in ("sum", "sumsq", "min", "max"):
+                            assert h[stat][s, c] == pytest.approx(ref[stat], rel=1e-6, abs=1e-9), (name, kind, stat)
+    # Both ranks' .grad hold the same reduced gradient.
+    for name in res[0][2][0]:
+        torch.testing.assert_close(res[0][2][0][name], res[1][2][0][name])
+
+
 def _fsdp_worker(rank, world, store, out):
     _init(rank, world, store)
     from torch.distributed.fsdp import fully_shard

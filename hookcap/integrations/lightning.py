@@ -45,6 +45,11 @@ class HookcapCallback(Callback):
         if mon is not None and (state is not None or mon.current_step != trainer.global_step):
             mon.load_state_dict({**(state or mon.state_dict()), "step": trainer.global_step})
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # Under DDP, param_grad is .grad as the optimizer sees it (reduced).
+        if self.monitor is not None:
+            self.monitor._before_optimizer_step()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         mon = self.monitor
         if mon is not None and trainer.global_step > mon.current_step:  # an optimizer step ran

@@ -60,6 +60,11 @@ class HookcapCallback(TrainerCallback):
         # The Trainer's counter is the authority on numbering.
         self.monitor.load_state_dict({**saved, "step": state.global_step + 1})
 
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # Under DDP, param_grad is .grad as the optimizer sees it (reduced).
+        if self.monitor is not None:
+            self.monitor._before_optimizer_step()
+
     def on_step_end(self, args, state, control, **kwargs):
         if self.monitor is not None:
             self.monitor.step()
