@@ -1,5 +1,6 @@
-"""Command line: ``python -m hookcap demo [--steps N] [--device D] [--every K] [--out DIR]``
-and ``python -m hookcap report PATH [--stat S] [--metric NAME] [--out DIR]``."""
+"""Command line: ``python -m hookcap demo [--steps N] [--device D] [--every K] [--out DIR]``,
+``python -m hookcap report PATH [--stat S] [--metric NAME] [--out DIR]``, ``python -m hookcap
+info`` and ``python -m hookcap --version`` (whether the CUDA kernels were built)."""
 
 from __future__ import annotations
 
@@ -84,9 +85,33 @@ def demo(args) -> int:
     return 0
 
 
+def version_line() -> str:
+    """``hookcap X (torch Y; CUDA kernels built for ... | not built: why)``."""
+    import hookcap
+
+    b = hookcap.build_info()
+    if b.get("cuda"):
+        kernels = f"CUDA kernels built for {b.get('arch_list') or '?'}"
+    else:
+        kernels = f"CUDA kernels not built: {b.get('cuda_reason') or 'unknown'}"
+    return f"hookcap {hookcap.__version__} (torch {b.get('torch_version')}; {kernels}; CPU loop {b['cpu_isa']})"
+
+
+def info_text() -> str:
+    """The version line, then every field of ``hookcap.build_info()``."""
+    import hookcap
+
+    b = hookcap.build_info()
+    return "\n".join([version_line(), *(f"  {k}: {b[k]}" for k in sorted(b))])
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hookcap", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m hookcap",
+                                description="hookcap: per-layer training telemetry for PyTorch.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="the installed build: version, torch, whether the CUDA kernels were built")
     d = sub.add_parser("demo", help="train a small transformer with a Monitor attached")
     d.add_argument("--steps", type=int, default=300)
     d.add_argument("--device", default="cpu")
@@ -101,6 +126,9 @@ def main(argv=None) -> int:
     r.add_argument("--out", default=None, help="output folder (default: PATH without extension + '-report')")
     args = p.parse_args(argv)
     np.set_printoptions(precision=4)
+    if args.cmd == "info":
+        print(info_text())
+        return 0
     if args.cmd == "demo":
         return demo(args)
     if args.cmd == "report":
