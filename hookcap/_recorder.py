@@ -69,6 +69,11 @@ _SUPPORTED_DTYPES = frozenset(
     + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)])
 
 
+def _is_functorch_wrapped(t) -> bool:
+    f = getattr(torch._C, "_functorch", None)
+    return f is not None and f.is_functorch_wrapped_tensor(t)
+
+
 def skip_reason(t) -> str | None:
     """Why ``t`` cannot be recorded, or None."""
     if t.layout != torch.strided:
@@ -79,6 +84,8 @@ def skip_reason(t) -> str | None:
         return "nested tensors are not supported"
     if t.device.type == "meta":
         return "meta tensors hold no values"
+    if _is_functorch_wrapped(t):
+        return "a tensor inside a torch.func transform (grad, vjp, jacrev, vmap) has no storage to read"
     if type(t) is not torch.Tensor:
         return f"tensor subclass {type(t).__name__} is not supported"
     if t.dtype not in _SUPPORTED_DTYPES:

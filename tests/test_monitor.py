@@ -2,6 +2,8 @@
 plain PyTorch hooks; naming, merging, cadence, capacity, non-invasiveness."""
 
 import gc
+import math
+import logging
 import weakref
 from collections import defaultdict
 
@@ -504,3 +506,44 @@ def test_a_step_closed_before_any_forward_stays_in_the_history_all_nan():
     l2 = h["l2norm"][:, h.names.index("0/output")]
     assert np.isnan(l2[0]) and np.isnan(l2[2])
     assert l2[1] == pytest.approx(float(torch.linalg.vector_norm(m(x))), rel=1e-12)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "vmap_grad", "functional_call"])
+def test_torch_func_transforms_never_raise_and_plain_calls_stay_exact(transform, caplog):
+    """Cold (first forward inside the transform) and warm: the user's code
+    runs as without hookcap, the transform's tensors are skipped with one
+    warning per metric and reason, and plain forwards are recorded exactly."""
+    from torch.func import functional_call, grad, jacrev, vjp, vmap
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1)).double()
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def loss(p, x):
+        return functional_call(m, p, (x,)).sum()
+
+    run = {
+        "grad": lambda: grad(loss)(params, x),
+        "vjp": lambda: vjp(lambda p: loss(p, x), params)[1](torch.tensor(1.0, dtype=torch.float64)),
+        "jacrev": lambda: jacrev(loss)(params, x),
+        "vmap_grad": lambda: vmap(grad(loss), in_dims=(None, 0))(params, x),
+        "functional_call": lambda: loss(params, x),
+    }[transform]
+    want = run()
+    with caplog.at_level(logging.WARNING, logger="hookcap"), hookcap.Monitor(m, capture="output") as mon:
+        for _ in range(2):  # cold, then warm
+            got = run()
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            out = m(x)  # a plain forward in the same step
+            mon.step()
+    h = mon.history()
+    c = h.column("2/output")
+    # functional_call alone runs plain tensors: its call (the same values) is recorded too.
+    calls = 2 if transform == "functional_call" else 1
+    want_l2 = math.sqrt(calls) * float(torch.linalg.vector_norm(out))
+    assert h["l2norm"][1, c] == pytest.approx(want_l2, rel=1e-12)
+    assert h["count"][1, c] == calls * out.numel()
+    if transform != "functional_call":
+        msgs = [r.getMessage() for r in caplog.records if "torch.func" in r.getMessage()]
+        assert msgs and len(msgs) == len(set(msgs))

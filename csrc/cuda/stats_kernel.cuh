@@ -383,6 +383,156 @@ __device__ __forceinline__ void record_read(const volatile int64_t* r, Acc& a, b
   shift = has ? bitsd(s) : 0.0;
 }
 
+// Where a block's histogram counts are in shared memory: entry i's count is
+// the sum over `ways` of at[w * way_stride + i * step + off].
+struct BlockCounts {
+  unsigned int* at;
+  int ways, way_stride, step, off;
+  __device__ __forceinline__ unsigned int operator()(int64_t i) const {
+    unsigned int c = 0;
+    for (int w = 0; w < ways; ++w) c += at[w * way_stride + i * step + off];
+    return c;
+  }
+};
+
+// The end of every accumulate block: its partial (in lane 0 of warp 0: `acc`
+// about `shift`) and its shared-memory counts into the ring, directly or by
+// the tree (launch_plan.cuh). Not inlined: its registers stay out of the
+// kernel's streaming loop's allocation. Every thread of the block calls it.
+template <int kMode, bool kThresholds>
+__device__ __noinline__ void block_epilogue(Acc acc, bool has_shift, double shift, const RowTarget& tgt,
+                                            const HistSpec& hist, int64_t* row, BlockCounts counts) {
+  constexpr bool kCounts = kMode == kModeLog2Exp || kMode == kModeLog2 || kMode == kModeLinear;
+  const int64_t ncounts = kMode == kModeLog2Exp ? 256 : kCounts ? hist.nbins : 0;
+  const int tid = threadIdx.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  int64_t* hrow = row + kHeader;
+  const int32_t lo_exp = static_cast<int32_t>(hist.lo_exp), hi_exp = static_cast<int32_t>(hist.hi_exp);
+  __shared__ int s_last;  // the tree: whether this block merges its group
+  // Into the ring: the moments (lane 0 of warp 0; `zero_or_sub`: count 0)...
+  auto merge_moments = [&](Acc a, bool a_has, double a_shift, int64_t zero_or_sub) {
+    if (a_has) {
+      const int64_t old = DeviceAtomics::cas_i64(row + kShift, kShiftUnset, dbits(a_shift));
+      if (old != kShiftUnset) acc_rebase(a, a_shift, bitsd(old));
+    }
+    if (tgt.mult != 1) acc_scale(a, tgt.mult);
+    row_merge<DeviceAtomics>(row, a);
+    if constexpr (kMode == kModeLog2Exp) {
+      // Exponent byte 0 holds the zeros (bin 0) and float subnormals,
+      // which lie below lo_exp >= -126 (the underflow bin 1).
+      zero_or_sub *= tgt.mult;
+      if (a.nzero) DeviceAtomics::add_i64(hrow, a.nzero);
+      if (zero_or_sub > a.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - a.nzero);
+    }
+    if constexpr (kThresholds) {
+      // linear_bin_thr put NaN and -Inf in bin 0 and +Inf in bins + 1.
+      if (a.nnan + a.nninf) DeviceAtomics::add_i64(hrow, -(a.nnan + a.nninf));
+      if (a.npinf) DeviceAtomics::add_i64(hrow + hist.bins + 1, -a.npinf);
+    }
+  };
+  // ... and the counts (every thread: entries tid, tid + blockDim.x, ...).
+  auto merge_counts = [&](auto&& cnt) {
+    for (int64_t i = tid; i < ncounts; i += blockDim.x) {
+      if constexpr (kMode == kModeLog2Exp) {
+        if (i == 0 || i == 255) continue;  // zeros and subnormals: merge_moments; NaN/Inf: none
+        const unsigned int c = cnt(i);
+        if (c) {
+          const float v = bitsf(static_cast<int32_t>(i) << 23);
+          DeviceAtomics::add_i64(hrow + log2_bin(v, lo_exp, hi_exp), static_cast<int64_t>(c) * tgt.mult);
+        }
+      } else {
+        const unsigned int c = cnt(i);
+        if (c) DeviceAtomics::add_i64(hrow + i, static_cast<int64_t>(c) * tgt.mult);
+      }
+    }
+  };
+  if (warp == 0 && lane == 0 && blockIdx.x == 0) {
+    if (tgt.count) DeviceAtomics::add_i64(row + kCount, tgt.count);
+    if (tgt.calls) DeviceAtomics::add_i64(row + kCalls, tgt.calls);
+  }
+  const bool tree = tgt.scratch != nullptr && gridDim.x > 1 && gridDim.x <= kMaxTreeBlocks;
+  if (!tree) {  // every block into the ring
+    if (warp == 0 && lane == 0) {
+      merge_moments(acc, has_shift, shift, kMode == kModeLog2Exp ? counts(0) : 0);
+    }
+    if constexpr (kCounts) merge_counts(counts);
+    return;
+  }
+
+  // The tree (launch_plan.cuh): the block's record, then a ticket per level;
+  // the last block of a group merges the group's records.
+  const bool table = kCounts && ncounts <= kTableCounts;  // counts travel with the records
+  if (kCounts && !table) merge_counts(counts);       // else each block's go to the ring
+  int64_t* tickets = tgt.scratch;
+  int64_t* records = tgt.scratch + kTicketWords;
+  // The merged counts, entry i owned by thread i % blockDim.x: shared memory
+  // the block's own counts no longer need once its record is written.
+  unsigned int* s_sum = counts.at;
+  int64_t* rec = records + static_cast<int64_t>(blockIdx.x) * kRecordWords;
+  if (warp == 0 && lane == 0) record_write(rec, acc, has_shift, shift);
+  if (table) {
+    unsigned int* t = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
+    for (int64_t i = tid; i < ncounts; i += blockDim.x) t[i] = counts(i);
+  }
+  int64_t idx = blockIdx.x, nrec = gridDim.x, base = 0;  // this level: record, records, first
+  for (int level = 0;; ++level) {
+    const int64_t group = idx / kTreeFan, first = group * kTreeFan;
+    const int members = static_cast<int>(nrec - first < kTreeFan ? nrec - first : kTreeFan);
+    // Publish the record, then take the group's ticket: the last merges.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      int64_t* t = tickets + (level == 0 ? group : kTreeFan);
+#ifndef HOOKCAP_EMU_BREAK_TICKET  // fault injection for tests/cuda_emu only
+      const bool last = DeviceAtomics::ticket(t) == members - 1;
+      if (last) *t = 0;  // for the next launch on this stream
+#else
+      const bool last = DeviceAtomics::ticket(t) == members - 1;
+#endif
+      s_last = last ? 1 : 0;
+    }
+    __syncthreads();
+    if (s_last == 0) return;
+    __threadfence();
+    const volatile int64_t* grp = records + (base + first) * kRecordWords;
+    if (warp == 0) {
+      has_shift = false;
+      shift = 0.0;
+      acc_init(acc);
+      if (lane < members) record_read(grp + lane * kRecordWords, acc, has_shift, shift);
+      warp_common_shift(acc, has_shift, shift);
+      warp_reduce(acc);
+    }
+    if (table) {
+      for (int64_t i = tid; i < ncounts; i += blockDim.x) {
+        unsigned int c = 0;
+        for (int m = 0; m < members; ++m) {
+          c += reinterpret_cast<const volatile unsigned int*>(grp + m * kRecordWords + kRecordHeader)[i];
+        }
+        s_sum[i] = c;
+      }
+    }
+    if (nrec <= kTreeFan) {  // the top: into the ring
+      if (warp == 0 && lane == 0) {
+        merge_moments(acc, has_shift, shift, kMode == kModeLog2Exp && table ? s_sum[0] : 0);
+      }
+      if (table) merge_counts([&](int64_t i) { return s_sum[i]; });
+      return;
+    }
+    // Into the group's record on the next level.
+    rec = records + (static_cast<int64_t>(gridDim.x) + group) * kRecordWords;
+    if (warp == 0 && lane == 0) record_write(rec, acc, has_shift, shift);
+    if (table) {
+      unsigned int* t = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
+      for (int64_t i = tid; i < ncounts; i += blockDim.x) t[i] = s_sum[i];
+    }
+    idx = group;
+    nrec = (nrec + kTreeFan - 1) / kTreeFan;
+    base = gridDim.x;
+  }
+}
+
 template <typename T, int kMode, int kRead>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     accumulate_kernel(const T* __restrict__ x, int64_t n, StridedDesc desc, RowTarget tgt,
@@ -397,7 +547,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   __shared__ std::conditional_t<kMode == kModeLog2Exp, Log2ExpSmem, char> sh;
   __shared__ Acc s_warp[kWarps];
   __shared__ int64_t s_shift[kWarps];  // each warp partial's shift (bits), or kShiftUnset
-  __shared__ int s_last;               // the tree: whether this block merges its group
 
   if (blockDim.x > kThreads) __trap();  // shared memory is sized for kThreads
   const int64_t enabled = tgt.state[kStateEnabled];
@@ -690,29 +839,35 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       s1 = s2 = 0;
       revisit(j0, j1, [&](W v) { push_shifted(v, c, s1, s2, FmaSquare{}); });
     }
-    bool in_float = finite && float_sums_ok(s1, s2, mn, mx);
+    const bool in_float = finite && float_sums_ok(s1, s2, mn, mx);
     int scale_exp = 0;
-    if constexpr (kFloat) {
-      if (finite && !in_float && float_sums_tiny(s1, s2, mn, mx)) {
-        // Tiny values: again about the run's mean, values and center times
-        // 2**k (exact), in float (rare; re-read from cache).
-        const int k = tiny_run_exp(wmax(-mn, mx));
-        if (k > 0) {
-          const W sc = pow2f(k);
-          c = c + s1 / static_cast<W>(m);
-          const W cs = c * sc;
-          s1 = s2 = 0;
-          revisit(j0, j1, [&](W v) { push_shifted(v * sc, cs, s1, s2, FmaSquare{}); });
-          in_float = float_sums_ok(s1, s2, mn * sc, mx * sc);
-#ifndef HOOKCAP_EMU_BREAK_RESCALE  // fault injection for tests/cuda_emu only
-          scale_exp = k;
-#else
-          scale_exp = k - 1;
-#endif
-        }
+    if (!in_float) {
+      // Redone (rare; re-read from cache): a run of tiny values again about
+      // its mean, values and center times 2**k (exact), in float (the scaled
+      // squares cannot underflow: the largest value is in [1, 2)); any other
+      // run element by element in double (the bins stand).
+      if constexpr (kFloat) {
+        if (finite && float_sums_tiny(s1, s2, mn, mx)) scale_exp = tiny_run_exp(wmax(-mn, mx));
       }
+      W sc = W(1), cs = W(0);
+      if (scale_exp > 0) {
+        sc = pow2f(scale_exp);
+        c = c + s1 / static_cast<W>(m);
+        cs = c * sc;
+        s1 = s2 = 0;
+      }
+      revisit(j0, j1, [&](W v) {
+        if (scale_exp > 0) {
+          push_shifted(v * sc, cs, s1, s2, FmaSquare{});
+        } else {
+          exact(static_cast<double>(v));
+        }
+      });
+#ifdef HOOKCAP_EMU_BREAK_RESCALE  // fault injection for tests/cuda_emu only
+      if (scale_exp > 0) scale_exp -= 1;
+#endif
     }
-    if (in_float) {
+    if (in_float || scale_exp > 0) {
       if (!has_shift) {
         shift = static_cast<double>(c);
         has_shift = true;
@@ -723,8 +878,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       } else {
         c = next_center(c, s1, s2, m);
       }
-    } else {
-      revisit(j0, j1, [&](W v) { exact(static_cast<double>(v)); });  // in double (the bins stand)
     }
   }
   if constexpr (kFlat) {
@@ -787,150 +940,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     warp_reduce(acc);
   }
 
-  // The block's histogram counts, entry i: kModeLog2Exp, of exponent byte i
-  // (0: zeros and float subnormals, 255: NaN/Inf); counted in shared memory,
-  // of ring bin i. (kWarpBins modes counted into the ring as they went.)
-  constexpr bool kCounts = kMode == kModeLog2Exp || kSharedCounts;
-  const int64_t ncounts = kMode == kModeLog2Exp ? 256 : kSharedCounts ? hist.nbins : 0;
-  auto block_count = [&](int64_t i) -> unsigned int {
-    if constexpr (kMode == kModeLog2Exp) {
-      unsigned int c = 0;
-      for (int w = 0; w < kWarps; ++w) c += sh.tab[w][i];
-      return c;
-    } else if constexpr (kPairs) {
-      return pairs[i].count;
-    } else if constexpr (kSharedCounts) {
-      return s_cnt[1 + i];
-    } else {
-      return 0u;
-    }
-  };
-  // Into the ring: the moments (lane 0 of warp 0; `zero_or_sub`: count 0)...
-  auto merge_moments = [&](Acc a, bool a_has, double a_shift, int64_t zero_or_sub) {
-    if (a_has) {
-      const int64_t old = DeviceAtomics::cas_i64(row + kShift, kShiftUnset, dbits(a_shift));
-      if (old != kShiftUnset) acc_rebase(a, a_shift, bitsd(old));
-    }
-    if (tgt.mult != 1) acc_scale(a, tgt.mult);
-    row_merge<DeviceAtomics>(row, a);
-    if constexpr (kMode == kModeLog2Exp) {
-      // Exponent byte 0 holds the zeros (bin 0) and float subnormals,
-      // which lie below lo_exp >= -126 (the underflow bin 1).
-      zero_or_sub *= tgt.mult;
-      if (a.nzero) DeviceAtomics::add_i64(hrow, a.nzero);
-      if (zero_or_sub > a.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - a.nzero);
-    }
-    if constexpr (kThresholds) {
-      // linear_bin_thr put NaN and -Inf in bin 0 and +Inf in bins + 1.
-      if (a.nnan + a.nninf) DeviceAtomics::add_i64(hrow, -(a.nnan + a.nninf));
-      if (a.npinf) DeviceAtomics::add_i64(hrow + hist.bins + 1, -a.npinf);
-    }
-  };
-  // ... and the counts (every thread: entries tid, tid + blockDim.x, ...).
-  auto merge_counts = [&](auto&& cnt) {
-    for (int64_t i = tid; i < ncounts; i += blockDim.x) {
-      if constexpr (kMode == kModeLog2Exp) {
-        if (i == 0 || i == 255) continue;  // zeros and subnormals: merge_moments; NaN/Inf: none
-        const unsigned int c = cnt(i);
-        if (c) {
-          const float v = bitsf(static_cast<int32_t>(i) << 23);
-          DeviceAtomics::add_i64(hrow + log2_bin(v, lo_exp, hi_exp), static_cast<int64_t>(c) * tgt.mult);
-        }
-      } else {
-        const unsigned int c = cnt(i);
-        if (c) DeviceAtomics::add_i64(hrow + i, static_cast<int64_t>(c) * tgt.mult);
-      }
-    }
-  };
-  if (warp == 0 && lane == 0 && blockIdx.x == 0) {
-    if (tgt.count) DeviceAtomics::add_i64(row + kCount, tgt.count);
-    if (tgt.calls) DeviceAtomics::add_i64(row + kCalls, tgt.calls);
-  }
-  const bool tree = tgt.scratch != nullptr && gridDim.x > 1 && gridDim.x <= kMaxTreeBlocks;
-  if (!tree) {  // every block into the ring
-    if (warp == 0 && lane == 0) {
-      merge_moments(acc, has_shift, shift, kMode == kModeLog2Exp ? block_count(0) : 0);
-    }
-    if constexpr (kCounts) merge_counts(block_count);
-    return;
-  }
-
-  // The tree (launch_plan.cuh): the block's record, then a ticket per level;
-  // the last block of a group merges the group's records.
-  const bool table = kCounts && ncounts <= kTableCounts;  // counts travel with the records
-  if (kCounts && !table) merge_counts(block_count);       // else each block's go to the ring
-  int64_t* tickets = tgt.scratch;
-  int64_t* records = tgt.scratch + kTicketWords;
-  // The merged counts, entry i owned by thread i % blockDim.x: shared memory
-  // the block's own counts no longer need once its record is written.
-  unsigned int* s_sum = nullptr;
+  // The block's histogram counts in shared memory, entry i: kModeLog2Exp, of
+  // exponent byte i (0: zeros and float subnormals, 255: NaN/Inf), summed
+  // over the warps' tables; counted in shared memory, of ring bin i (kWarpBins
+  // modes counted into the ring as they went).
+  BlockCounts counts{nullptr, 0, 0, 0, 0};
   if constexpr (kMode == kModeLog2Exp) {
-    s_sum = &sh.tab[0][0];
-  } else {
-    s_sum = reinterpret_cast<unsigned int*>(dynamic_smem());
+    counts = BlockCounts{&sh.tab[0][0], kWarps, 256, 1, 0};
+  } else if constexpr (kPairs) {
+    counts = BlockCounts{reinterpret_cast<unsigned int*>(pairs), 1, 0, 2, 1};  // ThrCount::count
+  } else if constexpr (kSharedCounts) {
+    counts = BlockCounts{s_cnt, 1, 0, 1, 1};  // [0]: values not binned
   }
-  int64_t* rec = records + static_cast<int64_t>(blockIdx.x) * kRecordWords;
-  if (warp == 0 && lane == 0) record_write(rec, acc, has_shift, shift);
-  if (table) {
-    unsigned int* t = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
-    for (int64_t i = tid; i < ncounts; i += blockDim.x) t[i] = block_count(i);
-  }
-  int64_t idx = blockIdx.x, nrec = gridDim.x, base = 0;  // this level: record, records, first
-  for (int level = 0;; ++level) {
-    const int64_t group = idx / kTreeFan, first = group * kTreeFan;
-    const int members = static_cast<int>(nrec - first < kTreeFan ? nrec - first : kTreeFan);
-    // Publish the record, then take the group's ticket: the last merges.
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      int64_t* t = tickets + (level == 0 ? group : kTreeFan);
-#ifndef HOOKCAP_EMU_BREAK_TICKET  // fault injection for tests/cuda_emu only
-      const bool last = DeviceAtomics::ticket(t) == members - 1;
-      if (last) *t = 0;  // for the next launch on this stream
-#else
-      const bool last = DeviceAtomics::ticket(t) == members - 1;
-#endif
-      s_last = last ? 1 : 0;
-    }
-    __syncthreads();
-    if (s_last == 0) return;
-    __threadfence();
-    const volatile int64_t* grp = records + (base + first) * kRecordWords;
-    if (warp == 0) {
-      has_shift = false;
-      shift = 0.0;
-      acc_init(acc);
-      if (lane < members) record_read(grp + lane * kRecordWords, acc, has_shift, shift);
-      warp_common_shift(acc, has_shift, shift);
-      warp_reduce(acc);
-    }
-    if (table) {
-      for (int64_t i = tid; i < ncounts; i += blockDim.x) {
-        unsigned int c = 0;
-        for (int m = 0; m < members; ++m) {
-          c += reinterpret_cast<const volatile unsigned int*>(grp + m * kRecordWords + kRecordHeader)[i];
-        }
-        s_sum[i] = c;
-      }
-    }
-    if (nrec <= kTreeFan) {  // the top: into the ring
-      if (warp == 0 && lane == 0) {
-        merge_moments(acc, has_shift, shift, kMode == kModeLog2Exp && table ? s_sum[0] : 0);
-      }
-      if (table) merge_counts([&](int64_t i) { return s_sum[i]; });
-      return;
-    }
-    // Into the group's record on the next level.
-    rec = records + (static_cast<int64_t>(gridDim.x) + group) * kRecordWords;
-    if (warp == 0 && lane == 0) record_write(rec, acc, has_shift, shift);
-    if (table) {
-      unsigned int* t = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
-      for (int64_t i = tid; i < ncounts; i += blockDim.x) t[i] = s_sum[i];
-    }
-    idx = group;
-    nrec = (nrec + kTreeFan - 1) / kTreeFan;
-    base = gridDim.x;
-  }
+  block_epilogue<kMode, kThresholds>(acc, has_shift, shift, tgt, hist, row, counts);
 }
 
 // The accumulate specialisation for an element type, a histogram, a read

@@ -50,15 +50,34 @@ int64_t max_blocks(int device) {
 // hook's op runs on the stream current where it ran (a user's side stream,
 // a backward node on its forward's stream), not necessarily the one current
 // at step(): the drain makes that one wait for all of them before it copies
-// a slot to the host or advances the state. Keys are handle + 1 (handles are
-// aligned pointers or the small constants of the default streams; 0 = free).
+// a slot to the host or advances the state. A write on a stream other than
+// the one the last step() joined on records that stream's event right after
+// its launch, so the join waits on events only and never touches a stream
+// handle that may have been destroyed since (an external stream). Keys are
+// handle + 1 (handles are aligned pointers or the small constants of the
+// default streams; 0 = free).
 constexpr int kMaxWriteStreams = 64;
 struct WriteStreams {
   std::atomic<uintptr_t> keys[kMaxWriteStreams];
+  std::atomic<cudaEvent_t> events[kMaxWriteStreams];  // created at a slot's first write
   std::atomic<bool> overflow;
-  cudaEvent_t events[kMaxWriteStreams];  // created at the first join that needs one
+  std::atomic<uintptr_t> step_stream;  // key of the stream current at the last join (0: none yet)
+  std::mutex mu;                       // event creation
+  cudaEvent_t step_event = nullptr;    // the last join's stream, when a step() runs on another
 };
 WriteStreams g_write_streams[kMaxDevices];
+
+cudaEvent_t write_event(WriteStreams& w, int slot) {
+  cudaEvent_t ev = w.events[slot].load(std::memory_order_acquire);
+  if (ev != nullptr) return ev;
+  std::lock_guard<std::mutex> lk(w.mu);
+  ev = w.events[slot].load(std::memory_order_relaxed);
+  if (ev == nullptr) {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    w.events[slot].store(ev, std::memory_order_release);
+  }
+  return ev;
+}
 
 bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
@@ -86,24 +105,29 @@ void note_capture(cudaStream_t s, const void* ring) {
   if (!captured_locked(p)) g_captured_rings->push_back(p);
 }
 
-// Hot path: usually the first entry matches (one relaxed load).
-void note_write_stream(int device, cudaStream_t s) {
+// After every launch that writes a ring (outside a capture, whose graph
+// orders its own streams): on a stream other than the last join's, its slot
+// is marked and its event recorded on it. Hot path: one relaxed load when
+// hooks run on the training stream.
+void seal_ring_write(int device, cudaStream_t s) {
   if (device < 0 || device >= kMaxDevices) return;
   WriteStreams& w = g_write_streams[device];
   const uintptr_t key = reinterpret_cast<uintptr_t>(s) + 1;
-  for (auto& k : w.keys) {
-    uintptr_t cur = k.load(std::memory_order_relaxed);
-    if (cur == key) return;
-    if (cur == 0 && (k.compare_exchange_strong(cur, key) || cur == key)) return;
+  if (w.step_stream.load(std::memory_order_relaxed) == key || capturing(s)) return;
+  int slot = -1;
+  for (int i = 0; i < kMaxWriteStreams && slot < 0; ++i) {
+    uintptr_t cur = w.keys[i].load(std::memory_order_relaxed);
+    if (cur == key || (cur == 0 && (w.keys[i].compare_exchange_strong(cur, key) || cur == key))) slot = i;
   }
-  w.overflow.store(true, std::memory_order_relaxed);
-}
-
-// Every launch that writes a ring: its stream for the drain's join, and the
-// ring if a graph is capturing it.
-void note_ring_write(int device, cudaStream_t s, const void* ring) {
-  note_write_stream(device, s);
-  note_capture(s, ring);
+  if (slot < 0) {
+    w.overflow.store(true, std::memory_order_relaxed);
+    return;
+  }
+  const cudaError_t err = cudaEventRecord(write_event(w, slot), s);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // ours: this call's
+    TORCH_WARN_ONCE("hookcap: could not mark telemetry written on a side stream: ", cudaGetErrorString(err));
+  }
 }
 
 // Scratch of the accumulate kernels' tree merge (launch_plan.cuh), one per
@@ -164,24 +188,40 @@ int64_t join_write_streams(int device) {
   // on an event recorded outside it is not allowed): join after it.
   if (capturing(cur)) return 0;
   WriteStreams& w = g_write_streams[device];
+  const uintptr_t cur_key = reinterpret_cast<uintptr_t>(cur) + 1;
   int64_t joined = 0;
-  for (int i = 0; i < kMaxWriteStreams; ++i) {
-    const uintptr_t key = w.keys[i].exchange(0);
-    if (key == 0) continue;
-    const auto s = reinterpret_cast<cudaStream_t>(key - 1);
-    if (s == cur || capturing(s)) continue;
-    if (w.events[i] == nullptr) {
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&w.events[i], cudaEventDisableTiming));
-    }
-    cudaError_t err = cudaEventRecord(w.events[i], s);
-    if (err == cudaSuccess) err = cudaStreamWaitEvent(cur, w.events[i], 0);
+  auto wait = [&](cudaEvent_t ev) {
+    const cudaError_t err = cudaStreamWaitEvent(cur, ev, 0);
     if (err != cudaSuccess) {
-      (void)cudaGetLastError();  // ours: this call's (a stream destroyed since it wrote)
+      (void)cudaGetLastError();  // ours: this call's
       TORCH_WARN_ONCE("hookcap: could not order the drain after a stream that wrote telemetry: ",
                       cudaGetErrorString(err));
-      continue;
+      return;
     }
     ++joined;
+  };
+  // Writes on the last join's stream were not marked: if this step() runs on
+  // another stream, that one (the previous training stream) is joined here.
+  const uintptr_t prev = w.step_stream.exchange(cur_key);
+  if (prev != 0 && prev != cur_key) {
+    if (w.step_event == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&w.step_event, cudaEventDisableTiming));
+    const auto ps = reinterpret_cast<cudaStream_t>(prev - 1);
+    if (!capturing(ps)) {
+      const cudaError_t err = cudaEventRecord(w.step_event, ps);
+      if (err == cudaSuccess) {
+        wait(w.step_event);
+      } else {
+        (void)cudaGetLastError();
+        TORCH_WARN_ONCE("hookcap: could not order the drain after the previous step's stream: ",
+                        cudaGetErrorString(err));
+      }
+    }
+  }
+  for (int i = 0; i < kMaxWriteStreams; ++i) {
+    const uintptr_t key = w.keys[i].exchange(0);
+    if (key == 0 || key == cur_key) continue;  // the current stream orders itself
+    const cudaEvent_t ev = w.events[i].load(std::memory_order_acquire);
+    if (ev != nullptr) wait(ev);
   }
   if (w.overflow.exchange(false)) {
     TORCH_WARN_ONCE("hookcap: hooks ran on more than ", kMaxWriteStreams,
@@ -269,7 +309,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   const int64_t n = x_in.numel();
   c10::cuda::CUDAGuard guard(x_in.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
-  note_ring_write(x_in.device().index(), stream, ring.data_ptr());
+  note_capture(stream, ring.data_ptr());
 
   const DimPlan plan = plan_read(x_in);
   // Each thread streams >= kPerThread elements of a large tensor (loads in
@@ -300,6 +340,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
               });
             });
       });
+  seal_ring_write(device, stream);
 }
 
 // Blocks of kThreads for a reset of `words` ring words: one word per thread
@@ -360,9 +401,10 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   check_time_mark(ring, state, row, phase);
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  note_ring_write(ring.device().index(), stream, ring.data_ptr());
+  note_capture(stream, ring.data_ptr());
   launch("hookcap.time_mark", &time_mark_kernel, dim3(1), dim3(1), stream, ring.data_ptr<int64_t>(),
          state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2), row, phase, start);
+  seal_ring_write(ring.device().index(), stream);
 }
 
 }  // namespace
