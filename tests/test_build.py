@@ -48,7 +48,8 @@ def test_cuda_launches_go_through_the_checked_launcher():
     code = "\n".join(line.split("//")[0] for line in src.splitlines())
     assert "<<<" not in code
     assert "C10_CUDA_KERNEL_LAUNCH_CHECK" not in code
-    # only right after a failed call of ours: a launch, a drain's event record/wait
-    assert code.count("cudaGetLastError") == 2
+    # only right after a failed call of ours: a launch, a side stream's event record, the
+    # join's wait, the join's record on the previous step's stream
+    assert code.count("cudaGetLastError") == 4
     # accumulate (with its dynamic shared memory), reset_rows, advance (reset, then state), time_mark
     assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 5
