@@ -349,3 +349,18 @@ def test_a_graph_compiled_for_a_gone_monitor_writes_nowhere():
     h = new.history()
     assert h.names == ["2/output"]
     assert_recorded(h, 0, "2/output", [y])
+
+
+def test_hf_gpt2_without_its_kv_cache_compiles_as_one_graph_with_a_monitor():
+    """As docs/compile-and-distributed.md says: with use_cache=False a watched
+    GPT-2 gets no graph break from hookcap."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 97, (2, 16))
+    torch._dynamo.reset()
+    with Monitor(model):
+        explain = torch._dynamo.explain(lambda i: model(i, use_cache=False).logits)(ids)
+    torch._dynamo.reset()
+    assert explain.graph_break_count == 0 and explain.graph_count == 1

@@ -89,12 +89,13 @@ C10_HOST_DEVICE constexpr int64_t tree_scratch_words(int64_t blocks) {
 
 // Static shared memory of the accumulate kernels other than kModeLog2Exp (the
 // per-warp partials): the launcher's shared-memory budget leaves room for it.
-constexpr int64_t kStaticSmem = kWarps * static_cast<int64_t>(sizeof(Acc) + sizeof(int64_t));
+// (The warps' partials and shifts, and the tree's flag: 16 bytes, aligned.)
+constexpr int64_t kStaticSmem = kWarps * static_cast<int64_t>(sizeof(Acc) + sizeof(int64_t)) + 16;
 
 // Dynamic shared memory one block may take so that kMinBlocks blocks of
 // kThreads fit on an SM with `per_sm` bytes of shared memory, `reserved`
 // bytes reserved per block by the system and `optin` bytes at most per block.
-// H100 (sm_90): 233472, 1024, 232448 -> 56,512 bytes; A100 (sm_80): 40,128.
+// H100 (sm_90): 233472, 1024, 232448 -> 56,496 bytes; A100 (sm_80): 40,112.
 constexpr int kMinBlocks = 4;
 C10_HOST_DEVICE constexpr int64_t smem_budget(int64_t per_sm, int64_t reserved, int64_t optin) {
   const int64_t fit = per_sm / kMinBlocks - reserved;

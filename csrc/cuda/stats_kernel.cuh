@@ -399,11 +399,9 @@ struct BlockCounts {
 // about `shift`) and its shared-memory counts into the ring, directly or by
 // the tree (launch_plan.cuh). Not inlined: its registers stay out of the
 // kernel's streaming loop's allocation. Every thread of the block calls it.
-// `s_last`: a shared word for the tree's "this block merges" flag.
 template <int kMode, bool kThresholds>
 __device__ __noinline__ void block_epilogue(Acc acc, bool has_shift, double shift, const RowTarget& tgt,
-                                            const HistSpec& hist, int64_t* row, BlockCounts counts,
-                                            int64_t* s_last) {
+                                            const HistSpec& hist, int64_t* row, BlockCounts counts) {
   constexpr bool kCounts = kMode == kModeLog2Exp || kMode == kModeLog2 || kMode == kModeLinear;
   const int64_t ncounts = kMode == kModeLog2Exp ? 256 : kCounts ? hist.nbins : 0;
   const int tid = threadIdx.x;
@@ -411,6 +409,7 @@ __device__ __noinline__ void block_epilogue(Acc acc, bool has_shift, double shif
   const int lane = tid % kWarpSize;
   int64_t* hrow = row + kHeader;
   const int32_t lo_exp = static_cast<int32_t>(hist.lo_exp), hi_exp = static_cast<int32_t>(hist.hi_exp);
+  __shared__ int s_last;  // the tree: whether this block merges its group
   // Into the ring: the moments (lane 0 of warp 0; `zero_or_sub`: count 0)...
   auto merge_moments = [&](Acc a, bool a_has, double a_shift, int64_t zero_or_sub) {
     if (a_has) {
@@ -491,10 +490,10 @@ __device__ __noinline__ void block_epilogue(Acc acc, bool has_shift, double shif
 #else
       const bool last = DeviceAtomics::ticket(t) == members - 1;
 #endif
-      *s_last = last ? 1 : 0;
+      s_last = last ? 1 : 0;
     }
     __syncthreads();
-    if (*s_last == 0) return;
+    if (s_last == 0) return;
     __threadfence();
     const volatile int64_t* grp = records + (base + first) * kRecordWords;
     if (warp == 0) {
@@ -953,9 +952,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   } else if constexpr (kSharedCounts) {
     counts = BlockCounts{s_cnt, 1, 0, 1, 1};  // [0]: values not binned
   }
-  // s_shift[0] is free once warp 0 has read it: the tree's "last block" flag
-  // (no more static shared memory than the budget allows for: kStaticSmem).
-  block_epilogue<kMode, kThresholds>(acc, has_shift, shift, tgt, hist, row, counts, &s_shift[0]);
+  block_epilogue<kMode, kThresholds>(acc, has_shift, shift, tgt, hist, row, counts);
 }
 
 // The accumulate specialisation for an element type, a histogram, a read

@@ -263,7 +263,7 @@ void launch(const char* what, void (*kernel)(P...), dim3 grid, dim3 block, cudaS
 
 // Dynamic shared memory an accumulate block may take on a device so that
 // kernels::kMinBlocks blocks of kThreads still fit per SM (kernels::smem_budget;
-// H100: 56,512 bytes, A100: 40,128), cached per device (host-only queries).
+// H100: 56,496 bytes, A100: 40,112), cached per device (host-only queries).
 int64_t smem_budget(int device) {
   static std::atomic<int64_t> budget[kMaxDevices] = {};  // as max_blocks
   if (device < 0 || device >= kMaxDevices) return 0;
