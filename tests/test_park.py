@@ -234,9 +234,10 @@ def test_model_first_compiled_during_an_off_step_still_records():
     assert not mon._hooks.park_ok
     assert graphs[0] == graphs[-1]  # traced once, with the hooks: no recompile
     h = mon.history()
-    assert h.steps.tolist() == [3, 6, 9]
+    assert h.steps.tolist() == [0, 3, 6, 9]  # step 0 kept, empty (all NaN)
     c = h.column("0/output")
-    for i, step in enumerate(h.steps.tolist()):
+    assert np.isnan(h["count"][0, c])
+    for i, step in enumerate(h.steps.tolist()[1:], start=1):
         ref = (xs[step] @ model[0].weight.T + model[0].bias).detach().double()
         assert h["count"][i, c] == ref.numel()
         assert h["max"][i, c] == pytest.approx(ref.max().item(), rel=1e-6)
