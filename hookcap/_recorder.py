@@ -280,15 +280,14 @@ class Recorder:
         write of the step (``param_grad``). ``via_op``: through the dispatcher
         op, traceable by compiled autograd (gradient hooks), logged here;
         else through the C++ sink, which logs it."""
-        placement = None
+        orig = t
         if type(t) is not torch.Tensor:
-            placement = placement_of(kind, t)
             t = plain_tensor(t)
         key = (name, kind, path, t.device, ci)
         rid = self.rows.get(key)
-        if rid is None:
+        if rid is None:  # the placement only when the row is made (a DTensor's, before to_local)
             try:
-                rid = self.register(key, t, mtype, placement=placement or placement_of(kind, t))
+                rid = self.register(key, t, mtype, placement=placement_of(kind, orig))
             except Exception as e:  # telemetry must never take the run down
                 self.skip_call(metric_name(*key[:3]), f"{type(e).__name__}: {e}")
                 return
