@@ -162,6 +162,9 @@ def test_ops_do_not_sync_or_allocate(dev):
     ring = torch.zeros((2, 1, _layout.HEADER + h.nbins), dtype=torch.int64, device=dev)
     st = new_state(dev)
     _ops.reset_slot(ring, st)
+    # A stream's first launch of several blocks creates its merge scratch, once.
+    warm = torch.zeros_like(ring)
+    _ops.accumulate(x, warm, st, 0, h)
     synchronize(dev)
     before = torch.cuda.memory_stats()["allocation.all.allocated"] if dev == "cuda" else None
     with no_sync(dev):
@@ -176,6 +179,60 @@ def test_ops_do_not_sync_or_allocate(dev):
     assert st.cpu().tolist() == [2, 1, 0]
     row = ring[0, 0].cpu()
     assert row[_layout.COUNT] == 2 * n - 1 and row[_layout.CALLS] == 2
+
+
+# A launch reads 16,384 elements per block up to a few blocks per SM; 2 to 1,024
+# blocks merge their partials through the two-level tree (groups of 32).
+BLOCK_ELEMS = 256 * 64
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h", [Histogram.log2(), Histogram.linear(-2, 3, 300), Histogram.linear(-2, 3, 5000), None])
+@pytest.mark.parametrize("blocks", [2, 33, 97, 100_000])  # the last: as many as the GPU allows
+def test_tree_merge_of_block_partials(dtype, h, blocks):
+    n = min(blocks * BLOCK_ELEMS - 7, 9_000_011)
+    compare(specials(n, dtype, blocks), h, "cuda")
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1e-25, 1e-38, 1e-6])
+def test_tiny_values_keep_their_squares(dtype, scale):
+    # Squares of float32/bf16 values under ~1e-19 underflow in float: the kernel
+    # sums such runs again, scaled by a power of two. float16 (1e-6): its own range.
+    if dtype == torch.float16 and scale < 1e-6:
+        pytest.skip("below float16's range")
+    g = torch.Generator().manual_seed(7)
+    for n in (1000, 40 * BLOCK_ELEMS + 3):
+        x = (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
+        compare(x, Histogram.log2(lo=-140), "cuda")
+        compare(x + torch.tensor(3 * scale, dtype=torch.float64).to(dtype), None, "cuda")
+
+
+@cuda_only
+def test_concurrent_streams_merge_into_one_row():
+    """Four streams, each with its own merge scratch, write the same row at once."""
+    h = Histogram.log2()
+    ring = torch.zeros((1, 1, _layout.HEADER + h.nbins), dtype=torch.int64, device="cuda")
+    st = new_state("cuda")
+    _ops.reset_slot(ring, st)
+    parts = [specials(30 * BLOCK_ELEMS + i, torch.float32, 50 + i) for i in range(4)]
+    streams = [torch.cuda.Stream() for _ in parts]
+    dev_parts = [p.cuda() for p in parts]
+    torch.cuda.synchronize()
+    for _ in range(3):
+        for s, p in zip(streams, dev_parts):
+            with torch.cuda.stream(s):
+                _ops.accumulate(p, ring, st, 0, h)
+    torch.cuda.synchronize()
+    flat = torch.cat([p.double() for p in parts] * 3)
+    ref = hookcap.reference.stats_from_values(flat.numpy(), h)
+    raw = ring.cpu().numpy()
+    got = {k: float(v) for k, v in _layout.decode(raw[0, 0]).items()}
+    got["hist"], got["bin_edges"] = raw[0, 0, _layout.HEADER:], h.bin_edges
+    assert_stats_match(got, ref, abs_sum=abs_sum(flat))
+    assert raw[0, 0, _layout.CALLS] == 12
 
 
 @cuda_only
