@@ -395,117 +395,113 @@ struct BlockCounts {
   }
 };
 
-// The end of every accumulate block: its partial (in lane 0 of warp 0: `acc`
-// about `shift`) and its shared-memory counts into the ring, directly or by
-// the tree (launch_plan.cuh). Not inlined: its registers stay out of the
-// kernel's streaming loop's allocation. Every thread of the block calls it.
+// What the ring merges of a block's or a group's histogram counts need.
+struct CountsTarget {
+  int64_t* row;    // the ring row
+  int64_t mult;    // RowTarget::mult
+  int64_t ncounts;  // entries: 256 exponent bytes (kModeLog2Exp), else the ring's bins
+  int64_t bins;    // linear: equal-width bins (thresholds' +Inf bin at bins + 1)
+  int32_t lo_exp, hi_exp;
+};
+
+// Into the ring: a partial's moments (one thread; `zero_or_sub`: with
+// kModeLog2Exp, its count of exponent byte 0)...
 template <int kMode, bool kThresholds>
-__device__ __noinline__ void block_epilogue(Acc acc, bool has_shift, double shift, const RowTarget& tgt,
-                                            const HistSpec& hist, int64_t* row, BlockCounts counts) {
-  constexpr bool kCounts = kMode == kModeLog2Exp || kMode == kModeLog2 || kMode == kModeLinear;
-  const int64_t ncounts = kMode == kModeLog2Exp ? 256 : kCounts ? hist.nbins : 0;
+__device__ __forceinline__ void ring_merge_moments(const CountsTarget& t, Acc a, bool a_has, double a_shift,
+                                                   int64_t zero_or_sub) {
+  int64_t* hrow = t.row + kHeader;
+  if (a_has) {
+    const int64_t old = DeviceAtomics::cas_i64(t.row + kShift, kShiftUnset, dbits(a_shift));
+    if (old != kShiftUnset) acc_rebase(a, a_shift, bitsd(old));
+  }
+  if (t.mult != 1) acc_scale(a, t.mult);
+  row_merge<DeviceAtomics>(t.row, a);
+  if constexpr (kMode == kModeLog2Exp) {
+    // Exponent byte 0 holds the zeros (bin 0) and float subnormals,
+    // which lie below lo_exp >= -126 (the underflow bin 1).
+    zero_or_sub *= t.mult;
+    if (a.nzero) DeviceAtomics::add_i64(hrow, a.nzero);
+    if (zero_or_sub > a.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - a.nzero);
+  }
+  if constexpr (kThresholds) {
+    // linear_bin_thr put NaN and -Inf in bin 0 and +Inf in bins + 1.
+    if (a.nnan + a.nninf) DeviceAtomics::add_i64(hrow, -(a.nnan + a.nninf));
+    if (a.npinf) DeviceAtomics::add_i64(hrow + t.bins + 1, -a.npinf);
+  }
+}
+
+// ... and the counts (every thread of the block: entries tid, tid + blockDim.x, ...).
+template <int kMode, typename Cnt>
+__device__ __forceinline__ void ring_merge_counts(const CountsTarget& t, const Cnt& cnt) {
+  int64_t* hrow = t.row + kHeader;
+  for (int64_t i = threadIdx.x; i < t.ncounts; i += blockDim.x) {
+    if constexpr (kMode == kModeLog2Exp) {
+      if (i == 0 || i == 255) continue;  // zeros and subnormals: the moments' merge; NaN/Inf: none
+      const unsigned int c = cnt(i);
+      if (c) {
+        const float v = bitsf(static_cast<int32_t>(i) << 23);
+        DeviceAtomics::add_i64(hrow + log2_bin(v, t.lo_exp, t.hi_exp), static_cast<int64_t>(c) * t.mult);
+      }
+    } else {
+      const unsigned int c = cnt(i);
+      if (c) DeviceAtomics::add_i64(hrow + i, static_cast<int64_t>(c) * t.mult);
+    }
+  }
+}
+
+// The tree's ticket for a group (launch_plan.cuh), taken by the whole block
+// after its record is written: whether this block is the group's last, which
+// merges it. The barrier orders every thread's record writes before thread
+// 0's fence and ticket (fences are cumulative), as a grid barrier does; the
+// last block's fence orders its reads of the group after the ticket. `flag`:
+// a shared word.
+__device__ __forceinline__ bool tree_ticket(int64_t* ticket, int members, int* flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // the block's record, visible before its ticket
+#ifndef HOOKCAP_EMU_BREAK_TICKET  // fault injection for tests/cuda_emu only
+    const bool last = DeviceAtomics::ticket(ticket) == members - 1;
+    if (last) *ticket = 0;  // for the next launch on this stream
+#else
+    const bool last = DeviceAtomics::ticket(ticket) == members - 1;
+#endif
+    if (last) __threadfence();  // the group's records, read after the ticket
+    *flag = last ? 1 : 0;
+  }
+  __syncthreads();
+  return *flag != 0;
+}
+
+// The tree above a group's last block at level 0: merges the group's records
+// (into a record of the next level and its ticket, or at the top into the
+// ring). Out of line: only the last block of each group runs it, so its
+// registers are neither in the streaming loop nor saved by every block.
+// `s_sum`: shared memory for ncounts merged counts (the block's own counts,
+// already in its record); `flag`: a shared word.
+template <int kMode, bool kThresholds>
+__device__ __noinline__ void tree_merge_groups(CountsTarget t, int64_t* scratch, bool table, unsigned int* s_sum,
+                                               int* flag) {
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
-  int64_t* hrow = row + kHeader;
-  const int32_t lo_exp = static_cast<int32_t>(hist.lo_exp), hi_exp = static_cast<int32_t>(hist.hi_exp);
-  __shared__ int s_last;  // the tree: whether this block merges its group
-  // Into the ring: the moments (lane 0 of warp 0; `zero_or_sub`: count 0)...
-  auto merge_moments = [&](Acc a, bool a_has, double a_shift, int64_t zero_or_sub) {
-    if (a_has) {
-      const int64_t old = DeviceAtomics::cas_i64(row + kShift, kShiftUnset, dbits(a_shift));
-      if (old != kShiftUnset) acc_rebase(a, a_shift, bitsd(old));
-    }
-    if (tgt.mult != 1) acc_scale(a, tgt.mult);
-    row_merge<DeviceAtomics>(row, a);
-    if constexpr (kMode == kModeLog2Exp) {
-      // Exponent byte 0 holds the zeros (bin 0) and float subnormals,
-      // which lie below lo_exp >= -126 (the underflow bin 1).
-      zero_or_sub *= tgt.mult;
-      if (a.nzero) DeviceAtomics::add_i64(hrow, a.nzero);
-      if (zero_or_sub > a.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - a.nzero);
-    }
-    if constexpr (kThresholds) {
-      // linear_bin_thr put NaN and -Inf in bin 0 and +Inf in bins + 1.
-      if (a.nnan + a.nninf) DeviceAtomics::add_i64(hrow, -(a.nnan + a.nninf));
-      if (a.npinf) DeviceAtomics::add_i64(hrow + hist.bins + 1, -a.npinf);
-    }
-  };
-  // ... and the counts (every thread: entries tid, tid + blockDim.x, ...).
-  auto merge_counts = [&](auto&& cnt) {
-    for (int64_t i = tid; i < ncounts; i += blockDim.x) {
-      if constexpr (kMode == kModeLog2Exp) {
-        if (i == 0 || i == 255) continue;  // zeros and subnormals: merge_moments; NaN/Inf: none
-        const unsigned int c = cnt(i);
-        if (c) {
-          const float v = bitsf(static_cast<int32_t>(i) << 23);
-          DeviceAtomics::add_i64(hrow + log2_bin(v, lo_exp, hi_exp), static_cast<int64_t>(c) * tgt.mult);
-        }
-      } else {
-        const unsigned int c = cnt(i);
-        if (c) DeviceAtomics::add_i64(hrow + i, static_cast<int64_t>(c) * tgt.mult);
-      }
-    }
-  };
-  if (warp == 0 && lane == 0 && blockIdx.x == 0) {
-    if (tgt.count) DeviceAtomics::add_i64(row + kCount, tgt.count);
-    if (tgt.calls) DeviceAtomics::add_i64(row + kCalls, tgt.calls);
-  }
-  const bool tree = tgt.scratch != nullptr && gridDim.x > 1 && gridDim.x <= kMaxTreeBlocks;
-  if (!tree) {  // every block into the ring
-    if (warp == 0 && lane == 0) {
-      merge_moments(acc, has_shift, shift, kMode == kModeLog2Exp ? counts(0) : 0);
-    }
-    if constexpr (kCounts) merge_counts(counts);
-    return;
-  }
-
-  // The tree (launch_plan.cuh): the block's record, then a ticket per level;
-  // the last block of a group merges the group's records.
-  const bool table = kCounts && ncounts <= kTableCounts;  // counts travel with the records
-  if (kCounts && !table) merge_counts(counts);       // else each block's go to the ring
-  int64_t* tickets = tgt.scratch;
-  int64_t* records = tgt.scratch + kTicketWords;
-  // The merged counts, entry i owned by thread i % blockDim.x: shared memory
-  // the block's own counts no longer need once its record is written.
-  unsigned int* s_sum = counts.at;
-  int64_t* rec = records + static_cast<int64_t>(blockIdx.x) * kRecordWords;
-  if (warp == 0 && lane == 0) record_write(rec, acc, has_shift, shift);
-  if (table) {
-    unsigned int* t = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
-    for (int64_t i = tid; i < ncounts; i += blockDim.x) t[i] = counts(i);
-  }
+  int64_t* tickets = scratch;
+  int64_t* records = scratch + kTicketWords;
   int64_t idx = blockIdx.x, nrec = gridDim.x, base = 0;  // this level: record, records, first
-  for (int level = 0;; ++level) {
+  for (;;) {
     const int64_t group = idx / kTreeFan, first = group * kTreeFan;
     const int members = static_cast<int>(nrec - first < kTreeFan ? nrec - first : kTreeFan);
-    // Publish the record, then take the group's ticket: the last merges.
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      int64_t* t = tickets + (level == 0 ? group : kTreeFan);
-#ifndef HOOKCAP_EMU_BREAK_TICKET  // fault injection for tests/cuda_emu only
-      const bool last = DeviceAtomics::ticket(t) == members - 1;
-      if (last) *t = 0;  // for the next launch on this stream
-#else
-      const bool last = DeviceAtomics::ticket(t) == members - 1;
-#endif
-      s_last = last ? 1 : 0;
-    }
-    __syncthreads();
-    if (s_last == 0) return;
-    __threadfence();
     const volatile int64_t* grp = records + (base + first) * kRecordWords;
+    Acc acc;
+    bool has_shift = false;
+    double shift = 0.0;
     if (warp == 0) {
-      has_shift = false;
-      shift = 0.0;
       acc_init(acc);
       if (lane < members) record_read(grp + lane * kRecordWords, acc, has_shift, shift);
       warp_common_shift(acc, has_shift, shift);
       warp_reduce(acc);
     }
     if (table) {
-      for (int64_t i = tid; i < ncounts; i += blockDim.x) {
+      for (int64_t i = tid; i < t.ncounts; i += blockDim.x) {
         unsigned int c = 0;
         for (int m = 0; m < members; ++m) {
           c += reinterpret_cast<const volatile unsigned int*>(grp + m * kRecordWords + kRecordHeader)[i];
@@ -514,23 +510,64 @@ __device__ __noinline__ void block_epilogue(Acc acc, bool has_shift, double shif
       }
     }
     if (nrec <= kTreeFan) {  // the top: into the ring
-      if (warp == 0 && lane == 0) {
-        merge_moments(acc, has_shift, shift, kMode == kModeLog2Exp && table ? s_sum[0] : 0);
+      if (tid == 0) {  // s_sum[0]: its own entry
+        ring_merge_moments<kMode, kThresholds>(t, acc, has_shift, shift,
+                                               kMode == kModeLog2Exp && table ? s_sum[0] : 0);
       }
-      if (table) merge_counts([&](int64_t i) { return s_sum[i]; });
+      if (table) ring_merge_counts<kMode>(t, [&](int64_t i) { return s_sum[i]; });
       return;
     }
-    // Into the group's record on the next level.
-    rec = records + (static_cast<int64_t>(gridDim.x) + group) * kRecordWords;
-    if (warp == 0 && lane == 0) record_write(rec, acc, has_shift, shift);
+    // Into the group's record on the next level, then that level's ticket.
+    int64_t* rec = records + (static_cast<int64_t>(gridDim.x) + group) * kRecordWords;
+    if (tid == 0) record_write(rec, acc, has_shift, shift);
     if (table) {
-      unsigned int* t = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
-      for (int64_t i = tid; i < ncounts; i += blockDim.x) t[i] = s_sum[i];
+      unsigned int* out = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
+      for (int64_t i = tid; i < t.ncounts; i += blockDim.x) out[i] = s_sum[i];
     }
     idx = group;
     nrec = (nrec + kTreeFan - 1) / kTreeFan;
     base = gridDim.x;
+    if (!tree_ticket(tickets + kTreeFan, static_cast<int>(nrec), flag)) return;
   }
+}
+
+// The end of every accumulate block: its partial (in lane 0 of warp 0: `acc`
+// about `shift`) and its shared-memory counts into the ring, directly or by
+// the tree (launch_plan.cuh). Every thread of the block calls it.
+template <int kMode, bool kThresholds>
+__device__ __forceinline__ void block_epilogue(const Acc& acc, bool has_shift, double shift, const RowTarget& tgt,
+                                               const HistSpec& hist, int64_t* row, BlockCounts counts) {
+  constexpr bool kCounts = kMode == kModeLog2Exp || kMode == kModeLog2 || kMode == kModeLinear;
+  const int tid = threadIdx.x;
+  const CountsTarget t{row, tgt.mult, kMode == kModeLog2Exp ? 256 : kCounts ? hist.nbins : 0, hist.bins,
+                       static_cast<int32_t>(hist.lo_exp), static_cast<int32_t>(hist.hi_exp)};
+  __shared__ int s_last;  // the tree: whether this block merges its group
+  if (tid == 0 && blockIdx.x == 0) {
+    if (tgt.count) DeviceAtomics::add_i64(row + kCount, tgt.count);
+    if (tgt.calls) DeviceAtomics::add_i64(row + kCalls, tgt.calls);
+  }
+  const bool tree = tgt.scratch != nullptr && gridDim.x > 1 && gridDim.x <= kMaxTreeBlocks;
+  if (!tree) {  // every block into the ring
+    if (tid == 0) {
+      ring_merge_moments<kMode, kThresholds>(t, acc, has_shift, shift, kMode == kModeLog2Exp ? counts(0) : 0);
+    }
+    if constexpr (kCounts) ring_merge_counts<kMode>(t, counts);
+    return;
+  }
+  // The tree (launch_plan.cuh): the block's record, then its group's ticket.
+  const bool table = kCounts && t.ncounts <= kTableCounts;  // counts travel with the records
+  if (kCounts && !table) ring_merge_counts<kMode>(t, counts);  // else each block's go to the ring
+  int64_t* rec = tgt.scratch + kTicketWords + static_cast<int64_t>(blockIdx.x) * kRecordWords;
+  if (tid == 0) record_write(rec, acc, has_shift, shift);
+  if (table) {
+    unsigned int* out = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
+    for (int64_t i = tid; i < t.ncounts; i += blockDim.x) out[i] = counts(i);
+  }
+  const int64_t group = blockIdx.x / kTreeFan, first = group * kTreeFan;
+  const int members = static_cast<int>(gridDim.x - first < kTreeFan ? gridDim.x - first : kTreeFan);
+  if (!tree_ticket(tgt.scratch + group, members, &s_last)) return;
+  // The block's own counts are in its record: their shared memory sums the group's.
+  tree_merge_groups<kMode, kThresholds>(t, tgt.scratch, table, counts.at, &s_last);
 }
 
 template <typename T, int kMode, int kRead>
