@@ -114,18 +114,24 @@ class Baseline(Config):
 
 
 class Hookcap(Config):
-    def __init__(self, name, **kw):
+    def __init__(self, name, block_merge=None, **kw):
+        """block_merge: hookcap._ops.block_merge's kind while attached (CUDA), else the default."""
         super().__init__(name)
         self.kw = kw
         self.mon = None
+        self.block_merge, self.merge_before = block_merge, None
 
     def attach(self, model):
         if self.mon is None:
             self.mon = hookcap.Monitor(model, capture=("output", "grad_output"), **self.kw)
+        if self.block_merge:
+            self.merge_before = hookcap._ops.block_merge(self.block_merge)
         self.mon.attach()
 
     def detach(self):
         self.mon.detach()
+        if self.merge_before:
+            hookcap._ops.block_merge(self.merge_before)
 
     def after_step(self):
         self.mon.step()
@@ -217,6 +223,8 @@ def configs(skip, only=None):
         Baseline("no telemetry"),
         Hookcap("hookcap every=1 log2 hist"),
         Hookcap("hookcap every=10", every=10),
+        *([Hookcap("hookcap every=1 log2 hist, tree merge", block_merge="tree")]
+          if torch.cuda.is_available() else []),
         Hookcap("hookcap histogram=None", histogram=None),
         Hookcap("hookcap every=1 log2 + timing", timing=True),
         HFDebug("HF DebugUnderflowOverflow"),

@@ -436,6 +436,8 @@ def kernel_stage(args) -> dict:
             time_point(dname, x, "contiguous", list(kinds), copy=True)
             del x
 
+    details["merge"] = merge_rows(args, dtypes, kinds, sample, budget, min_rounds)
+
     # Strided: a transposed view is dense and read straight from storage (element
     # order does not matter to the statistics); a column slice whose rows are
     # whole aligned 16-byte vectors is read as vectors; one whose rows are not
@@ -463,6 +465,39 @@ def kernel_stage(args) -> dict:
         raise StepFailed(f"{len(bad)} correctness checks failed, first: {bad[0]['dtype']} {bad[0]['hist']} "
                          f"vs {bad[0]['against']}: {bad[0]['mismatches'][:3]}", details)
     return details
+
+
+def merge_rows(args, dtypes: dict, kinds: dict, sample, budget: float, min_rounds: int) -> list:
+    """The two ways a launch's blocks merge their partials (hookcap._ops.block_merge),
+    timed side by side (interleaved) on the sizes a model's activations have; the
+    setting is restored to what it was."""
+    import bench_kernel
+    from hookcap import _ops
+
+    sizes = [10**5, 10**6, 10**7] + ([10**8] if args.device == "cuda" and not args.quick else [])
+    if args.device != "cuda":
+        sizes = [10**4, 10**5]
+    before = _ops.block_merge()
+    out = []
+    try:
+        for dname in ("float32", "bfloat16"):
+            for n in sizes:
+                x = torch.randn(n, device=args.device, dtype=dtypes[dname])
+                fns = {}
+                for label in ("none", "log2"):
+                    call = bench_kernel.fused(x, kinds[label][0])
+                    for merge in ("direct", "tree"):
+                        fns[label, merge] = (lambda call=call, merge=merge: (_ops.block_merge(merge), call()))
+                timed = bench_kernel.measure(fns, sample, budget / 2, min_rounds)
+                for (label, merge), (med, samples, _) in timed.items():
+                    out.append({"dtype": dname, "elements": n, "hist": label, "merge": merge,
+                                "us_per_call": med * 1e6, "samples": samples})
+                log(f"  merge {dname:>9} {sci(n):>3}" + "".join(
+                    f" | {r['hist']} {r['merge']} {r['us_per_call']:.1f}" for r in out[-len(timed):]) + " µs")
+                del x
+    finally:
+        _ops.block_merge(before)
+    return out
 
 
 # -- overhead stage (child process) -------------------------------------------------------------
@@ -810,6 +845,14 @@ def summary_md(report: dict) -> str:
         out += [f"Correctness at 1e6 elements: {sum(r['ok'] for r in c)}/{len(c)} checks match "
                 f"({', '.join(sorted({r['against'] for r in c}))})."]
         out += [f"Skipped: {s}" for s in k["skipped_points"]]
+        if k.get("merge"):
+            out += ["", "### Block merge: each block's atomics (direct) vs the tree (µs per call, interleaved)", "",
+                    "| dtype | elements | histogram | direct | tree | tree / direct |", "|---|---:|---|---:|---:|---:|"]
+            t = {(r["dtype"], r["elements"], r["hist"], r["merge"]): r["us_per_call"] for r in k["merge"]}
+            for (dname, n, h, merge), us in t.items():
+                if merge == "direct" and (dname, n, h, "tree") in t:
+                    tree = t[dname, n, h, "tree"]
+                    out.append(f"| {dname} | {sci(n)} | {h} | {us:.1f} | {tree:.1f} | {tree / us:.2f} |")
     o = by_name.get("overhead", {})
     if o.get("rows"):
         sh = o["shape"]

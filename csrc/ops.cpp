@@ -17,6 +17,7 @@ PyMethodDef* host_pack_methods();  // host_pack.cpp
 #ifdef HOOKCAP_WITH_CUDA
 int64_t join_write_streams(int device);  // cuda/stats_launch.cu
 bool captured_ring(uintptr_t ring);
+int block_merge(int mode);
 #endif
 
 namespace {
@@ -50,7 +51,21 @@ PyObject* py_captured_ring(PyObject*, PyObject* arg) {
 #endif
 }
 
+// _block_merge(mode) -> int: how the CUDA accumulate kernels' blocks merge
+// their partials from now on (0: each into the ring, 1: the tree; -1: only
+// ask); returns the mode before. 0 without CUDA kernels.
+PyObject* py_block_merge(PyObject*, PyObject* arg) {
+  const long mode = PyLong_AsLong(arg);
+  if (mode == -1 && PyErr_Occurred()) return nullptr;
+#ifdef HOOKCAP_WITH_CUDA
+  return PyLong_FromLong(block_merge(static_cast<int>(mode)));
+#else
+  return PyLong_FromLong(0);
+#endif
+}
+
 PyMethodDef kStreamMethods[] = {
+    {"_block_merge", py_block_merge, METH_O, nullptr},
     {"_join_write_streams", py_join_write_streams, METH_O, nullptr},
     {"_captured_ring", py_captured_ring, METH_O, nullptr},
     {nullptr, nullptr, 0, nullptr},

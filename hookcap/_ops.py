@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _C
 from .histogram import NO_HIST_ARGS, Histogram
 
 _ops = torch.ops.hookcap
@@ -89,3 +90,22 @@ RECORD_IS_EFFECTFUL = _register_record_effectful()
 
 def layout() -> list[int]:
     return list(_ops.layout())
+
+
+_BLOCK_MERGES = ("direct", "tree")
+
+
+def block_merge(kind: str | None = None) -> str:
+    """How a CUDA accumulate launch of several blocks merges their partials
+    into the ring row, for launches from now on (process-wide); returns the
+    setting before the call. ``None`` only asks.
+
+    ``"direct"`` (default): each block adds its partial with its own atomics.
+    ``"tree"``: blocks write records to a per-stream scratch and the last of
+    each group of 32 merges them (about 1/20 of the atomics, a longer serial
+    tail). The results are the same; benchmarks/gpu_check.py times both.
+    Launches captured in a CUDA graph always merge directly. No effect on CPU."""
+    if kind is not None and kind not in _BLOCK_MERGES:
+        raise ValueError(f"block_merge: kind must be one of {_BLOCK_MERGES}, got {kind!r}")
+    old = _C._block_merge(-1 if kind is None else _BLOCK_MERGES.index(kind))
+    return _BLOCK_MERGES[old]

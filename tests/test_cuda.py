@@ -162,7 +162,7 @@ def test_ops_do_not_sync_or_allocate(dev):
     ring = torch.zeros((2, 1, _layout.HEADER + h.nbins), dtype=torch.int64, device=dev)
     st = new_state(dev)
     _ops.reset_slot(ring, st)
-    # A stream's first launch of several blocks creates its merge scratch, once.
+    # A stream's first launch of several blocks by the tree creates its merge scratch, once.
     warm = torch.zeros_like(ring)
     _ops.accumulate(x, warm, st, 0, h)
     synchronize(dev)
@@ -181,16 +181,38 @@ def test_ops_do_not_sync_or_allocate(dev):
     assert row[_layout.COUNT] == 2 * n - 1 and row[_layout.CALLS] == 2
 
 
-# A launch reads 16,384 elements per block up to a few blocks per SM; 2 to 1,024
-# blocks merge their partials through the two-level tree (groups of 32).
+# A launch reads 16,384 elements per block up to a few blocks per SM; with the
+# tree, 2 to 1,024 blocks merge their partials in two levels (groups of 32).
 BLOCK_ELEMS = 256 * 64
+
+
+@pytest.fixture(params=["direct", "tree"])
+def merge(request):
+    """Each way a launch's blocks merge, restored after the test."""
+    old = _ops.block_merge(request.param)
+    yield request.param
+    _ops.block_merge(old)
+
+
+def test_block_merge_setting():
+    old = _ops.block_merge()
+    assert old in ("direct", "tree")
+    with pytest.raises(ValueError, match="must be one of"):
+        _ops.block_merge("fast")
+    assert _ops.block_merge("tree") == old
+    try:
+        # Without CUDA kernels the setting has nothing to change and reads "direct".
+        assert _ops.block_merge() == ("tree" if hookcap.build_info()["cuda"] else "direct")
+    finally:
+        _ops.block_merge(old)
+    assert _ops.block_merge() == old
 
 
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h", [Histogram.log2(), Histogram.linear(-2, 3, 300), Histogram.linear(-2, 3, 5000), None])
 @pytest.mark.parametrize("blocks", [2, 33, 97, 100_000])  # the last: as many as the GPU allows
-def test_tree_merge_of_block_partials(dtype, h, blocks):
+def test_block_partials_merge(dtype, h, blocks, merge):
     n = min(blocks * BLOCK_ELEMS - 7, 9_000_011)
     compare(specials(n, dtype, blocks), h, "cuda")
 
@@ -211,8 +233,8 @@ def test_tiny_values_keep_their_squares(dtype, scale):
 
 
 @cuda_only
-def test_concurrent_streams_merge_into_one_row():
-    """Four streams, each with its own merge scratch, write the same row at once."""
+def test_concurrent_streams_merge_into_one_row(merge):
+    """Four streams (each with its own merge scratch for the tree) write the same row at once."""
     h = Histogram.log2()
     ring = torch.zeros((1, 1, _layout.HEADER + h.nbins), dtype=torch.int64, device="cuda")
     st = new_state("cuda")

@@ -130,14 +130,20 @@ void seal_ring_write(int device, cudaStream_t s) {
   }
 }
 
+// How a launch's blocks merge their partials (block_merge): 0, each block
+// into the ring with its own atomics (the default: the shorter tail on an
+// H100/H200 as measured by benchmarks/gpu_check.py); 1, the tree
+// (launch_plan.cuh), fewer atomics for a longer serial tail.
+std::atomic<int> g_block_merge{0};
+
 // Scratch of the accumulate kernels' tree merge (launch_plan.cuh), one per
 // stream that launches them: launches on one stream run one after another,
 // so they can share it (each leaves its tickets at 0). Created zeroed, on
 // that stream, at its first launch there (max_blocks' records) and kept for
 // the process (a few hundred KB per stream; torch's streams are pooled). A
 // launch captured into a CUDA graph, or beyond kMaxScratchStreams streams,
-// gets none: its blocks merge into the ring directly (correct, with a
-// higher per-launch cost), since a replay may run beside any eager launch.
+// gets none: its blocks merge into the ring directly, since a replay may
+// run beside any eager launch.
 constexpr int kMaxScratchStreams = 64;
 struct ScratchSlot {
   std::atomic<uintptr_t> key;  // stream handle + 1, 0 = free
@@ -149,6 +155,7 @@ std::vector<at::Tensor>* g_scratch_keep = new std::vector<at::Tensor>();  // nev
 
 int64_t* tree_scratch(const at::Device& device, cudaStream_t s, int64_t blocks) {
   const int d = device.index();
+  if (g_block_merge.load(std::memory_order_relaxed) == 0) return nullptr;
   if (blocks < 2 || d < 0 || d >= kMaxDevices || capturing(s)) return nullptr;
   const uintptr_t key = reinterpret_cast<uintptr_t>(s) + 1;
   ScratchSlot* slots = g_scratch[d];
@@ -174,6 +181,10 @@ int64_t* tree_scratch(const at::Device& device, cudaStream_t s, int64_t blocks) 
 }
 
 }  // namespace
+
+int block_merge(int mode) {
+  return mode < 0 ? g_block_merge.load() : g_block_merge.exchange(mode != 0 ? 1 : 0);
+}
 
 bool captured_ring(uintptr_t ring) {
   std::lock_guard<std::mutex> lk(g_captured_mu);
