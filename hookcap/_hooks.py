@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import _compile
+from . import _compile, _portable
 from ._config import EVAL_PREFIX, ROOT_NAME, Config, example_names, metric_name, parametrization_internals
 from ._park import HookPark
 from ._recorder import Recorder, placement_of
@@ -141,6 +141,8 @@ class Hooks:
         # Monitor.everything: module -> name, and per-class counters for unnamed modules.
         self.global_names: weakref.WeakKeyDictionary | None = None
         self._class_counts: dict[str, int] = {}
+        # Modules with hooks of this set, and their handle ids: kept out of copies and pickles.
+        self._owned: list[tuple[weakref.ref, list[int]]] = []
 
     # -- registration -------------------------------------------------------------
     def attach(self) -> None:
@@ -179,6 +181,10 @@ class Hooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for ref, ids in self._owned:
+            if (mod := ref()) is not None:
+                _portable.disown(mod, ids)
+        self._owned.clear()
         self.park.clear()
         self.open_calls.clear()
 
@@ -245,6 +251,14 @@ class Hooks:
         self.park.add(handle)
 
     def _hook_module(self, name: str, mod: nn.Module) -> None:
+        first = len(self.handles)
+        self._register_module_hooks(name, mod)
+        ids = [h.id for h in self.handles[first:]]
+        if ids:
+            _portable.own(mod, ids)
+            self._owned.append((weakref.ref(mod), ids))
+
+    def _register_module_hooks(self, name: str, mod: nn.Module) -> None:
         mtype = type(mod).__name__
         capture = self.config.capture
         if "input" in capture:
