@@ -7,6 +7,8 @@ nothing else."""
 from __future__ import annotations
 
 import functools
+import logging
+import operator
 import weakref
 from collections.abc import Iterable
 
@@ -19,6 +21,8 @@ from ._park import HookPark
 from ._recorder import Recorder, placement_of
 from ._timing import Timing, inplace_grad_node
 from ._tree import tensor_leaves
+
+log = logging.getLogger("hookcap")
 
 
 def _view_geometry(t: torch.Tensor, base: torch.Tensor):
@@ -143,6 +147,16 @@ class Hooks:
         self._class_counts: dict[str, int] = {}
         # Modules with hooks of this set, and their handle ids: kept out of copies and pickles.
         self._owned: list[tuple[weakref.ref, list[int]]] = []
+        # Watched parameters where they live (the owner's _parameters, attribute, tensor), to
+        # follow replacements, and their gradient hooks; every module of the model seen so far
+        # (id -> the module: an id may be reused) and each one's children at the last look.
+        self._slot_dicts: list[dict] = []
+        self._slot_attrs: list[str] = []
+        self._slot_params: list[torch.Tensor] = []
+        self._param_handles: list = []
+        self._known_modules: dict[int, weakref.ref] = {}
+        self._child_dicts: list[dict] = []
+        self._children: list[tuple] = []
 
     # -- registration -------------------------------------------------------------
     def attach(self) -> None:
@@ -161,26 +175,18 @@ class Hooks:
         if matched == 0 and not cfg.all_params:
             raise ValueError(f"modules: {cfg.modules!r} matched no module of the model "
                              f"(qualified names look like {example_names(self.model)})")
-        if "param" in cfg.capture or "param_grad" in cfg.capture:
-            self.params = [(n, p) for n, p in self._watched_params() if p.is_floating_point()]
-        if "param_grad" in cfg.capture:
-            for pname, p in self.params:
-                if not p.requires_grad:
-                    continue
-                if placement_of("param_grad", p) == "replicated":
-                    # A data-parallel wrapper (DDP) writes the reduced gradient into
-                    # .grad after backward: recorded before the optimizer steps.
-                    self.reduced_grads.append((pname, p))
-                else:
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(pname)))
-        if not self.handles and not ("param" in cfg.capture and self.params):
+        self._known_modules = {id(m): weakref.ref(m) for m in self.model.modules()}
+        self._snapshot_modules()
+        self._bind_params()
+        if not self.handles and not self._param_handles and not ("param" in cfg.capture and self.params):
             self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="
                                     f"{cfg.capture!r}, modules={cfg.modules!r}): it will record nothing")
 
     def remove(self) -> None:
-        for h in self.handles:
+        for h in self.handles + self._param_handles:
             h.remove()
         self.handles.clear()
+        self._param_handles.clear()
         for ref, ids in self._owned:
             if (mod := ref()) is not None:
                 _portable.disown(mod, ids)
@@ -231,20 +237,96 @@ class Hooks:
                 "(zero_grad() before step()?): pass the optimizer to the Monitor, or call step() before "
                 "zero_grad()"))
 
-    def _watched_params(self) -> Iterable[tuple[str, nn.Parameter]]:
-        """All parameters when ``modules`` is None, else those owned directly by
-        the selected modules."""
-        if self.config.all_params:
-            yield from self.model.named_parameters()
+    def _bind_params(self) -> None:
+        """The watched parameters as the model holds them now, and their
+        gradient hooks (those of an earlier binding removed)."""
+        cfg = self.config
+        for h in self._param_handles:
+            h.remove()
+        self._param_handles.clear()
+        self.params, self.reduced_grads = [], []
+        self._slot_dicts, self._slot_attrs, self._slot_params = [], [], []
+        if "param" not in cfg.capture and "param_grad" not in cfg.capture:
             return
+        for pname, p, owner, attr in self._watched_params():
+            self._slot_dicts.append(owner._parameters)
+            self._slot_attrs.append(attr)
+            self._slot_params.append(p)
+            if p.is_floating_point():
+                self.params.append((pname, p))
+        if "param_grad" in cfg.capture:
+            for pname, p in self.params:
+                if not p.requires_grad:
+                    continue
+                if placement_of("param_grad", p) == "replicated":
+                    # A data-parallel wrapper (DDP) writes the reduced gradient into
+                    # .grad after backward: recorded before the optimizer steps.
+                    self.reduced_grads.append((pname, p))
+                else:
+                    self._param_handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(pname)))
+
+    def _snapshot_modules(self) -> None:
+        """Each module's children as they are now (refresh compares them)."""
+        self._child_dicts = [m._modules for m in self.model.modules()]
+        self._children = [tuple(d.values()) for d in self._child_dicts]
+
+    def refresh(self, at_step_end: bool = False) -> None:
+        """At the end of a recorded step and before one that records: follow
+        parameters the model replaced since (``to_empty()`` after meta init,
+        ``load_state_dict(assign=True)``, a reassigned ``nn.Parameter``) and
+        hook modules added since, under their qualified names. At a step's
+        end, a replaced parameter's ``.grad`` (which its new binding's hook
+        did not see) is its ``param_grad`` for the step. O(modules +
+        parameters) identity checks."""
+        if self.global_names is not None or self.model is None or self.park.parked:
+            return
+        # Identity checks in C loops (~0.1 us a module or parameter): has any
+        # module's set of children changed, or any watched parameter's tensor?
+        added = any(map(operator.ne, map(tuple, map(dict.values, self._child_dicts)), self._children))
+        stale = any(map(operator.is_not, map(dict.get, self._slot_dicts, self._slot_attrs), self._slot_params))
+        known = self._known_modules
+        new = [(qual or ROOT_NAME, mod) for qual, mod in self.model.named_modules()
+               if (ref := known.get(id(mod))) is None or ref() is not mod] if added else []
+        if added:
+            self._snapshot_modules()
+        if new:
+            cfg = self.config
+            internals = parametrization_internals(self.model) if cfg.modules is None else set()
+            hooked = []
+            for name, mod in new:
+                known[id(mod)] = weakref.ref(mod)
+                if id(mod) not in internals and cfg.select(name, mod):
+                    self._hook_module(name, mod)
+                    hooked.append(name)
+            if hooked:
+                log.info("hookcap: hooked %d module(s) added after attach(): %s", len(hooked),
+                         ", ".join(hooked[:10]) + (" ..." if len(hooked) > 10 else ""))
+        if new or stale:
+            before = {id(p) for _, p in self.params}
+            self._bind_params()
+            swapped = [n for n, p in self.params if id(p) not in before]
+            if at_step_end and swapped and "param_grad" in self.config.capture:
+                hooked = {n for n, _ in self.params} - {n for n, _ in self.reduced_grads}
+                with torch.no_grad():
+                    for pname, p in self.params:
+                        if pname in swapped and pname in hooked and p.grad is not None:
+                            self.recorder.write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True)
+            if swapped:
+                log.info("hookcap: following %d parameter(s) replaced or added since attach(): %s",
+                         len(swapped), ", ".join(swapped[:10]) + (" ..." if len(swapped) > 10 else ""))
+
+    def _watched_params(self) -> Iterable[tuple[str, nn.Parameter, nn.Module, str]]:
+        """(name, parameter, owner module, attribute): all parameters when
+        ``modules`` is None (a shared one once, by its first name), else those
+        owned directly by the selected modules."""
         seen = set()
         for qual, mod in self.model.named_modules():
-            if not self.config.select(qual or ROOT_NAME, mod):
+            if not self.config.all_params and not self.config.select(qual or ROOT_NAME, mod):
                 continue
-            for pn, p in mod.named_parameters(recurse=False):
-                if id(p) not in seen:
+            for pn, p in mod._parameters.items():
+                if p is not None and id(p) not in seen:
                     seen.add(id(p))
-                    yield (f"{qual}.{pn}" if qual else pn), p
+                    yield (f"{qual}.{pn}" if qual else pn), p, mod, pn
 
     def _add(self, handle) -> None:
         self.handles.append(handle)

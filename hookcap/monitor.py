@@ -325,6 +325,9 @@ class Monitor:
                                              "records nothing (call attach() or use `with mon:`)")
         if not self._ranks.decided:
             self._ranks.setup(RANK_HANDSHAKE_TIMEOUT_S)
+        recorded = rec.recording
+        if recorded:  # the model as it is now: replaced parameters, added modules
+            hooks.refresh(at_step_end=True)
         if rec.enabled:
             if self._attached:
                 hooks.record_params()
@@ -341,6 +344,8 @@ class Monitor:
         rec.new_step(*self._drain.advance(rec.ring_list, rec.step, rec.slot))
         hooks.new_step()
         hooks.park_or_unpark(self._attached)
+        if rec.recording and not recorded:
+            hooks.refresh()
         anomaly = self._consumers.raise_pending()
         if anomaly is not None:
             raise AnomalyError(anomaly)
