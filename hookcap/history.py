@@ -104,6 +104,51 @@ class History:
         """A History of the newest ``n`` recorded steps."""
         return History(self._records[-n:] if n > 0 else [], self.names, self._metas, self._histogram)
 
+    @staticmethod
+    def concat(histories) -> History:
+        """One History of several recorded one after another (a run and its
+        resumption from a checkpoint, say): their steps in order, each value
+        unchanged. Metric names are the union in first-appearance order, a
+        name's metadata as first seen; ``anomalies`` are joined and ``extra`` is
+        the last one's. ``ValueError`` if the histograms differ, a step
+        repeats or goes back, or a history was loaded from Parquet (no raw
+        step records)."""
+        from ._record import StepRecord
+
+        histories = list(histories)
+        if not histories:
+            raise ValueError("History.concat: no history given")
+        spec = histories[0]._histogram
+        names: list[str] = []
+        index: dict[str, int] = {}
+        metas: dict = {}
+        records = []
+        last = None
+        for h in histories:
+            if isinstance(h, _ColumnHistory) or not isinstance(h, History):
+                raise ValueError("History.concat: each history must hold step records (one of Monitor.history(), "
+                                 "hookcap.load of an .npz file), not decoded statistics from Parquet")
+            if h._histogram != spec:
+                raise ValueError(f"History.concat: histograms differ ({spec!r} and {h._histogram!r})")
+            if len(h.steps) and last is not None and h.steps[0] <= last:
+                raise ValueError(f"History.concat: step {int(h.steps[0])} does not follow step {last}: the "
+                                 "histories overlap or are out of order")
+            for n in h.names:
+                if n not in index:
+                    index[n] = len(names)
+                    names.append(n)
+                    metas[n] = h._metas[n]
+            to = np.array([index[n] for n in h.names], dtype=np.int64)
+            for r in h._records:
+                records.append(StepRecord(r.step, to[r.metrics], r.header, r.hist_lo, r.hist, to[r.order],
+                                          to[r.calls], r.calls_nonfinite, r.time_ns))
+            if len(h.steps):
+                last = int(h.steps[-1])
+        out = History(records, names, metas, spec)
+        out.anomalies = [a for h in histories for a in h.anomalies]
+        out.extra = dict(histories[-1].extra)
+        return out
+
     def meta(self, name: str) -> dict:
         """``module_type``, ``kind``, ``shape``, ``dtype`` as first seen."""
         self.column(name)

@@ -298,6 +298,14 @@ class Monitor:
         history stays readable). With ``rank_sinks="merged"`` in a multi-rank
         run this is a collective: every rank's ``detach()`` merges the steps
         still pending and rank 0 writes them before its sinks are closed."""
+        rec = self._recorder
+        if self._attached and rec.recording and not rec.capturing():
+            # The open step is closed if it holds records (an evaluation after
+            # the last step(), say); an untouched one stays open, as before.
+            # With merged rank sinks every rank closes it (step() is collective).
+            taken = rec.take_order()
+            if len(taken[0]) or taken[1] or self._ranks.merging:
+                self._step(taken)
         self._hooks.remove()
         was = self._attached
         self._attached = False
@@ -313,6 +321,10 @@ class Monitor:
         """Close the current step and open the next. No host sync on CUDA.
         With ``rank_sinks="merged"`` in a multi-rank run, also a (host-only)
         collective on every rank: see the class docstring."""
+        self._step(None)
+
+    def _step(self, taken) -> None:
+        """step(); ``taken``: the step's execution log if already taken (detach)."""
         rec, hooks = self._recorder, self._hooks
         if rec.capturing():
             # Closing a step copies a slot to the host and polls events: not
@@ -331,10 +343,11 @@ class Monitor:
         if rec.enabled:
             if self._attached:
                 hooks.record_params()
-            order, failed_timers = rec.take_order()  # taken even when the step is dropped
+            # Taken even when the step is dropped (detach() may have taken it already).
+            order, failed_timers = rec.take_order() if taken is None else taken
             for module, message in failed_timers:
                 hooks.timing.failed(module, RuntimeError(message))
-            if rec.ring_list or self._attached:
+            if self._attached or len(order):  # detached: detach() closed what it held
                 self._drain.finish(rec.ring_list, rec.step, rec.slot, order)
         else:  # gradients that arrived in an off-step wrote nothing: forget them
             rec.fast.take()
@@ -432,13 +445,17 @@ class Monitor:
         Returns the path written."""
         self._consume(wait=True)
         return io.write(self._consumers.store.steps, self._catalog.names, self._catalog.metas,
-                        self._config.histogram, path, extra={
+                        self._config.histogram, path, extra=self._dump_extra())
+
+    def _dump_extra(self) -> dict:
+        """The header ``dump`` writes beside the steps (``History.extra`` when loaded)."""
+        return {
             "anomalies": [a.to_dict() for a in self.anomalies],
             "dropped_steps": self.dropped_steps,
             "evicted_steps": self.evicted_steps,
             "capture": list(self.capture),
             "every": self.every,
-        })
+        }
 
     # -- global capture -----------------------------------------------------------
     @classmethod

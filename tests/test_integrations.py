@@ -8,6 +8,7 @@ import json
 import logging
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -65,22 +66,31 @@ def trainer_for(model, out, callbacks, max_steps, save_steps=None):
 
 def test_hf_trainer_records_training_steps_against_float64(tmp_path):
     model = tiny_llama()
-    tag = StepTag()
     seen = collections.defaultdict(list)
-    model.model.embed_tokens.register_forward_hook(
-        lambda m, a, out: seen[(tag.step, m.training)].append(out.detach().double().clone()))
     cb = HFCallback(capture=("output", "grad_output"))
-    trainer_for(model, tmp_path, [tag, cb], max_steps=4).train()
+    trainer = trainer_for(model, tmp_path, [cb], max_steps=4)
+
+    def tag(m, a, out):
+        # A training forward belongs to the step being trained (global_step + 1), an
+        # evaluation to the global_step the Trainer evaluates at.
+        step = trainer.state.global_step + (1 if m.training else 0)
+        seen[(step, m.training)].append(out.detach().double().clone())
+
+    model.model.embed_tokens.register_forward_hook(tag)
+    trainer.train()
     h = cb.monitor.history()
     assert h.steps.tolist() == [1, 2, 3, 4]  # as the Trainer numbers the logged loss
     for step in (1, 3):
         train = seen[(step, True)]
         assert len(train) == 2  # gradient accumulation: two micro-batches, one hookcap step
         assert_recorded(h, step, "model.embed_tokens/output", train)
-    # Evaluation (after steps 2 and 4, so inside steps 3 and 5) never enters training rows.
-    assert_recorded(h, 3, "eval/model.embed_tokens/output", seen[(3, False)])
+    # Evaluation at global_step 2 and 4 (the last step too), never in training rows.
+    assert sorted(k for k in seen if not k[1]) == [(2, False), (4, False)]
+    for step in (2, 4):
+        assert_recorded(h, step, "eval/model.embed_tokens/output", seen[(step, False)])
+    assert np.isnan(h["count"][[0, 2], h.column("eval/model.embed_tokens/output")]).all()
     assert os.path.exists(tmp_path / "hookcap.npz")
-    assert hookcap.load(tmp_path / "hookcap.npz").steps.tolist() == [1, 2, 3, 4]
+    assert hookcap.load(tmp_path / "hookcap.npz") == h
 
 
 def test_hf_trainer_resume_continues_numbering_and_detector_windows(tmp_path):
@@ -95,6 +105,56 @@ def test_hf_trainer_resume_continues_numbering_and_detector_windows(tmp_path):
     trainer_for(tiny_llama(), tmp_path, [cb2], max_steps=4, save_steps=2).train(resume_from_checkpoint=str(ckpt))
     assert cb2.monitor.history().steps.tolist() == [3, 4]
     assert len(cb2.monitor.detectors[0].state_dict()["window"]["model.norm/output"]) == 4
+
+
+class StopAt(transformers.TrainerCallback):
+    """Ends training after step ``n`` (its checkpoint saved), as an interruption would."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.n:
+            control.should_training_stop = True
+
+
+def test_hf_trainer_resumed_run_writes_the_whole_run(tmp_path):
+    whole = HFCallback(capture=("output", "grad_output"))
+    trainer_for(tiny_llama(), tmp_path / "a", [whole], max_steps=4, save_steps=2).train()
+    first = HFCallback(capture=("output", "grad_output"))
+    trainer_for(tiny_llama(), tmp_path / "b", [first, StopAt(2)], max_steps=4, save_steps=2).train()  # interrupted
+    resumed = HFCallback(capture=("output", "grad_output"))
+    trainer_for(tiny_llama(), tmp_path / "b", [resumed], max_steps=4, save_steps=2).train(
+        resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-2"))
+    assert resumed.monitor.history().steps.tolist() == [3, 4]
+    h = hookcap.load(tmp_path / "b" / "hookcap.npz")
+    assert h.steps.tolist() == [1, 2, 3, 4]
+    assert hookcap.load(tmp_path / "b" / "checkpoint-4" / "hookcap.npz") == h
+    # The same values as the uninterrupted run, step by step (the Trainer's resume is exact on CPU).
+    want = hookcap.load(tmp_path / "a" / "hookcap.npz")
+    assert sorted(h.names) == sorted(want.names)
+    for name in want.names:
+        for stat in ("count", "sum", "sumsq", "min", "max", "nan"):
+            np.testing.assert_array_equal(h[stat][:, h.column(name)], want[stat][:, want.column(name)],
+                                          err_msg=f"{name} {stat}")
+        np.testing.assert_array_equal(h.histogram(name), want.histogram(name))
+
+
+def test_history_concat_checks_its_inputs():
+    m = nn.Linear(3, 2)
+    mon = hookcap.Monitor(m, capture="output").attach()
+    for _ in range(3):
+        m(torch.randn(4, 3))
+        mon.step()
+    h = mon.history()
+    with pytest.raises(ValueError, match="does not follow"):
+        hookcap.History.concat([h, h])
+    other = hookcap.Monitor(m, capture="output", histogram=None)
+    with pytest.raises(ValueError, match="histograms differ"):
+        hookcap.History.concat([h, other.history()])
+    with pytest.raises(ValueError, match="no history"):
+        hookcap.History.concat([])
+    assert hookcap.History.concat([h]) == h
 
 
 def test_callbacks_check_monitor_arguments_early():
@@ -161,6 +221,27 @@ def test_lightning_records_training_steps_against_float64(tmp_path):
     # The sanity check ran before step 0's batches, validation after step 1's.
     assert_recorded(h, 0, "eval/net.0/output", seen[(0, False)])
     assert_recorded(h, 2, "eval/net.0/output", seen[(2, False)])
+
+
+def test_lightning_validation_at_the_end_of_fit_is_kept(tmp_path):
+    pl, module = lightning_module()
+    from hookcap.integrations.lightning import HookcapCallback
+
+    cb = HookcapCallback(capture="output")
+    seen = collections.defaultdict(list)
+    trainer = pl.Trainer(max_steps=2, accumulate_grad_batches=2, num_sanity_val_steps=0, val_check_interval=4,
+                         limit_val_batches=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                         default_root_dir=str(tmp_path), callbacks=[cb])
+    module.net[0].register_forward_hook(
+        lambda m, a, out: seen[(trainer.global_step, m.training)].append(out.detach().double().clone()))
+    train, val = loaders()
+    trainer.fit(module, train, val)
+    h = cb.monitor.history()
+    # The validation after the last optimizer step runs at global_step 2: closed by detach().
+    assert h.steps.tolist() == [0, 1, 2] and list(seen) == [(0, True), (1, True), (2, False)]
+    assert_recorded(h, 2, "eval/net.0/output", seen[(2, False)])
+    assert np.isnan(h["count"][2, h.column("net.0/output")])
 
 
 def test_lightning_checkpoint_resume_continues_numbering(tmp_path):

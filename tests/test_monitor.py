@@ -547,3 +547,20 @@ def test_torch_func_transforms_never_raise_and_plain_calls_stay_exact(transform,
     if transform != "functional_call":
         msgs = [r.getMessage() for r in caplog.records if "torch.func" in r.getMessage()]
         assert msgs and len(msgs) == len(set(msgs))
+
+
+def test_detach_closes_an_open_step_that_holds_records():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2)
+    mon = hookcap.Monitor(m, capture="output").attach()
+    m(torch.randn(4, 3))
+    mon.step()
+    x = torch.randn(5, 3)
+    out = m(x)  # an evaluation after the last step(), say
+    mon.detach()
+    h = mon.history()
+    assert h.steps.tolist() == [0, 1] and mon.current_step == 2
+    assert h["count"][1, 0] == out.numel() and h["max"][1, 0] == out.max().item()
+    mon.attach()  # an open step with nothing in it stays open
+    mon.detach()
+    assert mon.current_step == 2 and mon.history().steps.tolist() == [0, 1]

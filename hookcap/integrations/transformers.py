@@ -9,6 +9,7 @@ import os
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..history import History, load
 from ..monitor import Monitor
 from ._common import check_monitor_kwargs, rank_suffix
 
@@ -27,19 +28,26 @@ class HookcapCallback(TrainerCallback):
       the step it logs the loss for (``state.global_step`` after the optimizer
       step: 1, 2, ...).
     - Evaluation runs the model in eval mode, so its forwards follow
-      ``eval_forwards`` (default: ``eval/...`` metrics, never training rows).
+      ``eval_forwards`` (default: ``eval/...`` metrics, never training rows),
+      and lands in the step whose ``global_step`` the Trainer evaluates at (a
+      step is closed when the next one begins, at a save, or at the end of
+      training: the evaluation at the last step included).
     - At each checkpoint: ``hookcap.npz`` (the Monitor's dump) and
       ``hookcap_state.json`` (:meth:`Monitor.state_dict`) in the checkpoint
       folder; at the end of training ``hookcap.npz`` in ``output_dir``. On
       ranks other than 0 the names get ``.rank{r}`` before the extension.
     - ``trainer.train(resume_from_checkpoint=...)`` resumes from the
       checkpoint's ``hookcap_state.json`` (looked up in ``output_dir``):
-      numbering and detector windows continue.
+      numbering and detector windows continue, and the checkpoint's
+      ``hookcap.npz`` is carried on, so later checkpoints and the final
+      ``hookcap.npz`` hold the whole run (``History.concat``).
     """
 
     def __init__(self, **monitor_kwargs):
         self.monitor_kwargs = check_monitor_kwargs(monitor_kwargs)
         self.monitor: Monitor | None = None
+        self._open = False  # an optimizer step ended and its hookcap step is still open
+        self._earlier: History | None = None  # the steps before a resumed checkpoint
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if self.monitor is None:
@@ -59,6 +67,19 @@ class HookcapCallback(TrainerCallback):
             saved = json.load(f)
         # The Trainer's counter is the authority on numbering.
         self.monitor.load_state_dict({**saved, "step": state.global_step + 1})
+        earlier = os.path.join(os.path.dirname(path), f"hookcap{rank_suffix()}.npz")
+        if os.path.exists(earlier):
+            self._earlier = load(earlier)  # written at this checkpoint: its steps end at global_step
+        else:
+            log.warning("hookcap: resuming without %s: the files written from now on hold the steps "
+                        "from %d on", earlier, state.global_step + 1)
+
+    def _dump(self, path: str) -> None:
+        """The Monitor's dump, after the steps of the run this one resumed."""
+        if self._earlier is None:
+            self.monitor.dump(path)
+            return
+        History.concat([self._earlier, self.monitor.history()]).save(path, extra=self.monitor._dump_extra())
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         # Under DDP, param_grad is .grad as the optimizer sees it (reduced).
@@ -66,20 +87,31 @@ class HookcapCallback(TrainerCallback):
             self.monitor._before_optimizer_step()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.monitor is not None:
+        # The Trainer evaluates and saves after this, at the same global_step:
+        # the step is closed when the next begins (or at a save, or the end).
+        self._open = self.monitor is not None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._close()
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
             self.monitor.step()
 
     def on_save(self, args, state, control, **kwargs):
         if self.monitor is None:
             return
+        self._close()
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         suffix = rank_suffix()
-        self.monitor.dump(os.path.join(folder, f"hookcap{suffix}.npz"))
+        self._dump(os.path.join(folder, f"hookcap{suffix}.npz"))
         with open(os.path.join(folder, f"hookcap_state{suffix}.json"), "w") as f:
             json.dump(self.monitor.state_dict(), f)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.monitor is None:
             return
+        self._close()
         self.monitor.detach()
-        self.monitor.dump(os.path.join(args.output_dir, f"hookcap{rank_suffix()}.npz"))
+        self._dump(os.path.join(args.output_dir, f"hookcap{rank_suffix()}.npz"))
