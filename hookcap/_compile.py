@@ -24,6 +24,8 @@ Process-global state, all of it:
   hatch).
 - dynamo's compile-start callback :func:`unpark_for_compile`, registered
   while some Monitor parks its hooks.
+- ``torch._dynamo.config.skip_nnmodule_hook_guards``: False while some
+  Monitor has module hooks (:func:`hold_hook_guards`), restored after.
 - elsewhere: ``hookcap._ranks.HANDSHAKE_SEQ`` (c10d store keys of the rank
   handshakes), the atexit and SIGTERM/SIGINT handlers of ``dump_on_exit``
   (``hookcap._exit``), and the C++ table of gradient sinks
@@ -108,6 +110,36 @@ def hooks_traced(key: int) -> int:
     if hooks is not None:
         hooks.park_ok = False
     return 0
+
+
+_hook_guard_holders = 0
+_hook_guards_before: bool | None = None
+
+
+def hold_hook_guards() -> None:
+    """While a Monitor has module hooks, dynamo guards every compiled graph on
+    the hook dicts of the modules it inlines (``skip_nnmodule_hook_guards =
+    False``). Without that, instances of one class share their compiled code:
+    a graph traced for an unwatched instance runs a watched one (which then
+    records nothing), and a graph traced for one Monitor's instance writes
+    another's calls into that Monitor. With it, each distinct set of hooks
+    gets its own graph."""
+    global _hook_guard_holders, _hook_guards_before
+    cfg = torch._dynamo.config
+    if _hook_guard_holders == 0:
+        _hook_guards_before = cfg.skip_nnmodule_hook_guards
+        cfg.skip_nnmodule_hook_guards = False
+    _hook_guard_holders += 1
+
+
+def release_hook_guards() -> None:
+    """The last Monitor with module hooks is gone: the user's setting returns
+    (unless the user changed it meanwhile)."""
+    global _hook_guard_holders
+    _hook_guard_holders -= 1
+    cfg = torch._dynamo.config
+    if _hook_guard_holders == 0 and cfg.skip_nnmodule_hook_guards is False and _hook_guards_before is not None:
+        cfg.skip_nnmodule_hook_guards = _hook_guards_before
 
 
 def unpark_for_compile(args=None) -> None:

@@ -157,6 +157,7 @@ class Hooks:
         self._known_modules: dict[int, weakref.ref] = {}
         self._child_dicts: list[dict] = []
         self._children: list[tuple] = []
+        self._holds_guards = False  # holds _compile.hold_hook_guards while attached
 
     # -- registration -------------------------------------------------------------
     def attach(self) -> None:
@@ -177,6 +178,9 @@ class Hooks:
                              f"(qualified names look like {example_names(self.model)})")
         self._known_modules = {id(m): weakref.ref(m) for m in self.model.modules()}
         self._snapshot_modules()
+        if self.handles and not self._holds_guards:
+            _compile.hold_hook_guards()
+            self._holds_guards = True
         self._bind_params()
         if not self.handles and not self._param_handles and not ("param" in cfg.capture and self.params):
             self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="
@@ -191,6 +195,9 @@ class Hooks:
             if (mod := ref()) is not None:
                 _portable.disown(mod, ids)
         self._owned.clear()
+        if self._holds_guards:
+            self._holds_guards = False
+            _compile.release_hook_guards()
         self.park.clear()
         self.open_calls.clear()
 

@@ -364,3 +364,43 @@ def test_hf_gpt2_without_its_kv_cache_compiles_as_one_graph_with_a_monitor():
         explain = torch._dynamo.explain(lambda i: model(i, use_cache=False).logits)(ids)
     torch._dynamo.reset()
     assert explain.graph_break_count == 0 and explain.graph_count == 1
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_compiled_instances_of_one_class_record_their_own_calls():
+    """Instances of one class share compiled code unless dynamo guards on their
+    hooks: two watched by different Monitors and one unwatched, compiled and run
+    in turn, each Monitor records exactly its own instance's calls at every step."""
+    torch.manual_seed(0)
+    nets = [_Net(), _Net(), _Net()]
+    mons = [Monitor(nets[0], capture=("output",)).attach(), Monitor(nets[1], capture=("output",)).attach()]
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is False
+    compiled = [torch.compile(n) for n in nets]
+    xs = [torch.randn(4, 8) + i for i in range(3)]
+    graphs = counters["stats"]["unique_graphs"]
+    seen = {0: [], 1: []}
+    for step in range(3):
+        for i in (2, 0, 1) if step % 2 else (0, 2, 1):  # the unwatched one first, or between
+            compiled[i](xs[i])
+        for i, mon in enumerate(mons):
+            with mon.paused():
+                seen[i].append(nets[i].b(torch.tanh(nets[i].a(xs[i]))))
+            mon.step()
+    for i, mon in enumerate(mons):
+        h = mon.history()
+        assert h.names == ["a/output", "b/output"] and h.steps.tolist() == [0, 1, 2]
+        for step in range(3):
+            assert_recorded(h, step, "b/output", [seen[i][step]])
+    assert counters["stats"]["unique_graphs"] - graphs <= 3  # one graph per set of hooks
+    for mon in mons:
+        mon.detach()
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is True  # the default, restored
