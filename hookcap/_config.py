@@ -135,12 +135,15 @@ def module_filter(modules) -> Callable[[str, nn.Module], bool]:
 
 def default_module(name: str, m: nn.Module) -> bool:
     """``modules=None``: a leaf, or a module that owns a parameter directly
-    (``nn.MultiheadAttention``) or is parametrized (``weight_norm``,
-    ``spectral_norm``). Parametrization internals are excluded by
+    (``nn.MultiheadAttention``), is parametrized (``weight_norm``,
+    ``spectral_norm``) or wraps a ``base_layer`` (PEFT's adapted layers, e.g.
+    a LoRA ``Linear``: its output is base + adapter, the layer's effective
+    output). Parametrization internals are excluded by
     :func:`parametrization_internals`."""
     if next(m.children(), None) is None:
         return True
-    return next(m.parameters(recurse=False), None) is not None or "parametrizations" in m._modules
+    return (next(m.parameters(recurse=False), None) is not None or "parametrizations" in m._modules
+            or "base_layer" in m._modules)
 
 
 def parametrization_internals(model: nn.Module) -> set[int]:
