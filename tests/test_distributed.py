@@ -481,3 +481,35 @@ def test_bind_rank_names_per_rank_outputs(tmp_path):
         assert set(wb.payload(d)) == {f"{n}/count" for n in d.names}
         d.rank = 1
         assert wb.payload(d) == {f"rank1/{n}/count": d.stats["count"][i] for i, n in enumerate(d.names)}
+
+
+def test_hf_trainer_under_torchrun_records_the_reduced_gradient(tmp_path):
+    """HF Trainer under torchrun (2 gloo ranks): param_grad on every rank and in the
+    merged history is the gradient the optimizer steps with, counted once."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    script = os.path.join(os.path.dirname(__file__), "hf_ddp_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    merged = hookcap.load(tmp_path / "merged.npz")
+    refs = [torch.load(tmp_path / f"ref{r}.pt") for r in (0, 1)]
+    for n, g in refs[0][1].items():  # the optimizer's gradient is the reduced one: equal on both ranks
+        torch.testing.assert_close(g, refs[1][1][n], rtol=1e-12, atol=1e-15)
+    for rank, suffix in ((0, ""), (1, ".rank1")):
+        h = hookcap.load(tmp_path / f"hookcap{suffix}.npz")
+        ref = torch.load(tmp_path / f"ref{rank}.pt")
+        assert h.steps.tolist() == sorted(ref) == [1, 2]
+        names = [n for n in h.names if n.endswith("/param_grad")]
+        assert len(names) == len(ref[1]) > 5
+        for s, step in enumerate(h.steps):
+            for name in names:
+                g = ref[int(step)][name[:-len("/param_grad")]].reshape(-1).numpy()
+                for hist in (h, merged):
+                    c = hist.column(name)
+                    assert hist["count"][s, c] == g.size  # replicated: once, also merged
+                    assert abs(hist["sum"][s, c] - g.sum()) <= 1e-5 * np.abs(g).sum() + 1e-30
+                    np.testing.assert_allclose(hist["l2norm"][s, c], np.sqrt((g * g).sum()), rtol=1e-5)
