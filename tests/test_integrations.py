@@ -260,9 +260,17 @@ def test_lightning_checkpoint_resume_continues_numbering(tmp_path):
     t1.save_checkpoint(tmp_path / "a.ckpt")
     cb2 = HookcapCallback(capture="output", detectors=[hookcap.Spike(window=50, warmup=40)])
     _, module2 = lightning_module()
+    first = hookcap.load(tmp_path / "hookcap.npz")  # written at the end of the first fit
+    assert first.steps.tolist() == [0, 1] and first == cb.history()
     trainer(4, cb2).fit(module2, loaders()[0], ckpt_path=str(tmp_path / "a.ckpt"))
     assert cb2.monitor.history().steps.tolist() == [2, 3]
     assert len(cb2.monitor.detectors[0].state_dict()["window"]["net.0/output"]) == 4
+    # The whole run, in the callback and in the file: the first fit's steps unchanged, then the resumed ones.
+    whole = hookcap.load(tmp_path / "hookcap.npz")
+    assert whole.steps.tolist() == [0, 1, 2, 3] and whole == cb2.history()
+    for stat in ("count", "sum", "max", "sumsq"):
+        np.testing.assert_array_equal(whole[stat][:2], first[stat])
+        np.testing.assert_array_equal(whole[stat][2:], cb2.monitor.history()[stat])
 
 
 # -- accelerate -------------------------------------------------------------------

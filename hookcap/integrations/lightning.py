@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 from lightning.pytorch import Callback
 
+from ..history import History, load
 from ..monitor import Monitor
-from ._common import check_monitor_kwargs
+from ._common import check_monitor_kwargs, rank_suffix
 
 
 class HookcapCallback(Callback):
@@ -21,14 +25,30 @@ class HookcapCallback(Callback):
     - The sanity check and validation loops run the module in eval mode, so
       their forwards follow ``eval_forwards`` (default: ``eval/...`` metrics,
       never training rows).
-    - Checkpoints carry :meth:`Monitor.state_dict` as this callback's state;
-      ``fit(ckpt_path=...)`` resumes numbering and detector windows.
+    - Checkpoints carry :meth:`Monitor.state_dict` and the history so far as
+      this callback's state; ``fit(ckpt_path=...)`` resumes numbering and
+      detector windows, and :meth:`history` holds the whole run.
+    - At the end of ``fit``: ``hookcap.npz`` (the whole run) in
+      ``trainer.default_root_dir``; on ranks other than 0 the name gets
+      ``.rank{r}`` before the extension.
     """
 
     def __init__(self, **monitor_kwargs):
         self.monitor_kwargs = check_monitor_kwargs(monitor_kwargs)
         self.monitor: Monitor | None = None
         self._loaded: dict | None = None  # a checkpoint's state, until the Monitor exists
+        self._earlier: History | None = None  # the steps before the checkpoint this fit resumed from
+
+    def history(self) -> History:
+        """The whole run: the steps of the fit this one resumed from (as its
+        checkpoint holds them), then this fit's (``self.monitor.history()``)."""
+        parts = [h for h in (self._earlier, self.monitor.history() if self.monitor else None) if h is not None]
+        if not parts:
+            raise ValueError("HookcapCallback.history: nothing recorded yet (fit has not started)")
+        return History.concat(parts)
+
+    def _whole_run(self, path: str) -> str:
+        return self.history().save(path, extra=self.monitor._dump_extra())
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.monitor is None:
@@ -57,16 +77,29 @@ class HookcapCallback(Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.monitor is not None:
-            self.monitor.detach()
+            self.monitor.detach()  # closes a last validation's step
+            self._whole_run(os.path.join(trainer.default_root_dir, f"hookcap{rank_suffix()}.npz"))
 
     def state_dict(self) -> dict:
-        if self.monitor is not None:
-            return self.monitor.state_dict()
-        return dict(self._loaded or {})
+        if self.monitor is None:
+            return dict(self._loaded or {})
+        state = self.monitor.state_dict()
+        with tempfile.TemporaryDirectory() as d:
+            with open(self._whole_run(os.path.join(d, "h.npz")), "rb") as f:
+                state["history_npz"] = f.read()
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not state_dict:
             return
+        state_dict = dict(state_dict)
+        blob = state_dict.pop("history_npz", None)
+        if blob is not None:
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "h.npz")
+                with open(path, "wb") as f:
+                    f.write(blob)
+                self._earlier = load(path)
         if self.monitor is not None:
             self._loaded = None
             self.monitor.load_state_dict(state_dict)
