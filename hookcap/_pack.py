@@ -124,6 +124,51 @@ class PackedStep:
                 out[:, c] = _absmax_key(out[:, _layout.MIN], out[:, _layout.MAX])
         return out
 
+    def column(self, c: int) -> np.ndarray:
+        """int64 [k]: header column ``c`` alone (what ``header()[:, c]`` holds)."""
+        k, codes = self.desc[0], self.desc[1]
+        code = codes[c]
+        if code == CONST:
+            return np.full(k, self._view(np.int64, H, 0)[c], dtype=np.int64)
+        if code == ABSMAX:
+            return _absmax_key(self.column(_layout.MIN), self.column(_layout.MAX))
+        for name, dt, count, off in self._sections():
+            if name != c:
+                continue
+            if code == RAW:
+                return self._view(np.int64, count, off).copy()
+            if code == F32:
+                return self._view(np.float32, count, off).astype(np.float64).view(np.int64)
+            if code == KEY32:
+                return _layout.order_key(self._view(np.float32, count, off).astype(np.float64))
+            return self._view(_UINT[code], count, off).astype(np.int64) + self._view(np.int64, H, 0)[c]
+        raise AssertionError(f"column {c}: no section")
+
+    def metric_band(self, j: int) -> tuple[int, np.ndarray]:
+        """(first bin, int64 counts) of row ``j``'s non-empty band of bins,
+        decoding that row alone."""
+        hist = self.desc[2]
+        if hist is None:
+            return 0, np.zeros(0, dtype=np.int64)
+        sec = {name: (dt, count, off) for name, dt, count, off in self._sections() if isinstance(name, str)}
+        first = self._view(*sec["first"])
+        lens = self._view(*sec["len"])
+        start = int(lens[:j].sum(dtype=np.int64))
+        n = int(lens[j])
+        dt, _, off = sec["counts"]
+        counts = self._view(dt, n, off + start * np.dtype(dt).itemsize).astype(np.int64)
+        lo = int(first[j]) if n else 0
+        if hist[1]:  # zeros in bin 0, from the header's ZEROS column
+            z = int(self.column(_layout.ZEROS)[j])
+            if z:
+                if n == 0:
+                    return 0, np.array([z], dtype=np.int64)
+                band = np.zeros(lo + n, dtype=np.int64)
+                band[lo:] = counts
+                band[0] = z
+                return 0, band
+        return lo, counts
+
     def histogram(self, header: np.ndarray | None = None) -> tuple[int, np.ndarray]:
         """(first bin, int64 [k, width]): the step's band of every non-empty bin."""
         hist = self.desc[2]

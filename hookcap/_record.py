@@ -57,6 +57,22 @@ class StepRecord:
             self._header = self.packed.header()
         return self._header
 
+    def header_now(self) -> np.ndarray:
+        """``header``, decoded afresh and not kept when the record is packed
+        (a History reading every step keeps no step's rows)."""
+        return self._header if self._header is not None else self.packed.header()
+
+    def header_column(self, c: int) -> np.ndarray:
+        """int64 [k]: header column ``c`` (decoding that column alone when packed)."""
+        return self._header[:, c] if self._header is not None else self.packed.column(c)
+
+    def metric_band(self, j: int) -> tuple[int, np.ndarray]:
+        """(first bin, int64 counts) of the ``j``-th metric's histogram band."""
+        if self._hist is None and self.packed is not None:
+            return self.packed.metric_band(j)
+        lo, band = self._band()
+        return lo, band[j]
+
     def _band(self):
         if self._hist is None:
             self._hist = self.packed.histogram(self.header)

@@ -4,6 +4,7 @@ read one back from a file."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -22,6 +23,9 @@ class History:
     ``h.to_pandas()``."""
 
     def __init__(self, records, names, metas, histogram: Histogram | None):
+        # Nothing is decoded here: a statistic's [S, M] array is decoded from
+        # the steps' compact records when first read, one step at a time, and
+        # kept; a histogram is decoded for its one metric on every call.
         self._records = list(records)
         self.names: list[str] = list(names)
         self._metas = dict(metas)
@@ -30,22 +34,57 @@ class History:
         self.extra: dict = {}
         self._index = {n: i for i, n in enumerate(self.names)}
         self.steps = np.array([r.step for r in self._records], dtype=np.int64)
-        S, M = len(self._records), len(self.names)
-        header = np.zeros((S, M, _layout.HEADER), dtype=np.int64)
-        for s, r in enumerate(self._records):
-            header[s, r.metrics] = r.header
-        self._recorded = header[..., _layout.CALLS] > 0
-        self._stats = _layout.decode(header)
         self._timed = any(r.time_ns is not None for r in self._records)
-        if self._timed:
-            t = np.full((S, M, 2), np.nan)
+        self._stats = _Columns(self)
+        self._recorded_cells = None
+
+    @property
+    def _recorded(self) -> np.ndarray:
+        """bool [S, M]: whether each metric was written at each step."""
+        if self._recorded_cells is None:
+            out = np.zeros((len(self._records), len(self.names)), dtype=bool)
+            for s, r in enumerate(self._records):
+                out[s, r.metrics] = r.header_column(_layout.CALLS) > 0
+            self._recorded_cells = out
+        return self._recorded_cells
+
+    @_recorded.setter
+    def _recorded(self, value) -> None:
+        self._recorded_cells = value
+
+    def _decode(self, stat: str) -> np.ndarray:
+        """float64 [S, M] of one statistic, NaN where not recorded."""
+        out = np.full((len(self._records), len(self.names)), np.nan)
+        if stat in _layout.TIMING_NAMES:
+            col = _layout.TIMING_NAMES.index(stat)
             for s, r in enumerate(self._records):
                 if r.time_ns is not None:
-                    t[s, r.metrics] = r.time_ns
-            self._stats["fwd_ms"] = t[..., 0] / 1e6
-            self._stats["bwd_ms"] = t[..., 1] / 1e6
-        for v in self._stats.values():
-            v[~self._recorded] = np.nan
+                    out[s, r.metrics] = r.time_ns[:, col] / 1e6
+        else:
+            cols = _STAT_COLUMNS[stat]
+            for s, r in enumerate(self._records):
+                rows = np.zeros((len(r.metrics), _layout.HEADER), dtype=np.int64)
+                for c in cols:  # only the columns this statistic reads
+                    rows[:, c] = r.header_column(c)
+                out[s, r.metrics] = _layout.decode(rows)[stat]
+        out[~self._recorded] = np.nan
+        return out
+
+    def _decode_all(self) -> None:
+        """Every statistic in one pass over the steps (what reading them all needs)."""
+        cols = self._stats
+        todo = [k for k in _layout.STAT_NAMES if k not in cols._done]
+        if not todo:
+            return
+        outs = {k: np.full((len(self._records), len(self.names)), np.nan) for k in todo}
+        for s, r in enumerate(self._records):
+            d = _layout.decode(r.header_now())
+            for k in todo:
+                outs[k][s, r.metrics] = d[k]
+        rec = self._recorded
+        for k, v in outs.items():
+            v[~rec] = np.nan
+            cols._done[k] = v
 
     @property
     def stat_names(self) -> tuple[str, ...]:
@@ -90,7 +129,8 @@ class History:
         for s, r in enumerate(self._records):
             hit = np.flatnonzero(r.metrics == m)
             if hit.size:
-                out[s, r.hist_lo:r.hist_lo + r.hist.shape[1]] = r.hist[hit[0]]
+                lo, counts = r.metric_band(int(hit[0]))
+                out[s, lo:lo + len(counts)] = counts
         return out
 
     def order(self, step: int) -> list[str]:
@@ -158,6 +198,7 @@ class History:
         """Long format: one row per (step, metric) that was recorded."""
         import pandas as pd
 
+        self._decode_all()
         s_idx, m_idx = np.nonzero(self._recorded)
         data = {"step": self.steps[s_idx], "name": np.array(self.names, dtype=object)[m_idx]}
         for k, v in self._stats.items():
@@ -172,6 +213,8 @@ class History:
 
     def _same_view(self, other: History) -> bool:
         """Equal names, steps, metadata, stats and histograms."""
+        for h in (self, other):
+            h._decode_all()
         return (
             self.names == other.names
             and np.array_equal(self.steps, other.steps)
@@ -217,6 +260,41 @@ class History:
         return _ColumnHistory(steps, names, metas, histogram, stats, recorded, orders, hist)
 
 
+_FINITE = (_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF)
+# The header columns each statistic is decoded from (_layout.decode).
+_STAT_COLUMNS = {
+    "count": (_layout.COUNT,), "nan": (_layout.NAN,), "posinf": (_layout.POSINF,),
+    "neginf": (_layout.NEGINF,), "inf": (_layout.POSINF, _layout.NEGINF), "zeros": (_layout.ZEROS,),
+    "finite": _FINITE, "sum": _FINITE + (_layout.SUM,), "sumsq": _FINITE + (_layout.SUMSQ,),
+    "min": _FINITE + (_layout.MIN,), "max": _FINITE + (_layout.MAX,),
+    "absmax": _FINITE + (_layout.ABSMAX,), "mean": _FINITE + (_layout.SUM,),
+    "std": _FINITE + (_layout.S1, _layout.S2), "rms": _FINITE + (_layout.SUMSQ,),
+    "l2norm": _FINITE + (_layout.SUMSQ,), "zero_frac": (_layout.COUNT, _layout.ZEROS),
+}
+
+
+class _Columns(Mapping):
+    """A History's statistics by name, each decoded on first read and kept."""
+
+    def __init__(self, history: History) -> None:
+        self._h = history
+        self._names = _layout.STAT_NAMES + (_layout.TIMING_NAMES if history._timed else ())
+        self._done: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, stat: str) -> np.ndarray:
+        if stat not in self._names:
+            raise KeyError(stat)
+        if stat not in self._done:
+            self._done[stat] = self._h._decode(stat)
+        return self._done[stat]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 class _ColumnHistory(History):
     """A :class:`History` built from decoded statistics (see
     ``History._from_columns``): the same public view, no raw records."""
@@ -246,6 +324,9 @@ class _ColumnHistory(History):
         why = " (or recorded without Monitor(timing=True))" if stat in _layout.TIMING_NAMES else ""
         raise KeyError(f"{stat!r} was not written to this file: its sink was given stats= without it{why}; "
                        f"available: {', '.join(self._stats)}")
+
+    def _decode_all(self) -> None:
+        pass  # decoded when read from Parquet
 
     def histogram(self, name: str) -> np.ndarray:
         if self._histogram is None:

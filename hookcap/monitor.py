@@ -301,10 +301,10 @@ class Monitor:
         rec = self._recorder
         if self._attached and rec.recording and not rec.capturing():
             # The open step is closed if it holds records (an evaluation after
-            # the last step(), say); an untouched one stays open, as before.
-            # With merged rank sinks every rank closes it (step() is collective).
+            # the last step(), say); an untouched one stays open. Ranks may
+            # differ here: this close runs no collective (the merge below does).
             taken = rec.take_order()
-            if len(taken[0]) or taken[1] or self._ranks.merging:
+            if len(taken[0]) or taken[1]:
                 self._step(taken)
         self._hooks.remove()
         was = self._attached
@@ -324,7 +324,9 @@ class Monitor:
         self._step(None)
 
     def _step(self, taken) -> None:
-        """step(); ``taken``: the step's execution log if already taken (detach)."""
+        """step(); ``taken``: the step's execution log, already taken by
+        detach(), whose close of the open step runs no rank collective."""
+        closing = taken is not None
         rec, hooks = self._recorder, self._hooks
         if rec.capturing():
             # Closing a step copies a slot to the host and polls events: not
@@ -335,7 +337,7 @@ class Monitor:
         if not self._attached:
             rec.warn_once("step unattached", "hookcap: step() on a Monitor that is not attached: it "
                                              "records nothing (call attach() or use `with mon:`)")
-        if not self._ranks.decided:
+        if not self._ranks.decided and not closing:
             self._ranks.setup(RANK_HANDSHAKE_TIMEOUT_S)
         recorded = rec.recording
         if recorded:  # the model as it is now: replaced parameters, added modules
@@ -352,7 +354,7 @@ class Monitor:
         else:  # gradients that arrived in an off-step wrote nothing: forget them
             rec.fast.take()
         self._consume(wait=False)
-        if self._ranks.due(rec.step, RANK_MERGE_EVERY):
+        if not closing and self._ranks.due(rec.step, RANK_MERGE_EVERY):
             self._ranks.merge(self._drain.watermark(rec.step))
         rec.new_step(*self._drain.advance(rec.ring_list, rec.step, rec.slot))
         hooks.new_step()
