@@ -36,6 +36,7 @@ def main():
     if args.device == "cpu":  # host clocks: the step-level every=10 split is CPU-only
         for w in ("cnn", "gpt2"):
             run("bench_every.py", "--workload", w, "--json", out(f"every_{w}"))
+        run("bench_read.py", "--json", out("read"))
 
 
 if __name__ == "__main__":
