@@ -199,20 +199,26 @@ def loaders():
     return (torch.utils.data.DataLoader(data, batch_size=4), torch.utils.data.DataLoader(data, batch_size=8))
 
 
+def fit_tagged(pl, module, cb, tmp_path, max_steps, sanity):
+    """Fit (2 batches per optimizer step, validation every 4 batches) with a float64 copy of
+    ``net.0``'s outputs kept by (global_step, training) at each forward."""
+    seen = collections.defaultdict(list)
+    trainer = pl.Trainer(max_steps=max_steps, accumulate_grad_batches=2, num_sanity_val_steps=sanity,
+                         val_check_interval=4, limit_val_batches=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                         default_root_dir=str(tmp_path), callbacks=[cb])
+    module.net[0].register_forward_hook(
+        lambda m, a, out: seen[(trainer.global_step, m.training)].append(out.detach().double().clone()))
+    trainer.fit(module, *loaders())
+    return seen
+
+
 def test_lightning_records_training_steps_against_float64(tmp_path):
     pl, module = lightning_module()
     from hookcap.integrations.lightning import HookcapCallback
 
     cb = HookcapCallback(capture=("output", "grad_output"))
-    seen = collections.defaultdict(list)
-    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, num_sanity_val_steps=1, val_check_interval=4,
-                         limit_val_batches=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                         default_root_dir=str(tmp_path), callbacks=[cb])
-    module.net[0].register_forward_hook(
-        lambda m, a, out: seen[(trainer.global_step, m.training)].append(out.detach().double().clone()))
-    train, val = loaders()
-    trainer.fit(module, train, val)
+    seen = fit_tagged(pl, module, cb, tmp_path, max_steps=3, sanity=1)
     h = cb.monitor.history()
     assert h.steps.tolist() == [0, 1, 2]  # as Lightning logs them
     for step in (0, 1, 2):
@@ -228,15 +234,7 @@ def test_lightning_validation_at_the_end_of_fit_is_kept(tmp_path):
     from hookcap.integrations.lightning import HookcapCallback
 
     cb = HookcapCallback(capture="output")
-    seen = collections.defaultdict(list)
-    trainer = pl.Trainer(max_steps=2, accumulate_grad_batches=2, num_sanity_val_steps=0, val_check_interval=4,
-                         limit_val_batches=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                         default_root_dir=str(tmp_path), callbacks=[cb])
-    module.net[0].register_forward_hook(
-        lambda m, a, out: seen[(trainer.global_step, m.training)].append(out.detach().double().clone()))
-    train, val = loaders()
-    trainer.fit(module, train, val)
+    seen = fit_tagged(pl, module, cb, tmp_path, max_steps=2, sanity=0)
     h = cb.monitor.history()
     # The validation after the last optimizer step runs at global_step 2: closed by detach().
     assert h.steps.tolist() == [0, 1, 2] and list(seen) == [(0, True), (1, True), (2, False)]
