@@ -60,14 +60,16 @@ class History:
             for s, r in enumerate(self._records):
                 if r.time_ns is not None:
                     out[s, r.metrics] = r.time_ns[:, col] / 1e6
-        else:
-            cols = _STAT_COLUMNS[stat]
-            for s, r in enumerate(self._records):
-                rows = np.zeros((len(r.metrics), _layout.HEADER), dtype=np.int64)
-                for c in cols:  # only the columns this statistic reads
-                    rows[:, c] = r.header_column(c)
-                out[s, r.metrics] = _layout.decode(rows)[stat]
-        out[~self._recorded] = np.nan
+            out[~self._recorded] = np.nan
+            return out
+        cols = _STAT_COLUMNS[stat] + (_layout.CALLS,)
+        for s, r in enumerate(self._records):
+            rows = np.zeros((len(r.metrics), _layout.HEADER), dtype=np.int64)
+            for c in cols:  # only the columns this statistic reads
+                rows[:, c] = r.header_column(c)
+            v = _layout.decode(rows)[stat]
+            written = rows[:, _layout.CALLS] > 0  # NaN where a row was not written (no S x M mask)
+            out[s, r.metrics] = v if written.all() else np.where(written, v, np.nan)
         return out
 
     def _decode_all(self) -> None:
