@@ -156,3 +156,19 @@ class Consumers:
             return os.path.join(p, f"hookcap-anomaly-step{a.step}{tag}.npz")
         root, ext = os.path.splitext(p)
         return f"{root}{tag}{ext}"
+
+    def state_dict(self) -> dict:
+        """The detectors' states (None for one without ``state_dict``) and the anomalies so far."""
+        return {"detectors": [d.state_dict() if callable(getattr(d, "state_dict", None)) else None
+                              for d in self.detectors],
+                "anomalies": [a.to_dict() for a in self.anomalies]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Detectors (matched by position) and anomalies from :meth:`state_dict`."""
+        if len(state["detectors"]) != len(self.detectors):
+            raise ValueError(f"state: saved with {len(state['detectors'])} detectors, this Monitor "
+                             f"has {len(self.detectors)}")
+        for det, s in zip(self.detectors, state["detectors"]):
+            if s is not None and callable(getattr(det, "load_state_dict", None)):
+                det.load_state_dict(s)
+        self.anomalies[:] = [Anomaly.from_dict(d) for d in state["anomalies"]]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import weakref
 from collections.abc import Iterable
 
@@ -17,6 +16,7 @@ from torch import nn
 
 from . import _compile, _portable
 from ._config import EVAL_PREFIX, ROOT_NAME, Config, example_names, metric_name, parametrization_internals
+from ._follow import ModelWatch, watched_params
 from ._park import HookPark
 from ._recorder import Recorder, placement_of
 from ._timing import Timing, inplace_grad_node
@@ -147,16 +147,10 @@ class Hooks:
         self._class_counts: dict[str, int] = {}
         # Modules with hooks of this set, and their handle ids: kept out of copies and pickles.
         self._owned: list[tuple[weakref.ref, list[int]]] = []
-        # Watched parameters where they live (the owner's _parameters, attribute, tensor), to
-        # follow replacements, and their gradient hooks; every module of the model seen so far
-        # (id -> the module: an id may be reused) and each one's children at the last look.
-        self._slot_dicts: list[dict] = []
-        self._slot_attrs: list[str] = []
-        self._slot_params: list[torch.Tensor] = []
+        # The model as last seen (to follow replaced parameters and added modules), and the
+        # watched parameters' gradient hooks.
+        self.watch = ModelWatch()
         self._param_handles: list = []
-        self._known_modules: dict[int, weakref.ref] = {}
-        self._child_dicts: list[dict] = []
-        self._children: list[tuple] = []
         self._holds_guards = False  # holds _compile.hold_hook_guards while attached
 
     # -- registration -------------------------------------------------------------
@@ -176,8 +170,7 @@ class Hooks:
         if matched == 0 and not cfg.all_params:
             raise ValueError(f"modules: {cfg.modules!r} matched no module of the model "
                              f"(qualified names look like {example_names(self.model)})")
-        self._known_modules = {id(m): weakref.ref(m) for m in self.model.modules()}
-        self._snapshot_modules()
+        self.watch.look(self.model)
         if self.handles and not self._holds_guards:
             _compile.hold_hook_guards()
             self._holds_guards = True
@@ -252,15 +245,12 @@ class Hooks:
             h.remove()
         self._param_handles.clear()
         self.params, self.reduced_grads = [], []
-        self._slot_dicts, self._slot_attrs, self._slot_params = [], [], []
         if "param" not in cfg.capture and "param_grad" not in cfg.capture:
+            self.watch.watch_params([])
             return
-        for pname, p, owner, attr in self._watched_params():
-            self._slot_dicts.append(owner._parameters)
-            self._slot_attrs.append(attr)
-            self._slot_params.append(p)
-            if p.is_floating_point():
-                self.params.append((pname, p))
+        found = list(watched_params(self.model, cfg))
+        self.watch.watch_params((owner, attr, p) for _, p, owner, attr in found)
+        self.params = [(pname, p) for pname, p, _, _ in found if p.is_floating_point()]
         if "param_grad" in cfg.capture:
             for pname, p in self.params:
                 if not p.requires_grad:
@@ -272,11 +262,6 @@ class Hooks:
                 else:
                     self._param_handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(pname)))
 
-    def _snapshot_modules(self) -> None:
-        """Each module's children as they are now (refresh compares them)."""
-        self._child_dicts = [m._modules for m in self.model.modules()]
-        self._children = [tuple(d.values()) for d in self._child_dicts]
-
     def refresh(self, at_step_end: bool = False) -> None:
         """At the end of a recorded step and before one that records: follow
         parameters the model replaced since (``to_empty()`` after meta init,
@@ -287,21 +272,13 @@ class Hooks:
         parameters) identity checks."""
         if self.global_names is not None or self.model is None or self.park.parked:
             return
-        # Identity checks in C loops (~0.1 us a module or parameter): has any
-        # module's set of children changed, or any watched parameter's tensor?
-        added = any(map(operator.ne, map(tuple, map(dict.values, self._child_dicts)), self._children))
-        stale = any(map(operator.is_not, map(dict.get, self._slot_dicts, self._slot_attrs), self._slot_params))
-        known = self._known_modules
-        new = [(qual or ROOT_NAME, mod) for qual, mod in self.model.named_modules()
-               if (ref := known.get(id(mod))) is None or ref() is not mod] if added else []
-        if added:
-            self._snapshot_modules()
+        new = self.watch.new_modules(self.model)
+        stale = self.watch.params_replaced()
         if new:
             cfg = self.config
             internals = parametrization_internals(self.model) if cfg.modules is None else set()
             hooked = []
             for name, mod in new:
-                known[id(mod)] = weakref.ref(mod)
                 if id(mod) not in internals and cfg.select(name, mod):
                     self._hook_module(name, mod)
                     hooked.append(name)
@@ -321,19 +298,6 @@ class Hooks:
             if swapped:
                 log.info("hookcap: following %d parameter(s) replaced or added since attach(): %s",
                          len(swapped), ", ".join(swapped[:10]) + (" ..." if len(swapped) > 10 else ""))
-
-    def _watched_params(self) -> Iterable[tuple[str, nn.Parameter, nn.Module, str]]:
-        """(name, parameter, owner module, attribute): all parameters when
-        ``modules`` is None (a shared one once, by its first name), else those
-        owned directly by the selected modules."""
-        seen = set()
-        for qual, mod in self.model.named_modules():
-            if not self.config.all_params and not self.config.select(qual or ROOT_NAME, mod):
-                continue
-            for pn, p in mod._parameters.items():
-                if p is not None and id(p) not in seen:
-                    seen.add(id(p))
-                    yield (f"{qual}.{pn}" if qual else pn), p, mod, pn
 
     def _add(self, handle) -> None:
         self.handles.append(handle)

@@ -24,7 +24,7 @@ from ._exit import ExitDump
 from ._hooks import Hooks, after_optimizer_step, before_optimizer_step, innermost_optimizer
 from ._ranks import RankMerger
 from ._recorder import Recorder
-from .anomaly import Anomaly, AnomalyError
+from .anomaly import AnomalyError
 from .histogram import Histogram
 from .history import History
 
@@ -300,9 +300,8 @@ class Monitor:
         still pending and rank 0 writes them before its sinks are closed."""
         rec = self._recorder
         if self._attached and rec.recording and not rec.capturing():
-            # The open step is closed if it holds records (an evaluation after
-            # the last step(), say); an untouched one stays open. Ranks may
-            # differ here: this close runs no collective (the merge below does).
+            # An open step holding records (an evaluation after the last step())
+            # is closed, with no rank collective (ranks may differ here).
             taken = rec.take_order()
             if len(taken[0]) or taken[1]:
                 self._step(taken)
@@ -324,13 +323,11 @@ class Monitor:
         self._step(None)
 
     def _step(self, taken) -> None:
-        """step(); ``taken``: the step's execution log, already taken by
-        detach(), whose close of the open step runs no rank collective."""
+        """step(); ``taken``: the step's log, taken by detach() (a close with no rank collective)."""
         closing = taken is not None
         rec, hooks = self._recorder, self._hooks
         if rec.capturing():
-            # Closing a step copies a slot to the host and polls events: not
-            # capturable. The step stays open; call step() after replay().
+            # Closing a step copies a slot and polls events: not capturable. The step stays open.
             rec.warn_once("step in capture", "hookcap: step() while a CUDA graph is being captured does "
                                              "nothing (call it outside the capture, after each replay)")
             return
@@ -339,14 +336,12 @@ class Monitor:
                                              "records nothing (call attach() or use `with mon:`)")
         if not self._ranks.decided and not closing:
             self._ranks.setup(RANK_HANDSHAKE_TIMEOUT_S)
-        recorded = rec.recording
-        if recorded:  # the model as it is now: replaced parameters, added modules
+        if recorded := rec.recording:  # the model as it is now: replaced parameters, added modules
             hooks.refresh(at_step_end=True)
         if rec.enabled:
             if self._attached:
                 hooks.record_params()
-            # Taken even when the step is dropped (detach() may have taken it already).
-            order, failed_timers = rec.take_order() if taken is None else taken
+            order, failed_timers = rec.take_order() if taken is None else taken  # even when dropped
             for module, message in failed_timers:
                 hooks.timing.failed(module, RuntimeError(message))
             if self._attached or len(order):  # detached: detach() closed what it held
@@ -391,9 +386,7 @@ class Monitor:
         the open step's number, each detector's state (Spike windows, Dead
         runs, NonFinite counts) and the anomalies so far."""
         return {"format": "hookcap-monitor", "version": 1, "step": self.current_step,
-                "detectors": [d.state_dict() if callable(getattr(d, "state_dict", None)) else None
-                              for d in self.detectors],
-                "anomalies": [a.to_dict() for a in self.anomalies]}
+                **self._consumers.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from :meth:`state_dict`: the open step takes the saved
@@ -403,25 +396,16 @@ class Monitor:
             raise ValueError("state: expected a dict from Monitor.state_dict()")
         if state.get("version", 0) > 1:
             raise ValueError(f"state: version {state['version']} is newer than this hookcap (1)")
-        if len(state["detectors"]) != len(self.detectors):
-            raise ValueError(f"state: saved with {len(state['detectors'])} detectors, this Monitor "
-                             f"has {len(self.detectors)}")
+        self._consumers.load_state_dict(state)
         self._recorder.jump_to(int(state["step"]))
-        for det, s in zip(self.detectors, state["detectors"]):
-            if s is not None and callable(getattr(det, "load_state_dict", None)):
-                det.load_state_dict(s)
-        self.anomalies[:] = [Anomaly.from_dict(d) for d in state["anomalies"]]
         self._hooks.park_or_unpark(self._attached)
 
     def _consume(self, wait: bool) -> None:
         for record in self._drain.collect(self._recorder.ring_list, wait):
             if not len(record.metrics):
-                self._warn_empty(record.step)
+                self._recorder.warn_once("empty step", f"hookcap: recorded step {record.step} recorded nothing: "
+                                         "no hooked module ran while the Monitor recorded (logged once)")
             self._consumers.consume(record)
-
-    def _warn_empty(self, step: int) -> None:
-        self._recorder.warn_once("empty step", f"hookcap: recorded step {step} recorded nothing: no hooked "
-                                 "module ran while the Monitor recorded (logged once)")
 
     # -- reading ------------------------------------------------------------------
     def history(self, all_ranks: bool = False, group=None) -> History:
@@ -451,13 +435,8 @@ class Monitor:
 
     def _dump_extra(self) -> dict:
         """The header ``dump`` writes beside the steps (``History.extra`` when loaded)."""
-        return {
-            "anomalies": [a.to_dict() for a in self.anomalies],
-            "dropped_steps": self.dropped_steps,
-            "evicted_steps": self.evicted_steps,
-            "capture": list(self.capture),
-            "every": self.every,
-        }
+        return {"anomalies": [a.to_dict() for a in self.anomalies], "dropped_steps": self.dropped_steps,
+                "evicted_steps": self.evicted_steps, "capture": list(self.capture), "every": self.every}
 
     # -- global capture -----------------------------------------------------------
     @classmethod
