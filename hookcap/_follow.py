@@ -27,8 +27,9 @@ class ModelWatch:
 
     def look(self, model: nn.Module) -> None:
         """Every module of ``model`` and each one's children, as they are now."""
-        self._known.update((id(m), weakref.ref(m)) for m in model.modules())
-        self._child_dicts = [m._modules for m in model.modules()]
+        modules = list(model.modules())
+        self._known.update((id(m), weakref.ref(m)) for m in modules)
+        self._child_dicts = [m._modules for m in modules]
         self._children = [tuple(d.values()) for d in self._child_dicts]
 
     def watch_params(self, slots: Iterable[tuple[nn.Module, str, object]]) -> None:

@@ -290,10 +290,11 @@ class Hooks:
             self._bind_params()
             swapped = [n for n, p in self.params if id(p) not in before]
             if at_step_end and swapped and "param_grad" in self.config.capture:
-                hooked = {n for n, _ in self.params} - {n for n, _ in self.reduced_grads}
+                # Gradients read at the optimizer's pre-step (reduced_grads) are not the hooks' to write.
+                by_hook = set(swapped) - {n for n, _ in self.reduced_grads}
                 with torch.no_grad():
                     for pname, p in self.params:
-                        if pname in swapped and pname in hooked and p.grad is not None:
+                        if pname in by_hook and p.grad is not None:
                             self.recorder.write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True)
             if swapped:
                 log.info("hookcap: following %d parameter(s) replaced or added since attach(): %s",

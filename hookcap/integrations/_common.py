@@ -1,10 +1,11 @@
 """What the framework callbacks share: checking the Monitor arguments early,
-and file names that keep ranks apart."""
+file names that keep ranks apart, and writing a resumed run whole."""
 
 from __future__ import annotations
 
 import torch
 
+from ..history import History
 from ..monitor import Monitor
 
 _SET_BY_CALLBACK = ("model", "optimizer", "start_step")
@@ -26,3 +27,11 @@ def rank_suffix() -> str:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() > 0:
         return f".rank{dist.get_rank()}"
     return ""
+
+
+def dump_run(monitor: Monitor, earlier: History | None, path: str) -> str:
+    """``monitor.dump(path)``, after ``earlier``: the steps of the run this one
+    resumed from (``History.concat``). Returns the path written."""
+    if earlier is None:
+        return monitor.dump(path)
+    return History.concat([earlier, monitor.history()]).save(path, extra=monitor._dump_extra())

@@ -9,7 +9,7 @@ from lightning.pytorch import Callback
 
 from ..history import History, load
 from ..monitor import Monitor
-from ._common import check_monitor_kwargs, rank_suffix
+from ._common import check_monitor_kwargs, dump_run, rank_suffix
 
 
 class HookcapCallback(Callback):
@@ -47,9 +47,6 @@ class HookcapCallback(Callback):
             raise ValueError("HookcapCallback.history: nothing recorded yet (fit has not started)")
         return History.concat(parts)
 
-    def _whole_run(self, path: str) -> str:
-        return self.history().save(path, extra=self.monitor._dump_extra())
-
     def on_fit_start(self, trainer, pl_module) -> None:
         if self.monitor is None:
             self.monitor = Monitor(pl_module, start_step=trainer.global_step, **self.monitor_kwargs)
@@ -78,14 +75,14 @@ class HookcapCallback(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.monitor is not None:
             self.monitor.detach()  # closes a last validation's step
-            self._whole_run(os.path.join(trainer.default_root_dir, f"hookcap{rank_suffix()}.npz"))
+            dump_run(self.monitor, self._earlier, os.path.join(trainer.default_root_dir, f"hookcap{rank_suffix()}.npz"))
 
     def state_dict(self) -> dict:
         if self.monitor is None:
             return dict(self._loaded or {})
         state = self.monitor.state_dict()
         with tempfile.TemporaryDirectory() as d:
-            with open(self._whole_run(os.path.join(d, "h.npz")), "rb") as f:
+            with open(dump_run(self.monitor, self._earlier, os.path.join(d, "h.npz")), "rb") as f:
                 state["history_npz"] = f.read()
         return state
 

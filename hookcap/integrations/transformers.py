@@ -11,7 +11,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..history import History, load
 from ..monitor import Monitor
-from ._common import check_monitor_kwargs, rank_suffix
+from ._common import check_monitor_kwargs, dump_run, rank_suffix
 
 log = logging.getLogger("hookcap")
 
@@ -74,13 +74,6 @@ class HookcapCallback(TrainerCallback):
             log.warning("hookcap: resuming without %s: the files written from now on hold the steps "
                         "from %d on", earlier, state.global_step + 1)
 
-    def _dump(self, path: str) -> None:
-        """The Monitor's dump, after the steps of the run this one resumed."""
-        if self._earlier is None:
-            self.monitor.dump(path)
-            return
-        History.concat([self._earlier, self.monitor.history()]).save(path, extra=self.monitor._dump_extra())
-
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         # Under DDP, param_grad is .grad as the optimizer sees it (reduced).
         if self.monitor is not None:
@@ -105,7 +98,7 @@ class HookcapCallback(TrainerCallback):
         self._close()
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         suffix = rank_suffix()
-        self._dump(os.path.join(folder, f"hookcap{suffix}.npz"))
+        dump_run(self.monitor, self._earlier, os.path.join(folder, f"hookcap{suffix}.npz"))
         with open(os.path.join(folder, f"hookcap_state{suffix}.json"), "w") as f:
             json.dump(self.monitor.state_dict(), f)
 
@@ -114,4 +107,4 @@ class HookcapCallback(TrainerCallback):
             return
         self._close()
         self.monitor.detach()
-        self._dump(os.path.join(args.output_dir, f"hookcap{rank_suffix()}.npz"))
+        dump_run(self.monitor, self._earlier, os.path.join(args.output_dir, f"hookcap{rank_suffix()}.npz"))
