@@ -133,7 +133,9 @@ void column_stats(const int64_t* hd, int64_t k, int64_t* colstat) {
       mx = col[r] > mx ? col[r] : mx;
     }
     const bool is_key = c == kMin || c == kMax || c == kAbsMax;
-    const bool is_double = c == kShift || c == kS1 || c == kS2 || c == kSum || c == kSumSq;
+    const bool is_double = c == kShift || c == kS1 || c == kS2 || c == kSum || c == kSumSq ||
+                           c == kBigShift || c == kBigS1 || c == kBigS2 || c == kSmallShift ||
+                           c == kSmallS1 || c == kSmallS2;
     bool exact = mn != mx && (is_key || is_double);
     for (int64_t r = 0; r < k && exact; ++r) {
       exact = f32_exact(is_key ? key_value(col[r]) : bitsd(col[r]));

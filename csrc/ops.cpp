@@ -94,7 +94,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 3;
+constexpr int64_t kAbiVersion = 4;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.
@@ -135,7 +135,9 @@ std::vector<int64_t> layout() {
   return {kAbiVersion, kHeader,  kCount, kNan, kPosInf, kNegInf,  kZeros,      kShift,
           kS1,         kS2,      kMin,   kMax, kAbsMax, kCalls,   kStepTag,    kSum, kSumSq, kShiftUnset,
           kStateStep,  kStateEnabled, kStateSlot, kStateSize, cuda,
-          kFwdNs,      kFwdOpen, kFwdEnds, kBwdNs, kBwdOpen, kBwdEnds};
+          kFwdNs,      kFwdOpen, kFwdEnds, kBwdNs, kBwdOpen, kBwdEnds,
+          kBigN,       kBigShift, kBigS1, kBigS2, kSmallN, kSmallShift, kSmallS1, kSmallS2,
+          kWideScale};
 }
 
 }  // namespace

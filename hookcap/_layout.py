@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _raw = list(torch.ops.hookcap.layout())
 if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer entries
@@ -45,6 +45,15 @@ if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer
     BWD_NS,
     BWD_OPEN,
     BWD_ENDS,
+    BIG_N,  # float64 values too large or small to square in double: see stats_math.h
+    BIG_SHIFT,
+    BIG_S1,
+    BIG_S2,
+    SMALL_N,
+    SMALL_SHIFT,
+    SMALL_S1,
+    SMALL_S2,
+    WIDE_SCALE,
 ) = _raw
 CUDA_BUILT = bool(_cuda)
 
@@ -69,6 +78,59 @@ def _unkey(k: np.ndarray) -> np.ndarray:
     k = np.asarray(k, dtype=np.int64)
     bits = np.where(k >= 0, k, k ^ np.int64(0x7FFFFFFFFFFFFFFF))
     return bits.view(np.float64)
+
+
+# The buckets of wide float64 values (stats_math.h wide_bucket): columns
+# (count, shift, S1, S2) and the power of two their values were scaled by.
+WIDE_BUCKETS = ((BIG_N, BIG_SHIFT, BIG_S1, BIG_S2, -WIDE_SCALE),
+                (SMALL_N, SMALL_SHIFT, SMALL_S1, SMALL_S2, WIDE_SCALE))
+WIDE_COLS = (BIG_N, BIG_SHIFT, BIG_S1, BIG_S2, SMALL_N, SMALL_SHIFT, SMALL_S1, SMALL_S2)
+
+
+def _f64(rows: np.ndarray, col: int) -> np.ndarray:
+    return rows[..., col].copy().view(np.float64)
+
+
+def _wide_moments(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """sum, sumsq, mean, std, rms and l2norm of rows [k, width] holding wide
+    float64 values: each bucket's moments, and the ordinary values', brought
+    to the scale of the largest part holding a non-zero value (powers of two: exact, except
+    what is negligible beside it), combined there by the parallel-variance
+    rule, and scaled back. A statistic whose true value exceeds double's
+    range (sum, sumsq of huge values; l2norm of many) is inf; mean, std and
+    rms never are."""
+    finite = (rows[:, COUNT] - rows[:, NAN] - rows[:, POSINF] - rows[:, NEGINF]).astype(np.float64)
+    parts = []  # (n, sum, sumsq, M2 about the part's mean, scale exponent of its unit)
+    n0 = finite - rows[:, BIG_N] - rows[:, SMALL_N]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        s1, s2 = _f64(rows, S1), _f64(rows, S2)
+        m2 = np.where(n0 > 0, s2 - s1 * s1 / np.where(n0 > 0, n0, 1.0), 0.0)
+        parts.append((n0, _f64(rows, SUM), _f64(rows, SUMSQ), m2, 0))
+        for n_c, k_c, s1_c, s2_c, exp in WIDE_BUCKETS:
+            n = rows[:, n_c].astype(np.float64)
+            has = n > 0
+            k = np.where(has, _f64(rows, k_c), 0.0)
+            b1, b2 = _f64(rows, s1_c), _f64(rows, s2_c)
+            nn = np.where(has, n, 1.0)
+            parts.append((n, n * k + b1, b2 + 2.0 * k * b1 + n * k * k,
+                          np.where(has, b2 - b1 * b1 / nn, 0.0), -exp))
+        # The unit: that of the largest part with a non-zero value (by its
+        # squares: a part of zeros has no say).
+        e = np.where(parts[1][2] > 0, WIDE_SCALE, np.where(parts[0][2] > 0, 0, -WIDE_SCALE))
+        nf = np.where(finite > 0, finite, 1.0)
+        tot = sum(np.where(n > 0, np.ldexp(sm, pe - e), 0.0) for n, sm, _, _, pe in parts)
+        sq = sum(np.where(n > 0, np.ldexp(q, 2 * (pe - e)), 0.0) for n, _, q, _, pe in parts)
+        mean = tot / nf
+        m2 = 0.0
+        for n, sm, _, pm2, pe in parts:
+            pm = np.ldexp(sm / np.where(n > 0, n, 1.0), pe - e)
+            m2 = m2 + np.where(n > 0, np.ldexp(pm2, 2 * (pe - e)) + n * (pm - mean) ** 2, 0.0)
+        return {
+            "sum": np.ldexp(tot, e), "sumsq": np.ldexp(np.maximum(sq, 0.0), 2 * e),
+            "mean": np.ldexp(mean, e), "std": np.ldexp(np.sqrt(np.maximum(m2, 0.0) / nf), e),
+            "rms": np.ldexp(np.sqrt(np.maximum(sq, 0.0) / nf), e),
+            "l2norm": np.ldexp(np.sqrt(np.maximum(sq, 0.0)), e),
+        }
 
 
 def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -97,7 +159,7 @@ def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
         std = np.where(has, np.sqrt(var), np.nan)
         rms = np.where(has, np.sqrt(np.maximum(sumsq, 0.0) / nf), np.nan)
         zero_frac = np.where(count > 0, zeros / np.where(count > 0, count, 1.0), np.nan)
-    return {
+    out = {
         "count": count,
         "nan": nan,
         "posinf": posinf,
@@ -116,19 +178,42 @@ def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
         "l2norm": np.sqrt(np.where(has, np.maximum(sumsq, 0.0), 0.0)),
         "zero_frac": zero_frac,
     }
+    wide = np.asarray((rows[..., BIG_N] != 0) | (rows[..., SMALL_N] != 0))
+    if wide.any():  # float64 values beyond squaring range: only then
+        pick = wide.reshape(-1)
+        w = _wide_moments(rows.reshape(-1, rows.shape[-1])[pick])
+        for k, v in w.items():
+            a = np.array(out[k], dtype=np.float64).reshape(-1)
+            a[pick] = v
+            out[k] = a.reshape(wide.shape)
+    return out
 
 
-_ADD_COLS = [COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS]
+_ADD_COLS = [COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS, BIG_N, SMALL_N]
+# Shifted moments: the ordinary values' and each wide bucket's, (S1, S2, shift).
+MOMENT_SETS = ((S1, S2, SHIFT), (BIG_S1, BIG_S2, BIG_SHIFT), (SMALL_S1, SMALL_S2, SMALL_SHIFT))
 
 
-def moments_about(rows: np.ndarray, to) -> tuple[np.ndarray, np.ndarray]:
+def moment_count(rows: np.ndarray, cols=(S1, S2, SHIFT)) -> np.ndarray:
+    """float64 [...]: how many values the moments ``cols`` (one of
+    MOMENT_SETS) of raw rows [..., width] are over."""
+    if cols[2] == BIG_SHIFT:
+        return rows[..., BIG_N].astype(np.float64)
+    if cols[2] == SMALL_SHIFT:
+        return rows[..., SMALL_N].astype(np.float64)
+    return (rows[..., COUNT] - rows[..., NAN] - rows[..., POSINF] - rows[..., NEGINF]
+            - rows[..., BIG_N] - rows[..., SMALL_N]).astype(np.float64)
+
+
+def moments_about(rows: np.ndarray, to, cols=(S1, S2, SHIFT)) -> tuple[np.ndarray, np.ndarray]:
     """(S1, S2) of raw rows [..., width] re-expressed about shift ``to``
-    (numpy twin of the C++ shift_rebase); rows with no shift set are unchanged
-    (they hold no finite value)."""
-    f = rows[..., [S1, S2, SHIFT]].copy().view(np.float64)
-    finite = (rows[..., COUNT] - rows[..., NAN] - rows[..., POSINF] - rows[..., NEGINF]).astype(np.float64)
-    t = np.where(rows[..., SHIFT] != SHIFT_UNSET, f[..., 2] - to, 0.0)
-    return f[..., 0] + finite * t, f[..., 1] + 2.0 * t * f[..., 0] + finite * t * t
+    (numpy twin of the C++ shift_rebase); ``cols``: which moments (one of
+    MOMENT_SETS). Rows with no shift set are unchanged (they hold no such
+    value)."""
+    f = rows[..., list(cols)].copy().view(np.float64)
+    n = moment_count(rows, cols)
+    t = np.where(rows[..., cols[2]] != SHIFT_UNSET, f[..., 2] - to, 0.0)
+    return f[..., 0] + n * t, f[..., 1] + 2.0 * t * f[..., 0] + n * t * t
 
 
 class GroupPlan:
@@ -177,15 +262,16 @@ def merge_groups(rows: np.ndarray, groups, plan: GroupPlan | None = None) -> tup
     out[:, MAX] = np.maximum.reduceat(r[:, MAX], starts)
     out[:, ABSMAX] = np.maximum.reduceat(r[:, ABSMAX], starts)
     out[:, STEP_TAG] = np.maximum.reduceat(r[:, STEP_TAG], starts)
-    f = r[:, [SUM, SUMSQ, SHIFT]].copy().view(np.float64)
-    is_set = r[:, SHIFT] != SHIFT_UNSET
-    # The group's shift: that of its first row with one set.
-    first = np.minimum.reduceat(np.where(is_set, np.arange(len(r)), len(r)), starts)
-    has = first < len(r)
-    k = np.where(has, f[np.minimum(first, len(r) - 1), 2], 0.0)
-    s1, s2 = moments_about(r, k[seg])
-    acc = np.add.reduceat(np.stack([f[:, 0], f[:, 1], s1, s2], axis=1), starts)
-    out[:, [SUM, SUMSQ, S1, S2]] = acc.view(np.int64)
-    out[:, SHIFT] = np.where(has, k.view(np.int64), SHIFT_UNSET)
+    out[:, [SUM, SUMSQ]] = np.add.reduceat(r[:, [SUM, SUMSQ]].copy().view(np.float64), starts).view(np.int64)
+    for cols in MOMENT_SETS:
+        c1, c2, cs = cols
+        is_set = r[:, cs] != SHIFT_UNSET
+        # The group's shift: that of its first row with one set.
+        first = np.minimum.reduceat(np.where(is_set, np.arange(len(r)), len(r)), starts)
+        has = first < len(r)
+        k = np.where(has, r[np.minimum(first, len(r) - 1), cs].view(np.float64), 0.0)
+        s1, s2 = moments_about(r, k[seg], cols)
+        out[:, [c1, c2]] = np.add.reduceat(np.stack([s1, s2], axis=1), starts).view(np.int64)
+        out[:, cs] = np.where(has, k.view(np.int64), SHIFT_UNSET)
     return uniq, out
 

@@ -30,8 +30,9 @@ _I64_MAX = np.iinfo(np.int64).max
 # last bits: a GPU merges blocks in no fixed order).
 _EXACT_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS,
                _layout.MIN, _layout.MAX, _layout.ABSMAX]
-_SUM_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS, _layout.CALLS]
-_F64_COLS = [_layout.SUM, _layout.SUMSQ, _layout.S1, _layout.S2]
+_SUM_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS, _layout.CALLS,
+             _layout.BIG_N, _layout.SMALL_N]
+_F64_COLS = [_layout.SUM, _layout.SUMSQ] + [c for cols in _layout.MOMENT_SETS for c in cols[:2]]
 
 
 def _dense(records, local_names: list[str], nbins: int, names: list[str], steps: list[int]):
@@ -40,7 +41,8 @@ def _dense(records, local_names: list[str], nbins: int, names: list[str], steps:
     wrote; cells a rank never wrote hold the values of a freshly reset row."""
     S, M = len(steps), len(names)
     rows = np.zeros((S, M, _layout.HEADER + nbins), dtype=np.int64)
-    rows[..., _layout.SHIFT] = _layout.SHIFT_UNSET
+    for cols in _layout.MOMENT_SETS:
+        rows[..., cols[2]] = _layout.SHIFT_UNSET
     rows[..., _layout.MIN] = _layout.order_key(np.inf)
     rows[..., _layout.MAX] = _layout.order_key(-np.inf)
     rows[..., _layout.ABSMAX] = _layout.order_key(-np.inf)
@@ -111,17 +113,16 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     # 1) one MIN all-reduce: min key, -max key, -absmax key, and a common shift
     #    (the smallest set shift key; every rank's shift is a central value of
     #    its own data, so any of them keeps the merged variance well conditioned).
-    shift_key = np.where(rows[..., _layout.SHIFT] == _layout.SHIFT_UNSET, _I64_MAX,
-                         _layout.order_key(rows[..., _layout.SHIFT].view(np.float64)))
+    shift_keys = [np.where(rows[..., cs] == _layout.SHIFT_UNSET, _I64_MAX,
+                           _layout.order_key(rows[..., cs].view(np.float64))) for _, _, cs in _layout.MOMENT_SETS]
     # Replicated metrics: the lowest rank with the row owns it; the
     # fingerprint's min and max tell whether the copies agree.
     owner = np.where(rep_has, rank, world)
     mins = np.stack([rows[..., _layout.MIN], -rows[..., _layout.MAX], -rows[..., _layout.ABSMAX],
-                     shift_key, owner, fp, np.where(rep_has, -fp, _I64_MAX)], axis=-1)
+                     shift_keys[0], owner, fp, np.where(rep_has, -fp, _I64_MAX)] + shift_keys[1:], axis=-1)
     t = torch.from_numpy(np.ascontiguousarray(mins)).to(device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     mins = t.cpu().numpy()
-    has_shift = mins[..., 3] != _I64_MAX
     diverged = (mins[..., 4] < world) & (mins[..., 5] != -mins[..., 6])
     if diverged.any() and rank == 0:
         bad = [names[m] for m in np.unique(np.nonzero(diverged)[1])]
@@ -130,15 +131,18 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
                     ", ".join(bad[:5]), f" and {len(bad) - 5} more" if len(bad) > 5 else "")
     # Each replicated row's data from its owner only.
     drop = rep[None, :] & (mins[..., 4] != rank)
-    common = np.where(has_shift, _layout._unkey(np.where(has_shift, mins[..., 3], 0)), 0.0)
+    # Each set of moments' common shift (the ordinary values', then the wide buckets').
+    keys = [mins[..., 3]] + [mins[..., 7 + i] for i in range(len(_layout.MOMENT_SETS) - 1)]
+    has_shift = [k != _I64_MAX for k in keys]
+    common = [np.where(h, _layout._unkey(np.where(h, k, 0)), 0.0) for h, k in zip(has_shift, keys)]
 
     # 2) one SUM all-reduce (float64: counts are exact below 2**53): counts,
     #    sums, moments re-expressed about the common shift, histogram bins.
     f = rows[..., [_layout.SUM, _layout.SUMSQ]].copy().view(np.float64)
-    s1, s2 = _layout.moments_about(rows, common)
+    moments = [m[..., None] for cols, to in zip(_layout.MOMENT_SETS, common)
+               for m in _layout.moments_about(rows, to, cols)]
     sums = np.concatenate([rows[..., _SUM_COLS].astype(np.float64), f[..., 0:1], f[..., 1:2],
-                           s1[..., None], s2[..., None], rows[..., _layout.HEADER:].astype(np.float64)],
-                          axis=-1)
+                           *moments, rows[..., _layout.HEADER:].astype(np.float64)], axis=-1)
     sums[drop] = 0.0
     t = torch.from_numpy(np.ascontiguousarray(sums)).to(device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -147,12 +151,14 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     out = np.zeros_like(rows)
     out[..., _SUM_COLS] = np.rint(sums[..., : len(_SUM_COLS)]).astype(np.int64)
     k = len(_SUM_COLS)
-    out[..., _F64_COLS] = np.ascontiguousarray(sums[..., k:k + 4]).view(np.int64)
-    out[..., _layout.HEADER:] = np.rint(sums[..., k + 4:]).astype(np.int64)
+    nf = len(_F64_COLS)
+    out[..., _F64_COLS] = np.ascontiguousarray(sums[..., k:k + nf]).view(np.int64)
+    out[..., _layout.HEADER:] = np.rint(sums[..., k + nf:]).astype(np.int64)
     out[..., _layout.MIN] = mins[..., 0]
     out[..., _layout.MAX] = -mins[..., 1]
     out[..., _layout.ABSMAX] = -mins[..., 2]
-    out[..., _layout.SHIFT] = np.where(has_shift, common.view(np.int64), _layout.SHIFT_UNSET)
+    for (_, _, cs), h, c in zip(_layout.MOMENT_SETS, has_shift, common):
+        out[..., cs] = np.where(h, c.view(np.int64), _layout.SHIFT_UNSET)
 
     # Execution order of each step from this rank's records (rank 0's on rank 0).
     orders = {r.step: r for r in records}

@@ -263,15 +263,17 @@ class History:
 
 
 _FINITE = (_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF)
+# Moments: with the wide float64 buckets, which join every moment statistic.
+_MOMENTS = _FINITE + (_layout.SUM, _layout.SUMSQ, _layout.S1, _layout.S2) + _layout.WIDE_COLS
 # The header columns each statistic is decoded from (_layout.decode).
 _STAT_COLUMNS = {
     "count": (_layout.COUNT,), "nan": (_layout.NAN,), "posinf": (_layout.POSINF,),
     "neginf": (_layout.NEGINF,), "inf": (_layout.POSINF, _layout.NEGINF), "zeros": (_layout.ZEROS,),
-    "finite": _FINITE, "sum": _FINITE + (_layout.SUM,), "sumsq": _FINITE + (_layout.SUMSQ,),
+    "finite": _FINITE, "sum": _MOMENTS, "sumsq": _MOMENTS,
     "min": _FINITE + (_layout.MIN,), "max": _FINITE + (_layout.MAX,),
-    "absmax": _FINITE + (_layout.ABSMAX,), "mean": _FINITE + (_layout.SUM,),
-    "std": _FINITE + (_layout.S1, _layout.S2), "rms": _FINITE + (_layout.SUMSQ,),
-    "l2norm": _FINITE + (_layout.SUMSQ,), "zero_frac": (_layout.COUNT, _layout.ZEROS),
+    "absmax": _FINITE + (_layout.ABSMAX,), "mean": _MOMENTS,
+    "std": _MOMENTS, "rms": _MOMENTS,
+    "l2norm": _MOMENTS, "zero_frac": (_layout.COUNT, _layout.ZEROS),
 }
 
 

@@ -113,10 +113,13 @@ def read(path: str | os.PathLike) -> tuple[list[StepRecord], list[str], dict, Hi
             raise ValueError(f"{path}: format version {header['version']} is newer than this hookcap "
                              f"({VERSION}); upgrade hookcap")
         a = {k: z[k] for k in z.files if k != "meta_json"}
+    old_h = int(header.get("layout_header", 16))  # every file before the key had 16
+    if old_h > _layout.HEADER:
+        raise ValueError(f"{path}: row layout of {old_h} header columns is newer than this hookcap; upgrade hookcap")
     if header["version"] >= 2:
-        recs = _read_packed(header, a)
+        recs = _read_packed(header, a, old_h)
     else:
-        recs = _read_v1(a)
+        recs = _read_v1(a, old_h)
     spec = header["histogram"]
     hist = None
     if spec is not None:
@@ -126,22 +129,44 @@ def read(path: str | os.PathLike) -> tuple[list[StepRecord], list[str], dict, Hi
     return recs, header["names"], metas, hist, header.get("extra", {})
 
 
-def _read_packed(header: dict, a: dict) -> list[StepRecord]:
+def _fresh_header(old_h: int) -> np.ndarray:
+    """The header columns a file of ``old_h`` columns lacks, as a freshly reset
+    row holds them (files written before the wide float64 buckets: none
+    was needed)."""
+    fresh = np.zeros(_layout.HEADER - old_h, dtype=np.int64)
+    for cols in _layout.MOMENT_SETS:
+        if cols[2] >= old_h:
+            fresh[cols[2] - old_h] = _layout.SHIFT_UNSET
+    return fresh
+
+
+def _read_packed(header: dict, a: dict, old_h: int) -> list[StepRecord]:
     descs = [(d[0], tuple(d[1]), None if d[2] is None else (d[2][0], bool(d[2][1]), *d[2][2:]), d[3],
               bool(d[4])) for d in header["descs"]]
+    fresh = None
+    if old_h < _layout.HEADER:  # an older layout: its blobs gain constant columns
+        fresh = _fresh_header(old_h).view(np.uint8)
+        descs = [(d[0], d[1] + (0,) * (_layout.HEADER - old_h), *d[2:]) for d in descs]  # 0: CONST
     ends = np.cumsum(a["pat_len"])
     pats = [a["pat_data"][e - n:e] for e, n in zip(ends, a["pat_len"])]
     recs, off = [], 0
     for s, step in enumerate(a["steps"]):
         n = int(a["blob_len"][s])
         m, o, c = (pats[i] for i in a["pat"][s])
-        p = PackedStep(int(step), a["blob"][off:off + n], descs[int(a["desc_id"][s])], m, o, c)
+        blob = a["blob"][off:off + n]
+        if fresh is not None:  # sections after the constants keep their 8-byte alignment
+            blob = np.concatenate([blob[:8 * old_h], fresh, blob[8 * old_h:]])
+        p = PackedStep(int(step), blob, descs[int(a["desc_id"][s])], m, o, c)
         recs.append(StepRecord.from_packed(p))
         off += n
     return recs
 
 
-def _read_v1(a: dict) -> list[StepRecord]:
+def _read_v1(a: dict, old_h: int) -> list[StepRecord]:
+    if old_h < _layout.HEADER:
+        rows = a["rows"]
+        a = {**a, "rows": np.concatenate([rows, np.broadcast_to(_fresh_header(old_h), (len(rows), _layout.HEADER - old_h))],
+                                          axis=1)}
     recs = []
     mi = hi = oi = ci = 0
     for s, step in enumerate(a["steps"]):

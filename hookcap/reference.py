@@ -56,22 +56,29 @@ def stats_from_values(a: np.ndarray, histogram: Histogram | None = _DEFAULT) -> 
         "inf": float(posinf + neginf),
         "zeros": float((a == 0).sum()),
         "finite": float(n),
-        "sum": float(np.sum(f)) if n else 0.0,
-        "sumsq": float(np.sum(f * f)) if n else 0.0,
     }
+    # Computed on the values times a power of two that brings the largest to
+    # [0.5, 1) (exact), so squares neither overflow nor underflow for any
+    # finite float64 values: only sum and sumsq can exceed double's range.
+    e = int(np.frexp(np.abs(f).max())[1]) if n else 0
+    fs = np.ldexp(f, -e)
+    with np.errstate(over="ignore"):
+        out["sum"] = float(np.ldexp(np.sum(fs), e)) if n else 0.0
+        out["sumsq"] = float(np.ldexp(np.sum(fs * fs), 2 * e)) if n else 0.0
     if n:
-        mean = float(np.mean(f))
+        mean_s = np.mean(fs)
         out.update(
             min=float(f.min()),
             max=float(f.max()),
             absmax=float(np.abs(f).max()),
-            mean=mean,
-            std=float(np.sqrt(np.mean((f - mean) ** 2))),
-            rms=float(np.sqrt(np.mean(f * f))),
+            mean=float(np.ldexp(mean_s, e)),
+            std=float(np.ldexp(np.sqrt(np.mean((fs - mean_s) ** 2)), e)),
+            rms=float(np.ldexp(np.sqrt(np.mean(fs * fs)), e)),
         )
     else:
         out.update(min=np.nan, max=np.nan, absmax=np.nan, mean=np.nan, std=np.nan, rms=np.nan)
-    out["l2norm"] = float(np.sqrt(out["sumsq"]))
+    with np.errstate(over="ignore"):
+        out["l2norm"] = float(np.ldexp(np.sqrt(np.sum(fs * fs)), e)) if n else 0.0
     out["zero_frac"] = out["zeros"] / a.size if a.size else np.nan
     if histogram is not None:
         out["hist"] = hist_counts(f, histogram)

@@ -110,3 +110,44 @@ def train_steps(mon, steps, state):
             state["step"] = i
             mon.model(torch.randn(4, 6, generator=g)).sum().backward()
             mon.step()
+
+
+MOMENT_STATS = ("sum", "sumsq", "mean", "std", "rms", "l2norm")
+EXACT_STATS = ("count", "nan", "posinf", "neginf", "zeros", "finite", "min", "max", "absmax")
+
+
+def scaled_abs_mean(values: np.ndarray) -> float:
+    """mean |x| over finite values, computed without overflow."""
+    f = values[np.isfinite(values)]
+    if not f.size:
+        return 0.0
+    e = int(np.frexp(np.abs(f).max())[1])
+    return float(np.ldexp(np.mean(np.abs(np.ldexp(f, -e))), e))
+
+
+def assert_wide_match(got: dict, values: np.ndarray, histogram=None, rtol=1e-10):
+    """``got`` (a stats dict) equals the float64 reference of ``values``:
+    counts and extrema exactly, moments within ``rtol`` (sum and mean of the
+    scale of mean |x|, std of the scale of std plus 1e-12 of absmax)."""
+    import hookcap
+
+    ref = hookcap.reference.stats_from_values(values, histogram)
+    for k in EXACT_STATS:
+        g, r = got[k], ref[k]
+        assert (np.isnan(g) and np.isnan(r)) or g == r, f"{k}: got {g!r}, reference {r!r}"
+    n = max(ref["finite"], 1.0)
+    amean = scaled_abs_mean(values)
+    amax = 0.0 if np.isnan(ref["absmax"]) else ref["absmax"]
+    for k in MOMENT_STATS:
+        g, r = got[k], ref[k]
+        if np.isnan(r):
+            assert np.isnan(g), f"{k}: got {g!r}, reference NaN"
+            continue
+        if np.isinf(r):
+            assert g == r, f"{k}: got {g!r}, reference {r!r}"
+            continue
+        assert np.isfinite(g), f"{k}: got {g!r}, reference {r!r}"
+        scale = {"sum": amean * n, "mean": amean, "std": r + 1e-2 * amax}.get(k, abs(r))
+        assert abs(g - r) <= rtol * scale, f"{k}: got {g!r}, reference {r!r} ({abs(g - r) / max(scale, 1e-300):.3g})"
+    if histogram is not None:
+        np.testing.assert_array_equal(got["hist"], ref["hist"])

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import abs_sum, assert_stats_match
+from conftest import abs_sum, assert_stats_match, assert_wide_match
 
 import hookcap
 from hookcap import Histogram, _layout, _ops
@@ -228,6 +228,20 @@ def test_tiny_values_keep_their_squares(dtype, scale):
         x = (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
         compare(x, Histogram.log2(lo=-140), "cuda")
         compare(x + torch.tensor(3 * scale, dtype=torch.float64).to(dtype), None, "cuda")
+
+
+@cuda_only
+@pytest.mark.parametrize("n", [1000, 40 * BLOCK_ELEMS + 3])
+def test_wide_float64_values_keep_finite_moments(n, merge):
+    """Float64 values over all of double's range: huge ones (and tiny runs)
+    take the row's buckets; mean, std, rms and l2norm equal the reference."""
+    g = np.random.default_rng(n)
+    x = np.ldexp(g.uniform(1, 2, n) * g.choice([-1.0, 1.0], n), g.integers(-1074, 1024, n))
+    x[: n // 3] = g.standard_normal(n // 3)
+    x[n // 3: n // 2] = 1e250 * (1 + 1e-6 * g.standard_normal(n // 2 - n // 3))
+    h = Histogram.log2(-1074, 1023)
+    got = hookcap.tensor_stats(torch.from_numpy(x).cuda(), h)
+    assert_wide_match(got, x, h, rtol=1e-9)
 
 
 @cuda_only

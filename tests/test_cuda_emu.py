@@ -3,8 +3,8 @@ CPU by the thread-level emulation in tests/cuda_emu, against the float64
 reference and the CPU op. Runs on every CI machine: no GPU needed.
 
 Also: the harness's own semantics (warp primitives, atomics, fault detection),
-a ThreadSanitizer run of the kernels, and proof that a test-only build with a
-barrier or an index removed is caught.
+a ThreadSanitizer run of the kernels, and proof that a driver run told to skip a
+barrier or break an index is caught.
 """
 
 import hashlib
@@ -20,7 +20,7 @@ import torch
 import torch.utils.cpp_extension as cpp_ext
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import abs_sum, assert_stats_match
+from conftest import abs_sum, assert_stats_match, assert_wide_match
 
 import hookcap
 from hookcap import Histogram, _layout
@@ -43,8 +43,9 @@ def _sources():
 
 
 @pytest.fixture(scope="session")
-def emu():
-    """The kernels + harness as a Python module (built once; ninja keeps it)."""
+def emu(selftest_builds):
+    """The kernels + harness as a Python module (built once; ninja keeps it),
+    built while the standalone drivers build beside it (selftest_builds)."""
     return emu_build.load()
 
 
@@ -119,8 +120,9 @@ def run_cpu(x, h):
     return ring[0, 0].numpy()
 
 
-# The double sums (summation order) and the shift (the first block to merge sets it).
-SUM_COLS = [_layout.S1, _layout.S2, _layout.SUM, _layout.SUMSQ, _layout.SHIFT]
+# The double sums (summation order) and the shifts (the first block to merge sets each).
+SUM_COLS = [_layout.S1, _layout.S2, _layout.SUM, _layout.SUMSQ, _layout.SHIFT, _layout.BIG_SHIFT, _layout.BIG_S1,
+            _layout.BIG_S2, _layout.SMALL_SHIFT, _layout.SMALL_S1, _layout.SMALL_S2]
 # Equal bit for bit on CPU and GPU. The shift is not: each picks a central
 # value of its own (the CPU a probe, the kernel the first block's center).
 EXACT_COLS = ["COUNT", "NAN", "POSINF", "NEGINF", "ZEROS", "MIN", "MAX", "ABSMAX",
@@ -288,6 +290,51 @@ def test_dense_matches_reference_and_cpu(emu, dtype, n, offset, grid, block):
         ring = new_ring(1, 1, h)
         assert emu_accumulate(emu, x, ring, torch.tensor([0, 1, 0]), 0, h, grid, block)[0]  # dense
         check(ring[0, 0].numpy(), x, h, cpu_raw=run_cpu(x, h))
+
+
+def wide_sample(n, seed):
+    """Float64 magnitudes over all of double's range (2**-1074 .. 2**1023),
+    both signs, with runs of ordinary, huge and tiny values and NaN/Inf/0."""
+    g = np.random.default_rng(seed)
+    x = np.ldexp(g.uniform(1, 2, n) * g.choice([-1.0, 1.0], n), g.integers(-1074, 1024, n))
+    third = n // 3
+    x[:third] = g.standard_normal(third)  # whole runs of ordinary values
+    x[third:third + third // 2] = 1e250 * (1 + 1e-6 * g.standard_normal(third // 2))  # huge, |mean| >> std
+    k = max(n // 60, 1)
+    idx = g.permutation(n)
+    x[idx[:k]] = np.nan
+    x[idx[k:2 * k]] = -np.inf
+    x[idx[2 * k:3 * k]] = 0.0
+    return torch.from_numpy(x)
+
+
+@pytest.mark.parametrize("n,grid,block", [(20_000, None, THREADS), (3001, 3, 64), (40, 5, 32)])
+@pytest.mark.parametrize("tree", [False, True], ids=["direct", "tree"])
+def test_wide_float64_values(emu, n, grid, block, tree):
+    """Float64 values beyond squaring range: each thread's buckets go to the
+    ring's (stats_math.h wide_to_row); l2norm, rms and std stay finite and
+    right, with counts, extrema and bins equal to the CPU op's."""
+    x = wide_sample(n, n)
+    grid = launcher_grid(n) if grid is None else grid
+    h = Histogram.log2(-1074, 1023)
+    ring = new_ring(1, 1, h)
+    emu.accumulate(x, ring, torch.tensor([0, 1, 0]), 0, *hist_args(h), grid, block, tree=tree)
+    raw = ring[0, 0].numpy()
+    assert raw[_layout.BIG_N] > 0 and raw[_layout.SMALL_N] > 0
+    assert_wide_match(row_stats(raw, h), x.numpy(), h, rtol=1e-9)
+    cpu = run_cpu(x, h)
+    # Every big value takes the big bucket; which small ones take theirs
+    # depends on how the values were cut into runs (CPU blocks, GPU threads).
+    for c in EXACT_COLS + ["BIG_N"]:
+        col = getattr(_layout, c)
+        assert raw[col] == cpu[col], f"{c}: emulated {raw[col]}, CPU {cpu[col]}"
+    np.testing.assert_array_equal(raw[_layout.HEADER:], cpu[_layout.HEADER:])
+    # A broadcast view (stride 0): every element counts `mult` times.
+    k = min(n, 200)
+    col = x[:k].reshape(k, 1).expand(k, 8)
+    ring = new_ring(1, 1, None)
+    emu.accumulate(col, ring, torch.tensor([0, 1, 0]), 0, *hist_args(None), 2, 64, tree=tree)
+    assert_wide_match(row_stats(ring[0, 0].numpy(), None), np.repeat(x[:k].numpy(), 8), rtol=1e-9)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -949,15 +996,20 @@ def test_tree_bounds_a_launchs_global_atomics(emu):
 # ThreadSanitizer and fault injection: the standalone driver (no libtorch)
 # ---------------------------------------------------------------------------
 TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1 exitcode=66 second_deadlock_stack=1"}
+# Builds of the driver, and the runs made of them: (build, fault committed).
 VARIANTS = {
     "plain": [],
-    "break_index": ["-DHOOKCAP_EMU_BREAK_INDEX"],
-    "break_sync": ["-DHOOKCAP_EMU_BREAK_SYNC"],
-    "break_reset_walk": ["-DHOOKCAP_EMU_BREAK_RESET_WALK"],
-    "break_ticket": ["-DHOOKCAP_EMU_BREAK_TICKET"],
-    "break_rescale": ["-DHOOKCAP_EMU_BREAK_RESCALE"],
     "tsan": ["-fsanitize=thread"],
-    "tsan_break_sync": ["-fsanitize=thread", "-DHOOKCAP_EMU_BREAK_SYNC"],
+}
+RUNS = {
+    "plain": ("plain", "none"),
+    "break_index": ("plain", "index"),
+    "break_sync": ("plain", "sync"),
+    "break_reset_walk": ("plain", "reset_walk"),
+    "break_ticket": ("plain", "ticket"),
+    "break_rescale": ("plain", "rescale"),
+    "tsan": ("tsan", "none"),
+    "tsan_break_sync": ("tsan", "sync"),
 }
 
 
@@ -988,8 +1040,9 @@ def tsan_ok(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def selftest(tsan_ok):
-    """Driver executables per variant, built in parallel, cached by content."""
+def selftest_builds(tsan_ok):
+    """Start building the driver executables (per variant, in parallel,
+    cached by content): (executables, running compiles)."""
     h = hashlib.sha256()
     for f in _sources():
         h.update(f.name.encode() + f.read_bytes())
@@ -1008,15 +1061,29 @@ def selftest(tsan_ok):
         if not exe.exists():
             tmp = exe.with_name(exe.name + f".tmp{os.getpid()}")
             procs[name] = (tmp, _compile(tmp, flags, EMU / "emu_selftest.cpp"))
+    yield exes, procs
+    for tmp, p in procs.values():  # a session that never needed the drivers
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        tmp.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def selftest(selftest_builds):
+    """The driver executables, once built: run name -> (executable, fault)."""
+    exes, procs = selftest_builds
     for name, (tmp, p) in procs.items():
         out = p.communicate()[0]
         assert p.returncode == 0, f"building the {name} driver failed:\n{out}"
         os.replace(tmp, exes[name])
-    return exes
+    return {run: (exes[build], fault) for run, (build, fault) in RUNS.items() if build in exes}
 
 
-def _run(exe, *args):
-    return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True,
+def _run(driver, order, schedule):
+    """Run a driver (executable, fault to commit) with a block order and a schedule."""
+    exe, fault = driver
+    return subprocess.run([str(exe), str(order), str(schedule), fault], capture_output=True, text=True,
                           env={**os.environ, **TSAN_ENV}, timeout=300)
 
 
@@ -1041,7 +1108,7 @@ def test_kernels_are_race_free_under_tsan(selftest, tsan_ok, schedule):
 
 @pytest.mark.parametrize("order", [0, 1])
 def test_tsan_catches_a_removed_syncthreads(selftest, tsan_ok, order):
-    """Test-only build without the barrier before the warp-partials reduction:
+    """A driver run without the barrier before the warp-partials reduction:
     TSan must report the shared-memory race, whatever the schedule (the race
     is a missing happens-before edge, not a timing accident)."""
     if tsan_ok is not None:
@@ -1054,7 +1121,7 @@ def test_tsan_catches_a_removed_syncthreads(selftest, tsan_ok, order):
 
 @pytest.mark.parametrize("schedule", [1, 2])
 def test_results_catch_a_removed_syncthreads(selftest, schedule):
-    """The same broken build without TSan: under a warp-serial schedule, warp 0
+    """The same fault without TSan: under a warp-serial schedule, warp 0
     reads the other warps' partials before they are written (or, reversed, the
     first warp flushes the shared histogram before the others have counted),
     so the results are wrong, and wrong identically every run."""
@@ -1066,14 +1133,14 @@ def test_results_catch_a_removed_syncthreads(selftest, schedule):
 
 
 def test_results_catch_a_broken_index(selftest):
-    """Test-only build whose vector-tail loop forgets the misaligned head."""
+    """A driver run whose vector-tail loop forgets the misaligned head."""
     r = _run(selftest["break_index"], 0, 0)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "MISMATCH" in r.stdout
 
 
 def test_results_catch_a_broken_reset_walk(selftest):
-    """Test-only build whose reset loop steps its column wrongly: the slots
+    """A driver run whose reset loop steps its column wrongly: the slots
     that advance and reset_rows reset are caught."""
     r = _run(selftest["break_reset_walk"], 0, 0)
     assert r.returncode == 1, r.stdout + r.stderr
@@ -1081,7 +1148,7 @@ def test_results_catch_a_broken_reset_walk(selftest):
 
 
 def test_results_catch_a_ticket_left_set(selftest):
-    """Test-only build whose tree merge leaves its groups' tickets set: the
+    """A driver run whose tree merge leaves its groups' tickets set: the
     next launch on the scratch never finds its last block, so its statistics
     are lost (the two-level scenario's later launches)."""
     r = _run(selftest["break_ticket"], 0, 0)
@@ -1090,7 +1157,7 @@ def test_results_catch_a_ticket_left_set(selftest):
 
 
 def test_results_catch_a_wrong_tiny_run_scale(selftest):
-    """Test-only build that takes a rescaled tiny run's moments back by the
+    """A driver run that takes a rescaled tiny run's moments back by the
     wrong power of two: the tiny scenarios' sums and squares are caught."""
     r = _run(selftest["break_rescale"], 0, 0)
     assert r.returncode == 1, r.stdout + r.stderr

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import hookcap
-from conftest import stall_reader
+from conftest import assert_wide_match, stall_reader
 from hookcap.sinks.jsonl import full_histogram
 from hookcap import Monitor
 
@@ -48,9 +48,26 @@ def _finish():
     os._exit(0)
 
 
+class Wide(nn.Module):
+    """Float64 outputs beyond squaring range, different on each rank."""
+
+    def forward(self, step, rank):
+        return wide_values(step, rank)
+
+
+def wide_values(step, rank):
+    return torch.tensor([1e250, -3e249, 1e-250, 2.0, 5e-300, 7e-310], dtype=torch.float64) * (1 + rank + step)
+
+
 def _ddp_worker(rank, world, store, out):
     _init(rank, world, store)
     torch.set_num_threads(1)
+    wide = Wide()
+    wmon = Monitor(wide, capture="output").attach()
+    for step in range(2):
+        wide(step, rank)
+        wmon.step()
+    wide_merged = wmon.history(all_ranks=True)
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -73,7 +90,7 @@ def _ddp_worker(rank, world, store, out):
     other = (emon or mon).history(all_ranks=True)
     if rank == 0:
         with open(out, "wb") as f:
-            pickle.dump((merged, other), f)
+            pickle.dump((merged, other, wide_merged), f)
     _finish()
 
 
@@ -100,7 +117,11 @@ def spawn_all(fn, tmp_path, *args, world=2):
 
 
 def test_ddp_activation_stats_merge_to_global_batch(tmp_path):
-    merged, other = spawn(_ddp_worker, tmp_path)
+    merged, other, wide = spawn(_ddp_worker, tmp_path)
+    # Float64 values beyond squaring range: each bucket merges across ranks.
+    for s in range(2):
+        got = {k: wide[k][s, wide.column("./output")] for k in hookcap.STAT_NAMES}
+        assert_wide_match(got, torch.cat([wide_values(s, r) for r in range(2)]).numpy(), rtol=1e-12)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with Monitor(model, capture="output") as mon:

@@ -106,9 +106,9 @@ def test_pack_chooses_narrow_encodings():
     assert codes[L.COUNT] == CONST and codes[L.ZEROS] == U8 and codes[L.S1] == RAW
     assert codes[L.SUM] == F32 and codes[L.MIN] == KEY32 and codes[L.MAX] == KEY32
     assert codes[L.ABSMAX] == 7  # derived
-    # consts (16*8) + ZEROS 1 B + S1, SHIFT 8 B + SUM, MIN, MAX 4 B per row (8-aligned),
-    # band first/len 1 B + one u32 count per row.
-    assert p.nbytes == 128 + 56 + 400 + 400 + 200 + 200 + 200 + 56 + 56 + 200
+    # consts (8 B per header column) + ZEROS 1 B + S1, SHIFT 8 B + SUM, MIN, MAX 4 B per row
+    # (8-aligned), band first/len 1 B + one u32 count per row.
+    assert p.nbytes == 8 * H + 56 + 400 + 400 + 200 + 200 + 200 + 56 + 56 + 200
     rows[:, H + 3] = 300
     assert pack(0, np.arange(k), rows, np.arange(k), np.arange(k), np.zeros(k, bool), None,
                 False).desc[2][-1] == U16

@@ -42,6 +42,10 @@ struct HostAtomics {
                                         __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
     }
   }
+  static int64_t cas_i64(int64_t* p, int64_t expect, int64_t v) {
+    __atomic_compare_exchange_n(p, &expect, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return expect;  // the value found: `expect` when the exchange happened
+  }
   static void min_i64(int64_t* p, int64_t v) {
     int64_t old = __atomic_load_n(p, __ATOMIC_RELAXED);
     while (v < old && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED,
@@ -199,7 +203,7 @@ constexpr bool kDeferZeros = kAvx2 && kHist == kHistLog2Exp && kUnit &&
 // kDeferZeros and the block took the float path).
 template <typename T, bool kUnit, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, double shift,
-                                     work_t<T>& center, Acc& acc, const HistSpec& h,
+                                     work_t<T>& center, Acc& acc, WideAcc& wacc, const HistSpec& h,
                                      int32_t* idx, uint8_t* eb, work_t<T>& top,
                                      const char* ahead) {
   constexpr bool kDefer = kDeferZeros<T, kUnit, kHist, kAvx2>;
@@ -321,8 +325,18 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     c = c + s1 / static_cast<V>(n);  // the block mean
     shifted_pass<T, kUnit>(x, stride, n, c, s1, s2);
   }
-  if (!finite || !float_sums_ok(s1, s2, mn, mx)) {
-    for (int64_t i = 0; i < n; ++i) acc_push(acc, load_double(at(i)), shift);
+  // Float64 blocks that may hold wide values (may_be_wide) are redone too:
+  // their squares need the buckets.
+  bool redo = !finite || !float_sums_ok(s1, s2, mn, mx);
+  if constexpr (std::is_same_v<V, double>) redo = redo || may_be_wide(mn, mx);
+  if (redo) {
+    for (int64_t i = 0; i < n; ++i) {
+      if constexpr (std::is_same_v<V, double>) {
+        acc_push_wide(acc, wacc, load_double(at(i)), shift);
+      } else {
+        acc_push(acc, load_double(at(i)), shift);
+      }
+    }
     return 0;
   }
   center = next_center(c, s1, s2, n);
@@ -511,7 +525,7 @@ HC_ALWAYS_INLINE void block_scatter(const int32_t* idx, int64_t n, const HistSin
 
 template <typename T, bool kUnit, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double shift,
-                                  Acc& acc, const HistSink& hs) {
+                                  Acc& acc, WideAcc& wacc, const HistSink& hs) {
   constexpr bool kExp = kHist == kHistLog2Exp;
   int32_t idx[kHist != kHistNone && !kExp ? kBlock : 1];
   uint8_t eb[kExp ? kBlock : 1];
@@ -526,7 +540,7 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
     // The stats loop prefetches unconditionally: without a next block, the
     // current one (already being read) stands in.
     const int64_t deferred = block_stats<T, kUnit, kHist, kAvx2>(
-        p, stride, len, shift, center, acc, *hs.spec, idx, eb, top,
+        p, stride, len, shift, center, acc, wacc, *hs.spec, idx, eb, top,
         ahead ? ahead : reinterpret_cast<const char*>(p));
     if constexpr (kExp && kAvx2) {
       base = exponent_window_base(top, wide ? kExpWindowWide : kExpWindow, base);
@@ -546,13 +560,14 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
 // coalesced dimension (dense inputs are a single run).
 template <typename T, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int64_t begin,
-                                int64_t end, double shift, Acc& acc, const HistSink& hs) {
+                                int64_t end, double shift, Acc& acc, WideAcc& wacc,
+                                const HistSink& hs) {
   if (flat || d.ndim <= 1) {
     const int64_t st = flat ? 1 : (d.ndim == 1 ? d.strides[0] : 0);
     if (st == 1) {
-      run_segment<T, true, kHist, kAvx2>(x + begin, 1, end - begin, shift, acc, hs);
+      run_segment<T, true, kHist, kAvx2>(x + begin, 1, end - begin, shift, acc, wacc, hs);
     } else {
-      run_segment<T, false, kHist, kAvx2>(x + begin * st, st, end - begin, shift, acc, hs);
+      run_segment<T, false, kHist, kAvx2>(x + begin * st, st, end - begin, shift, acc, wacc, hs);
     }
     return;
   }
@@ -564,9 +579,9 @@ HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int
     const int64_t len = std::min(inner - in0, end - i);
     const T* p = x + strided_offset(d, i);
     if (ist == 1) {
-      run_segment<T, true, kHist, kAvx2>(p, 1, len, shift, acc, hs);
+      run_segment<T, true, kHist, kAvx2>(p, 1, len, shift, acc, wacc, hs);
     } else {
-      run_segment<T, false, kHist, kAvx2>(p, ist, len, shift, acc, hs);
+      run_segment<T, false, kHist, kAvx2>(p, ist, len, shift, acc, wacc, hs);
     }
     i += len;
   }
@@ -574,9 +589,11 @@ HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int
 
 template <typename T, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void chunk_impl(const T* x, bool flat, const StridedDesc& d, int64_t begin,
-                                 int64_t end, double shift, Acc& out, const HistSink& hs) {
+                                 int64_t end, double shift, Acc& out, WideAcc& wout,
+                                 const HistSink& hs) {
   acc_init(out);
-  run_range<T, kHist, kAvx2>(x, flat, d, begin, end, shift, out, hs);
+  wide_init(wout);
+  run_range<T, kHist, kAvx2>(x, flat, d, begin, end, shift, out, wout, hs);
 }
 
 // The same chunk loop, compiled for AVX2+FMA+F16C and for the baseline ISA.
@@ -584,14 +601,14 @@ template <typename T, int kHist>
 __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const T* x, bool flat,
                                                     const StridedDesc& d, int64_t b,
                                                     int64_t e, double shift, Acc& out,
-                                                    const HistSink& hs) {
-  chunk_impl<T, kHist, true>(x, flat, d, b, e, shift, out, hs);
+                                                    WideAcc& wout, const HistSink& hs) {
+  chunk_impl<T, kHist, true>(x, flat, d, b, e, shift, out, wout, hs);
 }
 
 template <typename T, int kHist>
 void chunk_base(const T* x, bool flat, const StridedDesc& d, int64_t b, int64_t e,
-                double shift, Acc& out, const HistSink& hs) {
-  chunk_impl<T, kHist, false>(x, flat, d, b, e, shift, out, hs);
+                double shift, Acc& out, WideAcc& wout, const HistSink& hs) {
+  chunk_impl<T, kHist, false>(x, flat, d, b, e, shift, out, wout, hs);
 }
 
 bool use_avx2() {
@@ -643,6 +660,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   // The AVX2 exponent counter writes copy 0 only: clear and sum just that one.
   const int copies = kExp && avx2 ? 1 : kHistCopies;
   Acc partial[kMaxChunks];
+  WideAcc wide[kMaxChunks];
 
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     uint32_t local[kHistCopies * (kLocalBins + 1)];
@@ -652,9 +670,9 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
       const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs, mult};
       const int64_t b = c * chunk, e = std::min(n, b + chunk);
       if (avx2) {
-        chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], hs);
+        chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
       } else {
-        chunk_base<T, kHist>(x, flat, d, b, e, shift, partial[c], hs);
+        chunk_base<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
       }
       if (!local_hist) continue;
       auto total_of = [&](int64_t k) {
@@ -684,9 +702,15 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   // Merge in chunk order: the same sums for any number of threads.
   Acc total;
   acc_init(total);
-  for (int64_t c = 0; c < nchunks; ++c) acc_merge(total, partial[c]);
+  WideAcc wtotal;
+  wide_init(wtotal);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    acc_merge(total, partial[c]);
+    wide_merge(wtotal, wide[c]);
+  }
   if (mult != 1) acc_scale(total, mult);
   row_merge<HostAtomics>(row, total);
+  wide_to_row<HostAtomics>(row, wtotal, mult);
 }
 
 // The slot named by a CPU state, checked against the ring's slot count.

@@ -2,9 +2,14 @@
 // the real build (stats_launch.cu) and by g++ through tests/cuda_emu for the
 // CPU emulation harness, so it must stay plain CUDA C++: no inline PTX, no
 // CUB, only the intrinsics the harness provides.
-// HOOKCAP_EMU_BREAK_* are defined only by test-only builds of that harness
-// (proof that it catches a missing barrier / a wrong index); nvcc never sees them.
+// HOOKCAP_EMU_FAULT(name) is defined only by that harness, which turns one
+// fault on at run time (proof that it catches a missing barrier, a wrong
+// index, ...); in every real build it is false and the fault code is gone.
 #pragma once
+
+#ifndef HOOKCAP_EMU_FAULT
+#define HOOKCAP_EMU_FAULT(name) false
+#endif
 
 #include "cuda/launch_plan.cuh"
 #include "hookcap/dtype_load.h"
@@ -459,12 +464,8 @@ __device__ __forceinline__ bool tree_ticket(int64_t* ticket, int members, int* f
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();  // the block's record, visible before its ticket
-#ifndef HOOKCAP_EMU_BREAK_TICKET  // fault injection for tests/cuda_emu only
     const bool last = DeviceAtomics::ticket(ticket) == members - 1;
-    if (last) *ticket = 0;  // for the next launch on this stream
-#else
-    const bool last = DeviceAtomics::ticket(ticket) == members - 1;
-#endif
+    if (last && !HOOKCAP_EMU_FAULT(ticket)) *ticket = 0;  // for the next launch on this stream
     if (last) __threadfence();  // the group's records, read after the ticket
     *flag = last ? 1 : 0;
   }
@@ -651,12 +652,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   thread_acc_init(part);
   double shift = 0.0;
   bool has_shift = false;
+  WideAcc wide;  // float64 only: wide values' moments (stats_math.h)
+  wide_init(wide);
   auto exact = [&](double v) {  // one value in double: NaN/Inf counted, any magnitude
-    if (!has_shift && (v < 0 ? -v : v) < kInf) {
-      shift = v;
-      has_shift = true;
+    const double a = v < 0 ? -v : v;
+    if constexpr (kFloat) {
+      if (!has_shift && a < kInf) {
+        shift = v;
+        has_shift = true;
+      }
+      thread_acc_push(part, v, shift);
+    } else {
+      if (!has_shift && a < kInf && wide_bucket(a) == 0) {  // the shift is an ordinary value
+        shift = v;
+        has_shift = true;
+      }
+      thread_acc_push_wide(part, wide, v, shift);
     }
-    thread_acc_push(part, v, shift);
   };
 
   // The thread's work: items gtid, gtid + gstride, ... of `count`, each kPer
@@ -876,7 +888,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       s1 = s2 = 0;
       revisit(j0, j1, [&](W v) { push_shifted(v, c, s1, s2, FmaSquare{}); });
     }
-    const bool in_float = finite && float_sums_ok(s1, s2, mn, mx);
+    bool in_float = finite && float_sums_ok(s1, s2, mn, mx);
+    if constexpr (!kFloat) {
+      // Float64 runs that may hold wide values, or about a wide center, go
+      // element by element (their moments need the buckets).
+      const W ac = c < 0 ? -c : c;
+      in_float = in_float && !may_be_wide(mn, mx) && wide_bucket(ac) != 1;
+    }
     int scale_exp = 0;
     if (!in_float) {
       // Redone (rare; re-read from cache): a run of tiny values again about
@@ -900,9 +918,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
           exact(static_cast<double>(v));
         }
       });
-#ifdef HOOKCAP_EMU_BREAK_RESCALE  // fault injection for tests/cuda_emu only
-      if (scale_exp > 0) scale_exp -= 1;
-#endif
+      if (HOOKCAP_EMU_FAULT(rescale) && scale_exp > 0) scale_exp -= 1;
+    }
+    if constexpr (!kFloat) {
+      if (!in_float && wide_bucket(c < 0 ? -c : c) == 1) c = W(0);  // the next run's center: an ordinary value
     }
     if (in_float || scale_exp > 0) {
       if (!has_shift) {
@@ -923,11 +942,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int64_t tail = head + count * kPer;
     const int64_t ends = head + (n - tail);  // elements in the head and the tail
     auto element = [&](int64_t i) {
-#ifndef HOOKCAP_EMU_BREAK_INDEX  // fault injection for tests/cuda_emu only
-      return widen<W>(x[i < head ? i : tail + (i - head)]);
-#else
-      return widen<W>(x[i < head ? i : count * kPer + (i - head)]);
-#endif
+      return widen<W>(x[i < head ? i : (HOOKCAP_EMU_FAULT(index) ? count * kPer : tail) + (i - head)]);
     };
     if constexpr (kWarpBins) {
       for (int64_t i0 = gtid - lane; i0 < ends; i0 += gstride) {  // warp-uniform
@@ -953,6 +968,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // one, across warps warp 0's first such partial, across blocks (the tree)
   // the first such record's of a group, and per row the first merge into the
   // ring sets it (later merges rebase onto it).
+  if constexpr (!kFloat) wide_to_row<DeviceAtomics>(row, wide, tgt.mult);  // rare: straight into the ring
   Acc acc = to_acc(part, shift);
   warp_common_shift(acc, has_shift, shift);
   warp_reduce(acc);
@@ -960,9 +976,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     s_warp[warp] = acc;
     s_shift[warp] = has_shift ? dbits(shift) : kShiftUnset;
   }
-#ifndef HOOKCAP_EMU_BREAK_SYNC  // fault injection for tests/cuda_emu only
-  __syncthreads();
-#endif
+  if (!HOOKCAP_EMU_FAULT(sync)) __syncthreads();
   if (warp == 0) {  // the block's partial, in lane 0
     const int nwarps = blockDim.x / kWarpSize;
     const bool mine = lane < nwarps && s_shift[lane] != kShiftUnset;
@@ -1034,12 +1048,12 @@ __device__ __forceinline__ void reset_words(int64_t* base, int64_t total, int64_
   const int64_t col_step = stride % width;
   for (int64_t i = start; i < total; i += stride) {
     base[i] = reset_value(col, step);
-#ifndef HOOKCAP_EMU_BREAK_RESET_WALK  // fault injection for tests/cuda_emu only
-    col += col_step;
-    if (col >= width) col -= width;
-#else
-    col = (col + col_step) % (width - 1);
-#endif
+    if (HOOKCAP_EMU_FAULT(reset_walk)) {
+      col = (col + col_step) % (width - 1);
+    } else {
+      col += col_step;
+      if (col >= width) col -= width;
+    }
   }
 }
 

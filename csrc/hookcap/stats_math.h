@@ -35,7 +35,20 @@ enum Col : int64_t {
   kStepTag = 12, // step number the slot was reset for
   kSum = 13,    // double bits: sum over finite of x
   kSumSq = 14,  // double bits: sum over finite of x^2
-  kHeader = 16, // column 15 reserved; histogram bins start here
+  // Column 15 reserved. Float64 values too large or too small to square in
+  // double (wide_bucket) keep their moments in two buckets of their own, as
+  // values times 2**-kWideScale (big) or 2**kWideScale (small): count, shift
+  // (double bits, kShiftUnset: none), and moments about it. Every column
+  // above (sums, moments, kShift) then holds the other finite values only.
+  kBigN = 16,
+  kBigShift = 17,
+  kBigS1 = 18,
+  kBigS2 = 19,
+  kSmallN = 20,
+  kSmallShift = 21,
+  kSmallS1 = 22,
+  kSmallS2 = 23,
+  kHeader = 24, // histogram bins start here
 };
 
 // Shift sentinel: "no shift chosen yet in this slot". A NaN pattern no
@@ -164,6 +177,117 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void push_finite(V v, V shift, V& sum, V& sums
   push_extrema(v, mn, mx, amx, nzero);
 }
 
+// ---------------------------------------------------------------------------
+// Wide float64 values. |x| >= 2**kWideExp would square to more than 2**800
+// (sums of them overflow), and 0 < |x| < 2**-kWideExp squares to less than
+// 2**-800 (all such values: squares lost to underflow). They are scaled by
+// a power of two into the middle of double's range (exact) and kept in the
+// row's big or small bucket; every other value, and every value of a
+// 32-bit or narrower type (which cannot be wide), keeps today's columns.
+// ---------------------------------------------------------------------------
+constexpr int kWideExp = 400;
+constexpr int kWideScale = 600;
+
+// 0: an ordinary value; 1: big; 2: small. `a` is |x| of a finite x.
+C10_HOST_DEVICE C10_ALWAYS_INLINE int wide_bucket(double a) {
+  return a >= pow2d(kWideExp) ? 1 : (a < pow2d(-kWideExp) && a != 0.0 ? 2 : 0);
+}
+
+// Whether finite values with extrema mn <= mx may hold a wide value the
+// run's own sums would lose: the largest magnitude is big, or every value
+// is small. (A small value beside larger ones adds less than 2**-222 of the
+// run's squares per element: it stays with them.)
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool may_be_wide(double mn, double mx) {
+  const double a = -mn > mx ? -mn : mx;
+  return a >= pow2d(kWideExp) || (a < pow2d(-kWideExp) && a != 0.0);
+}
+
+// One bucket's partial: moments of its scaled values about `shift` (its
+// first value), and their count.
+struct WidePart {
+  double shift, s1, s2;
+  int64_t n;
+};
+
+struct WideAcc {
+  WidePart big, small;
+};
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE void wide_init(WideAcc& w) {
+  w.big = WidePart{0.0, 0.0, 0.0, 0};
+  w.small = WidePart{0.0, 0.0, 0.0, 0};
+}
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE void wide_part_push(WidePart& p, double y) {
+  if (p.n == 0) p.shift = y;
+  const double d = y - p.shift;
+  p.s1 += d;
+  p.s2 += d * d;
+  ++p.n;
+}
+
+// A finite value of bucket b (1 or 2; wide_bucket) into its bucket.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void wide_push(WideAcc& w, double v, int b) {
+  if (b == 1) {
+    wide_part_push(w.big, v * pow2d(-kWideScale));
+  } else {
+    wide_part_push(w.small, v * pow2d(kWideScale));
+  }
+}
+
+// Re-express shifted sums of m values from shift `from` to shift `to`:
+// sum(x - to) = s1 + m*(from - to); sum((x - to)^2) = s2 + 2*(from - to)*s1 + m*(from - to)^2.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void shift_rebase(double& s1, double& s2, double m,
+                                                    double from, double to) {
+  const double t = from - to;
+  s2 += 2.0 * t * s1 + m * t * t;
+  s1 += m * t;
+}
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE void wide_part_merge(WidePart& a, WidePart b) {
+  if (b.n == 0) return;
+  if (a.n == 0) {
+    a = b;
+    return;
+  }
+  shift_rebase(b.s1, b.s2, static_cast<double>(b.n), b.shift, a.shift);
+  a.s1 += b.s1;
+  a.s2 += b.s2;
+  a.n += b.n;
+}
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE void wide_merge(WideAcc& a, const WideAcc& b) {
+  wide_part_merge(a.big, b.big);
+  wide_part_merge(a.small, b.small);
+}
+
+// A bucket's partial into the ring row's bucket at column `base` (kBigN or
+// kSmallN), each element standing for `mult`: the first merge sets the
+// bucket's shift, later ones rebase onto it (as kShift).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Atomics>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void wide_part_to_row(int64_t* row, int64_t base, WidePart p,
+                                                        int64_t mult) {
+  if (p.n == 0) return;
+  const int64_t old = Atomics::cas_i64(row + base + 1, kShiftUnset, dbits(p.shift));
+  if (old != kShiftUnset) shift_rebase(p.s1, p.s2, static_cast<double>(p.n), p.shift, bitsd(old));
+  const double m = static_cast<double>(mult);
+  Atomics::add_i64(row + base, p.n * mult);
+  Atomics::add_f64(row + base + 2, p.s1 * m);
+  Atomics::add_f64(row + base + 3, p.s2 * m);
+}
+
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Atomics>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void wide_to_row(int64_t* row, const WideAcc& w, int64_t mult) {
+  wide_part_to_row<Atomics>(row, kBigN, w.big, mult);
+  wide_part_to_row<Atomics>(row, kSmallN, w.small, mult);
+}
+
 // Raw sums of m values from their moments about c: sum = m*c + s1 and
 // sumsq = s2 + 2*c*s1 + m*c^2. With c near the values' mean, s1 is small and
 // every other term is non-negative, so nothing cancels.
@@ -193,15 +317,6 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool push_value(double v, double shift, D& sum
   return finite;
 }
 
-// Re-express shifted sums of m values from shift `from` to shift `to`:
-// sum(x - to) = s1 + m*(from - to); sum((x - to)^2) = s2 + 2*(from - to)*s1 + m*(from - to)^2.
-C10_HOST_DEVICE C10_ALWAYS_INLINE void shift_rebase(double& s1, double& s2, double m,
-                                                    double from, double to) {
-  const double t = from - to;
-  s2 += 2.0 * t * s1 + m * t * t;
-  s1 += m * t;
-}
-
 // Per-thread / per-chunk partial. nfin: finite values (the m of shift_rebase).
 struct Acc {
   double sum, sumsq, s1, s2, mn, mx, amx;
@@ -222,6 +337,21 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_init(Acc& a) {
 C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_push(Acc& a, double v, double shift) {
   a.nfin += push_value(v, shift, a.sum, a.sumsq, a.s1, a.s2, a.mn, a.mx, a.amx, a.nnan, a.npinf,
                        a.nninf, a.nzero);
+}
+
+// acc_push for a value that may be wide (float64 input): a wide value's
+// moments go to its bucket, its extrema to `a` (whose nfin and moments
+// count the other values only).
+C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_push_wide(Acc& a, WideAcc& w, double v, double shift) {
+  if (!push_class(v, a.nnan, a.npinf, a.nninf)) return;
+  const int b = wide_bucket(v < 0 ? -v : v);
+  if (b == 0) {
+    push_finite<double>(v, shift, a.sum, a.sumsq, a.s1, a.s2, a.mn, a.mx, a.amx, a.nzero);
+    ++a.nfin;
+  } else {
+    push_extrema(v, a.mn, a.mx, a.amx, a.nzero);
+    wide_push(w, v, b);
+  }
 }
 
 // Merge b into a. All partials of one row share the same shift, so shifted
@@ -293,13 +423,28 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_push(ThreadAcc<W>& a, double v
   }
 }
 
+// thread_acc_push for a float64 value that may be wide (acc_push_wide).
+C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_push_wide(ThreadAcc<double>& a, WideAcc& w, double v,
+                                                            double shift) {
+  if (!push_class(v, a.nnan, a.npinf, a.nninf)) return;
+  const int b = wide_bucket(v < 0 ? -v : v);
+  push_minmax(v, a.mn, a.mx, a.nzero);
+  if (b == 0) {
+    push_shifted(v, shift, a.s1, a.s2);
+    ++a.nfin;
+  } else {
+    wide_push(w, v, b);
+  }
+}
+
 // The Acc of a thread's partial whose moments are about `shift`.
 template <typename W>
 C10_HOST_DEVICE C10_ALWAYS_INLINE Acc to_acc(const ThreadAcc<W>& t, double shift) {
   Acc a;
   acc_init(a);
-  if (t.nfin) {
-    moments_to_raw(t.s1, t.s2, static_cast<double>(t.nfin), shift, a.sum, a.sumsq);
+  // Float64: extrema also of wide values (counted in no nfin).
+  if (sizeof(W) == sizeof(double) ? t.mn <= t.mx : t.nfin != 0) {
+    if (t.nfin) moments_to_raw(t.s1, t.s2, static_cast<double>(t.nfin), shift, a.sum, a.sumsq);
     a.s1 = t.s1;
     a.s2 = t.s2;
     a.mn = static_cast<double>(t.mn);
@@ -436,7 +581,7 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE double shift_candidate(Load load, int64_t n) {
   for (int64_t i = 0; i < probe; ++i) {
     const double v = load(i);
     const double a = v < 0 ? -v : v;
-    if (!(a < kInf)) continue;
+    if (!(a < kInf) || wide_bucket(a) != 0) continue;  // kShift is an ordinary value's
     int j = m++;
     for (; j > 0 && vals[j - 1] > v; --j) vals[j] = vals[j - 1];  // insertion sort
     vals[j] = v;
@@ -492,6 +637,8 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t reset_value(int64_t col, int64_t step)
   switch (col) {
     case kStepTag: return step;
     case kShift: return kShiftUnset;
+    case kBigShift: return kShiftUnset;
+    case kSmallShift: return kShiftUnset;
     case kMin: return order_key(kInf);
     case kMax: return order_key(-kInf);
     case kAbsMax: return order_key(-kInf);

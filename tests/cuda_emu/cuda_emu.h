@@ -44,6 +44,7 @@
 #endif
 // Kernel headers test this to take the harness's dynamic shared memory.
 #define HOOKCAP_CUDA_EMU 1
+#define HOOKCAP_EMU_FAULT(name) (::emu::fault() == ::emu::Fault::name)
 
 #include <algorithm>
 #include <atomic>
@@ -113,6 +114,16 @@ struct Config {
   uint64_t seed = 0;  // for kShuffle
   Schedule schedule = Schedule::kConcurrent;
 };
+
+// A fault the kernels can be told to commit (HOOKCAP_EMU_FAULT in
+// stats_kernel.cuh): proof that the tests catch it. Set before launches,
+// read-only while they run.
+enum class Fault { none, index, sync, reset_walk, ticket, rescale };
+
+inline Fault& fault() {
+  static Fault f = Fault::none;
+  return f;
+}
 
 // Counters, so tests can assert that a launch really ran what they asked.
 struct Stats {

@@ -193,7 +193,7 @@ void check_reset(const char* name, Ring& ring, int64_t slot, int64_t step, int64
     for (int64_t c = 0; c < ring.width; ++c) {
       int64_t want = 0;
       if (c == kStepTag) want = step;
-      if (c == kShift) want = static_cast<int64_t>(0x7ff8dead0000beefULL);
+      if (c == kShift || c == kBigShift || c == kSmallShift) want = static_cast<int64_t>(0x7ff8dead0000beefULL);
       // Ordered keys: key(+inf) = bits(+inf); key(-inf) = bits(-inf) ^ INT64_MAX.
       if (c == kMin) want = 0x7ff0000000000000LL;
       if (c == kMax || c == kAbsMax) want = static_cast<int64_t>(0x800fffffffffffffULL);
@@ -343,8 +343,22 @@ void scenario_state() {
 int main(int argc, char** argv) {
   // argv[1]: block order 0 forward, 1 reverse, 2 shuffled (default);
   // argv[2]: schedule 0 concurrent (default), 1 warp-serial, 2 reversed.
+  // argv[3]: a fault to commit (emu::Fault: none, index, sync, reset_walk, ticket, rescale).
   const int order = argc > 1 ? std::atoi(argv[1]) : 2;
   const int schedule = argc > 2 ? std::atoi(argv[2]) : 0;
+  const std::string fault = argc > 3 ? argv[3] : "none";
+  const char* faults[] = {"none", "index", "sync", "reset_walk", "ticket", "rescale"};
+  bool known = false;
+  for (int i = 0; i < 6; ++i) {
+    if (fault == faults[i]) {
+      emu::fault() = static_cast<emu::Fault>(i);
+      known = true;
+    }
+  }
+  if (!known) {
+    std::printf("unknown fault %s\n", fault.c_str());
+    return 2;
+  }
   emu::set_config(emu::Config{static_cast<emu::BlockOrder>(order), 12345,
                               static_cast<emu::Schedule>(schedule)});
   try {
