@@ -401,6 +401,25 @@ def per_hook_cost(device, n_modules=200, reps=40):
         added = statistics.median(samples[label])
         out[f"{label}: added"] = added
         out[f"{label}: hook"] = added - dispatch
+    out.update(tap_off_cost(x, model))
+    return out
+
+
+def tap_off_cost(x, model, calls=100_000):
+    """µs per ``hookcap.tap`` call that records nothing (no Monitor; an
+    off-step of ``every=2``), less an empty Python call's time."""
+    def per_call(fn):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn(x, "t")
+        return (time.perf_counter() - t) / calls * 1e6
+
+    empty = min(per_call(lambda a, b: None) for _ in range(3))
+    out = {"tap, no Monitor": min(per_call(hookcap.tap) for _ in range(3)) - empty}
+    mon = hookcap.Monitor(model, capture="output", every=2).attach()
+    mon.step()  # step 1: an off-step
+    out["tap, off-step"] = min(per_call(hookcap.tap) for _ in range(3)) - empty
+    mon.detach()
     return out
 
 

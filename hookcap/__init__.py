@@ -18,6 +18,7 @@ from .drained import DrainedStep  # noqa: E402
 from .history import History, load  # noqa: E402
 from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
 from .summary import ModelSummary, summary  # noqa: E402
+from .taps import tap  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,7 @@ __all__ = [
     "load",
     "reference",
     "summary",
+    "tap",
     "tensor_stats",
     "__version__",
 ]

@@ -15,7 +15,10 @@ traces into the backward graph, or compiled autograd traces at backward).
 Process-global state, all of it:
 
 - ``_HOOKS``: the live Monitors' hook sets by id, so that traced code (which
-  can only pass plain values) reaches its Monitor's rows.
+  can only pass plain values) reaches its Monitor's rows (``hookcap.tap``
+  traced: every attached Monitor's, :func:`tap_rows`).
+- ``hookcap._recorder.RECORDING``: the Recorders recording now, where an eager
+  ``hookcap.tap`` writes.
 - ``_compiled_autograd_config``: ``torch._dynamo.config.compiled_autograd`` as of
   the last ``attach()``/recording ``step()`` (reading it costs ~5 us: too
   much per hook).
@@ -98,6 +101,32 @@ def _compiled_row(key: int, name: str, kind: str, path: str, device: str, shape:
         return -1
     dev = torch.device(device)
     return hooks.recorder.register_row((name, kind, path, dev, 0), dev, shape, dtype, mtype)
+
+
+@torch._dynamo.assume_constant_result
+def tap_rows(name: str, device: str, ndim: int, dtype: str) -> tuple:
+    """``(hook set key, sink, row id, ...)`` of tap ``name`` in every attached
+    Monitor (a row each, registered now). Run by dynamo at trace time only:
+    a graph taps into the Monitors attached when it was traced."""
+    out = []
+    dev = torch.device(device)
+    for key, hooks in list(_HOOKS.items()):
+        rec = hooks.recorder
+        if rec.attached:
+            rid = rec.register_row((name, "tap", "", dev, 0), dev, (-1,) * ndim, dtype, "tap")
+            if rid >= 0:
+                out += [key, rec.fast.id, rid]
+    return tuple(out)
+
+
+def write_tap(x, name: str) -> None:
+    """Traced: ``x`` into tap ``name``'s row of each Monitor (hookcap.tap)."""
+    rows = tap_rows(name, str(x.device), x.dim(), str(x.dtype))
+    for i in range(0, len(rows), 3):
+        if RECORD_IS_EFFECTFUL:
+            _RECORD(x, rows[i + 1], rows[i + 2])
+        else:
+            write_all(_HOOKS[rows[i]], name, "tap", x, "tap")
 
 
 @torch._dynamo.assume_constant_result

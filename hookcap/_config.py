@@ -27,8 +27,10 @@ SLOTS = 4  # step slots per device ring: the drain may trail training by this ma
 
 
 def metric_name(name: str, kind: str, path: str = "") -> str:
-    """``f"{name}/{kind}"``, with ``.{path}`` for a tensor inside a nested value."""
-    return f"{name}/{kind}.{path}" if path else f"{name}/{kind}"
+    """``f"{name}/{kind}"`` (a tap's: ``name`` itself), with ``.{path}`` for a
+    tensor inside a nested value."""
+    base = name if kind == "tap" else f"{name}/{kind}"
+    return f"{base}.{path}" if path else base
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ CAPTURE_SKIP = ("first seen while a CUDA graph was being captured: its row canno
                 "this call)")
 _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
+# The Recorders that record now (attached, not paused, a recorded step), by
+# id, as weak references: where hookcap.tap writes; empty, a tap returns at once.
+RECORDING: dict[int, weakref.ref] = {}
 
 
 def multi_rank() -> bool:
@@ -170,6 +174,10 @@ class Recorder:
 
     def _sync(self, new_step: bool) -> None:
         self.recording = self.enabled and self.attached and not self.paused
+        if not self.recording:
+            RECORDING.pop(id(self), None)
+        elif id(self) not in RECORDING:
+            RECORDING[id(self)] = weakref.ref(self, lambda _, k=id(self): RECORDING.pop(k, None))
         # The compiled-autograd config matters only to a recording step; an
         # off-step skips reading it (~5 us warm, tens of us with cold caches).
         self.fast.set_recording(self.recording, _compile.PYTHON_GRAD_HOOKS or (

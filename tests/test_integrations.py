@@ -76,7 +76,12 @@ def test_hf_trainer_records_training_steps_against_float64(tmp_path):
         step = trainer.state.global_step + (1 if m.training else 0)
         seen[(step, m.training)].append(out.detach().double().clone())
 
+    def loss(m, a, out):
+        if m.training:
+            seen[(trainer.state.global_step + 1, "loss")].append(out.loss.detach().double().clone())
+
     model.model.embed_tokens.register_forward_hook(tag)
+    model.register_forward_hook(loss)
     trainer.train()
     h = cb.monitor.history()
     assert h.steps.tolist() == [1, 2, 3, 4]  # as the Trainer numbers the logged loss
@@ -84,6 +89,12 @@ def test_hf_trainer_records_training_steps_against_float64(tmp_path):
         train = seen[(step, True)]
         assert len(train) == 2  # gradient accumulation: two micro-batches, one hookcap step
         assert_recorded(h, step, "model.embed_tokens/output", train)
+    # The loss each training forward returned, tapped (tap_loss=True): both micro-batches.
+    assert h.meta("loss")["kind"] == "tap"
+    for step in (1, 2, 3, 4):
+        assert len(seen[(step, "loss")]) == 2
+        assert_recorded(h, step, "loss", seen[(step, "loss")])
+    assert list(model._forward_hooks.values()) == [loss]  # the callback's loss tap is gone
     # Evaluation at global_step 2 and 4 (the last step too), never in training rows.
     assert sorted(k for k in seen if not k[1]) == [(2, False), (4, False)]
     for step in (2, 4):
@@ -175,13 +186,16 @@ def lightning_module():
             super().__init__()
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+            self.losses = collections.defaultdict(list)  # global_step -> training_step's losses
 
         def forward(self, x):
             return self.net(x)
 
         def training_step(self, batch, i):
             x, y = batch
-            return nn.functional.mse_loss(self(x), y)
+            loss = nn.functional.mse_loss(self(x), y)
+            self.losses[self.global_step].append(loss.detach().double().clone())
+            return loss
 
         def validation_step(self, batch, i):
             x, y = batch
@@ -224,6 +238,10 @@ def test_lightning_records_training_steps_against_float64(tmp_path):
     for step in (0, 1, 2):
         assert len(seen[(step, True)]) == 2
         assert_recorded(h, step, "net.0/output", seen[(step, True)])
+    # The loss each training batch returned, tapped (tap_loss=True).
+    for step in (0, 1, 2):
+        assert len(module.losses[step]) == 2
+        assert_recorded(h, step, "loss", module.losses[step])
     # The sanity check ran before step 0's batches, validation after step 1's.
     assert_recorded(h, 0, "eval/net.0/output", seen[(0, False)])
     assert_recorded(h, 2, "eval/net.0/output", seen[(2, False)])

@@ -9,15 +9,23 @@ from lightning.pytorch import Callback
 
 from ..history import History, load
 from ..monitor import Monitor
-from ._common import check_monitor_kwargs, dump_run, rank_suffix
+from ._common import check_monitor_kwargs, dump_run, rank_suffix, tap_loss
 
 
 class HookcapCallback(Callback):
     """A Monitor on the LightningModule being fit.
 
-    ``HookcapCallback(**monitor_kwargs)`` takes the :class:`hookcap.Monitor`
-    arguments except ``model``, ``optimizer`` and ``start_step``, which it
-    sets. ``.monitor`` is the Monitor (None before ``fit`` starts).
+    ``HookcapCallback(tap_loss=True, **monitor_kwargs)`` takes the
+    :class:`hookcap.Monitor` arguments except ``model``, ``optimizer`` and
+    ``start_step``, which it sets. ``.monitor`` is the Monitor (None before
+    ``fit`` starts).
+
+    - ``tap_loss``: the loss each training batch returns (``outputs`` of
+      ``on_train_batch_end``: the tensor or its ``"loss"``) is the metric
+      ``loss`` (:func:`hookcap.tap`: no host sync), one value per batch, as
+      ``training_step`` returned it (automatic optimization divides it by
+      ``accumulate_grad_batches``; the callback multiplies back: exact for a
+      power of two, else within one rounding).
 
     - One hookcap step per optimizer step (``accumulate_grad_batches``
       micro-batches merge into it), numbered as Lightning logs them:
@@ -33,9 +41,10 @@ class HookcapCallback(Callback):
       ``.rank{r}`` before the extension.
     """
 
-    def __init__(self, **monitor_kwargs):
+    def __init__(self, tap_loss: bool = True, **monitor_kwargs):
         self.monitor_kwargs = check_monitor_kwargs(monitor_kwargs)
         self.monitor: Monitor | None = None
+        self.tap_loss = bool(tap_loss)
         self._loaded: dict | None = None  # a checkpoint's state, until the Monitor exists
         self._earlier: History | None = None  # the steps before the checkpoint this fit resumed from
 
@@ -69,6 +78,11 @@ class HookcapCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         mon = self.monitor
+        if mon is not None and self.tap_loss and outputs is not None:
+            # Into the step this batch trained, as training_step returned it:
+            # automatic optimization hands it over divided by accumulate_grad_batches.
+            k = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            tap_loss(outputs, scale=k)
         if mon is not None and trainer.global_step > mon.current_step:  # an optimizer step ran
             mon.step()
 

@@ -11,7 +11,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..history import History, load
 from ..monitor import Monitor
-from ._common import check_monitor_kwargs, dump_run, rank_suffix
+from ._common import LossTap, check_monitor_kwargs, dump_run, rank_suffix
 
 log = logging.getLogger("hookcap")
 
@@ -19,9 +19,17 @@ log = logging.getLogger("hookcap")
 class HookcapCallback(TrainerCallback):
     """A Monitor on the model the Trainer trains.
 
-    ``HookcapCallback(**monitor_kwargs)`` takes the :class:`hookcap.Monitor`
-    arguments except ``model``, ``optimizer`` and ``start_step``, which it
-    sets. ``.monitor`` is the Monitor (None before training starts).
+    ``HookcapCallback(tap_loss=True, **monitor_kwargs)`` takes the
+    :class:`hookcap.Monitor` arguments except ``model``, ``optimizer`` and
+    ``start_step``, which it sets. ``.monitor`` is the Monitor (None before
+    training starts).
+
+    - ``tap_loss``: the loss each training forward of the model returns
+      (``outputs.loss``: a model given ``labels``) is the metric ``loss``,
+      tapped where it is computed (:func:`hookcap.tap`: no host sync); one
+      value per micro-batch, before the Trainer divides it for gradient
+      accumulation. A loss computed outside the model (a custom
+      ``compute_loss``) is not seen: tap it there.
 
     - One hookcap step per optimizer step: the micro-batches of gradient
       accumulation merge into it. Steps are numbered as the Trainer numbers
@@ -43,9 +51,11 @@ class HookcapCallback(TrainerCallback):
       ``hookcap.npz`` hold the whole run (``History.concat``).
     """
 
-    def __init__(self, **monitor_kwargs):
+    def __init__(self, tap_loss: bool = True, **monitor_kwargs):
         self.monitor_kwargs = check_monitor_kwargs(monitor_kwargs)
         self.monitor: Monitor | None = None
+        self.tap_loss = bool(tap_loss)
+        self._loss_tap: LossTap | None = None
         self._open = False  # an optimizer step ended and its hookcap step is still open
         self._earlier: History | None = None  # the steps before a resumed checkpoint
 
@@ -55,6 +65,8 @@ class HookcapCallback(TrainerCallback):
             if state.global_step > 0:
                 self._resume(args, state)
         self.monitor.attach()
+        if self.tap_loss and self._loss_tap is None and model is not None:
+            self._loss_tap = LossTap(model)
 
     def _resume(self, args, state) -> None:
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
@@ -106,5 +118,8 @@ class HookcapCallback(TrainerCallback):
         if self.monitor is None:
             return
         self._close()
+        if self._loss_tap is not None:
+            self._loss_tap.remove()
+            self._loss_tap = None
         self.monitor.detach()
         dump_run(self.monitor, self._earlier, os.path.join(args.output_dir, f"hookcap{rank_suffix()}.npz"))

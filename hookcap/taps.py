@@ -1,0 +1,44 @@
+"""``hookcap.tap``: statistics of a tensor no module returns (attention
+scores, router logits, a residual stream, the loss) as a metric of its own,
+written into the same rows, drain and history as the hooks' metrics."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _compile
+from ._recorder import RECORDING
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def tap(x: torch.Tensor, name: str) -> None:
+    """Record the statistics of ``x`` as metric ``name`` (kind ``"tap"``) in
+    every Monitor that records this step, on ``x``'s device: the same
+    statistics and histogram as a module output, with no host sync.
+
+    - Returns at once when no Monitor records (none attached, an off-step of
+      ``every``, ``paused()``).
+    - Calls with one name in one step merge into one value, as a module's
+      calls do; any shape (a 0-d loss too), view or dtype the statistics op
+      takes. A tensor it cannot read (integer, sparse, inside a
+      ``torch.func`` transform) is skipped with one warning.
+    - Never changes ``x`` and returns nothing; gradients flow as before.
+    - Under ``torch.compile`` it is traced into the graph (no graph break; the
+      kernel reads ``every`` from the device, so no recompile), writing into
+      the Monitors attached when the graph was traced: attach before the
+      first compiled call.
+    """
+    if _is_compiling():
+        _compile.write_tap(x, name)
+        return
+    if not RECORDING:
+        return
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"hookcap.tap: x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"hookcap.tap: name must be a non-empty str, got {name!r}")
+    for ref in list(RECORDING.values()):
+        rec = ref()
+        if rec is not None:
+            rec.write(name, "tap", "", x.detach(), "tap", rec.call_index(name, "tap"))

@@ -1,0 +1,155 @@
+"""hookcap.tap: a tensor no module returns (the loss, scores inside a forward)
+recorded as a metric of its own, against the float64 reference of the
+values tapped; quiet when nothing records; compiled without graph breaks or
+recompiles."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+import hookcap
+from conftest import assert_recorded
+from hookcap import Monitor
+
+
+class Scores(nn.Module):
+    """Taps its attention-like scores inside forward (no module returns them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 8)
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-1, -2)
+        hookcap.tap(s, "scores")
+        return s.softmax(-1).sum(-1)
+
+
+def batches(n=4):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 5, 8, generator=g) for _ in range(n)]
+
+
+def test_taps_record_the_values_tapped_and_merge_calls():
+    torch.manual_seed(0)
+    model = Scores()
+    tapped = []
+    with Monitor(model) as mon:
+        for x in batches():
+            out = model(x)
+            loss = out.pow(2).mean()
+            hookcap.tap(loss, "loss")
+            hookcap.tap(loss * 3, "loss")  # a second call of one name merges
+            half = out.to(torch.bfloat16).t()[1:]  # a view, another dtype
+            hookcap.tap(half, "half")
+            s = model.q(x) @ model.k(x).transpose(-1, -2)
+            tapped.append((s.detach(), [loss.detach(), 3 * loss.detach()], half))
+            mon.step()
+    h = mon.history()
+    assert {"scores", "loss", "half"} <= set(h.names)
+    assert h.meta("loss")["kind"] == "tap" and h.meta("loss")["shape"] == ()
+    for step, (s, losses, half) in enumerate(tapped):
+        assert_recorded(h, step, "scores", [s])
+        assert_recorded(h, step, "loss", losses)
+        assert_recorded(h, step, "half", [half.float()])
+
+
+def test_quiet_when_nothing_records():
+    x = torch.randn(3, requires_grad=True)
+    assert hookcap.tap(x, "x") is None  # no Monitor at all
+    model = nn.Linear(3, 2)
+    mon = Monitor(model, every=2).attach()
+    for step in range(4):
+        model(x)
+        hookcap.tap(x * 2, "x")
+        if step == 2:
+            with mon.paused():
+                hookcap.tap(x, "paused")
+        mon.step()
+    mon.detach()
+    hookcap.tap(x, "after")  # detached: nothing
+    h = mon.history()
+    assert h.steps.tolist() == [0, 2]
+    assert "paused" not in h.names and "after" not in h.names
+    np.testing.assert_array_equal(h["count"][:, h.column("x")], [3, 3])
+
+
+def test_every_recording_monitor_gets_the_tap_and_gradients_are_unchanged():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(6, 4)
+    ref = nn.Linear(4, 4)
+    ref.load_state_dict(a.state_dict())
+    ref(x).sum().backward()
+    with Monitor(a) as ma, Monitor(b) as mb:
+        y = a(x)
+        hookcap.tap(y, "y")
+        y.sum().backward()
+        ma.step()
+        mb.step()
+    assert torch.equal(a.weight.grad, ref.weight.grad)
+    for h in (ma.history(), mb.history()):
+        assert_recorded(h, 0, "y", [y.detach()])
+
+
+def test_bad_input():
+    model = nn.Linear(2, 2)
+    with Monitor(model):
+        with pytest.raises(TypeError, match="torch.Tensor"):
+            hookcap.tap([1.0], "x")
+        with pytest.raises(TypeError, match="non-empty str"):
+            hookcap.tap(torch.ones(2), "")
+
+
+def test_unreadable_tensor_is_skipped_with_one_warning(caplog):
+    model = nn.Linear(2, 2)
+    with caplog.at_level(logging.WARNING, logger="hookcap"):
+        with Monitor(model) as mon:
+            for _ in range(2):
+                model(torch.ones(1, 2))
+                hookcap.tap(torch.arange(4), "ints")
+                mon.step()
+    assert "ints" not in mon.history().names
+    assert sum("ints" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_taps_match_eager_without_breaks_or_recompiles(fresh_dynamo):
+    torch.manual_seed(0)
+    model = Scores()
+    xs = batches(6)
+
+    def run(compiled):
+        mon = Monitor(model, every=2).attach()
+        fn = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+        start = counters["stats"]["unique_graphs"]
+        for x in xs:
+            fn(x)
+            mon.step()
+        mon.detach()
+        return mon.history(), counters["stats"]["unique_graphs"] - start
+
+    eager, _ = run(False)
+    torch._dynamo.reset()
+    comp, graphs = run(True)
+    assert graphs == 1  # one graph for on- and off-steps
+    assert comp.steps.tolist() == eager.steps.tolist() == [0, 2, 4]
+    e, c = eager.column("scores"), comp.column("scores")
+    np.testing.assert_array_equal(comp["count"][:, c], eager["count"][:, e])
+    for stat in ("mean", "std", "absmax", "l2norm"):
+        np.testing.assert_allclose(comp[stat][:, c], eager[stat][:, e], rtol=1e-5, err_msg=stat)
+    # The same graph count as the model without taps.
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(model)(xs[0])
+    assert explain.graph_break_count == 0 and explain.graph_count == 1
