@@ -14,7 +14,7 @@ from torch import nn
 from . import _layout
 from .histogram import Histogram
 
-CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad")
+CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad", "optim_state")
 DEFAULT_HISTOGRAM = Histogram.log2()
 # The root module's name: "." is no qualified name of a child (those are
 # non-empty, dot-joined attribute names), so the root never merges with one
@@ -27,9 +27,10 @@ SLOTS = 4  # step slots per device ring: the drain may trail training by this ma
 
 
 def metric_name(name: str, kind: str, path: str = "") -> str:
-    """``f"{name}/{kind}"`` (a tap's: ``name`` itself), with ``.{path}`` for a
-    tensor inside a nested value."""
-    base = name if kind == "tap" else f"{name}/{kind}"
+    """``f"{name}/{kind}"`` (a tap's: ``name`` itself; optimizer state:
+    ``f"{name}/state"``), with ``.{path}`` for a tensor inside a nested value
+    (optimizer state: its key)."""
+    base = name if kind == "tap" else f"{name}/state" if kind == "optim_state" else f"{name}/{kind}"
     return f"{base}.{path}" if path else base
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from . import _compile, _portable
 from ._config import EVAL_PREFIX, ROOT_NAME, Config, example_names, metric_name, parametrization_internals
 from ._follow import ModelWatch, watched_params
+from ._optim import OptimState, innermost_optimizer
 from ._park import HookPark
 from ._recorder import Recorder, placement_of
 from ._timing import Timing, inplace_grad_node
@@ -55,22 +56,6 @@ def _by_mode(train, ev):
         def hook(mod, *args):
             return train(mod, *args) if mod.training else ev(mod, *args)
     return hook
-
-
-def innermost_optimizer(optimizer):
-    """The ``torch.optim.Optimizer`` inside wrappers (accelerate's
-    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``, HF's
-    wrappers: ``.optimizer`` / ``._optimizer``), else ``optimizer`` itself."""
-    seen = set()
-    while id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer:
-            inner = getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer or not hasattr(inner, "step"):
-            break
-        optimizer = inner
-    return optimizer
 
 
 class _StepWrapper:
@@ -123,10 +108,11 @@ class Hooks:
     those parked on off-steps; ``park_ok`` turns False for good once dynamo
     traced them. ``key``: this hook set's key in hookcap._compile."""
 
-    def __init__(self, config: Config, recorder: Recorder, model: nn.Module | None):
+    def __init__(self, config: Config, recorder: Recorder, model: nn.Module | None, optimizer=None):
         self.config = config
         self.recorder = recorder
         self.model = model
+        self.optim_state = OptimState(recorder, optimizer) if "optim_state" in config.capture else None
         self.key = _compile.register(self)
         self.handles: list = []
         # Module hooks leave during off-steps (every > 1) for nn.Module's fast
@@ -175,7 +161,7 @@ class Hooks:
             _compile.hold_hook_guards()
             self._holds_guards = True
         self._bind_params()
-        if not self.handles and not self._param_handles and not ("param" in cfg.capture and self.params):
+        if not self.handles and not self._param_handles and not (self.params and {"param", "optim_state"} & set(cfg.capture)):
             self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="
                                     f"{cfg.capture!r}, modules={cfg.modules!r}): it will record nothing")
 
@@ -214,6 +200,8 @@ class Hooks:
             with torch.no_grad():
                 for pname, p in self.params:
                     self.recorder.write(pname, "param", "", p.detach(), "Parameter", 0)
+        if self.optim_state is not None:
+            self.optim_state.record(self.params)
         self.record_reduced_grads(at_step=True)
 
     def record_reduced_grads(self, at_step: bool = False) -> None:
@@ -245,7 +233,7 @@ class Hooks:
             h.remove()
         self._param_handles.clear()
         self.params, self.reduced_grads = [], []
-        if "param" not in cfg.capture and "param_grad" not in cfg.capture:
+        if not {"param", "param_grad", "optim_state"} & set(cfg.capture):
             self.watch.watch_params([])
             return
         found = list(watched_params(self.model, cfg))

@@ -49,7 +49,7 @@ def placement_of(kind: str, t) -> str:
     multi-rank run: DDP, HSDP's replicate dimension: the same tensor on every
     rank, counted once) or ``"per_rank"`` (activations and their gradients:
     each rank's own data, summed)."""
-    if kind not in ("param", "param_grad"):
+    if kind not in ("param", "param_grad", "optim_state"):
         return "per_rank"
     if callable(getattr(t, "to_local", None)):
         return "sharded"

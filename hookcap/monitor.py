@@ -60,7 +60,8 @@ class Monitor:
             accumulated gradient of each step; in a multi-rank run, plain
             parameters' ``.grad`` before the optimizer steps, after DDP's
             reduction: pass ``optimizer``, or call ``step()`` before
-            ``zero_grad()``; DTensor shards as they accumulate).
+            ``zero_grad()``; DTensor shards as they accumulate), ``"optim_state"``
+            (``optimizer``'s state tensors after its step: ``{param}/state.{key}``).
         histogram: ``Histogram.log2()`` (default), ``Histogram.linear(...)`` or None.
         capacity: how much history the host keeps: a size in bytes (``"256MiB"``,
             ``"512MB"``, ``"2GiB"``; the default) or a number of recorded steps.
@@ -78,8 +79,7 @@ class Monitor:
             (``hookcap.AnomalyError`` from ``step()``: on CPU at the ``step()`` that
             closes the anomalous step; on CUDA at a later ``step()``, at most the
             ring depth (4 recorded steps) later), ``None``, or ``callable(Anomaly)``.
-        sinks: consumers of drained steps (``hookcap.sinks.*``); one sink alone
-            is taken as a list of one.
+        sinks: consumers of drained steps (``hookcap.sinks.*``; one alone: a list of one).
         timing: also record how long each hooked module's forward and backward
             take, per step (``h["fwd_ms"]``, ``h["bwd_ms"]``: milliseconds,
             summed over the module's calls in the step, on every metric of
@@ -184,7 +184,7 @@ class Monitor:
         self._config = config
         self._catalog = Catalog()
         self._recorder = Recorder(config, self._catalog, start_step)
-        self._hooks = Hooks(config, self._recorder, model)
+        self._hooks = Hooks(config, self._recorder, model, optimizer)
         self._drain = Drain(config, self._catalog)
         self._sinks = Sinks(sinks)
         self._ranks = RankMerger(config, self._catalog, self._sinks)
