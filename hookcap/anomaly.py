@@ -6,6 +6,7 @@ A detector is any callable ``detector(step: DrainedStep)`` returning None, one
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -92,17 +93,33 @@ class NonFinite:
 class Spike:
     """A metric's ``stat`` jumps more than ``z`` robust standard deviations
     (1.4826 x median absolute deviation) above the median of its last
-    ``window`` recorded values; silent for the first ``warmup`` values."""
+    ``window`` recorded values; silent for the first ``warmup`` values.
+    ``metrics``: a glob or list of globs over metric names (fnmatch) that it
+    watches, e.g. ``Spike("max", metrics="loss")`` for a tapped loss; None:
+    every metric."""
 
-    def __init__(self, stat: str = "l2norm", z: float = 6.0, window: int = 100, warmup: int = 20):
+    def __init__(self, stat: str = "l2norm", z: float = 6.0, window: int = 100, warmup: int = 20,
+                 metrics: str | list[str] | None = None):
         from ._layout import STAT_NAMES
 
         if stat not in STAT_NAMES:
             raise ValueError(f"Spike: stat must be one of {', '.join(STAT_NAMES)}, got {stat!r}")
         if z <= 0 or window < 2 or warmup < 1 or warmup > window:
             raise ValueError("Spike: need z > 0, window >= 2 and 1 <= warmup <= window")
+        if isinstance(metrics, str):
+            metrics = [metrics]
+        if metrics is not None and not (isinstance(metrics, (list, tuple)) and all(isinstance(m, str) for m in metrics)):
+            raise ValueError(f"Spike: metrics must be None, a glob or a list of globs, got {metrics!r}")
         self.stat, self.z, self.window, self.warmup = stat, z, window, warmup
+        self.metrics = None if metrics is None else tuple(metrics)
+        self._watched: dict[str, bool] = {}  # name -> whether `metrics` matches it
         self._hist: dict[str, deque] = {}
+
+    def _watches(self, name: str) -> bool:
+        w = self._watched.get(name)
+        if w is None:
+            w = self._watched[name] = self.metrics is None or any(fnmatch.fnmatchcase(name, m) for m in self.metrics)
+        return w
 
     def state_dict(self) -> dict:
         """Each metric's window of recent values (a resumed run continues them)."""
@@ -116,7 +133,7 @@ class Spike:
         vals = step.stats[self.stat]
         for i, name in enumerate(step.names):
             v = float(vals[i])
-            if not math.isfinite(v):
+            if not math.isfinite(v) or not self._watches(name):
                 continue
             h = self._hist.get(name)
             if h is None:

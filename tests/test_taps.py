@@ -153,3 +153,21 @@ def test_compiled_taps_match_eager_without_breaks_or_recompiles(fresh_dynamo):
     torch._dynamo.reset()
     explain = torch._dynamo.explain(model)(xs[0])
     assert explain.graph_break_count == 0 and explain.graph_count == 1
+
+
+def test_spike_on_a_tapped_loss_is_one_line():
+    """A loss blow-up found from the tapped loss alone (Spike(metrics="loss")),
+    at the step it happened; the layers' metrics are not watched."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    found = []
+    spike = hookcap.Spike("max", metrics="loss", window=20, warmup=5)
+    with Monitor(model, detectors=[spike], on_anomaly=found.append) as mon:
+        for step in range(12):
+            x = torch.randn(8, 4) * (100.0 if step == 9 else 1.0)
+            loss = model(x).pow(2).mean()
+            hookcap.tap(loss, "loss")
+            mon.step()
+    assert [(a.step, a.name, a.kind) for a in found] == [(9, "loss", "spike")]
+    with pytest.raises(ValueError, match="metrics"):
+        hookcap.Spike(metrics=3)
