@@ -571,6 +571,12 @@ __device__ __forceinline__ void block_epilogue(const Acc& acc, bool has_shift, d
   tree_merge_groups<kMode, kThresholds>(t, tgt.scratch, table, counts.at, &s_last);
 }
 
+// A wide float64 value (stats_math.h wide_bucket) into the ring row. Out of
+// line: rare, and its registers stay out of the streaming loop.
+__device__ __noinline__ void wide_value_to_ring(int64_t* row, double v, int b, int64_t mult) {
+  wide_value_to_row<DeviceAtomics>(row, v, b, mult);
+}
+
 template <typename T, int kMode, int kRead>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     accumulate_kernel(const T* __restrict__ x, int64_t n, StridedDesc desc, RowTarget tgt,
@@ -652,8 +658,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   thread_acc_init(part);
   double shift = 0.0;
   bool has_shift = false;
-  WideAcc wide;  // float64 only: wide values' moments (stats_math.h)
-  wide_init(wide);
   auto exact = [&](double v) {  // one value in double: NaN/Inf counted, any magnitude
     const double a = v < 0 ? -v : v;
     if constexpr (kFloat) {
@@ -667,7 +671,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         shift = v;
         has_shift = true;
       }
-      thread_acc_push_wide(part, wide, v, shift);
+      const int b = thread_acc_push_wide(part, v, shift);
+      if (b != 0) wide_value_to_ring(row, v, b, tgt.mult);  // rare: straight into the ring
     }
   };
 
@@ -890,10 +895,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     }
     bool in_float = finite && float_sums_ok(s1, s2, mn, mx);
     if constexpr (!kFloat) {
-      // Float64 runs that may hold wide values, or about a wide center, go
-      // element by element (their moments need the buckets).
-      const W ac = c < 0 ? -c : c;
-      in_float = in_float && !may_be_wide(mn, mx) && wide_bucket(ac) != 1;
+      // Float64 runs that may hold wide values go element by element (their
+      // moments need the buckets).
+      in_float = in_float && !may_be_wide(mn, mx);
     }
     int scale_exp = 0;
     if (!in_float) {
@@ -921,7 +925,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       if (HOOKCAP_EMU_FAULT(rescale) && scale_exp > 0) scale_exp -= 1;
     }
     if constexpr (!kFloat) {
-      if (!in_float && wide_bucket(c < 0 ? -c : c) == 1) c = W(0);  // the next run's center: an ordinary value
+      if (!in_float) c = W(0);  // a redone run's center may be wide: the next run's is an ordinary value
     }
     if (in_float || scale_exp > 0) {
       if (!has_shift) {
@@ -968,7 +972,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // one, across warps warp 0's first such partial, across blocks (the tree)
   // the first such record's of a group, and per row the first merge into the
   // ring sets it (later merges rebase onto it).
-  if constexpr (!kFloat) wide_to_row<DeviceAtomics>(row, wide, tgt.mult);  // rare: straight into the ring
   Acc acc = to_acc(part, shift);
   warp_common_shift(acc, has_shift, shift);
   warp_reduce(acc);

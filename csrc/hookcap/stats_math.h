@@ -279,6 +279,18 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void wide_part_to_row(int64_t* row, int64_t ba
   Atomics::add_f64(row + base + 3, p.s2 * m);
 }
 
+// One wide value of bucket b (1 or 2) straight into the row: the CUDA
+// kernel keeps no per-thread bucket state (registers its streaming loop
+// needs), at four global atomics per wide value (rare: see wide_bucket).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Atomics>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void wide_value_to_row(int64_t* row, double v, int b, int64_t mult) {
+  const double y = v * pow2d(b == 1 ? -kWideScale : kWideScale);
+  wide_part_to_row<Atomics>(row, b == 1 ? kBigN : kSmallN, WidePart{y, 0.0, 0.0, 1}, mult);
+}
+
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -423,18 +435,18 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_push(ThreadAcc<W>& a, double v
   }
 }
 
-// thread_acc_push for a float64 value that may be wide (acc_push_wide).
-C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_push_wide(ThreadAcc<double>& a, WideAcc& w, double v,
-                                                            double shift) {
-  if (!push_class(v, a.nnan, a.npinf, a.nninf)) return;
+// thread_acc_push for a float64 value that may be wide: a wide value's
+// extrema go to `a`, its moments nowhere; returns its bucket (0: none, the
+// value is ordinary or not finite), for the caller to merge (wide_value_to_row).
+C10_HOST_DEVICE C10_ALWAYS_INLINE int thread_acc_push_wide(ThreadAcc<double>& a, double v, double shift) {
+  if (!push_class(v, a.nnan, a.npinf, a.nninf)) return 0;
   const int b = wide_bucket(v < 0 ? -v : v);
   push_minmax(v, a.mn, a.mx, a.nzero);
   if (b == 0) {
     push_shifted(v, shift, a.s1, a.s2);
     ++a.nfin;
-  } else {
-    wide_push(w, v, b);
   }
+  return b;
 }
 
 // The Acc of a thread's partial whose moments are about `shift`.
