@@ -6,6 +6,8 @@ Python decoder cannot drift from the C++ writer.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -81,10 +83,23 @@ def _unkey(k: np.ndarray) -> np.ndarray:
 
 
 # The buckets of wide float64 values (stats_math.h wide_bucket): columns
-# (count, shift, S1, S2) and the power of two their values were scaled by.
-WIDE_BUCKETS = ((BIG_N, BIG_SHIFT, BIG_S1, BIG_S2, -WIDE_SCALE),
-                (SMALL_N, SMALL_SHIFT, SMALL_S1, SMALL_S2, WIDE_SCALE))
-WIDE_COLS = (BIG_N, BIG_SHIFT, BIG_S1, BIG_S2, SMALL_N, SMALL_SHIFT, SMALL_S1, SMALL_S2)
+# (count, shift, S1, S2), and the exponent e of their unit: a stored value
+# y stands for y * 2**e.
+WIDE_BUCKETS = ((BIG_N, BIG_SHIFT, BIG_S1, BIG_S2, WIDE_SCALE),
+                (SMALL_N, SMALL_SHIFT, SMALL_S1, SMALL_S2, -WIDE_SCALE))
+WIDE_COLS = tuple(c for bucket in WIDE_BUCKETS for c in bucket[:4])
+
+
+@functools.cache
+def fresh_header() -> np.ndarray:
+    """int64 [HEADER]: the header of a row freshly reset for step 0, written
+    by the kernels' own reset (stats_math.h reset_value), so no Python copy
+    of the reset values can drift. Read-only."""
+    ring = torch.zeros((1, 1, HEADER), dtype=torch.int64)
+    torch.ops.hookcap.reset_slot(ring, torch.tensor([0, 1, 0], dtype=torch.int64))
+    out = ring[0, 0].numpy().copy()
+    out.flags.writeable = False
+    return out
 
 
 def _f64(rows: np.ndarray, col: int) -> np.ndarray:
@@ -106,14 +121,14 @@ def _wide_moments(rows: np.ndarray) -> dict[str, np.ndarray]:
         s1, s2 = _f64(rows, S1), _f64(rows, S2)
         m2 = np.where(n0 > 0, s2 - s1 * s1 / np.where(n0 > 0, n0, 1.0), 0.0)
         parts.append((n0, _f64(rows, SUM), _f64(rows, SUMSQ), m2, 0))
-        for n_c, k_c, s1_c, s2_c, exp in WIDE_BUCKETS:
+        for n_c, k_c, s1_c, s2_c, unit in WIDE_BUCKETS:
             n = rows[:, n_c].astype(np.float64)
             has = n > 0
             k = np.where(has, _f64(rows, k_c), 0.0)
             b1, b2 = _f64(rows, s1_c), _f64(rows, s2_c)
             nn = np.where(has, n, 1.0)
             parts.append((n, n * k + b1, b2 + 2.0 * k * b1 + n * k * k,
-                          np.where(has, b2 - b1 * b1 / nn, 0.0), -exp))
+                          np.where(has, b2 - b1 * b1 / nn, 0.0), unit))
         # The unit: that of the largest part with a non-zero value (by its
         # squares: a part of zeros has no say).
         e = np.where(parts[1][2] > 0, WIDE_SCALE, np.where(parts[0][2] > 0, 0, -WIDE_SCALE))

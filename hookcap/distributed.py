@@ -41,11 +41,7 @@ def _dense(records, local_names: list[str], nbins: int, names: list[str], steps:
     wrote; cells a rank never wrote hold the values of a freshly reset row."""
     S, M = len(steps), len(names)
     rows = np.zeros((S, M, _layout.HEADER + nbins), dtype=np.int64)
-    for cols in _layout.MOMENT_SETS:
-        rows[..., cols[2]] = _layout.SHIFT_UNSET
-    rows[..., _layout.MIN] = _layout.order_key(np.inf)
-    rows[..., _layout.MAX] = _layout.order_key(-np.inf)
-    rows[..., _layout.ABSMAX] = _layout.order_key(-np.inf)
+    rows[..., : _layout.HEADER] = _layout.fresh_header()
     pos = {n: i for i, n in enumerate(names)}
     col = np.array([pos[n] for n in local_names], dtype=np.int64)
     srow = {s: i for i, s in enumerate(steps)}

@@ -129,23 +129,12 @@ def read(path: str | os.PathLike) -> tuple[list[StepRecord], list[str], dict, Hi
     return recs, header["names"], metas, hist, header.get("extra", {})
 
 
-def _fresh_header(old_h: int) -> np.ndarray:
-    """The header columns a file of ``old_h`` columns lacks, as a freshly reset
-    row holds them (files written before the wide float64 buckets: none
-    was needed)."""
-    fresh = np.zeros(_layout.HEADER - old_h, dtype=np.int64)
-    for cols in _layout.MOMENT_SETS:
-        if cols[2] >= old_h:
-            fresh[cols[2] - old_h] = _layout.SHIFT_UNSET
-    return fresh
-
-
 def _read_packed(header: dict, a: dict, old_h: int) -> list[StepRecord]:
     descs = [(d[0], tuple(d[1]), None if d[2] is None else (d[2][0], bool(d[2][1]), *d[2][2:]), d[3],
               bool(d[4])) for d in header["descs"]]
     fresh = None
-    if old_h < _layout.HEADER:  # an older layout: its blobs gain constant columns
-        fresh = _fresh_header(old_h).view(np.uint8)
+    if old_h < _layout.HEADER:  # an older layout (before the wide float64 buckets): its blobs
+        fresh = _layout.fresh_header()[old_h:].view(np.uint8)  # gain the columns as a reset row holds them
         descs = [(d[0], d[1] + (0,) * (_layout.HEADER - old_h), *d[2:]) for d in descs]  # 0: CONST
     ends = np.cumsum(a["pat_len"])
     pats = [a["pat_data"][e - n:e] for e, n in zip(ends, a["pat_len"])]
@@ -165,8 +154,8 @@ def _read_packed(header: dict, a: dict, old_h: int) -> list[StepRecord]:
 def _read_v1(a: dict, old_h: int) -> list[StepRecord]:
     if old_h < _layout.HEADER:
         rows = a["rows"]
-        a = {**a, "rows": np.concatenate([rows, np.broadcast_to(_fresh_header(old_h), (len(rows), _layout.HEADER - old_h))],
-                                          axis=1)}
+        fresh = np.broadcast_to(_layout.fresh_header()[old_h:], (len(rows), _layout.HEADER - old_h))
+        a = {**a, "rows": np.concatenate([rows, fresh], axis=1)}
     recs = []
     mi = hi = oi = ci = 0
     for s, step in enumerate(a["steps"]):
