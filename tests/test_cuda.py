@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import abs_sum, assert_stats_match, assert_wide_match
+from conftest import abs_sum, assert_recorded, assert_stats_match, assert_wide_match
 
 import hookcap
 from hookcap import Histogram, _layout, _ops
@@ -652,3 +652,32 @@ def test_capture_guards_skip_new_rows_and_refuse_step(monkeypatch, caplog):
     h = mon.history()
     assert mon.current_step == 1 and len(h.names) == 6 and (h["count"][-1] > 0).all()
     mon.detach()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_taps_and_optimizer_state_on_the_device(dev):
+    """The loss tapped inside a step and Adam's state (fused on CUDA, foreach on
+    the CPU) recorded with no host sync, equal to float64 copies of what was
+    tapped and of the optimizer's own state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **({"fused": True} if dev == "cuda" else {"foreach": True}))
+    xs = [torch.randn(8, 16, device=dev) for _ in range(4)]
+    kept = []
+    mon = hookcap.Monitor(model, capture=("output", "optim_state"), optimizer=opt).attach()
+    for i, x in enumerate(xs):
+        with no_sync(dev) if i >= 2 else contextlib.nullcontext():  # steady state: rows exist
+            loss = model(x).pow(2).mean()
+            hookcap.tap(loss, "loss")
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        kept.append((loss.detach().double().cpu(),
+                     {n: opt.state[p]["exp_avg_sq"].double().cpu() for n, p in model.named_parameters()}))
+    mon.detach()
+    h = mon.history()
+    assert h.meta("loss")["kind"] == "tap"
+    for step, (loss, sq) in enumerate(kept):
+        assert_recorded(h, step, "loss", [loss])
+        for n, v in sq.items():
+            assert_recorded(h, step, f"{n}/state.exp_avg_sq", [v])
