@@ -121,7 +121,8 @@ cxx_flags = [
 # kernel file run on every core: same SASS, a third to a half of the time.
 nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--fmad=false", "--split-compile=0"]
 define_macros = []
-sources = ["csrc/ops.cpp", "csrc/grad_hooks.cpp", "csrc/host_pack.cpp", "csrc/cpu/stats_cpu.cpp"]
+sources = ["csrc/ops.cpp", "csrc/grad_hooks.cpp", "csrc/host_pack.cpp", "csrc/cpu/stats_cpu.cpp",
+           "csrc/cpu/update_cpu.cpp"]
 
 if BUILD_CUDA:
     # torch guessed CUDA_HOME at import; point it at the toolkit we chose.

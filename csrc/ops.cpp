@@ -105,6 +105,16 @@ void accumulate_meta(const at::Tensor& x, at::Tensor& ring, const at::Tensor& st
   check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
 }
 
+void accumulate_update_meta(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+                            const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
+                            const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
+                            int64_t rule, at::Tensor& ring, const at::Tensor& state, int64_t row,
+                            int64_t row_base, int64_t hist_kind, double hist_lo, double hist_hi,
+                            int64_t hist_bins) {
+  check_update(param, grad, a, b, step, hyper, rule, ring, state, row, row_base);
+  check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
+}
+
 void reset_slot_meta(at::Tensor& ring, const at::Tensor& state) { check_ring_state(ring, state); }
 
 void reset_rows_meta(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
@@ -146,6 +156,13 @@ TORCH_LIBRARY(hookcap, m) {
   m.def(
       "accumulate(Tensor x, Tensor(a!) ring, Tensor state, int row, int hist_kind, "
       "float hist_lo, float hist_hi, int hist_bins) -> ()");
+  // The optimizer's step per element (update_math.h), recomputed from the
+  // parameter and its state after the step: into `row`, and the parameter
+  // before the step into `row_base` (-1: none).
+  m.def(
+      "accumulate_update(Tensor param, Tensor? grad, Tensor? a, Tensor? b, Tensor? step, "
+      "float[] hyper, int rule, Tensor(a!) ring, Tensor state, int row, int row_base, "
+      "int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
   m.def("reset_slot(Tensor(a!) ring, Tensor state) -> ()");
   m.def("reset_rows(Tensor(a!) ring, Tensor state, int begin, int end) -> ()");
   m.def("advance(Tensor(a!) ring, Tensor(b!) state, int every=1) -> ()");
@@ -158,6 +175,7 @@ TORCH_LIBRARY(hookcap, m) {
 
 TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("accumulate", &accumulate_meta);
+  m.impl("accumulate_update", &accumulate_update_meta);
   m.impl("reset_slot", &reset_slot_meta);
   m.impl("reset_rows", &reset_rows_meta);
   m.impl("advance", &advance_meta);
@@ -168,7 +186,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
+  for (const char* op : {"accumulate", "accumulate_update", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -14,7 +14,10 @@ from torch import nn
 from . import _layout
 from .histogram import Histogram
 
-CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad", "optim_state")
+CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad", "optim_state",
+                 "update", "adam_ratio")
+# Kinds read from the parameters at step() (no module hook).
+PARAM_KINDS = ("param", "param_grad", "optim_state", "update", "adam_ratio")
 DEFAULT_HISTOGRAM = Histogram.log2()
 # The root module's name: "." is no qualified name of a child (those are
 # non-empty, dot-joined attribute names), so the root never merges with one
@@ -72,6 +75,7 @@ class Config:
     select: Callable[[str, nn.Module], bool]  # which modules are hooked
     hist_args: tuple  # the histogram's op arguments (kind, lo, hi, bins)
     width: int  # int64 values per ring row: header + bins
+    update_snapshot: bool = False  # "update" of other optimizers from a copy taken before their step
 
     @property
     def all_params(self) -> bool:
@@ -80,7 +84,7 @@ class Config:
 
 
 def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks,
-                eval_forwards="separate") -> Config:
+                eval_forwards="separate", update_snapshot=False) -> Config:
     """Validate the Monitor's arguments; ``ValueError`` naming the argument."""
     if isinstance(capture, str):
         capture = (capture,)
@@ -111,10 +115,12 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
     if not (isinstance(eval_forwards, str) and eval_forwards in EVAL_FORWARDS):
         raise ValueError(f"eval_forwards: expected 'separate' (eval-mode forwards recorded as eval/... "
                          f"metrics), 'skip' or 'merge', got {eval_forwards!r}")
+    if not isinstance(update_snapshot, bool):
+        raise ValueError(f"update_snapshot: expected True or False, got {update_snapshot!r}")
     hist_args = (0, 0.0, 0.0, 0) if histogram is None else histogram.op_args()
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
-                  module_filter(modules), hist_args, width)
+                  module_filter(modules), hist_args, width, update_snapshot)
 
 
 def module_filter(modules) -> Callable[[str, nn.Module], bool]:

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from . import _compile, _portable
-from ._config import EVAL_PREFIX, ROOT_NAME, Config, example_names, metric_name, parametrization_internals
+from ._config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example_names, metric_name,
+                      parametrization_internals)
 from ._follow import ModelWatch, watched_params
-from ._optim import OptimState, innermost_optimizer
+from ._optim import OptimState, OptimUpdates, innermost_optimizer
 from ._park import HookPark
 from ._recorder import Recorder, placement_of
 from ._timing import Timing, inplace_grad_node
@@ -113,6 +114,8 @@ class Hooks:
         self.recorder = recorder
         self.model = model
         self.optim_state = OptimState(recorder, optimizer) if "optim_state" in config.capture else None
+        kinds = tuple(k for k in ("update", "adam_ratio") if k in config.capture)
+        self.updates = OptimUpdates(recorder, optimizer, kinds, config.update_snapshot) if kinds else None
         self.key = _compile.register(self)
         self.handles: list = []
         # Module hooks leave during off-steps (every > 1) for nn.Module's fast
@@ -161,7 +164,7 @@ class Hooks:
             _compile.hold_hook_guards()
             self._holds_guards = True
         self._bind_params()
-        if not self.handles and not self._param_handles and not (self.params and {"param", "optim_state"} & set(cfg.capture)):
+        if not self.handles and not self._param_handles and not (self.params and {"param", "optim_state", "update", "adam_ratio"} & set(cfg.capture)):
             self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="
                                     f"{cfg.capture!r}, modules={cfg.modules!r}): it will record nothing")
 
@@ -202,7 +205,20 @@ class Hooks:
                     self.recorder.write(pname, "param", "", p.detach(), "Parameter", 0)
         if self.optim_state is not None:
             self.optim_state.record(self.params)
+        if self.updates is not None:
+            self.updates.record(self.params)
         self.record_reduced_grads(at_step=True)
+
+    @property
+    def wants_pre_step(self) -> bool:
+        """Whether anything runs before the optimizer's step."""
+        return bool(self.reduced_grads) or (self.updates is not None and self.updates.snapshot)
+
+    def before_optimizer_step(self) -> None:
+        """Right before the optimizer steps: reduced gradients, update copies."""
+        self.record_reduced_grads()
+        if self.updates is not None:
+            self.updates.before_step(self.params)
 
     def record_reduced_grads(self, at_step: bool = False) -> None:
         """``param_grad`` of replicated parameters (multi-rank, plain tensors):
@@ -233,7 +249,7 @@ class Hooks:
             h.remove()
         self._param_handles.clear()
         self.params, self.reduced_grads = [], []
-        if not {"param", "param_grad", "optim_state"} & set(cfg.capture):
+        if not set(PARAM_KINDS) & set(cfg.capture):
             self.watch.watch_params([])
             return
         found = list(watched_params(self.model, cfg))

@@ -64,3 +64,169 @@ class OptimState:
                 for key, v in st.items():
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape:
                         self.recorder.write(pname, "optim_state", str(key), v.detach(), mtype, 0)
+
+
+# -- capture kinds "update" and "adam_ratio" ------------------------------------------------
+
+_RULE_SGD, _RULE_ADAM, _RULE_ADAM_RATIO, _RULE_DIFF = 0, 1, 2, 3  # csrc/hookcap/update_math.h
+_NESTEROV, _MAXIMIZE, _DECOUPLED, _HAS_BUF = 1, 2, 4, 8
+_FUSED_TYPES = ("SGD", "Adam", "AdamW")  # exact classes: a subclass may step differently
+
+
+def _host_float(v):
+    """A hyper-parameter as a float without a host sync (None: a tensor on a device)."""
+    if isinstance(v, torch.Tensor):
+        return float(v) if v.device.type == "cpu" else None
+    return float(v)
+
+
+def _sgd_foreach(group: dict) -> bool:
+    """Whether torch.optim.SGD steps this group with its foreach implementation."""
+    if group.get("fused"):
+        return False
+    foreach = group.get("foreach")
+    if foreach is None:  # torch's own default: foreach where every tensor is on a GPU
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        _, foreach = _default_to_fused_or_foreach(group["params"], group.get("differentiable", False), False)
+    return bool(foreach)
+
+
+def update_call(opt, group: dict, state: dict, p: torch.Tensor, kind: str):
+    """``(rule, hyper, grad, a, b, step)`` of the fused op for parameter ``p``
+    stepped by ``opt`` (an exact ``torch.optim.SGD``/``Adam``/``AdamW``), or
+    a reason string where this step cannot be recomputed."""
+    name = type(opt).__name__
+    lr = _host_float(group["lr"])
+    if lr is None:
+        return f"{name}'s lr is a tensor on {group['lr'].device} (reading it would sync the host)"
+    wd = float(group.get("weight_decay", 0.0))
+    flags = _MAXIMIZE if group.get("maximize", False) else 0
+    grad = p.grad
+    if grad is not None and (grad.layout != torch.strided or grad.shape != p.shape):
+        return "its gradient is not a dense tensor of the parameter's shape"
+    if name == "SGD":
+        if kind == "adam_ratio":
+            return "adam_ratio needs Adam or AdamW"
+        mom = float(group.get("momentum", 0.0))
+        buf = state.get("momentum_buffer") if mom != 0 else None
+        if isinstance(buf, torch.Tensor):
+            flags |= _HAS_BUF
+        else:
+            buf = None
+        if group.get("nesterov", False):
+            flags |= _NESTEROV
+            if buf is not None and wd == 0 and not flags & _MAXIMIZE and _sgd_foreach(group):
+                # torch's foreach SGD adds μ·buf into .grad in place here: .grad holds the step's d
+                return _RULE_SGD, [lr, 0.0, mom, 0.0, 0.0, 0.0, float(_HAS_BUF), 0.0], None, grad, None, None
+        if buf is not None and not flags & _NESTEROV:
+            grad = None  # Δw = −lr·buf: the gradient is not read
+        elif grad is None:
+            return "it has no gradient"
+        return _RULE_SGD, [lr, wd, mom, 0.0, 0.0, 0.0, float(flags), 0.0], grad, buf, None, None
+    betas = [_host_float(b) for b in group["betas"]]
+    if None in betas:
+        return f"{name}'s betas are tensors on a device (reading them would sync the host)"
+    if group.get("decoupled_weight_decay", name == "AdamW"):
+        flags |= _DECOUPLED
+    m = state.get("exp_avg")
+    v = state.get("max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq")
+    step = state.get("step")
+    if m is None or v is None or step is None:
+        return "it has no Adam state yet"
+    if kind != "adam_ratio":
+        grad = None  # Δw needs only the moments
+    elif grad is None:
+        return "it has no gradient"
+    rule = _RULE_ADAM_RATIO if kind == "adam_ratio" else _RULE_ADAM
+    host_step = float(step) if not isinstance(step, torch.Tensor) else 0.0
+    step_t = step if isinstance(step, torch.Tensor) else None
+    return (rule, [lr, wd, 0.0, betas[0], betas[1], float(group["eps"]), float(flags), host_step],
+            grad, m, v, step_t)
+
+
+class OptimUpdates:
+    """``update`` and ``adam_ratio``: what the optimizer's step did to each
+    watched parameter, recorded at ``step()`` right after the optimizer's
+    step. ``update``: ``{param}/update`` holds the statistics of
+    ``Δw = w_after − w_before`` and ``{param}/update.base`` those of
+    ``w_before`` (``History.update_ratio`` divides their norms).
+    ``adam_ratio``: ``{param}/adam_ratio``, the statistics of ``g / (√v̂ + ε)``.
+
+    For ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (every option, foreach
+    and fused) they are recomputed element by element from the parameter,
+    its gradient and the optimizer's state after the step, in one pass of
+    the ``accumulate_update`` op: no copy, no update tensor, no host sync.
+    Other optimizers' updates need ``Monitor(update_snapshot=True)``: a copy
+    of each watched parameter, allocated once and refreshed before the
+    optimizer's step on recorded steps only; without it they are skipped with
+    one warning naming the optimizer."""
+
+    def __init__(self, recorder: Recorder, optimizer, kinds: tuple[str, ...], snapshot: bool) -> None:
+        global _warned_no_optimizer
+        if optimizer is None and not _warned_no_optimizer:
+            _warned_no_optimizer = True
+            log.warning("hookcap: capture %s follows the optimizer's step: pass Monitor(..., optimizer=opt); "
+                        "without it nothing is recorded (logged once)", " and ".join(map(repr, kinds)))
+        self.recorder = recorder
+        self.optimizer = optimizer
+        self.kinds = kinds
+        self.snapshot = snapshot
+        self._copies: dict[str, torch.Tensor] = {}
+        self._copied: set[str] = set()
+
+    def _fused(self, opt) -> bool:
+        return isinstance(opt, torch.optim.Optimizer) and type(opt).__name__ in _FUSED_TYPES and \
+            type(opt).__module__.startswith("torch.optim")
+
+    def before_step(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        """Before the optimizer's step on a recorded step: refresh the copies
+        (``update_snapshot=True`` and an optimizer the op cannot recompute)."""
+        self._copied.clear()
+        if not (self.snapshot and "update" in self.kinds and self.recorder.recording):
+            return
+        opt = innermost_optimizer(self.optimizer)
+        if self._fused(opt):
+            return
+        with torch.no_grad():
+            for pname, p in params:
+                c = self._copies.get(pname)
+                if c is None or c.shape != p.shape or c.dtype != p.dtype or c.device != p.device:
+                    c = self._copies[pname] = torch.empty_like(p, memory_format=torch.preserve_format)
+                c.copy_(p)
+                self._copied.add(pname)
+
+    def record(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        if self.optimizer is None:
+            return
+        opt = innermost_optimizer(self.optimizer)
+        fused = self._fused(opt)
+        if not fused and not self._copied:
+            if not self.snapshot or "update" not in self.kinds:
+                self.recorder.warn_once(("update", type(opt).__name__), (
+                    f"hookcap: capture {self.kinds!r}: {type(opt).__name__} is not SGD, Adam or AdamW, whose "
+                    "steps hookcap recomputes; its updates need Monitor(update_snapshot=True) (one copy of the "
+                    "watched parameters), adam_ratio needs Adam or AdamW: nothing recorded"))
+            return
+        groups = {id(p): g for g in getattr(opt, "param_groups", ()) for p in g["params"]}
+        mtype = type(opt).__name__
+        with torch.no_grad():
+            for pname, p in params:
+                if not fused:
+                    if pname in self._copied:
+                        self.recorder.write_update(pname, "update", p, mtype, _RULE_DIFF, [0.0] * 8,
+                                                   None, self._copies[pname], None, None, base=True)
+                    continue
+                group = groups.get(id(p))
+                if group is None or p.grad is None:
+                    continue  # not stepped by this optimizer at this step
+                st = opt.state.get(p, {})
+                for kind in self.kinds:
+                    call = update_call(opt, group, st, p, kind)
+                    if isinstance(call, str):
+                        self.recorder.warn_once(("update", pname, kind),
+                                                f"hookcap: {pname}/{kind} not recorded: {call}")
+                        continue
+                    rule, hyper, grad, a, b, step = call
+                    self.recorder.write_update(pname, kind, p, mtype, rule, hyper, grad, a, b, step,
+                                               base=kind == "update")

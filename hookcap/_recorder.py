@@ -30,6 +30,7 @@ CAPTURE_SKIP = ("first seen while a CUDA graph was being captured: its row canno
                 "this call)")
 _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
+_OP_UPDATE = torch.ops.hookcap.accumulate_update.default
 # The Recorders that record now (attached, not paused, a recorded step), by
 # id, as weak references: where hookcap.tap writes; empty, a tap returns at once.
 RECORDING: dict[int, weakref.ref] = {}
@@ -49,7 +50,7 @@ def placement_of(kind: str, t) -> str:
     multi-rank run: DDP, HSDP's replicate dimension: the same tensor on every
     rank, counted once) or ``"per_rank"`` (activations and their gradients:
     each rank's own data, summed)."""
-    if kind not in ("param", "param_grad", "optim_state"):
+    if kind not in ("param", "param_grad", "optim_state", "update", "adam_ratio"):
         return "per_rank"
     if callable(getattr(t, "to_local", None)):
         return "sharded"
@@ -319,6 +320,41 @@ class Recorder:
         if via_op and rid not in self._order:
             self._order[rid] = None
             self.fast.note_python_write()
+
+    def write_update(self, name, kind, p, mtype, rule, hyper, grad, a, b, step, base=False) -> None:
+        """The optimizer's step on parameter ``p`` (``hookcap._optim``) into the
+        row of ``(name, kind)``; with ``base``, ``p`` before the step into the
+        row of ``(name, kind, "base")``: one pass of ``accumulate_update``."""
+        orig = p
+        p, grad, a, b = (t if t is None or type(t) is torch.Tensor else plain_tensor(t) for t in (p, grad, a, b))
+        rids = []
+        for path in ("", "base") if base else ("",):
+            key = (name, kind, path, p.device, 0)
+            rid = self.rows.get(key)
+            if rid is None:
+                try:
+                    rid = self.register(key, p, mtype, placement=placement_of(kind, orig))
+                except Exception as e:  # telemetry must never take the run down
+                    self.skip_call(metric_name(name, kind, path), f"{type(e).__name__}: {e}")
+                    return
+                if rid == SKIPPED:
+                    return
+            rids.append(rid)
+        if len({ring_index_of(r) for r in rids}) != 1:  # one device, one ring: never seen
+            self.skip_call(metric_name(name, kind, ""), "its rows are in two rings")
+            return
+        ring = self.ring_of(rids[0])
+        try:
+            _OP_UPDATE(p, grad, a, b, step, hyper, rule,
+                       ring.ring, ring.state, row_of(rids[0]), row_of(rids[1]) if base else -1,
+                       *self.config.hist_args)
+        except Exception as e:  # telemetry must never take the run down
+            self.skip_call(metric_name(name, kind, ""), f"{type(e).__name__}: {e}")
+            return
+        for rid in rids:
+            if rid not in self._order:
+                self._order[rid] = None
+                self.fast.note_python_write()
 
     def capture_grad(self, name: str, path: str, t: torch.Tensor, mtype: str, ci: int) -> None:
         """Register ``t``'s gradient for its ``grad_output`` row through a C++

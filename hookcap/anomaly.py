@@ -96,14 +96,15 @@ class Spike:
     ``window`` recorded values; silent for the first ``warmup`` values.
     ``metrics``: a glob or list of globs over metric names (fnmatch) that it
     watches, e.g. ``Spike("max", metrics="loss")`` for a tapped loss; None:
-    every metric."""
+    every metric. ``Spike("update_ratio")`` watches ``‖Δw‖ / ‖w_before‖`` of
+    each parameter recorded with ``capture="update"``."""
 
     def __init__(self, stat: str = "l2norm", z: float = 6.0, window: int = 100, warmup: int = 20,
                  metrics: str | list[str] | None = None):
         from ._layout import STAT_NAMES
 
-        if stat not in STAT_NAMES:
-            raise ValueError(f"Spike: stat must be one of {', '.join(STAT_NAMES)}, got {stat!r}")
+        if stat not in STAT_NAMES + ("update_ratio",):
+            raise ValueError(f"Spike: stat must be one of {', '.join(STAT_NAMES)} or update_ratio, got {stat!r}")
         if z <= 0 or window < 2 or warmup < 1 or warmup > window:
             raise ValueError("Spike: need z > 0, window >= 2 and 1 <= warmup <= window")
         if isinstance(metrics, str):

@@ -9,6 +9,19 @@ from .histogram import Histogram
 from ._record import StepRecord
 
 
+def update_ratios(names: list[str], l2norm: np.ndarray) -> np.ndarray:
+    """``‖Δw‖ / ‖w_before‖`` at each ``{param}/update`` metric whose
+    ``{param}/update.base`` is in the same step; NaN at every other metric."""
+    out = np.full(len(names), np.nan)
+    index = {n: i for i, n in enumerate(names) if n.endswith("/update") or n.endswith("/update.base")}
+    for n, i in index.items():
+        j = index.get(n + ".base")
+        if j is not None:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[i] = l2norm[i] / l2norm[j]
+    return out
+
+
 class DrainedStep:
     """The statistics of every metric written in one recorded step.
 
@@ -56,6 +69,7 @@ class DrainedStep:
             np.zeros((0, _layout.HEADER), dtype=np.int64))
         t = rec.time_ns[rows] / 1e6 if rec.time_ns is not None else np.full((len(rows), 2), np.nan)
         self.stats["fwd_ms"], self.stats["bwd_ms"] = t[:, 0], t[:, 1]
+        self.stats["update_ratio"] = update_ratios(self.names, self.stats["l2norm"])
         self.histogram_spec = histogram
         self.metas = metas
         # Per call of each module, in execution order (a module called twice

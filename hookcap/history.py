@@ -122,6 +122,16 @@ class History:
         except KeyError:
             raise KeyError(f"unknown metric {name!r}") from None
 
+    def update_ratio(self, param: str) -> np.ndarray:
+        """np.float64 [S]: ``‖Δw‖ / ‖w_before‖`` of parameter ``param`` (its
+        qualified name) at each step, from ``capture="update"``'s
+        ``{param}/update`` and ``{param}/update.base`` l2norms; NaN where not
+        recorded. ``KeyError`` if ``param``'s update was never recorded."""
+        num, den = (self.column(f"{param}/update{s}") for s in ("", ".base"))
+        norms = self["l2norm"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return norms[:, num] / norms[:, den]
+
     def histogram(self, name: str) -> np.ndarray:
         """np.int64 [S, B] histogram counts of one metric (zeros where not recorded)."""
         if self._histogram is None:

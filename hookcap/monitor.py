@@ -61,7 +61,10 @@ class Monitor:
             parameters' ``.grad`` before the optimizer steps, after DDP's
             reduction: pass ``optimizer``, or call ``step()`` before
             ``zero_grad()``; DTensor shards as they accumulate), ``"optim_state"``
-            (``optimizer``'s state tensors after its step: ``{param}/state.{key}``).
+            (``optimizer``'s state tensors after its step: ``{param}/state.{key}``),
+            ``"update"`` (``Δw`` of the optimizer's step: ``{param}/update``, and
+            ``w`` before it: ``{param}/update.base``), ``"adam_ratio"``
+            (``g / (√v̂ + ε)`` of an Adam step): see docs/monitor.md.
         histogram: ``Histogram.log2()`` (default), ``Histogram.linear(...)`` or None.
         capacity: how much history the host keeps: a size in bytes (``"256MiB"``,
             ``"512MB"``, ``"2GiB"``; the default) or a number of recorded steps.
@@ -110,21 +113,13 @@ class Monitor:
               extrema combined: the math of ``history(all_ranks=True)``), one
               record per step with ``DrainedStep.rank`` None; the sinks of
               other ranks receive nothing. Every rank must create the Monitor
-              and call ``step()`` and ``detach()`` the same number of times:
+              and call ``step()`` and ``detach()`` the same number of times;
               every ``hookcap.monitor.RANK_MERGE_EVERY``-th ``step()`` (8)
-              runs one small ``all_gather_object`` plus one MIN and one SUM
-              all-reduce of the steps due (on a gloo group of its own, host
-              memory only: no device copy or sync, also under NCCL), so rank
-              0's sinks receive steps in batches; ``detach()`` flushes the
-              last steps (a collective).
-              The collectives run only when some rank has sinks. At the first
-              ``step()`` the ranks agree through the c10d store (waiting up to
-              ``hookcap.monitor.RANK_HANDSHAKE_TIMEOUT_S``, 60 s); if some
-              rank does not answer in time (e.g. only rank 0 created the
-              Monitor), one warning is logged and this Monitor behaves like
-              ``"all"``. A step is written once every rank has it complete
-              (on CUDA the drain trails training by up to 4 recorded steps);
-              detectors keep running on each rank's own data.
+              runs small host-memory collectives on a gloo group of its own
+              (no device copy or sync), only when some rank has sinks; the
+              handshake, its timeout and the drain's lag are described in
+              docs/compile-and-distributed.md. Detectors keep running on each
+              rank's own data.
             - ``"all"``: each rank's sinks receive that rank's own records
               (``DrainedStep.rank`` = the rank); no collective runs. Sinks are
               told their rank by ``bind_rank(rank)`` before the first write:
@@ -145,6 +140,9 @@ class Monitor:
             ``with mon.paused():`` to leave them out.
         start_step: the number of the first step (a resumed run; see also
             :meth:`state_dict`).
+        update_snapshot: ``"update"`` for optimizers other than SGD, Adam and
+            AdamW: a copy of each watched parameter, allocated once, taken
+            before the optimizer's step on recorded steps (memory: one copy).
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -170,10 +168,12 @@ class Monitor:
         timing: bool = False,
         eval_forwards: str = "separate",
         start_step: int = 0,
+        update_snapshot: bool = False,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
-        config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks, eval_forwards)
+        config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks, eval_forwards,
+                             update_snapshot)
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
             raise ValueError(f"start_step: expected an int >= 0 (the number of the first step), got {start_step!r}")
         if optimizer is not None and not callable(getattr(innermost_optimizer(optimizer), "step", None)):
@@ -278,8 +278,8 @@ class Monitor:
         try:
             self._hooks.attach()
             if self.optimizer is not None:
-                if self._hooks.reduced_grads:
-                    pre = before_optimizer_step(self.optimizer, self._hooks.record_reduced_grads)
+                if self._hooks.wants_pre_step:
+                    pre = before_optimizer_step(self.optimizer, self._hooks.before_optimizer_step)
                     if pre is not None:
                         self._hooks.handles.append(pre)
                 self._hooks.handles.append(after_optimizer_step(self.optimizer, self.step))
@@ -362,9 +362,9 @@ class Monitor:
 
     def _before_optimizer_step(self) -> None:
         """For callbacks that see the optimizer's step coming (HF, Lightning):
-        param_grad of replicated parameters from ``.grad`` now, reduced."""
+        param_grad of replicated parameters from ``.grad`` now, reduced; update copies."""
         if self._attached:
-            self._hooks.record_reduced_grads()
+            self._hooks.before_optimizer_step()
 
     @contextlib.contextmanager
     def paused(self):

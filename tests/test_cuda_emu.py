@@ -1162,3 +1162,85 @@ def test_results_catch_a_wrong_tiny_run_scale(selftest):
     r = _run(selftest["break_rescale"], 0, 0)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "tiny" in r.stdout and "MISMATCH" in r.stdout
+
+
+# ---------------------------------------------------------------------------
+# accumulate_update's kernel (update_kernel.cuh) against the CPU op: both
+# compute each value in double from the same inputs (update_math.h), so counts,
+# extrema and bins are equal and sums agree to summation order.
+
+UPDATE_CASES = {  # rule, hyper (update_math.h order), which inputs, row_base
+    "sgd-nesterov-wd": (0, [0.1, 0.01, 0.9, 0, 0, 0, 1 + 8, 0], "gab-", True),
+    "sgd-momentum": (0, [0.05, 0.0, 0.9, 0, 0, 0, 8, 0], "-a--", True),
+    "sgd-plain-maximize": (0, [0.05, 0.1, 0.0, 0, 0, 0, 2, 0], "g---", True),
+    "adamw-amsgrad": (1, [1e-3, 0.1, 0, 0.9, 0.999, 1e-8, 4, 7], "-ab-", True),
+    "adam-ratio-l2": (2, [1e-3, 0.01, 0, 0.9, 0.99, 1e-6, 2, 3], "gab-", False),
+    "diff": (3, [0] * 8, "-a--", True),
+}
+
+
+def update_inputs(which, n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g).to(dtype)
+    grad = torch.randn(n, generator=g).to(dtype) if "g" in which else None
+    a = (torch.randn(n, generator=g) * 0.1).to(dtype) if "a" in which else None
+    b = (torch.rand(n, generator=g) * 1e-2).to(dtype) if "b" in which else None
+    if which == "-a--":
+        a = (w.double() + torch.randn(n, generator=g, dtype=torch.float64) * 1e-3).to(dtype)
+    return w, grad, a, b
+
+
+@pytest.mark.parametrize("case", list(UPDATE_CASES))
+@pytest.mark.parametrize("dtype,n,grid,h", [
+    (torch.float32, 5000, 3, None),
+    (torch.float32, 70001, 7, Histogram.log2()),
+    (torch.bfloat16, 4097, 2, Histogram.linear(-0.5, 0.5, 64)),
+    (torch.float64, 3000, 1, Histogram.log2(-1100, 1000)),  # 2103 bins: counted into the ring
+])
+def test_update_kernel_matches_the_cpu_op(emu, case, dtype, n, grid, h):
+    rule, hyper, which, base = UPDATE_CASES[case]
+    w, grad, a, b = update_inputs(which, n, dtype, seed=n)
+    step = torch.tensor(7.0) if rule in (1, 2) else None
+    rows = 2 if base else 1
+    got, cpu = new_ring(1, 2, h), new_ring(1, 2, h)
+    state = torch.tensor([0, 1, 0])
+    emu.accumulate_update(w, grad, a, b, step, hyper, rule, got, state, 0, 1 if base else -1,
+                          *hist_args(h), grid, 256, True)
+    OPS.accumulate_update(w, grad, a, b, step, hyper, rule, cpu, state, 0, 1 if base else -1, *hist_args(h))
+    for r in range(rows):
+        g_, c_ = got[0, r].numpy(), cpu[0, r].numpy()
+        for c in EXACT_COLS:
+            col = getattr(_layout, c)
+            assert g_[col] == c_[col], (case, r, c)
+        np.testing.assert_array_equal(g_[_layout.HEADER:], c_[_layout.HEADER:])
+        gs, cs = row_stats(g_, None), row_stats(c_, None)
+        assert cs["count"] == n and cs["finite"] == n
+        for k in ("l2norm", "mean", "std"):
+            np.testing.assert_allclose(gs[k], cs[k], rtol=1e-9, atol=1e-300)
+
+
+def test_update_kernel_planted_bias_bug_is_caught(emu):
+    """The kernel with Adam's first bias correction left out (a fault the
+    harness plants) no longer matches the CPU op."""
+    rule, hyper, which, _ = UPDATE_CASES["adamw-amsgrad"]
+    w, grad, a, b = update_inputs(which, 2000, torch.float32, seed=1)
+    step = torch.tensor(3.0)
+    got, cpu = new_ring(1, 1, None), new_ring(1, 1, None)
+    state = torch.tensor([0, 1, 0])
+    OPS.accumulate_update(w, grad, a, b, step, hyper, rule, cpu, state, 0, -1, *NO_HIST_ARGS)
+    emu.set_fault(6)  # cuda_emu.h Fault::update_bias
+    try:
+        emu.accumulate_update(w, grad, a, b, step, hyper, rule, got, state, 0, -1, *NO_HIST_ARGS, 2, 256, True)
+    finally:
+        emu.set_fault(0)
+    gs, cs = row_stats(got[0, 0].numpy(), None), row_stats(cpu[0, 0].numpy(), None)
+    assert not np.isclose(gs["l2norm"], cs["l2norm"], rtol=1e-6)
+
+
+def test_update_kernel_off_step_writes_nothing(emu):
+    w, grad, a, b = update_inputs("gab-", 100, torch.float32, seed=2)
+    ring = new_ring(1, 2, None)
+    before = ring.clone()
+    emu.accumulate_update(w, grad, a, b, None, [0.1, 0, 0.9, 0, 0, 0, 9, 0], 0, ring, torch.tensor([0, 0, 0]),
+                          0, 1, *NO_HIST_ARGS, 2, 256, False)
+    assert torch.equal(ring, before)

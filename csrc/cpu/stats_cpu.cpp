@@ -23,6 +23,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu/stats_cpu.h"
 #include "hookcap/dtype_load.h"
 #include "hookcap/op_checks.h"
 #include "hookcap/state.h"
@@ -823,6 +824,16 @@ void time_mark_cpu(at::Tensor& ring, const at::Tensor& state, int64_t row, int64
 }
 
 }  // namespace
+
+void accumulate_doubles_cpu(const double* x, int64_t n, int64_t* row, const HistSpec& h) {
+  if (n == 0) return;
+  const StridedDesc d{};
+  switch (h.kind) {
+    case kHistNone: accumulate_typed<double, kHistNone>(x, true, d, n, 1, row, h); break;
+    case kHistLog2: accumulate_typed<double, kHistLog2>(x, true, d, n, 1, row, h); break;
+    default: accumulate_typed<double, kHistLinear>(x, true, d, n, 1, row, h); break;
+  }
+}
 
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("accumulate", &accumulate_cpu);

@@ -20,6 +20,7 @@
 #include <cuda/ptx>
 
 #include "cuda/stats_kernel.cuh"
+#include "cuda/update_kernel.cuh"
 #include "hookcap/op_checks.h"
 
 namespace hookcap {
@@ -354,6 +355,42 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   seal_ring_write(device, stream);
 }
 
+template <typename T>
+const T* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->const_data_ptr<T>() : nullptr;
+}
+
+void accumulate_update_cuda(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+                            const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
+                            const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
+                            int64_t rule, at::Tensor& ring, const at::Tensor& state, int64_t row,
+                            int64_t row_base, int64_t hist_kind, double hist_lo, double hist_hi,
+                            int64_t hist_bins) {
+  check_update(param, grad, a, b, step, hyper, rule, ring, state, row, row_base);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  c10::cuda::CUDAGuard guard(param.device());
+  const int device = param.device().index();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  note_capture(stream, ring.data_ptr());
+  const int64_t n = param.numel();
+  // A step count on the device (capturable / fused Adam) is read by the kernel: no sync.
+  const bool dev_step = step.has_value() && step->defined() && !step->is_cpu();
+  const float* step_f = dev_step && step->scalar_type() == at::kFloat ? step->const_data_ptr<float>() : nullptr;
+  const double* step_d = dev_step && step->scalar_type() == at::kDouble ? step->const_data_ptr<double>() : nullptr;
+  const UpdateRule r = make_update_rule(rule, hyper, dev_step ? 1.0 : host_step(step, hyper));
+  const int64_t want = (n + kThreads * kPerThread - 1) / (kThreads * kPerThread);
+  const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(device)));
+  const int64_t smem = kernels::update_smem_bytes(h.kind == kHistNone ? 0 : h.nbins, row_base >= 0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "hookcap_update_cuda", [&] {
+    const kernels::UpdateInputs<scalar_t> in{param.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(grad),
+                                             data_or_null<scalar_t>(a), data_or_null<scalar_t>(b)};
+    launch_smem("hookcap.accumulate_update", &kernels::update_kernel<scalar_t>, dim3(blocks), dim3(kThreads),
+                static_cast<size_t>(smem), stream, in, n, r, step_f, step_d, ring.data_ptr<int64_t>(),
+                state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2), row, row_base, h);
+  });
+  seal_ring_write(device, stream);
+}
+
 // Blocks of kThreads for a reset of `words` ring words: one word per thread
 // up to 1,024 blocks (a slot of thousands of metrics), then a grid-stride loop.
 int64_t reset_blocks(int64_t words) {
@@ -422,6 +459,7 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate", &accumulate_cuda);
+  m.impl("accumulate_update", &accumulate_update_cuda);
   m.impl("reset_slot", &reset_slot_cuda);
   m.impl("reset_rows", &reset_rows_cuda);
   m.impl("advance", &advance_cuda);

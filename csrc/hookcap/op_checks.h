@@ -15,6 +15,7 @@
 #include "hookcap/state.h"
 #include "hookcap/stats_math.h"
 #include "hookcap/strided.h"
+#include "hookcap/update_math.h"
 
 namespace hookcap {
 
@@ -144,6 +145,78 @@ inline DimPlan plan_read(const at::Tensor& x, int64_t max_walk = kMaxDims) {
   TORCH_CHECK(x.dim() <= kMaxTensorDims, "hookcap.accumulate: views with more than ",
               kMaxTensorDims, " dimensions are not supported, got ", x.dim());
   return plan_dims(x.dim(), x.sizes().data(), x.strides().data(), max_walk);
+}
+
+// accumulate_update: the parameter and every state tensor the rule reads are
+// dense with the parameter's sizes and strides (element i of each is at
+// offset i from its data pointer), of the parameter's dtype and device.
+inline void check_update(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+                         const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
+                         const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
+                         int64_t rule, const at::Tensor& ring, const at::Tensor& state, int64_t row,
+                         int64_t row_base) {
+  check_accumulate(param, ring, state, row);
+  const at::ScalarType t = param.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
+              "hookcap.accumulate_update: parameters of float32, float64, float16 or bfloat16, got ", t);
+  TORCH_CHECK(rule >= 0 && rule < kRules, "hookcap.accumulate_update: rule must be 0 (SGD), 1 (Adam), "
+              "2 (Adam ratio) or 3 (difference), got ", rule);
+  TORCH_CHECK(static_cast<int64_t>(hyper.size()) == kHypCount, "hookcap.accumulate_update: hyper needs ",
+              static_cast<int64_t>(kHypCount), " values, got ", static_cast<int64_t>(hyper.size()));
+  TORCH_CHECK(param.is_non_overlapping_and_dense(),
+              "hookcap.accumulate_update: the parameter must be dense (no gaps or overlaps)");
+  auto same = [&](const c10::optional<at::Tensor>& x, const char* what, bool needed) {
+    if (!x.has_value() || !x->defined()) {
+      TORCH_CHECK(!needed, "hookcap.accumulate_update: rule ", rule, " needs ", what);
+      return;
+    }
+    TORCH_CHECK(x->scalar_type() == t && x->device() == param.device() &&
+                    x->sym_sizes() == param.sym_sizes() && x->sym_strides() == param.sym_strides(),
+                "hookcap.accumulate_update: ", what, " must have the parameter's dtype, device, sizes "
+                "and strides (", t, " ", param.device(), " ", param.sym_sizes(), " ", param.sym_strides(),
+                "), got ", x->scalar_type(), " ", x->device(), " ", x->sym_sizes(), " ", x->sym_strides());
+  };
+  const bool has_buf = static_cast<int64_t>(hyper[kHypFlags]) & kFlagHasBuf;
+  const bool adam = rule == kRuleAdam || rule == kRuleAdamRatio;
+  same(grad, "the gradient", rule == kRuleAdamRatio || (rule == kRuleSgd && !(has_buf && !(
+      static_cast<int64_t>(hyper[kHypFlags]) & kFlagNesterov))));
+  same(a, rule == kRuleSgd ? "the momentum buffer" : rule == kRuleDiff ? "the copy" : "exp_avg",
+       adam || rule == kRuleDiff || (rule == kRuleSgd && has_buf));
+  same(b, "exp_avg_sq", adam);
+  if (step.has_value() && step->defined()) {
+    TORCH_CHECK(step->numel() == 1 && (step->scalar_type() == at::kFloat || step->scalar_type() == at::kDouble),
+                "hookcap.accumulate_update: step must be one float32 or float64 value, got ",
+                step->scalar_type(), " ", step->sym_sizes());
+    TORCH_CHECK(step->is_cpu() || step->device() == param.device(),
+                "hookcap.accumulate_update: step must be on the CPU or the parameter's device, got ",
+                step->device());
+  }
+  TORCH_CHECK(row_base >= -1, "hookcap.accumulate_update: row_base must be a row or -1, got ", row_base);
+  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row_base), "hookcap.accumulate_update: row_base ", row_base,
+                  " out of range for a ring with ", ring.sym_size(1), " rows");
+}
+
+// The rule's constants; Adam's bias corrections from `step` where the host
+// can read it (a CPU tensor, or hyper[kHypStep] without one).
+inline UpdateRule make_update_rule(int64_t rule, c10::ArrayRef<double> hyper, double step) {
+  UpdateRule r{};
+  r.rule = static_cast<int>(rule);
+  r.lr = hyper[kHypLr];
+  r.wd = hyper[kHypWeightDecay];
+  r.momentum = hyper[kHypMomentum];
+  r.beta1 = hyper[kHypBeta1];
+  r.beta2 = hyper[kHypBeta2];
+  r.eps = hyper[kHypEps];
+  r.flags = static_cast<int>(hyper[kHypFlags]);
+  update_set_step(r, step);
+  return r;
+}
+
+// A CPU step tensor's value (else hyper's).
+inline double host_step(const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper) {
+  if (!step.has_value() || !step->defined() || !step->is_cpu()) return hyper[kHypStep];
+  return step->scalar_type() == at::kDouble ? *step->const_data_ptr<double>()
+                                            : static_cast<double>(*step->const_data_ptr<float>());
 }
 
 }  // namespace hookcap

@@ -110,6 +110,40 @@ std::tuple<at::Tensor, at::Tensor, bool> linear_bins(double lo, double hi, int64
   return {got, want, kernels::linear_float_ok(h)};
 }
 
+template <typename T>
+const T* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->const_data_ptr<T>() : nullptr;
+}
+
+// update_kernel as accumulate_update_cuda launches it. step_on_device: the
+// kernel reads `step` (capturable / fused Adam) instead of the host.
+void accumulate_update(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+                       const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
+                       const c10::optional<at::Tensor>& step, std::vector<double> hyper, int64_t rule,
+                       at::Tensor& ring, const at::Tensor& state, int64_t row, int64_t row_base,
+                       int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid,
+                       int64_t block, bool step_on_device) {
+  check_update(param, grad, a, b, step, hyper, rule, ring, state, row, row_base);
+  check_cpu(param);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const bool dev_step = step_on_device && step.has_value() && step->defined();
+  const float* step_f = dev_step && step->scalar_type() == at::kFloat ? step->const_data_ptr<float>() : nullptr;
+  const double* step_d = dev_step && step->scalar_type() == at::kDouble ? step->const_data_ptr<double>() : nullptr;
+  const UpdateRule r = make_update_rule(rule, hyper, dev_step ? 1.0 : host_step(step, hyper));
+  const dim3 g = dim(grid, "grid"), bl = dim(block, "block");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "hookcap_emu_update", [&] {
+    const kernels::UpdateInputs<scalar_t> in{param.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(grad),
+                                             data_or_null<scalar_t>(a), data_or_null<scalar_t>(b)};
+    py::gil_scoped_release nogil;
+    hookcap_emu::update<scalar_t>(in, param.numel(), r, step_f, step_d, ring.data_ptr<int64_t>(),
+                                  state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2),
+                                  row, row_base, h, g, bl);
+  });
+}
+
+// The fault the kernels commit from now on (cuda_emu.h Fault, by number; 0: none).
+void set_fault(int64_t f) { emu::fault() = static_cast<emu::Fault>(f); }
+
 void reset_slot(at::Tensor& ring, const at::Tensor& state, int64_t grid, int64_t block) {
   check_ring_state(ring, state);
   check_cpu(ring);
@@ -438,6 +472,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vector_offsets", &vector_offsets);
   m.def("fast_divide", &fast_divide);
   m.def("reset_slot", &reset_slot);
+  m.def("accumulate_update", &accumulate_update);
+  m.def("set_fault", &set_fault);
   m.def("reset_rows", &reset_rows);
   m.def("advance", &advance, py::arg("ring"), py::arg("state"), py::arg("every"), py::arg("block"),
         py::arg("grid") = 1);

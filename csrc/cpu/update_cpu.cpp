@@ -1,0 +1,78 @@
+// accumulate_update on the CPU: the optimizer's per-element update (or Adam
+// ratio) and the parameter before the step, recomputed in blocks of doubles
+// (update_math.h) and merged by the statistics loop. No tensor is made: each
+// block lives in this thread's buffer.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "cpu/stats_cpu.h"
+#include "hookcap/op_checks.h"
+#include "hookcap/state.h"
+#include "hookcap/update_math.h"
+
+namespace hookcap {
+namespace {
+
+// 2 x 32 KB on the stack; at least the loop's size for a local histogram.
+constexpr int64_t kUpdateBlock = 4096;
+
+template <typename T>
+const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->const_data_ptr<T>() : nullptr;
+}
+
+void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+                           const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
+                           const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
+                           int64_t rule, at::Tensor& ring, const at::Tensor& state, int64_t row_index,
+                           int64_t row_base, int64_t hist_kind, double hist_lo, double hist_hi,
+                           int64_t hist_bins) {
+  check_update(param, grad, a, b, step, hyper, rule, ring, state, row_index, row_base);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const int64_t* st = state.data_ptr<int64_t>();
+  if (st[kStateEnabled] == 0) return;
+  const int64_t slot = st[kStateSlot];
+  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot, " out of range for ",
+              ring.size(0), " slots");
+  auto row_ptr = [&](int64_t r) {
+    return ring.data_ptr<int64_t>() + (slot * ring.size(1) + r) * ring.size(2);
+  };
+  int64_t* row = row_ptr(row_index);
+  int64_t* base_row = row_base >= 0 ? row_ptr(row_base) : nullptr;
+  const int64_t n = param.numel();
+  for (int64_t* r : {row, base_row}) {
+    if (r == nullptr) continue;
+    __atomic_fetch_add(r + kCount, n, __ATOMIC_RELAXED);
+    __atomic_fetch_add(r + kCalls, 1, __ATOMIC_RELAXED);
+  }
+  const UpdateRule rule_c = make_update_rule(rule, hyper, host_step(step, hyper));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "hookcap_update_cpu", [&] {
+    const scalar_t* w = param.const_data_ptr<scalar_t>();
+    const scalar_t* g = ptr_or_null<scalar_t>(grad);
+    const scalar_t* pa = ptr_or_null<scalar_t>(a);
+    const scalar_t* pb = ptr_or_null<scalar_t>(b);
+    double values[kUpdateBlock], bases[kUpdateBlock];
+    for (int64_t b0 = 0; b0 < n; b0 += kUpdateBlock) {
+      const int64_t m = std::min(kUpdateBlock, n - b0);
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t k = b0 + i;
+        const UpdateValue u = update_value(
+            rule_c, static_cast<double>(w[k]), g ? static_cast<double>(g[k]) : 0.0,
+            pa ? static_cast<double>(pa[k]) : 0.0, pb ? static_cast<double>(pb[k]) : 0.0);
+        values[i] = u.value;
+        bases[i] = u.base;
+      }
+      accumulate_doubles_cpu(values, m, row, h);
+      if (base_row) accumulate_doubles_cpu(bases, m, base_row, h);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(hookcap, CPU, m) { m.impl("accumulate_update", &accumulate_update_cpu); }
+
+}  // namespace hookcap

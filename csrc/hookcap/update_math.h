@@ -1,0 +1,75 @@
+// What an optimizer's step did to each element, recomputed from the
+// parameter and the optimizer's state after the step: the update
+// Δw = w_after − w_before and Adam's ratio g / (√v̂ + ε), with w_before.
+// Shared by the CPU loop, the CUDA kernel and the emulation harness (plain
+// C++ plus C10_HOST_DEVICE, as stats_math.h). All in double: the inputs are
+// the optimizer's own values, so the result matches a float64 recomputation
+// of the step up to the rounding of those stored values.
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace hookcap {
+
+// Which quantity (the op's `rule`).
+constexpr int kRuleSgd = 0;        // Δw of torch.optim.SGD; a = momentum_buffer
+constexpr int kRuleAdam = 1;       // Δw of Adam/AdamW; a = exp_avg, b = exp_avg_sq (max_exp_avg_sq: amsgrad)
+constexpr int kRuleAdamRatio = 2;  // g / (√v̂ + ε) of that step; same inputs plus the gradient
+constexpr int kRuleDiff = 3;       // w − a, a = a copy of w taken before the step
+constexpr int kRules = 4;
+
+// The op's `hyper` list, by index.
+constexpr int kHypLr = 0, kHypWeightDecay = 1, kHypMomentum = 2, kHypBeta1 = 3, kHypBeta2 = 4,
+              kHypEps = 5, kHypFlags = 6, kHypStep = 7, kHypCount = 8;
+// Bits of hyper[kHypFlags].
+constexpr int kFlagNesterov = 1, kFlagMaximize = 2, kFlagDecoupled = 4, kFlagHasBuf = 8;
+
+struct UpdateRule {
+  int rule;
+  double lr, wd, momentum, beta1, beta2, eps;
+  int flags;
+  double step_size;  // Adam: lr / (1 − β1^t)
+  double bc2_sqrt;   // Adam: √(1 − β2^t)
+};
+
+// Adam's bias corrections for step t (the optimizer's own step count,
+// after its step: 1 on the first).
+C10_HOST_DEVICE C10_ALWAYS_INLINE void update_set_step(UpdateRule& r, double t) {
+  r.step_size = r.lr / (1.0 - ::pow(r.beta1, t));
+  r.bc2_sqrt = ::sqrt(1.0 - ::pow(r.beta2, t));
+}
+
+struct UpdateValue {
+  double value;  // Δw, or the ratio
+  double base;   // w before the step
+};
+
+// One element. w: the parameter after the step; g: its gradient (as the
+// optimizer found it, before `maximize`); a, b: the rule's state tensors.
+C10_HOST_DEVICE C10_ALWAYS_INLINE UpdateValue update_value(const UpdateRule& r, double w, double g,
+                                                           double a, double b) {
+  const bool maximize = r.flags & kFlagMaximize;
+  const double gs = maximize ? -g : g;  // the gradient the step descended
+  if (r.rule == kRuleDiff) return {w - a, a};
+  if (r.rule == kRuleSgd) {
+    // torch: d = g' (+ μ·buf, Nesterov) or buf, g' = ±g + wd·w₀; w = w₀ − lr·d.
+    if ((r.flags & kFlagHasBuf) && !(r.flags & kFlagNesterov)) return {-r.lr * a, w + r.lr * a};
+    const double c = gs + ((r.flags & kFlagNesterov) ? r.momentum * a : 0.0);
+    const double w0 = (w + r.lr * c) / (1.0 - r.lr * r.wd);
+    return {-r.lr * (c + r.wd * w0), w0};
+  }
+  // Adam: w = w₀·(1 − lr·wd if decoupled) − step_size·m / (√v / √(1 − β2^t) + ε).
+  const double denom = ::sqrt(b) / r.bc2_sqrt + r.eps;
+  const double adam = -r.step_size * (a / denom);
+  const bool decoupled = r.flags & kFlagDecoupled;
+  const double w0 = decoupled ? (w - adam) / (1.0 - r.lr * r.wd) : w - adam;
+  if (r.rule == kRuleAdam) return {decoupled ? adam - r.lr * r.wd * w0 : adam, w0};
+  // The gradient the moments took: L2 weight decay (Adam's own) is part of it.
+  const double gm = decoupled ? gs : gs + r.wd * w0;
+  return {gm / denom, w0};
+}
+
+}  // namespace hookcap

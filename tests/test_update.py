@@ -1,0 +1,285 @@
+"""capture="update" and "adam_ratio": the optimizer's step per parameter,
+recomputed by the fused op from the parameter and the optimizer's state after
+the step, against an independent float64 recomputation of the same step from
+float64 copies of what the optimizer held before it (the real torch.optim
+classes, hypothesis-drawn hyper-parameters)."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hookcap
+from hookcap import Monitor
+
+RTOL = 1e-6  # norms and extrema; counts exact
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+# -- the float64 reference: torch.optim's documented algorithms, step by step --------------
+
+
+def ref_sgd(w0, g, buf, hp):
+    g = -g if hp["maximize"] else g
+    if hp["weight_decay"]:
+        g = g + hp["weight_decay"] * w0
+    if hp["momentum"]:
+        buf = g.copy() if buf is None else hp["momentum"] * buf + (1 - hp["dampening"]) * g
+        d = g + hp["momentum"] * buf if hp["nesterov"] else buf
+    else:
+        d = g
+    return {"update": -hp["lr"] * d}
+
+
+def ref_adam(w0, g, st_, hp, decoupled):
+    b1, b2 = hp["betas"]
+    g = -g if hp["maximize"] else g
+    wd = hp["weight_decay"]
+    if wd and not decoupled:
+        g = g + wd * w0
+    t = st_["step"] + 1
+    m = b1 * st_["exp_avg"] + (1 - b1) * g
+    v = b2 * st_["exp_avg_sq"] + (1 - b2) * g * g
+    if hp["amsgrad"]:
+        v = np.maximum(st_["max_exp_avg_sq"], v)
+    denom = np.sqrt(v) / np.sqrt(1 - b2 ** t) + hp["eps"]
+    upd = -(hp["lr"] / (1 - b1 ** t)) * m / denom
+    if wd and decoupled:
+        upd = upd - hp["lr"] * wd * w0
+    return {"update": upd, "adam_ratio": g / denom}
+
+
+def before_step(opt, model):
+    """float64 copies of every parameter, gradient and state tensor."""
+    out = {}
+    for n, p in model.named_parameters():
+        s = opt.state.get(p, {})
+        out[n] = {
+            "w": p.detach().double().numpy().copy(),
+            "g": p.grad.double().numpy().copy(),
+            "state": {k: (float(v) if k == "step" else v.double().numpy().copy())
+                      for k, v in s.items() if isinstance(v, torch.Tensor)},
+        }
+    return out
+
+
+def reference(opt, snap):
+    hp = opt.param_groups[0]
+    out = {}
+    if not isinstance(opt, (torch.optim.SGD, torch.optim.Adam)):
+        return out
+    for n, d in snap.items():
+        if isinstance(opt, torch.optim.SGD):
+            r = ref_sgd(d["w"], d["g"], d["state"].get("momentum_buffer"), hp)
+        else:
+            st_ = {"step": 0.0, "exp_avg": 0 * d["w"], "exp_avg_sq": 0 * d["w"], "max_exp_avg_sq": 0 * d["w"]}
+            st_.update(d["state"])
+            r = ref_adam(d["w"], d["g"], st_, hp, isinstance(opt, torch.optim.AdamW)
+                         or hp.get("decoupled_weight_decay", False))
+        r["base"] = d["w"]
+        out[n] = r
+    return out
+
+
+def assert_close(h, step, name, vals):
+    """``name``'s stats at ``step`` against the float64 values: counts exact,
+    norms within RTOL, mean and signed extrema within RTOL of the scale."""
+    vals = np.asarray(vals, np.float64).reshape(-1)
+    s = h.steps.tolist().index(step)
+    m = h.column(name)
+    want = hookcap.reference.stats_from_values(vals, None)
+    for k in ("count", "nan", "inf", "finite"):
+        assert h[k][s, m] == want[k], (name, k)
+    for k in ("l2norm", "rms", "absmax"):
+        np.testing.assert_allclose(h[k][s, m], want[k], rtol=RTOL, err_msg=f"{name} {k}")
+    # An element's value can cancel (g + μ·buf), and each stored state value
+    # carries its dtype's rounding: signed extrema and the mean are held to
+    # RTOL of the tensor's scale.
+    for k, scale in (("min", want["absmax"]), ("max", want["absmax"]), ("mean", float(np.abs(vals).mean()))):
+        assert abs(h[k][s, m] - want[k]) <= RTOL * scale, (name, k, h[k][s, m], want[k])
+    if h.histogram_spec is not None:
+        assert h.histogram(name)[s].sum() == want["finite"]
+
+
+def run(make_opt, kinds=("update",), steps=3, seed=0, **mon_kw):
+    model = make_model(seed)
+    opt = make_opt(model.parameters())
+    g = torch.Generator().manual_seed(seed + 1)
+    refs = []
+    with Monitor(model, capture=kinds, optimizer=opt, **mon_kw) as mon:
+        for _ in range(steps):
+            model(torch.randn(5, 7, generator=g)).pow(2).mean().backward()
+            snap = before_step(opt, model)
+            opt.step()
+            refs.append(reference(opt, snap))
+            opt.zero_grad()
+    return mon.history(), refs
+
+
+def check_all(h, refs, kinds):
+    for step, ref in enumerate(refs):
+        for pname, r in ref.items():
+            for kind in kinds:
+                assert_close(h, step, f"{pname}/{kind}", r[kind])
+            if "update" in kinds:
+                assert_close(h, step, f"{pname}/update.base", r["base"])
+                want = np.linalg.norm(r["update"]) / np.linalg.norm(r["base"])
+                np.testing.assert_allclose(h.update_ratio(pname)[step], want, rtol=RTOL)
+
+
+SGD_CASES = st.fixed_dictionaries({
+    "lr": st.floats(1e-4, 0.5), "weight_decay": st.sampled_from([0.0, 1e-3, 0.1]),
+    "momentum": st.sampled_from([0.0, 0.5, 0.9]), "dampening": st.sampled_from([0.0, 0.3]),
+    "nesterov": st.booleans(), "maximize": st.booleans(), "impl": st.sampled_from(["for", "foreach", "fused"]),
+})
+
+
+@settings(max_examples=30, deadline=None)
+@given(SGD_CASES)
+def test_sgd_update_matches_float64_recomputation(hp):
+    if hp["nesterov"] and (hp["momentum"] == 0 or hp["dampening"] != 0):
+        hp["nesterov"] = False  # torch: Nesterov needs momentum and zero dampening
+    impl = hp.pop("impl")
+    kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    h, refs = run(lambda ps: torch.optim.SGD(ps, **hp, **kw))
+    check_all(h, refs, ("update",))
+
+
+ADAM_CASES = st.fixed_dictionaries({
+    "lr": st.floats(1e-4, 0.1), "weight_decay": st.sampled_from([0.0, 1e-2, 0.1]),
+    "betas": st.tuples(st.sampled_from([0.0, 0.8, 0.9]), st.sampled_from([0.9, 0.99, 0.999])),
+    "eps": st.sampled_from([1e-8, 1e-6, 1e-3]), "amsgrad": st.booleans(), "maximize": st.booleans(),
+    "cls": st.sampled_from(["Adam", "AdamW"]), "impl": st.sampled_from(["for", "foreach", "fused"]),
+})
+
+
+@settings(max_examples=40, deadline=None)
+@given(ADAM_CASES)
+def test_adam_update_and_ratio_match_float64_recomputation(hp):
+    cls = getattr(torch.optim, hp.pop("cls"))
+    impl = hp.pop("impl")
+    kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    kinds = ("update", "adam_ratio")
+    h, refs = run(lambda ps: cls(ps, **hp, **kw), kinds=kinds)
+    check_all(h, refs, kinds)
+
+
+def test_adam_decoupled_weight_decay_flag_and_histogram():
+    """Adam(decoupled_weight_decay=True) steps as AdamW; log2 histogram counts every finite value."""
+    h, refs = run(lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+                  kinds=("update", "adam_ratio"), histogram=hookcap.Histogram.log2())
+    check_all(h, refs, ("update", "adam_ratio"))
+
+
+def test_every_names_kinds_and_no_update_off_step():
+    h, refs = run(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), steps=4, every=2)
+    assert h.steps.tolist() == [0, 2]
+    assert h.meta("0.weight/update")["kind"] == "update"
+    assert h.meta("0.weight/update.base")["kind"] == "update"
+    assert h.meta("0.weight/update")["module_type"] == "SGD"
+    for step in (0, 2):
+        for pname, r in refs[step].items():
+            assert_close(h, step, f"{pname}/update", r["update"])
+    ratio = h.update_ratio("0.weight")
+    assert ratio.shape == (2,) and np.isfinite(ratio).all()
+
+
+class Sign(torch.optim.Optimizer):
+    """An optimizer hookcap does not recompute: w -= lr * sign(g)."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(torch.sign(p.grad), alpha=-group["lr"])
+
+
+def test_other_optimizers_need_a_snapshot(caplog):
+    with caplog.at_level(logging.WARNING, logger="hookcap"):
+        h, _ = run(lambda ps: Sign(ps), steps=2)
+    assert "Sign is not SGD, Adam or AdamW" in caplog.text and "update_snapshot=True" in caplog.text
+    assert not [n for n in h.names if n.endswith("/update")]
+
+    model = make_model()
+    opt = Sign(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    kept = []
+    with Monitor(model, capture="update", optimizer=opt, update_snapshot=True, every=2) as mon:
+        for _ in range(4):
+            model(torch.randn(5, 7, generator=g)).pow(2).mean().backward()
+            w0 = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+            opt.step()
+            kept.append({n: (p.detach().double() - w0[n], w0[n]) for n, p in model.named_parameters()})
+            opt.zero_grad()
+    h = mon.history()
+    assert h.steps.tolist() == [0, 2]
+    for step in (0, 2):
+        for n, (delta, w0) in kept[step].items():
+            assert_close(h, step, f"{n}/update", delta.numpy())
+            assert_close(h, step, f"{n}/update.base", w0.numpy())
+    # copies refreshed on recorded steps only: one per parameter, made once
+    assert set(mon._hooks.updates._copies) == {n for n, _ in model.named_parameters()}
+
+
+def test_adam_ratio_on_sgd_warns_and_records_nothing(caplog):
+    with caplog.at_level(logging.WARNING, logger="hookcap"):
+        h, _ = run(lambda ps: torch.optim.SGD(ps, lr=0.1), kinds=("adam_ratio",), steps=1)
+    assert "adam_ratio needs Adam or AdamW" in caplog.text
+    assert not [n for n in h.names if n.endswith("adam_ratio")]
+
+
+def test_telemetry_leaves_the_training_unchanged():
+    def train(watch):
+        model = make_model(3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+        mon = Monitor(model, capture=("update", "adam_ratio"), optimizer=opt).attach() if watch else None
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            model(torch.randn(5, 7, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if mon:
+            mon.detach()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(False), train(True)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rule_bug", ["bias1", "decoupled"])
+def test_a_wrong_recomputation_is_caught(rule_bug):
+    """The reference is sharp enough to catch a planted error: a bias
+    correction left out, weight decay coupled where it is decoupled."""
+    h, refs = run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), kinds=("update",))
+    for ref in refs:
+        for r in ref.values():
+            r["update"] = r["update"] * (0.9 if rule_bug == "bias1" else 1.0) + (
+                0.1 * 1e-2 * r["base"] if rule_bug == "decoupled" else 0.0)
+    with pytest.raises(AssertionError):
+        check_all(h, refs, ("update",))
+
+
+def test_op_rejects_mismatched_state():
+    from hookcap.functional import new_state
+
+    ring = torch.zeros(1, 2, hookcap._layout.HEADER, dtype=torch.int64)
+    state = new_state("cpu")
+    hookcap._ops.reset_slot(ring, state)
+    w = torch.randn(4, 3)
+    hyper = [0.1, 0.0, 0.0, 0.9, 0.999, 1e-8, 0.0, 1.0]
+    with pytest.raises(RuntimeError, match="exp_avg_sq must have the parameter's dtype"):
+        torch.ops.hookcap.accumulate_update(w, None, w.clone(), w.t().contiguous().t(), None, hyper, 1,
+                                            ring, state, 0, -1, 0, 0.0, 0.0, 0)
+    with pytest.raises(RuntimeError, match="rule 1 needs exp_avg"):
+        torch.ops.hookcap.accumulate_update(w, None, None, None, None, hyper, 1, ring, state, 0, -1, 0, 0.0, 0.0, 0)
