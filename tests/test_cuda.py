@@ -681,3 +681,48 @@ def test_taps_and_optimizer_state_on_the_device(dev):
         assert_recorded(h, step, "loss", [loss])
         for n, v in sq.items():
             assert_recorded(h, step, f"{n}/state.exp_avg_sq", [v])
+
+
+OPTIMIZER_STEPS = {  # each records "update" (and "adam_ratio" for Adam) with no host sync
+    "adam-fused": (lambda ps, dev: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01,
+                                                    **({"fused": True} if dev == "cuda" else {}))),
+    "adamw-capturable-amsgrad": (lambda ps, dev: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True,
+                                                                   capturable=dev == "cuda")),
+    "sgd-nesterov-default": (lambda ps, dev: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)),
+}
+
+
+@pytest.mark.parametrize("which", list(OPTIMIZER_STEPS))
+@pytest.mark.parametrize("dev", DEVICES)
+def test_optimizer_updates_on_the_device(dev, which):
+    """capture="update"/"adam_ratio" against Δw measured as w_after − w_before
+    in float64 (norms to float32 rounding of the parameters), the step count
+    of capturable/fused Adam read on the device, no host sync."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4)).to(dev)
+    opt = OPTIMIZER_STEPS[which](model.parameters(), dev)
+    kinds = ("update", "adam_ratio") if which.startswith("adam") else ("update",)
+    mon = hookcap.Monitor(model, capture=kinds, optimizer=opt).attach()
+    kept = []
+    for i in range(4):
+        x = torch.randn(8, 16, device=dev)
+        before = {n: p.detach().double().cpu() for n, p in model.named_parameters()}
+        with no_sync(dev) if i >= 2 else contextlib.nullcontext():
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        kept.append({n: (p.detach().double().cpu() - before[n], before[n]) for n, p in model.named_parameters()})
+    mon.detach()
+    h = mon.history()
+    assert h.steps.tolist() == [0, 1, 2, 3]
+    for step, per_param in enumerate(kept):
+        for n, (delta, w0) in per_param.items():
+            s, m = step, h.column(f"{n}/update")
+            # w_after − w_before in float64 is the applied update to the parameters' rounding
+            tol = 4 * 2.0 ** -24 * float(w0.abs().max()) * delta.numel() ** 0.5
+            assert abs(h["l2norm"][s, m] - float(delta.norm())) <= tol + 1e-6 * float(delta.norm())
+            assert h["count"][s, m] == delta.numel()
+            np.testing.assert_allclose(h.update_ratio(n)[s], float(delta.norm() / w0.norm()), rtol=1e-3)
+            if "adam_ratio" in kinds:
+                r = h["rms"][s, h.column(f"{n}/adam_ratio")]
+                assert np.isfinite(r) and r > 0

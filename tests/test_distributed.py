@@ -230,6 +230,62 @@ def test_fsdp2_param_grad_shards_merge_to_full_gradient(tmp_path):
             assert merged[stat][0, c] == pytest.approx(ref[stat], rel=1e-5, abs=1e-7), (name, stat)
 
 
+def _update_worker(rank, world, store, out, fsdp):
+    _init(rank, world, store)
+    torch.set_num_threads(1)
+    model = make_model()
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wrapped = model
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
+    mon = Monitor(model, capture=("update", "adam_ratio"), optimizer=opt).attach()
+    deltas = []
+    full = (lambda p: p.full_tensor()) if fsdp else (lambda p: p)
+    for x in batches():
+        before = {n: full(p.detach()).double().clone() for n, p in model.named_parameters()}
+        wrapped(x[rank * 4:(rank + 1) * 4]).pow(2).mean().backward()
+        opt.step()  # the Monitor's step() runs after it
+        deltas.append({n: (full(p.detach()).double() - before[n], before[n]) for n, p in model.named_parameters()})
+        opt.zero_grad()
+    local, merged = mon.history(), mon.history(all_ranks=True)
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump((local, merged, deltas), f)
+    _finish()
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_updates_of_replicated_and_sharded_parameters(tmp_path, fsdp):
+    """capture="update"/"adam_ratio" under DDP (replicated: counted once in the
+    merged history, each rank's own equal) and FSDP2 (each rank's shard; merged:
+    the whole parameter): norms and counts of Δw against w_after − w_before of
+    the whole parameter in float64."""
+    try:
+        res = spawn_all(_update_worker, tmp_path, fsdp)
+    except Exception as e:
+        if not fsdp:
+            raise
+        pytest.skip(f"FSDP2 (fully_shard) did not run on CPU/gloo here: {type(e).__name__}: {e}")
+    for rank, (local, merged, deltas) in enumerate(res):
+        want_placement = "sharded" if fsdp else "replicated"
+        assert merged.meta("0.weight/update")["placement"] == want_placement
+        for h in ((merged,) if fsdp else (local, merged)):
+            for s, per_param in enumerate(deltas):
+                for name, (delta, w0) in per_param.items():
+                    c = h.column(f"{name}/update")
+                    assert h["count"][s, c] == delta.numel()
+                    tol = 4 * 2.0 ** -24 * float(w0.abs().max()) * delta.numel() ** 0.5
+                    assert abs(h["l2norm"][s, c] - float(delta.norm())) <= tol + 1e-6 * float(delta.norm())
+                    np.testing.assert_allclose(h.update_ratio(name)[s], float(delta.norm() / w0.norm()), rtol=1e-3)
+                    assert h["count"][s, h.column(f"{name}/adam_ratio")] == delta.numel()
+
+
 # --------------------------------------------------------------------------- rank_sinks
 
 class Net(nn.Module):

@@ -21,3 +21,20 @@ def test_integrations_page_snippets_run(i, tmp_path, monkeypatch):
     code = snippets("integrations.md")[i]
     exec(compile(code, f"docs/integrations.md snippet {i}", "exec"), {"__name__": "__docs__"})
     assert os.getcwd() == str(tmp_path)
+
+
+def test_loss_spike_page_example_finds_the_spike(tmp_path, monkeypatch, capsys):
+    """docs/loss-spikes.md's example runs as written, and what its text says
+    it shows holds: the loss and the first layer's update ratio spike at the
+    bad batch, and adam_ratio's RMS jumps there."""
+    import numpy as np
+
+    (code,) = snippets("loss-spikes.md")
+    monkeypatch.chdir(tmp_path)
+    ns = {"__name__": "__docs__"}
+    exec(compile(code, "docs/loss-spikes.md snippet", "exec"), ns)
+    h = ns["h"]
+    spikes = {(a.step, a.name) for a in h.anomalies if a.kind == "spike"}
+    assert (25, "loss") in spikes and (25, "0.weight/update") in spikes
+    ratio = h["rms"][:, h.column("0.weight/adam_ratio")]
+    assert ratio[25] > 3 * np.median(ratio[10:25])

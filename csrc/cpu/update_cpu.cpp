@@ -3,10 +3,12 @@
 // (update_math.h) and merged by the statistics loop. No tensor is made: each
 // block lives in this thread's buffer.
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cpu/stats_cpu.h"
 #include "hookcap/op_checks.h"
@@ -54,19 +56,33 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
     const scalar_t* g = ptr_or_null<scalar_t>(grad);
     const scalar_t* pa = ptr_or_null<scalar_t>(a);
     const scalar_t* pb = ptr_or_null<scalar_t>(b);
-    double values[kUpdateBlock], bases[kUpdateBlock];
-    for (int64_t b0 = 0; b0 < n; b0 += kUpdateBlock) {
-      const int64_t m = std::min(kUpdateBlock, n - b0);
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t k = b0 + i;
-        const UpdateValue u = update_value(
-            rule_c, static_cast<double>(w[k]), g ? static_cast<double>(g[k]) : 0.0,
-            pa ? static_cast<double>(pa[k]) : 0.0, pb ? static_cast<double>(pb[k]) : 0.0);
-        values[i] = u.value;
-        bases[i] = u.base;
-      }
-      accumulate_doubles_cpu(values, m, row, h);
-      if (base_row) accumulate_doubles_cpu(bases, m, base_row, h);
+    auto for_rule = [&](auto rule_tag) {
+      constexpr int kRule = decltype(rule_tag)::value;
+      // Blocks in parallel: their rows merge by atomics, so the double sums'
+      // last bits may depend on the order the threads finish in.
+      const int64_t nblocks = (n + kUpdateBlock - 1) / kUpdateBlock;
+      at::parallel_for(0, nblocks, 1, [&](int64_t c0, int64_t c1) {
+        double values[kUpdateBlock], bases[kUpdateBlock];
+        for (int64_t c = c0; c < c1; ++c) {
+          const int64_t b0 = c * kUpdateBlock, m = std::min(kUpdateBlock, n - b0);
+          const scalar_t* wb = w + b0;
+          for (int64_t i = 0; i < m; ++i) {
+            const UpdateValue u = update_value_of<kRule>(
+                rule_c, static_cast<double>(wb[i]), g ? static_cast<double>(g[b0 + i]) : 0.0,
+                pa ? static_cast<double>(pa[b0 + i]) : 0.0, pb ? static_cast<double>(pb[b0 + i]) : 0.0);
+            values[i] = u.value;
+            bases[i] = u.base;
+          }
+          accumulate_doubles_cpu(values, m, row, h);
+          if (base_row) accumulate_doubles_cpu(bases, m, base_row, h);
+        }
+      });
+    };
+    switch (rule) {
+      case kRuleSgd: for_rule(std::integral_constant<int, kRuleSgd>{}); break;
+      case kRuleAdam: for_rule(std::integral_constant<int, kRuleAdam>{}); break;
+      case kRuleAdamRatio: for_rule(std::integral_constant<int, kRuleAdamRatio>{}); break;
+      default: for_rule(std::integral_constant<int, kRuleDiff>{}); break;
     }
   });
 }

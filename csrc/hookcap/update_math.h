@@ -47,29 +47,48 @@ struct UpdateValue {
   double base;   // w before the step
 };
 
-// One element. w: the parameter after the step; g: its gradient (as the
-// optimizer found it, before `maximize`); a, b: the rule's state tensors.
-C10_HOST_DEVICE C10_ALWAYS_INLINE UpdateValue update_value(const UpdateRule& r, double w, double g,
-                                                           double a, double b) {
+// One element under rule kRule. w: the parameter after the step; g: its
+// gradient (as the optimizer found it, before `maximize`); a, b: the rule's
+// state tensors.
+template <int kRule>
+C10_HOST_DEVICE C10_ALWAYS_INLINE UpdateValue update_value_of(const UpdateRule& r, double w, double g,
+                                                              double a, double b) {
   const bool maximize = r.flags & kFlagMaximize;
   const double gs = maximize ? -g : g;  // the gradient the step descended
-  if (r.rule == kRuleDiff) return {w - a, a};
-  if (r.rule == kRuleSgd) {
+  if constexpr (kRule == kRuleDiff) {
+    return {w - a, a};
+  } else if constexpr (kRule == kRuleSgd) {
     // torch: d = g' (+ μ·buf, Nesterov) or buf, g' = ±g + wd·w₀; w = w₀ − lr·d.
     if ((r.flags & kFlagHasBuf) && !(r.flags & kFlagNesterov)) return {-r.lr * a, w + r.lr * a};
     const double c = gs + ((r.flags & kFlagNesterov) ? r.momentum * a : 0.0);
     const double w0 = (w + r.lr * c) / (1.0 - r.lr * r.wd);
     return {-r.lr * (c + r.wd * w0), w0};
+  } else {
+    // Adam: w = w₀·(1 − lr·wd if decoupled) − step_size·m / (√v / √(1 − β2^t) + ε).
+    const double denom = ::sqrt(b) / r.bc2_sqrt + r.eps;
+    const double adam = -r.step_size * (a / denom);
+    const bool decoupled = r.flags & kFlagDecoupled;
+    const double w0 = decoupled ? (w - adam) / (1.0 - r.lr * r.wd) : w - adam;
+    if constexpr (kRule == kRuleAdam) {
+      return {decoupled ? adam - r.lr * r.wd * w0 : adam, w0};
+    } else {
+      // The gradient the moments took: L2 weight decay (Adam's own) is part of it.
+      const double gm = decoupled ? gs : gs + r.wd * w0;
+      return {gm / denom, w0};
+    }
   }
-  // Adam: w = w₀·(1 − lr·wd if decoupled) − step_size·m / (√v / √(1 − β2^t) + ε).
-  const double denom = ::sqrt(b) / r.bc2_sqrt + r.eps;
-  const double adam = -r.step_size * (a / denom);
-  const bool decoupled = r.flags & kFlagDecoupled;
-  const double w0 = decoupled ? (w - adam) / (1.0 - r.lr * r.wd) : w - adam;
-  if (r.rule == kRuleAdam) return {decoupled ? adam - r.lr * r.wd * w0 : adam, w0};
-  // The gradient the moments took: L2 weight decay (Adam's own) is part of it.
-  const double gm = decoupled ? gs : gs + r.wd * w0;
-  return {gm / denom, w0};
+}
+
+// update_value_of for the rule in `r` (a branch per element: the CUDA kernel's
+// warps all take the same one; the CPU loop dispatches once per call).
+C10_HOST_DEVICE C10_ALWAYS_INLINE UpdateValue update_value(const UpdateRule& r, double w, double g,
+                                                           double a, double b) {
+  switch (r.rule) {
+    case kRuleSgd: return update_value_of<kRuleSgd>(r, w, g, a, b);
+    case kRuleAdam: return update_value_of<kRuleAdam>(r, w, g, a, b);
+    case kRuleAdamRatio: return update_value_of<kRuleAdamRatio>(r, w, g, a, b);
+    default: return update_value_of<kRuleDiff>(r, w, g, a, b);
+  }
 }
 
 }  // namespace hookcap
