@@ -13,7 +13,8 @@ AdamW (fused on CUDA, foreach on the CPU), with
 Configurations are timed round-robin (drift hits them alike); medians per step.
 Prints the time each adds over "step only" and their ratio.
 
-  PYTHONPATH=. python benchmarks/bench_update.py [--device cuda] [--layers N] [--json PATH]
+  PYTHONPATH=. python benchmarks/bench_update.py [--device cuda] [--layers N] [--histogram log2|none]
+      [--json PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=None, help="GPT-2 layers (default: 12 on CUDA, 2 on the CPU)")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--histogram", choices=["log2", "none"], default="log2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -50,7 +52,8 @@ def main() -> None:
     kw = {"fused": True} if dev.type == "cuda" else {"foreach": True}
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **kw)
     copies = [torch.empty_like(p) for p in params]
-    mon = hookcap.Monitor(model, capture="update", optimizer=opt, detectors=[])
+    hist = hookcap.Histogram.log2() if args.histogram == "log2" else None
+    mon = hookcap.Monitor(model, capture="update", optimizer=opt, detectors=[], histogram=hist)
 
     def sync():
         if dev.type == "cuda":
@@ -92,7 +95,7 @@ def main() -> None:
     machine = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine())
     print(f"GPT-2 {layers} layers, {len(params)} parameter tensors, {n_params / 1e6:.1f} M values, "
           f"{params[0].dtype}, AdamW {'fused' if 'fused' in kw else 'foreach'}, {dev.type} ({machine}), "
-          f"{args.rounds} rounds x {steps_per_round} steps")
+          f"{args.rounds} rounds x {steps_per_round} steps, histogram {args.histogram}")
     print("| config | ms per step | added over step only |")
     print("|---|---:|---:|")
     for k in configs:
@@ -101,7 +104,8 @@ def main() -> None:
     print(f"hookcap update adds {ratio:.2f} x what foreach_norm adds (which gives norms only)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": dev.type, "machine": machine, "layers": layers, "tensors": len(params),
+            json.dump({"device": dev.type, "histogram": args.histogram, "machine": machine, "layers": layers,
+                       "tensors": len(params),
                        "values": n_params, "median_ms": med, "added_ms": added, "ratio": ratio,
                        "torch": torch.__version__}, f, indent=1)
 

@@ -210,12 +210,15 @@ class OptimUpdates:
             return
         groups = {id(p): g for g in getattr(opt, "param_groups", ()) for p in g["params"]}
         mtype = type(opt).__name__
+        # One op call per (kind, rule, hyper-parameters): a parameter group's
+        # parameters, each with its rows; the loop over them runs in C++.
+        batches: dict[tuple, list] = {}
         with torch.no_grad():
             for pname, p in params:
                 if not fused:
                     if pname in self._copied:
-                        self.recorder.write_update(pname, "update", p, mtype, _RULE_DIFF, [0.0] * 8,
-                                                   None, self._copies[pname], None, None, base=True)
+                        batches.setdefault(("update", _RULE_DIFF, (0.0,) * 8), []).append(
+                            (pname, p, None, self._copies[pname], None, None))
                     continue
                 group = groups.get(id(p))
                 if group is None or p.grad is None:
@@ -228,5 +231,6 @@ class OptimUpdates:
                                                 f"hookcap: {pname}/{kind} not recorded: {call}")
                         continue
                     rule, hyper, grad, a, b, step = call
-                    self.recorder.write_update(pname, kind, p, mtype, rule, hyper, grad, a, b, step,
-                                               base=kind == "update")
+                    batches.setdefault((kind, rule, tuple(hyper)), []).append((pname, p, grad, a, b, step))
+            for (kind, rule, hyper), items in batches.items():
+                self.recorder.write_updates(kind, mtype, rule, list(hyper), items, base=kind == "update")

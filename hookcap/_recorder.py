@@ -31,6 +31,7 @@ CAPTURE_SKIP = ("first seen while a CUDA graph was being captured: its row canno
 _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
 _OP_UPDATE = torch.ops.hookcap.accumulate_update.default
+_OP_UPDATES = torch.ops.hookcap.accumulate_updates.default
 # The Recorders that record now (attached, not paused, a recorded step), by
 # id, as weak references: where hookcap.tap writes; empty, a tap returns at once.
 RECORDING: dict[int, weakref.ref] = {}
@@ -321,40 +322,59 @@ class Recorder:
             self._order[rid] = None
             self.fast.note_python_write()
 
-    def write_update(self, name, kind, p, mtype, rule, hyper, grad, a, b, step, base=False) -> None:
-        """The optimizer's step on parameter ``p`` (``hookcap._optim``) into the
-        row of ``(name, kind)``; with ``base``, ``p`` before the step into the
-        row of ``(name, kind, "base")``: one pass of ``accumulate_update``."""
-        orig = p
-        p, grad, a, b = (t if t is None or type(t) is torch.Tensor else plain_tensor(t) for t in (p, grad, a, b))
-        rids = []
-        for path in ("", "base") if base else ("",):
-            key = (name, kind, path, p.device, 0)
-            rid = self.rows.get(key)
-            if rid is None:
-                try:
-                    rid = self.register(key, p, mtype, placement=placement_of(kind, orig))
-                except Exception as e:  # telemetry must never take the run down
-                    self.skip_call(metric_name(name, kind, path), f"{type(e).__name__}: {e}")
-                    return
-                if rid == SKIPPED:
-                    return
-            rids.append(rid)
-        if len({ring_index_of(r) for r in rids}) != 1:  # one device, one ring: never seen
-            self.skip_call(metric_name(name, kind, ""), "its rows are in two rings")
-            return
-        ring = self.ring_of(rids[0])
-        try:
-            _OP_UPDATE(p, grad, a, b, step, hyper, rule,
-                       ring.ring, ring.state, row_of(rids[0]), row_of(rids[1]) if base else -1,
-                       *self.config.hist_args)
-        except Exception as e:  # telemetry must never take the run down
-            self.skip_call(metric_name(name, kind, ""), f"{type(e).__name__}: {e}")
-            return
-        for rid in rids:
-            if rid not in self._order:
-                self._order[rid] = None
-                self.fast.note_python_write()
+    def write_updates(self, kind, mtype, rule, hyper, items, base=False) -> None:
+        """The optimizer's step on each parameter of ``items`` = [(name, p,
+        grad, a, b, step)] (``hookcap._optim``; one rule and one set of
+        hyper-parameters) into the row of ``(name, kind)``; with ``base``, each
+        ``p`` before the step into the row of ``(name, kind, "base")``. One
+        ``accumulate_updates`` call per ring; where it fails, each parameter
+        alone (so one bad tensor skips only its own metric)."""
+        per_ring: dict[int, list] = {}
+        for name, p, grad, a, b, step in items:
+            orig = p
+            p, grad, a, b = (t if t is None or type(t) is torch.Tensor else plain_tensor(t.detach())
+                             for t in (p, grad, a, b))
+            rids = []
+            for path in ("", "base") if base else ("",):
+                key = (name, kind, path, p.device, 0)
+                rid = self.rows.get(key)
+                if rid is None:
+                    try:
+                        rid = self.register(key, p, mtype, placement=placement_of(kind, orig))
+                    except Exception as e:  # telemetry must never take the run down
+                        self.skip_call(metric_name(name, kind, path), f"{type(e).__name__}: {e}")
+                        rid = SKIPPED
+                    if rid == SKIPPED:
+                        break
+                rids.append(rid)
+            if len(rids) != (2 if base else 1):
+                continue
+            ring = ring_index_of(rids[0])
+            if base and ring_index_of(rids[1]) != ring:  # one device, one ring: never seen
+                self.skip_call(metric_name(name, kind, ""), "its rows are in two rings")
+                continue
+            per_ring.setdefault(ring, []).append((name, p, grad, a, b, step, rids))
+        for ring_i, batch in per_ring.items():
+            ring = self.ring_list[ring_i]
+            cols = list(zip(*batch))
+            rows = [row_of(r[0]) for r in cols[6]]
+            bases = [row_of(r[1]) if base else -1 for r in cols[6]]
+            try:
+                _OP_UPDATES(list(cols[1]), list(cols[2]), list(cols[3]), list(cols[4]), list(cols[5]), hyper, rule,
+                            ring.ring, ring.state, rows, bases, *self.config.hist_args)
+            except Exception:
+                for name, p, grad, a, b, step, rids in batch:
+                    try:
+                        _OP_UPDATE(p, grad, a, b, step, hyper, rule, ring.ring, ring.state, row_of(rids[0]),
+                                   row_of(rids[1]) if base else -1, *self.config.hist_args)
+                    except Exception as e:  # telemetry must never take the run down
+                        self.skip_call(metric_name(name, kind, ""), f"{type(e).__name__}: {e}")
+                        rids.clear()
+            for *_, rids in batch:
+                for rid in rids:
+                    if rid not in self._order:
+                        self._order[rid] = None
+                        self.fast.note_python_write()
 
     def capture_grad(self, name: str, path: str, t: torch.Tensor, mtype: str, ci: int) -> None:
         """Register ``t``'s gradient for its ``grad_output`` row through a C++

@@ -697,7 +697,10 @@ OPTIMIZER_STEPS = {  # each records "update" (and "adam_ratio" for Adam) with no
 def test_optimizer_updates_on_the_device(dev, which):
     """capture="update"/"adam_ratio" against Δw measured as w_after − w_before
     in float64 (norms to float32 rounding of the parameters), the step count
-    of capturable/fused Adam read on the device, no host sync."""
+    of capturable/fused Adam read on the device, no host sync. On CUDA, torch's
+    fused and capturable Adam compute their bias corrections in float32
+    (1 − 0.999f is 1.3e-5 off 1e-3), so the update they apply differs from the
+    step's formula, which hookcap recomputes in double, by up to ~7e-6 relative."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4)).to(dev)
     opt = OPTIMIZER_STEPS[which](model.parameters(), dev)
@@ -720,7 +723,8 @@ def test_optimizer_updates_on_the_device(dev, which):
             s, m = step, h.column(f"{n}/update")
             # w_after − w_before in float64 is the applied update to the parameters' rounding
             tol = 4 * 2.0 ** -24 * float(w0.abs().max()) * delta.numel() ** 0.5
-            assert abs(h["l2norm"][s, m] - float(delta.norm())) <= tol + 1e-6 * float(delta.norm())
+            rtol = 2e-5 if dev == "cuda" and which.startswith("adam") else 1e-6
+            assert abs(h["l2norm"][s, m] - float(delta.norm())) <= tol + rtol * float(delta.norm())
             assert h["count"][s, m] == delta.numel()
             np.testing.assert_allclose(h.update_ratio(n)[s], float(delta.norm() / w0.norm()), rtol=1e-3)
             if "adam_ratio" in kinds:

@@ -6,7 +6,8 @@
 // Parameters are read once per recorded step, so this kernel is simple
 // rather than tuned: double arithmetic per element (the values match a
 // float64 recomputation of the step), each warp's partial merged into the
-// ring by its lane 0, histogram counts in shared memory per block.
+// ring by its lane 0, histogram counts in shared memory per block, one
+// shared atomic per distinct bin of a warp.
 #pragma once
 
 #include "cuda/stats_kernel.cuh"
@@ -96,26 +97,43 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
     wide_init(wide[k]);
   }
   const double shift0 = s_shift[0], shift1 = nrows == 2 ? s_shift[1] : 0.0;
+  const int lane = tid % kWarpSize;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + tid; i < n; i += stride) {
-    const UpdateValue u = update_at(r, in, i);
+  // The same trip count for every thread (a multiple of the stride), so every
+  // lane of a warp reaches the warp-wide bin match together.
+  const int64_t end = (n + stride - 1) / stride * stride;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + tid; i < end; i += stride) {
+    const bool valid = i < n;
+    const UpdateValue u = valid ? update_at(r, in, i) : UpdateValue{0.0, 0.0};
     for (int k = 0; k < nrows; ++k) {
       const double v = k == 0 ? u.value : u.base;
-      acc_push_wide(acc[k], wide[k], v, k == 0 ? shift0 : shift1);
+      if (valid) {
+        // Values from narrower parameters are never wide (update_math.h's
+        // results of float inputs stay far inside double's squaring range).
+        if constexpr (std::is_same_v<T, double>) {
+          acc_push_wide(acc[k], wide[k], v, k == 0 ? shift0 : shift1);
+        } else {
+          acc_push(acc[k], v, k == 0 ? shift0 : shift1);
+        }
+      }
       if (nbins == 0) continue;
-      const int64_t bin = hist_bin(v, h);
-      if (bin < 0) continue;
+      const int bin = valid ? static_cast<int>(hist_bin(v, h)) : -1;
       if (local_hist) {
-        atomicAdd(s_hist + k * nbins + bin, 1u);
-      } else {
+        // Most values of a parameter's update share a few bins: one shared
+        // atomic per distinct bin of the warp, not one per value.
+        const unsigned peers = __match_any_sync(0xffffffffu, bin);
+        if (bin >= 0 && (peers & ((1u << lane) - 1u)) == 0u) atomicAdd(s_hist + k * nbins + bin, __popc(peers));
+      } else if (bin >= 0) {
         DeviceAtomics::add_i64(out[k] + kHeader + bin, 1);
       }
     }
   }
   for (int k = 0; k < nrows; ++k) {
-    wide_to_row<DeviceAtomics>(out[k], wide[k], 1);  // rare values: straight from their thread
+    if constexpr (std::is_same_v<T, double>) {
+      wide_to_row<DeviceAtomics>(out[k], wide[k], 1);  // rare values: straight from their thread
+    }
     warp_reduce(acc[k]);
-    if (tid % kWarpSize == 0) row_merge<DeviceAtomics>(out[k], acc[k]);
+    if (lane == 0) row_merge<DeviceAtomics>(out[k], acc[k]);
   }
   if (local_hist) {
     __syncthreads();

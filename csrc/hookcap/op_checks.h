@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymBool.h>
 #include <c10/core/SymInt.h>
+#include <ATen/core/List.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -217,6 +218,31 @@ inline double host_step(const c10::optional<at::Tensor>& step, c10::ArrayRef<dou
   if (!step.has_value() || !step->defined() || !step->is_cpu()) return hyper[kHypStep];
   return step->scalar_type() == at::kDouble ? *step->const_data_ptr<double>()
                                             : static_cast<double>(*step->const_data_ptr<float>());
+}
+
+// One parameter of an accumulate_updates call.
+struct UpdateArgs {
+  const at::Tensor& param;
+  c10::optional<at::Tensor> grad, a, b, step;
+  int64_t row, row_base;
+};
+
+// Calls fn(UpdateArgs) for each parameter of an accumulate_updates call,
+// after checking that every list has one entry per parameter.
+template <typename Fn>
+void for_each_update(at::TensorList params, const c10::List<c10::optional<at::Tensor>>& grads,
+                     const c10::List<c10::optional<at::Tensor>>& a,
+                     const c10::List<c10::optional<at::Tensor>>& b,
+                     const c10::List<c10::optional<at::Tensor>>& steps, c10::IntArrayRef rows,
+                     c10::IntArrayRef row_bases, Fn&& fn) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && a.size() == n && b.size() == n && steps.size() == n && rows.size() == n &&
+                  row_bases.size() == n,
+              "hookcap.accumulate_updates: grads, a, b, steps, rows and row_bases need one entry per "
+              "parameter (", n, ")");
+  for (size_t i = 0; i < n; ++i) {
+    fn(UpdateArgs{params[i], grads.get(i), a.get(i), b.get(i), steps.get(i), rows[i], row_bases[i]});
+  }
 }
 
 }  // namespace hookcap
