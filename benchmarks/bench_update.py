@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -34,6 +35,17 @@ from _gpt2 import GPT2Config, GPT2LMHeadModel  # noqa: E402
 import hookcap  # noqa: E402
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} CPUs"
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -41,6 +53,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--histogram", choices=["log2", "none"], default="log2")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="then 5 steps of 'hookcap update' under torch.profiler: where the time goes")
     args = ap.parse_args()
     dev = torch.device(args.device)
     layers = args.layers or (12 if dev.type == "cuda" else 2)
@@ -92,7 +106,7 @@ def main() -> None:
     base = med["step only"]
     added = {k: med[k] - base for k in configs if k != "step only"}
     n_params = sum(p.numel() for p in params)
-    machine = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine())
+    machine = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     print(f"GPT-2 {layers} layers, {len(params)} parameter tensors, {n_params / 1e6:.1f} M values, "
           f"{params[0].dtype}, AdamW {'fused' if 'fused' in kw else 'foreach'}, {dev.type} ({machine}), "
           f"{args.rounds} rounds x {steps_per_round} steps, histogram {args.histogram}")
@@ -102,6 +116,18 @@ def main() -> None:
         print(f"| {k} | {med[k]:.3f} | {'-' if k == 'step only' else f'{added[k]:+.3f} ms'} |")
     ratio = added["hookcap update"] / added["foreach_norm"] if added["foreach_norm"] > 0 else float("nan")
     print(f"hookcap update adds {ratio:.2f} x what foreach_norm adds (which gives norms only)")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        mon.attach()
+        with profile(activities=acts) as prof:
+            for _ in range(5):
+                step_hookcap()
+            sync()
+        mon.detach()
+        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=12))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev.type, "histogram": args.histogram, "machine": machine, "layers": layers,

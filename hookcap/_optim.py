@@ -92,57 +92,63 @@ def _sgd_foreach(group: dict) -> bool:
     return bool(foreach)
 
 
-def update_call(opt, group: dict, state: dict, p: torch.Tensor, kind: str):
-    """``(rule, hyper, grad, a, b, step)`` of the fused op for parameter ``p``
-    stepped by ``opt`` (an exact ``torch.optim.SGD``/``Adam``/``AdamW``), or
-    a reason string where this step cannot be recomputed."""
+def group_rule(opt, group: dict, kind: str):
+    """What the fused op needs of one parameter group for ``kind``, computed
+    once per group and step: ``(family, rule, hypers, key)`` (``hypers``: the
+    op's hyper lists by case, ``key``: the state key of the second moment or
+    the SGD options), or a reason string where the group's step cannot be
+    recomputed."""
     name = type(opt).__name__
     lr = _host_float(group["lr"])
     if lr is None:
         return f"{name}'s lr is a tensor on {group['lr'].device} (reading it would sync the host)"
     wd = float(group.get("weight_decay", 0.0))
     flags = _MAXIMIZE if group.get("maximize", False) else 0
-    grad = p.grad
-    if grad is not None and (grad.layout != torch.strided or grad.shape != p.shape):
-        return "its gradient is not a dense tensor of the parameter's shape"
     if name == "SGD":
         if kind == "adam_ratio":
             return "adam_ratio needs Adam or AdamW"
         mom = float(group.get("momentum", 0.0))
-        buf = state.get("momentum_buffer") if mom != 0 else None
-        if isinstance(buf, torch.Tensor):
-            flags |= _HAS_BUF
-        else:
-            buf = None
-        if group.get("nesterov", False):
-            flags |= _NESTEROV
-            if buf is not None and wd == 0 and not flags & _MAXIMIZE and _sgd_foreach(group):
-                # torch's foreach SGD adds μ·buf into .grad in place here: .grad holds the step's d
-                return _RULE_SGD, [lr, 0.0, mom, 0.0, 0.0, 0.0, float(_HAS_BUF), 0.0], None, grad, None, None
-        if buf is not None and not flags & _NESTEROV:
-            grad = None  # Δw = −lr·buf: the gradient is not read
-        elif grad is None:
-            return "it has no gradient"
-        return _RULE_SGD, [lr, wd, mom, 0.0, 0.0, 0.0, float(flags), 0.0], grad, buf, None, None
+        nesterov = bool(group.get("nesterov", False))
+        flags |= _NESTEROV if nesterov else 0
+        # torch's foreach SGD adds μ·buf into .grad in place here: .grad holds the step's d
+        grad_is_d = nesterov and wd == 0 and not flags & _MAXIMIZE and _sgd_foreach(group)
+        hypers = {
+            "grad": (lr, wd, mom, 0.0, 0.0, 0.0, float(flags), 0.0),
+            "buf": (lr, wd, mom, 0.0, 0.0, 0.0, float(flags | _HAS_BUF), 0.0),
+            "d": (lr, 0.0, mom, 0.0, 0.0, 0.0, float(_HAS_BUF), 0.0),
+        }
+        return "sgd", _RULE_SGD, hypers, (mom != 0, nesterov, grad_is_d)
     betas = [_host_float(b) for b in group["betas"]]
     if None in betas:
         return f"{name}'s betas are tensors on a device (reading them would sync the host)"
     if group.get("decoupled_weight_decay", name == "AdamW"):
         flags |= _DECOUPLED
-    m = state.get("exp_avg")
-    v = state.get("max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq")
-    step = state.get("step")
+    rule = _RULE_ADAM_RATIO if kind == "adam_ratio" else _RULE_ADAM
+    hyper = (lr, wd, 0.0, betas[0], betas[1], float(group["eps"]), float(flags), 0.0)
+    return "adam", rule, {"adam": hyper}, ("max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq")
+
+
+def param_call(g: tuple, state: dict, p: torch.Tensor, ratio: bool):
+    """``(hyper, grad, a, b, step)`` of the fused op for parameter ``p`` of a
+    group whose :func:`group_rule` is ``g``, or a reason string. The step
+    count goes as its tensor (the op reads a CPU one on the host, a GPU one
+    in the kernel: no sync)."""
+    family, _, hypers, key = g
+    grad = p.grad
+    if family == "sgd":
+        momentum, nesterov, grad_is_d = key
+        buf = state.get("momentum_buffer") if momentum else None
+        if type(buf) is not torch.Tensor:
+            return hypers["grad"], grad, None, None, None
+        if nesterov and grad_is_d:
+            return hypers["d"], None, grad, None, None
+        return hypers["buf"], (grad if nesterov else None), buf, None, None  # Δw = −lr·buf: no gradient read
+    m, v, step = state.get("exp_avg"), state.get(key), state.get("step")
     if m is None or v is None or step is None:
         return "it has no Adam state yet"
-    if kind != "adam_ratio":
-        grad = None  # Δw needs only the moments
-    elif grad is None:
-        return "it has no gradient"
-    rule = _RULE_ADAM_RATIO if kind == "adam_ratio" else _RULE_ADAM
-    host_step = float(step) if not isinstance(step, torch.Tensor) else 0.0
-    step_t = step if isinstance(step, torch.Tensor) else None
-    return (rule, [lr, wd, 0.0, betas[0], betas[1], float(group["eps"]), float(flags), host_step],
-            grad, m, v, step_t)
+    if isinstance(step, torch.Tensor):
+        return hypers["adam"], (grad if ratio else None), m, v, step
+    return hypers["adam"][:7] + (float(step),), (grad if ratio else None), m, v, None
 
 
 class OptimUpdates:
@@ -208,29 +214,32 @@ class OptimUpdates:
                     "steps hookcap recomputes; its updates need Monitor(update_snapshot=True) (one copy of the "
                     "watched parameters), adam_ratio needs Adam or AdamW: nothing recorded"))
             return
-        groups = {id(p): g for g in getattr(opt, "param_groups", ()) for p in g["params"]}
         mtype = type(opt).__name__
         # One op call per (kind, rule, hyper-parameters): a parameter group's
         # parameters, each with its rows; the loop over them runs in C++.
         batches: dict[tuple, list] = {}
         with torch.no_grad():
-            for pname, p in params:
-                if not fused:
+            if not fused:
+                for pname, p in params:
                     if pname in self._copied:
                         batches.setdefault(("update", _RULE_DIFF, (0.0,) * 8), []).append(
                             (pname, p, None, self._copies[pname], None, None))
-                    continue
-                group = groups.get(id(p))
-                if group is None or p.grad is None:
-                    continue  # not stepped by this optimizer at this step
-                st = opt.state.get(p, {})
-                for kind in self.kinds:
-                    call = update_call(opt, group, st, p, kind)
-                    if isinstance(call, str):
-                        self.recorder.warn_once(("update", pname, kind),
-                                                f"hookcap: {pname}/{kind} not recorded: {call}")
-                        continue
-                    rule, hyper, grad, a, b, step = call
-                    batches.setdefault((kind, rule, tuple(hyper)), []).append((pname, p, grad, a, b, step))
+            else:
+                names = {id(p): pname for pname, p in params}
+                for group in opt.param_groups:
+                    rules = {kind: group_rule(opt, group, kind) for kind in self.kinds}
+                    for p in group["params"]:
+                        pname = names.get(id(p))
+                        if pname is None or p.grad is None:
+                            continue  # not watched, or not stepped by the optimizer at this step
+                        st = opt.state.get(p, {})
+                        for kind, g in rules.items():
+                            call = g if isinstance(g, str) else param_call(g, st, p, kind == "adam_ratio")
+                            if isinstance(call, str):
+                                self.recorder.warn_once(("update", pname, kind),
+                                                        f"hookcap: {pname}/{kind} not recorded: {call}")
+                                continue
+                            hyper, grad, a, b, step = call
+                            batches.setdefault((kind, g[1], hyper), []).append((pname, p, grad, a, b, step))
             for (kind, rule, hyper), items in batches.items():
                 self.recorder.write_updates(kind, mtype, rule, list(hyper), items, base=kind == "update")

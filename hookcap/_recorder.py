@@ -332,15 +332,16 @@ class Recorder:
         per_ring: dict[int, list] = {}
         for name, p, grad, a, b, step in items:
             orig = p
-            p, grad, a, b = (t if t is None or type(t) is torch.Tensor else plain_tensor(t.detach())
-                             for t in (p, grad, a, b))
+            if not (type(p) is nn.Parameter or type(p) is torch.Tensor):  # a DTensor's: its local shard
+                p, grad, a, b = (t if t is None or type(t) is torch.Tensor else plain_tensor(t.detach())
+                                 for t in (p, grad, a, b))
             rids = []
             for path in ("", "base") if base else ("",):
                 key = (name, kind, path, p.device, 0)
                 rid = self.rows.get(key)
                 if rid is None:
                     try:
-                        rid = self.register(key, p, mtype, placement=placement_of(kind, orig))
+                        rid = self.register(key, p.detach(), mtype, placement=placement_of(kind, orig))
                     except Exception as e:  # telemetry must never take the run down
                         self.skip_call(metric_name(name, kind, path), f"{type(e).__name__}: {e}")
                         rid = SKIPPED

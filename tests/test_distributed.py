@@ -245,7 +245,7 @@ def _update_worker(rank, world, store, out, fsdp):
     else:
         wrapped = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, weight_decay=0.1)
-    mon = Monitor(model, capture=("update", "adam_ratio"), optimizer=opt).attach()
+    mon = Monitor(model, capture=("update", "adam_ratio", "optim_state"), optimizer=opt).attach()
     deltas = []
     full = (lambda p: p.full_tensor()) if fsdp else (lambda p: p)
     for x in batches():
@@ -262,7 +262,7 @@ def _update_worker(rank, world, store, out, fsdp):
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_updates_of_replicated_and_sharded_parameters(tmp_path, fsdp):
-    """capture="update"/"adam_ratio" under DDP (replicated: counted once in the
+    """capture="update"/"adam_ratio"/"optim_state" under DDP (replicated: counted once in the
     merged history, each rank's own equal) and FSDP2 (each rank's shard; merged:
     the whole parameter): norms and counts of Δw against w_after − w_before of
     the whole parameter in float64."""
@@ -284,6 +284,7 @@ def test_updates_of_replicated_and_sharded_parameters(tmp_path, fsdp):
                     assert abs(h["l2norm"][s, c] - float(delta.norm())) <= tol + 1e-6 * float(delta.norm())
                     np.testing.assert_allclose(h.update_ratio(name)[s], float(delta.norm() / w0.norm()), rtol=1e-3)
                     assert h["count"][s, h.column(f"{name}/adam_ratio")] == delta.numel()
+                    assert h["count"][s, h.column(f"{name}/state.exp_avg_sq")] == delta.numel()
 
 
 # --------------------------------------------------------------------------- rank_sinks

@@ -384,9 +384,11 @@ void accumulate_update_cuda(const at::Tensor& param, const c10::optional<at::Ten
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "hookcap_update_cuda", [&] {
     const kernels::UpdateInputs<scalar_t> in{param.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(grad),
                                              data_or_null<scalar_t>(a), data_or_null<scalar_t>(b)};
-    launch_smem("hookcap.accumulate_update", &kernels::update_kernel<scalar_t>, dim3(blocks), dim3(kThreads),
-                static_cast<size_t>(smem), stream, in, n, r, step_f, step_d, ring.data_ptr<int64_t>(),
-                state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2), row, row_base, h);
+    launch_smem("hookcap.accumulate_update",
+                row_base >= 0 ? &kernels::update_kernel<scalar_t, 2> : &kernels::update_kernel<scalar_t, 1>,
+                dim3(blocks), dim3(kThreads), static_cast<size_t>(smem), stream, in, n, r, step_f, step_d,
+                ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
+                ring.size(2), row, row_base, h);
   });
   seal_ring_write(device, stream);
 }

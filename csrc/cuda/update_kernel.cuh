@@ -51,7 +51,9 @@ inline int64_t update_smem_bytes(int64_t nbins, bool two_rows) {
 // step_f / step_d: the optimizer's step count on the device (Adam with
 // capturable or fused), read here so the host never syncs; both null: `r`
 // carries the bias corrections already.
-template <typename T>
+// kRows: 2 with the parameter before the step (row_base), else 1; a
+// template argument so that every per-row array stays in registers.
+template <typename T, int kRows>
 __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, int64_t n, UpdateRule r,
                                                           const float* step_f, const double* step_d,
                                                           int64_t* ring, const int64_t* state, int64_t slots,
@@ -63,9 +65,9 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
   if (step_f != nullptr) update_set_step(r, static_cast<double>(*step_f));
   if (step_d != nullptr) update_set_step(r, *step_d);
   if (HOOKCAP_EMU_FAULT(update_bias)) r.step_size = r.lr;  // the harness's planted bug: no bias correction
-  const int nrows = row_base >= 0 ? 2 : 1;
+  constexpr int nrows = kRows;
   int64_t* out[2] = {ring + (slot * rows + row) * width,
-                     row_base >= 0 ? ring + (slot * rows + row_base) * width : nullptr};
+                     kRows == 2 ? ring + (slot * rows + row_base) * width : nullptr};
   unsigned char* smem = dynamic_smem();
   double* s_shift = reinterpret_cast<double*>(smem);
   const int64_t nbins = h.kind == kHistNone ? 0 : h.nbins;
@@ -73,7 +75,8 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
   unsigned int* s_hist = reinterpret_cast<unsigned int*>(smem + 16);
   const int tid = static_cast<int>(threadIdx.x);
   if (tid == 0) {
-    for (int k = 0; k < nrows; ++k) {
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
       if (blockIdx.x == 0) {
         DeviceAtomics::add_i64(out[k] + kCount, n);
         DeviceAtomics::add_i64(out[k] + kCalls, 1);
@@ -90,9 +93,10 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
     for (int64_t i = tid; i < nrows * nbins; i += kThreads) s_hist[i] = 0u;
   }
   __syncthreads();
-  Acc acc[2];
-  WideAcc wide[2];
-  for (int k = 0; k < 2; ++k) {
+  Acc acc[kRows];
+  WideAcc wide[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
     acc_init(acc[k]);
     wide_init(wide[k]);
   }
@@ -105,7 +109,8 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + tid; i < end; i += stride) {
     const bool valid = i < n;
     const UpdateValue u = valid ? update_at(r, in, i) : UpdateValue{0.0, 0.0};
-    for (int k = 0; k < nrows; ++k) {
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
       const double v = k == 0 ? u.value : u.base;
       if (valid) {
         // Values from narrower parameters are never wide (update_math.h's
@@ -128,7 +133,8 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
       }
     }
   }
-  for (int k = 0; k < nrows; ++k) {
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
     if constexpr (std::is_same_v<T, double>) {
       wide_to_row<DeviceAtomics>(out[k], wide[k], 1);  // rare values: straight from their thread
     }

@@ -37,8 +37,9 @@ void update(const hookcap::kernels::UpdateInputs<T>& in, int64_t n, const hookca
             const float* step_f, const double* step_d, int64_t* ring, const int64_t* state, int64_t slots,
             int64_t rows, int64_t width, int64_t row, int64_t row_base, const HistSpec& h, dim3 grid, dim3 block) {
   const int64_t smem = hookcap::kernels::update_smem_bytes(h.kind == hookcap::kHistNone ? 0 : h.nbins, row_base >= 0);
-  emu::launch(hookcap::kernels::update_kernel<T>, grid, block, static_cast<size_t>(smem), in, n, r, step_f,
-              step_d, ring, state, slots, rows, width, row, row_base, h);
+  emu::launch(row_base >= 0 ? hookcap::kernels::update_kernel<T, 2> : hookcap::kernels::update_kernel<T, 1>, grid,
+              block, static_cast<size_t>(smem), in, n, r, step_f, step_d, ring, state, slots, rows, width, row,
+              row_base, h);
 }
 
 // reset_slot launches reset_rows_kernel over every row, as the launcher does.
