@@ -18,7 +18,7 @@ from . import _compile, _portable
 from ._config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example_names, metric_name,
                       parametrization_internals)
 from ._follow import ModelWatch, watched_params
-from ._optim import OptimState, OptimUpdates, innermost_optimizer
+from ._optim import OptimState, OptimUpdates, after_optimizer_step, before_optimizer_step
 from ._park import HookPark
 from ._recorder import Recorder, placement_of
 from ._timing import Timing, inplace_grad_node
@@ -59,51 +59,6 @@ def _by_mode(train, ev):
     return hook
 
 
-class _StepWrapper:
-    """The handle of an optimizer whose ``step`` is wrapped (it has no
-    ``register_step_post_hook``): ``remove()`` restores it."""
-
-    def __init__(self, optimizer, after_step):
-        self.optimizer = optimizer
-        self._own = vars(optimizer).get("step")  # an instance attribute to put back, if any
-        inner = optimizer.step
-
-        @functools.wraps(inner)
-        def step(*args, **kwargs):
-            out = inner(*args, **kwargs)
-            after_step()
-            return out
-
-        optimizer.step = step
-
-    def remove(self) -> None:
-        if self._own is not None:
-            self.optimizer.step = self._own
-        else:
-            vars(self.optimizer).pop("step", None)
-
-
-def before_optimizer_step(optimizer, fn):
-    """Call ``fn()`` before each step of ``optimizer`` (or of the optimizer it
-    wraps); returns a handle with ``remove()``, or None where the optimizer
-    has no step pre-hooks."""
-    opt = innermost_optimizer(optimizer)
-    if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
-        return opt.register_step_pre_hook(lambda *a, **k: fn())
-    return None
-
-
-def after_optimizer_step(optimizer, fn):
-    """Call ``fn()`` after each step of ``optimizer`` (or of the optimizer it
-    wraps); returns a handle with ``remove()``."""
-    opt = innermost_optimizer(optimizer)
-    if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_post_hooks"):
-        return opt.register_step_post_hook(lambda *a, **k: fn())
-    if not callable(getattr(opt, "step", None)):
-        raise ValueError(f"optimizer: {type(optimizer).__name__} has no step() to follow")
-    return _StepWrapper(opt, fn)
-
-
 class Hooks:
     """All hooks of one Monitor. ``handles`` removes them; ``park`` holds
     those parked on off-steps; ``park_ok`` turns False for good once dynamo
@@ -116,6 +71,7 @@ class Hooks:
         self.optim_state = OptimState(recorder, optimizer) if "optim_state" in config.capture else None
         kinds = tuple(k for k in ("update", "adam_ratio") if k in config.capture)
         self.updates = OptimUpdates(recorder, optimizer, kinds, config.update_snapshot) if kinds else None
+        self.optimizer_followed = False  # follow_optimizer(): the optimizer's own hooks record its kinds
         self.key = _compile.register(self)
         self.handles: list = []
         # Module hooks leave during off-steps (every > 1) for nn.Module's fast
@@ -197,17 +153,43 @@ class Hooks:
             self.park.park()
 
     def record_params(self) -> None:
-        """``param``: each watched parameter's values, at ``step()``; and the
-        reduced gradients not recorded at an optimizer pre-step yet."""
+        """``param``: each watched parameter's values, at ``step()``; the
+        optimizer's kinds (unless a followed optimizer's own post-step hook
+        records them); and the reduced gradients not recorded at an optimizer
+        pre-step yet."""
         if "param" in self.config.capture:
             with torch.no_grad():
                 for pname, p in self.params:
                     self.recorder.write(pname, "param", "", p.detach(), "Parameter", 0)
+        if not self.optimizer_followed:
+            self.record_optimizer()
+        self.record_reduced_grads(at_step=True)
+
+    def record_optimizer(self) -> None:
+        """``optim_state``, ``update`` and ``adam_ratio``: right after the optimizer's step."""
+        if not self.recorder.recording:
+            return
         if self.optim_state is not None:
             self.optim_state.record(self.params)
         if self.updates is not None:
             self.updates.record(self.params)
-        self.record_reduced_grads(at_step=True)
+
+    def follow_optimizer(self, optimizer) -> None:
+        """For callbacks that step the Monitor themselves (HF, Lightning): the
+        optimizer kinds read ``optimizer``, recorded by its own step hooks
+        right after its step (before ``zero_grad`` and the learning-rate
+        scheduler), not at ``step()``. Once; removed with the other hooks."""
+        if self.optimizer_followed or (self.optim_state is None and self.updates is None):
+            return
+        for part in (self.optim_state, self.updates):
+            if part is not None:
+                part.optimizer = optimizer
+        self.optimizer_followed = True
+        self.handles.append(after_optimizer_step(optimizer, self.record_optimizer))
+        if self.updates is not None and self.updates.snapshot:
+            pre = before_optimizer_step(optimizer, lambda: self.updates.before_step(self.params))
+            if pre is not None:
+                self.handles.append(pre)
 
     @property
     def wants_pre_step(self) -> bool:

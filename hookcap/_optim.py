@@ -4,6 +4,7 @@ parameter's optimizer state after the step)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -28,6 +29,51 @@ def innermost_optimizer(optimizer):
             break
         optimizer = inner
     return optimizer
+
+
+class _StepWrapper:
+    """The handle of an optimizer whose ``step`` is wrapped (it has no
+    ``register_step_post_hook``): ``remove()`` restores it."""
+
+    def __init__(self, optimizer, after_step):
+        self.optimizer = optimizer
+        self._own = vars(optimizer).get("step")  # an instance attribute to put back, if any
+        inner = optimizer.step
+
+        @functools.wraps(inner)
+        def step(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            after_step()
+            return out
+
+        optimizer.step = step
+
+    def remove(self) -> None:
+        if self._own is not None:
+            self.optimizer.step = self._own
+        else:
+            vars(self.optimizer).pop("step", None)
+
+
+def before_optimizer_step(optimizer, fn):
+    """Call ``fn()`` before each step of ``optimizer`` (or of the optimizer it
+    wraps); returns a handle with ``remove()``, or None where the optimizer
+    has no step pre-hooks."""
+    opt = innermost_optimizer(optimizer)
+    if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
+        return opt.register_step_pre_hook(lambda *a, **k: fn())
+    return None
+
+
+def after_optimizer_step(optimizer, fn):
+    """Call ``fn()`` after each step of ``optimizer`` (or of the optimizer it
+    wraps); returns a handle with ``remove()``."""
+    opt = innermost_optimizer(optimizer)
+    if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_post_hooks"):
+        return opt.register_step_post_hook(lambda *a, **k: fn())
+    if not callable(getattr(opt, "step", None)):
+        raise ValueError(f"optimizer: {type(optimizer).__name__} has no step() to follow")
+    return _StepWrapper(opt, fn)
 
 
 class OptimState:

@@ -21,7 +21,8 @@ from ._config import CAPTURE_KINDS, DEFAULT_CAPACITY, DEFAULT_HISTOGRAM, RANK_SI
 from ._consumers import Consumers, Sinks, check_on_anomaly
 from ._drain import Drain
 from ._exit import ExitDump
-from ._hooks import Hooks, after_optimizer_step, before_optimizer_step, innermost_optimizer
+from ._hooks import Hooks
+from ._optim import after_optimizer_step, before_optimizer_step, innermost_optimizer
 from ._ranks import RankMerger
 from ._recorder import Recorder
 from .anomaly import AnomalyError
@@ -31,9 +32,8 @@ from .history import History
 __all__ = ["CAPTURE_KINDS", "RANK_HANDSHAKE_TIMEOUT_S", "RANK_MERGE_EVERY", "RANK_SINKS", "ROOT_NAME",
            "Monitor"]
 
-# How long a multi-rank Monitor with rank_sinks="merged" waits, once at its
-# first step(), for every rank's Monitor to answer before it falls back to
-# per-rank sinks. Read at that step().
+# How long a multi-rank Monitor with rank_sinks="merged" waits, once at its first step()
+# (read then), for every rank's Monitor to answer before it falls back to per-rank sinks.
 RANK_HANDSHAKE_TIMEOUT_S = 60.0
 # rank_sinks="merged" merges the pending steps across ranks at every
 # RANK_MERGE_EVERY-th step() (and at detach()): fewer, larger collectives
@@ -61,10 +61,9 @@ class Monitor:
             parameters' ``.grad`` before the optimizer steps, after DDP's
             reduction: pass ``optimizer``, or call ``step()`` before
             ``zero_grad()``; DTensor shards as they accumulate), ``"optim_state"``
-            (``optimizer``'s state tensors after its step: ``{param}/state.{key}``),
-            ``"update"`` (``Δw`` of the optimizer's step: ``{param}/update``, and
-            ``w`` before it: ``{param}/update.base``), ``"adam_ratio"``
-            (``g / (√v̂ + ε)`` of an Adam step): see docs/monitor.md.
+            (``optimizer``'s state tensors after its step: ``{param}/state.{key}``), ``"update"``
+            (``Δw`` of its step: ``{param}/update``; ``w`` before it: ``{param}/update.base``),
+            ``"adam_ratio"`` (``g / (√v̂ + ε)`` of an Adam step): see docs/monitor.md.
         histogram: ``Histogram.log2()`` (default), ``Histogram.linear(...)`` or None.
         capacity: how much history the host keeps: a size in bytes (``"256MiB"``,
             ``"512MB"``, ``"2GiB"``; the default) or a number of recorded steps.
@@ -140,9 +139,8 @@ class Monitor:
             ``with mon.paused():`` to leave them out.
         start_step: the number of the first step (a resumed run; see also
             :meth:`state_dict`).
-        update_snapshot: ``"update"`` for optimizers other than SGD, Adam and
-            AdamW: a copy of each watched parameter, allocated once, taken
-            before the optimizer's step on recorded steps (memory: one copy).
+        update_snapshot: ``"update"`` for optimizers other than SGD, Adam and AdamW: a
+            copy of the watched parameters before each recorded step (memory: one copy).
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -360,10 +358,12 @@ class Monitor:
         if anomaly is not None:
             raise AnomalyError(anomaly)
 
-    def _before_optimizer_step(self) -> None:
-        """For callbacks that see the optimizer's step coming (HF, Lightning):
-        param_grad of replicated parameters from ``.grad`` now, reduced; update copies."""
+    def _before_optimizer_step(self, optimizer=None) -> None:
+        """For callbacks that see the optimizer's step coming (HF, Lightning): ``optimizer``
+        feeds the optimizer kinds (hooks.follow_optimizer); reduced param_grad; update copies."""
         if self._attached:
+            if optimizer is not None:
+                self._hooks.follow_optimizer(optimizer)
             self._hooks.before_optimizer_step()
 
     @contextlib.contextmanager

@@ -320,3 +320,72 @@ def test_accelerate_optimizer_drives_step(caplog):
         assert len(seen[s]) == 2
         assert_recorded(h, s, "0/output", seen[s])
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def assert_updates(h, steps, deltas):
+    """``{param}/update`` l2norm at each step against w_after − w_before in float64."""
+    for step in steps:
+        for name, (delta, w0) in deltas[step].items():
+            c = h.column(f"{name}/update")
+            tol = 4 * 2.0 ** -24 * float(w0.abs().max()) * delta.numel() ** 0.5 + 1e-6 * float(delta.norm())
+            assert abs(h["l2norm"][h.steps.tolist().index(step), c] - float(delta.norm())) <= tol, (step, name)
+
+
+class Deltas(transformers.TrainerCallback):
+    """Each optimizer step's w_after − w_before, by the step the Trainer numbers."""
+
+    def __init__(self):
+        self.deltas, self._before = {}, None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+        self._before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+
+    def on_optimizer_step(self, args, state, control, model=None, **kw):
+        self.deltas[state.global_step + 1] = {n: (p.detach().double() - self._before[n], self._before[n])
+                                              for n, p in model.named_parameters()}
+
+
+def test_hf_trainer_records_optimizer_updates_and_state(tmp_path):
+    """The callback hands the Trainer's optimizer to the Monitor: update and
+    optim_state are recorded right after each optimizer step (before
+    zero_grad and the scheduler), numbered like the logged loss."""
+    model = tiny_llama()
+    cb = HFCallback(capture=("update", "optim_state"))
+    deltas = Deltas()
+    trainer = trainer_for(model, tmp_path, [deltas, cb], max_steps=3)
+    trainer.train()
+    h = cb.monitor.history()
+    assert h.steps.tolist() == [1, 2, 3]
+    assert_updates(h, (1, 2, 3), deltas.deltas)
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    p = dict(model.named_parameters())["model.embed_tokens.weight"]
+    assert_recorded(h, 3, "model.embed_tokens.weight/state.exp_avg_sq", [opt.state[p]["exp_avg_sq"]])
+
+
+def test_lightning_records_optimizer_updates(tmp_path):
+    """As for the HF Trainer: the optimizer from on_before_optimizer_step, its
+    update recorded right after its step, numbered as Lightning logs."""
+    pl, module = lightning_module()
+    from hookcap.integrations.lightning import HookcapCallback
+
+    deltas = {}
+
+    class Deltas(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.before = {n: p.detach().double().clone() for n, p in pl_module.named_parameters()}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step - 1 not in deltas and trainer.global_step > 0 and hasattr(self, "before"):
+                deltas[trainer.global_step - 1] = {n: (p.detach().double() - self.before[n], self.before[n])
+                                                   for n, p in pl_module.named_parameters()}
+
+    cb = HookcapCallback(capture=("output", "update"))
+    trainer = pl.Trainer(max_steps=3, accumulate_grad_batches=2, num_sanity_val_steps=0, limit_val_batches=0,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", default_root_dir=str(tmp_path),
+                         callbacks=[Deltas(), cb])
+    trainer.fit(module, loaders()[0])
+    h = cb.monitor.history()
+    assert h.steps.tolist() == [0, 1, 2]
+    assert sorted(deltas) == [0, 1, 2]
+    assert_updates(h, (0, 1, 2), deltas)

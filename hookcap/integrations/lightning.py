@@ -74,7 +74,7 @@ class HookcapCallback(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # Under DDP, param_grad is .grad as the optimizer sees it (reduced).
         if self.monitor is not None:
-            self.monitor._before_optimizer_step()
+            self.monitor._before_optimizer_step(optimizer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         mon = self.monitor

@@ -86,10 +86,12 @@ class HookcapCallback(TrainerCallback):
             log.warning("hookcap: resuming without %s: the files written from now on hold the steps "
                         "from %d on", earlier, state.global_step + 1)
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        # Under DDP, param_grad is .grad as the optimizer sees it (reduced).
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        # Under DDP, param_grad is .grad as the optimizer sees it (reduced). The
+        # optimizer kinds are recorded by the optimizer's own post-step hook,
+        # before zero_grad() and the scheduler's step.
         if self.monitor is not None:
-            self.monitor._before_optimizer_step()
+            self.monitor._before_optimizer_step(optimizer)
 
     def on_step_end(self, args, state, control, **kwargs):
         # The Trainer evaluates and saves after this, at the same global_step:
