@@ -115,19 +115,6 @@ void accumulate_update_meta(const at::Tensor& param, const c10::optional<at::Ten
   check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
 }
 
-void accumulate_updates_meta(at::TensorList params, const c10::List<c10::optional<at::Tensor>>& grads,
-                             const c10::List<c10::optional<at::Tensor>>& a,
-                             const c10::List<c10::optional<at::Tensor>>& b,
-                             const c10::List<c10::optional<at::Tensor>>& steps, c10::ArrayRef<double> hyper,
-                             int64_t rule, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
-                             c10::IntArrayRef row_bases, int64_t hist_kind, double hist_lo, double hist_hi,
-                             int64_t hist_bins) {
-  for_each_update(params, grads, a, b, steps, rows, row_bases, [&](const UpdateArgs& u) {
-    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.row, u.row_base);
-  });
-  check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
-}
-
 void reset_slot_meta(at::Tensor& ring, const at::Tensor& state) { check_ring_state(ring, state); }
 
 void reset_rows_meta(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_t end) {
@@ -195,7 +182,7 @@ TORCH_LIBRARY(hookcap, m) {
 TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("accumulate", &accumulate_meta);
   m.impl("accumulate_update", &accumulate_update_meta);
-  m.impl("accumulate_updates", &accumulate_updates_meta);
+  m.impl("accumulate_updates", &accumulate_updates_each<&accumulate_update_meta>);
   m.impl("reset_slot", &reset_slot_meta);
   m.impl("reset_rows", &reset_rows_meta);
   m.impl("advance", &advance_meta);

@@ -283,3 +283,49 @@ def test_op_rejects_mismatched_state():
                                             ring, state, 0, -1, 0, 0.0, 0.0, 0)
     with pytest.raises(RuntimeError, match="rule 1 needs exp_avg"):
         torch.ops.hookcap.accumulate_update(w, None, None, None, None, hyper, 1, ring, state, 0, -1, 0, 0.0, 0.0, 0)
+
+
+def test_no_host_read_on_the_update_path(monkeypatch):
+    """The recording after the step reads no tensor value on the host (no
+    .item(), .cpu(), .tolist(), float() or bool() of a tensor): the same path
+    runs on CUDA, where any of them would sync."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True, foreach=True)
+    mon = Monitor(model, capture=("update", "adam_ratio", "optim_state"), optimizer=opt).attach()
+    model(torch.randn(5, 7)).pow(2).mean().backward()
+    opt.step()  # records step 0 (rows made)
+    model(torch.randn(5, 7)).pow(2).mean().backward()
+    opt.step.__self__._optimizer_step_post_hooks.clear()  # run the recording by hand below
+    opt.step()
+
+    def refuse(*a, **k):
+        raise AssertionError("a tensor value was read on the host")
+
+    for name in ("item", "cpu", "tolist", "__float__", "__bool__", "__int__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    mon._hooks.record_optimizer()
+    monkeypatch.undo()
+    mon._hooks.optimizer_followed = True  # recorded above: not again at step()
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    assert h["count"][1, h.column("0.weight/update")] == 7 * 16
+    assert h["count"][1, h.column("0.weight/adam_ratio")] == 7 * 16
+
+
+def test_paused_records_no_update():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with Monitor(model, capture="update", optimizer=opt) as mon:
+        for i in range(3):
+            model(torch.randn(5, 7)).pow(2).mean().backward()
+            if i == 1:
+                with mon.paused():
+                    opt.step()
+            else:
+                opt.step()
+            opt.zero_grad()
+    h = mon.history()
+    col = h.column("0.weight/update")
+    assert not np.isnan(h["count"][h.steps.tolist().index(0), col])
+    assert 1 not in h.steps.tolist() or np.isnan(h["count"][h.steps.tolist().index(1), col])

@@ -88,28 +88,11 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
   });
 }
 
-void accumulate_updates_cpu(at::TensorList params, const c10::List<c10::optional<at::Tensor>>& grads,
-                            const c10::List<c10::optional<at::Tensor>>& a,
-                            const c10::List<c10::optional<at::Tensor>>& b,
-                            const c10::List<c10::optional<at::Tensor>>& steps, c10::ArrayRef<double> hyper,
-                            int64_t rule, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
-                            c10::IntArrayRef row_bases, int64_t hist_kind, double hist_lo, double hist_hi,
-                            int64_t hist_bins) {
-  // Every parameter checked before any is written: a call fails whole or not at all.
-  for_each_update(params, grads, a, b, steps, rows, row_bases, [&](const UpdateArgs& u) {
-    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.row, u.row_base);
-  });
-  for_each_update(params, grads, a, b, steps, rows, row_bases, [&](const UpdateArgs& u) {
-    accumulate_update_cpu(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.row, u.row_base,
-                          hist_kind, hist_lo, hist_hi, hist_bins);
-  });
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("accumulate_update", &accumulate_update_cpu);
-  m.impl("accumulate_updates", &accumulate_updates_cpu);
+  m.impl("accumulate_updates", &accumulate_updates_each<&accumulate_update_cpu>);
 }
 
 }  // namespace hookcap

@@ -393,23 +393,6 @@ void accumulate_update_cuda(const at::Tensor& param, const c10::optional<at::Ten
   seal_ring_write(device, stream);
 }
 
-void accumulate_updates_cuda(at::TensorList params, const c10::List<c10::optional<at::Tensor>>& grads,
-                             const c10::List<c10::optional<at::Tensor>>& a,
-                             const c10::List<c10::optional<at::Tensor>>& b,
-                             const c10::List<c10::optional<at::Tensor>>& steps, c10::ArrayRef<double> hyper,
-                             int64_t rule, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
-                             c10::IntArrayRef row_bases, int64_t hist_kind, double hist_lo, double hist_hi,
-                             int64_t hist_bins) {
-  // Every parameter checked before any is written: a call fails whole or not at all.
-  for_each_update(params, grads, a, b, steps, rows, row_bases, [&](const UpdateArgs& u) {
-    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.row, u.row_base);
-  });
-  for_each_update(params, grads, a, b, steps, rows, row_bases, [&](const UpdateArgs& u) {
-    accumulate_update_cuda(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.row, u.row_base,
-                           hist_kind, hist_lo, hist_hi, hist_bins);
-  });
-}
-
 // Blocks of kThreads for a reset of `words` ring words: one word per thread
 // up to 1,024 blocks (a slot of thousands of metrics), then a grid-stride loop.
 int64_t reset_blocks(int64_t words) {
@@ -479,7 +462,7 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate", &accumulate_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);
-  m.impl("accumulate_updates", &accumulate_updates_cuda);
+  m.impl("accumulate_updates", &accumulate_updates_each<&accumulate_update_cuda>);
   m.impl("reset_slot", &reset_slot_cuda);
   m.impl("reset_rows", &reset_rows_cuda);
   m.impl("advance", &advance_cuda);

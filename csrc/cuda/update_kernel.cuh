@@ -5,9 +5,9 @@
 //
 // Parameters are read once per recorded step, so this kernel is simple
 // rather than tuned: double arithmetic per element (the values match a
-// float64 recomputation of the step), each warp's partial merged into the
-// ring by its lane 0, histogram counts in shared memory per block, one
-// shared atomic per distinct bin of a warp.
+// float64 recomputation of the step), one merge into the ring per block,
+// histogram counts in shared memory per block, one shared atomic per
+// distinct bin of a warp.
 #pragma once
 
 #include "cuda/stats_kernel.cuh"
@@ -42,10 +42,15 @@ __device__ __forceinline__ UpdateValue update_at(const UpdateRule& r, const Upda
 // Shared-memory histogram counters per row (more bins count straight into the ring).
 constexpr int64_t kUpdateSmemBins = 2048;
 
-// Dynamic shared memory: the rows' shifts, then (local_hist) their counters.
+// Dynamic shared memory: the rows' shifts, each warp's partial per row,
+// then (local_hist) the rows' counters.
+C10_HOST_DEVICE constexpr int64_t update_acc_offset() { return 16; }
+C10_HOST_DEVICE constexpr int64_t update_hist_offset(int64_t rows) {
+  return update_acc_offset() + kWarps * rows * static_cast<int64_t>(sizeof(Acc));
+}
 inline int64_t update_smem_bytes(int64_t nbins, bool two_rows) {
   const int64_t rows = two_rows ? 2 : 1;
-  return 16 + (nbins > 0 && nbins <= kUpdateSmemBins ? rows * nbins * 4 : 0);
+  return update_hist_offset(rows) + (nbins > 0 && nbins <= kUpdateSmemBins ? rows * nbins * 4 : 0);
 }
 
 // step_f / step_d: the optimizer's step count on the device (Adam with
@@ -72,7 +77,8 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
   double* s_shift = reinterpret_cast<double*>(smem);
   const int64_t nbins = h.kind == kHistNone ? 0 : h.nbins;
   const bool local_hist = nbins > 0 && nbins <= kUpdateSmemBins;
-  unsigned int* s_hist = reinterpret_cast<unsigned int*>(smem + 16);
+  Acc* s_acc = reinterpret_cast<Acc*>(smem + update_acc_offset());
+  unsigned int* s_hist = reinterpret_cast<unsigned int*>(smem + update_hist_offset(kRows));
   const int tid = static_cast<int>(threadIdx.x);
   if (tid == 0) {
 #pragma unroll
@@ -133,16 +139,31 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
       }
     }
   }
+  // One merge into the ring per block and row: warps, then warp 0 over the warps.
+  const int warp = tid / kWarpSize;
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     if constexpr (std::is_same_v<T, double>) {
       wide_to_row<DeviceAtomics>(out[k], wide[k], 1);  // rare values: straight from their thread
     }
     warp_reduce(acc[k]);
-    if (lane == 0) row_merge<DeviceAtomics>(out[k], acc[k]);
+    if (lane == 0) s_acc[warp * kRows + k] = acc[k];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int k = 0; k < kRows; ++k) {
+      Acc a;
+      if (lane < kWarps) {
+        a = s_acc[lane * kRows + k];
+      } else {
+        acc_init(a);
+      }
+      warp_reduce(a);
+      if (lane == 0) row_merge<DeviceAtomics>(out[k], a);
+    }
   }
   if (local_hist) {
-    __syncthreads();
     for (int64_t i = tid; i < nrows * nbins; i += kThreads) {
       if (s_hist[i] != 0u) DeviceAtomics::add_i64(out[i / nbins] + kHeader + i % nbins, s_hist[i]);
     }
