@@ -79,3 +79,22 @@ def test_opcheck_record_and_its_effect():
     with pytest.raises(RuntimeError, match="no ring"):
         torch.ops.hookcap.record(torch.randn(2), rec.fast.id, 5 << 32)
     mon.detach()
+
+
+def test_opcheck_update_ops():
+    """accumulate_update and its list form (every rule's inputs; a CPU step tensor)."""
+    w = torch.randn(6, 5)
+    m, v, g = torch.randn(6, 5) * 0.1, torch.rand(6, 5) * 1e-3, torch.randn(6, 5)
+    adam = [1e-3, 0.01, 0.0, 0.9, 0.999, 1e-8, 4.0, 0.0]
+    sgd = [0.1, 0.01, 0.9, 0.0, 0.0, 0.0, 9.0, 0.0]
+    op, ops = torch.ops.hookcap.accumulate_update.default, torch.ops.hookcap.accumulate_updates.default
+    for h in (H, None):
+        hist = h.op_args() if h else (0, 0.0, 0.0, 0)
+        torch.library.opcheck(op, (w, None, m, v, torch.tensor(3.0), adam, 1, ring_for(h), new_state("cpu"), 0, 1)
+                              + hist)
+        torch.library.opcheck(op, (w, g, m, v, torch.tensor(3.0), adam, 2, ring_for(h), new_state("cpu"), 2, -1)
+                              + hist)
+        torch.library.opcheck(ops, ([w, w[:2]], [g, g[:2]], [m, m[:2]], [None, None], [None, None], sgd, 0,
+                                    ring_for(h), new_state("cpu"), [0, 1], [2, -1]) + hist)
+    with pytest.raises(RuntimeError, match="one entry per parameter"):
+        ops([w], [g, g], [m], [None], [None], sgd, 0, ring_for(None), new_state("cpu"), [0], [2], 0, 0.0, 0.0, 0)
