@@ -208,7 +208,8 @@ class OptimUpdates:
     For ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (every option, foreach
     and fused) they are recomputed element by element from the parameter,
     its gradient and the optimizer's state after the step, in one pass of
-    the ``accumulate_update`` op: no copy, no update tensor, no host sync.
+    the ``accumulate_updates`` op per parameter group: no copy, no update
+    tensor, no host sync.
     Other optimizers' updates need ``Monitor(update_snapshot=True)``: a copy
     of each watched parameter, allocated once and refreshed before the
     optimizer's step on recorded steps only; without it they are skipped with
