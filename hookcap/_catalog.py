@@ -7,6 +7,26 @@ from __future__ import annotations
 import numpy as np
 
 
+class UpdateBases:
+    """Of an append-only list of metric names: for each ``{param}/update``
+    metric the index of its ``{param}/update.base``, -1 for every other
+    metric (``capture="update"``'s ratio). Recomputed only when the list has
+    grown, so reading it each step costs nothing."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self._n = -1
+        self._bases = np.empty(0, dtype=np.int64)
+
+    def __call__(self) -> np.ndarray:
+        if len(self.names) != self._n:
+            base = {n: i for i, n in enumerate(self.names) if n.endswith("/update.base")}
+            self._bases = np.array([base.get(n + ".base", -1) if n.endswith("/update") else -1
+                                    for n in self.names], dtype=np.int64)
+            self._n = len(self.names)
+        return self._bases
+
+
 class Catalog:
     """``names[i]`` is metric ``i`` (first-execution order); ``metas[name]``
     its ``module_type``/``kind``/``shape``/``dtype`` as first seen;
@@ -22,6 +42,7 @@ class Catalog:
         self._timed_index: dict[str, int] = {}
         self._time_of_metric = np.empty(0, dtype=np.int64)
         self._time_of_metric_key = (0, 0)
+        self.update_bases = UpdateBases(self.names)
 
     def index(self, metric: str) -> int | None:
         return self._index.get(metric)

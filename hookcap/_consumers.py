@@ -113,7 +113,7 @@ class Consumers:
         quiet = not sinks and all(type(d) is NonFinite for d in self.detectors) and not rec.any_nonfinite()
         if (self.detectors or sinks) and not quiet:
             drained = DrainedStep(rec, self.catalog.names, self.catalog.metas, self.config.histogram,
-                                  self.ranks.rank)
+                                  self.ranks.rank, self.catalog.update_bases())
             for det in self.detectors:
                 for a in as_anomalies(det(drained)):
                     self._report(a)

@@ -116,7 +116,7 @@ class OptimState:
 
 _RULE_SGD, _RULE_ADAM, _RULE_ADAM_RATIO, _RULE_DIFF = 0, 1, 2, 3  # csrc/hookcap/update_math.h
 _NESTEROV, _MAXIMIZE, _DECOUPLED, _HAS_BUF = 1, 2, 4, 8
-_FUSED_TYPES = ("SGD", "Adam", "AdamW")  # exact classes: a subclass may step differently
+_RECOMPUTED = ("SGD", "Adam", "AdamW")  # exact classes: a subclass may step differently
 
 
 def _host_float(v):
@@ -228,8 +228,9 @@ class OptimUpdates:
         self._copies: dict[str, torch.Tensor] = {}
         self._copied: set[str] = set()
 
-    def _fused(self, opt) -> bool:
-        return isinstance(opt, torch.optim.Optimizer) and type(opt).__name__ in _FUSED_TYPES and \
+    def _recomputes(self, opt) -> bool:
+        """Whether the op recomputes ``opt``'s step (torch's own SGD, Adam, AdamW)."""
+        return isinstance(opt, torch.optim.Optimizer) and type(opt).__name__ in _RECOMPUTED and \
             type(opt).__module__.startswith("torch.optim")
 
     def before_step(self, params: list[tuple[str, torch.Tensor]]) -> None:
@@ -239,7 +240,7 @@ class OptimUpdates:
         if not (self.snapshot and "update" in self.kinds and self.recorder.recording):
             return
         opt = innermost_optimizer(self.optimizer)
-        if self._fused(opt):
+        if self._recomputes(opt):
             return
         with torch.no_grad():
             for pname, p in params:
@@ -253,8 +254,8 @@ class OptimUpdates:
         if self.optimizer is None:
             return
         opt = innermost_optimizer(self.optimizer)
-        fused = self._fused(opt)
-        if not fused and not self._copied:
+        recomputed = self._recomputes(opt)
+        if not recomputed and not self._copied:
             if not self.snapshot or "update" not in self.kinds:
                 self.recorder.warn_once(("update", type(opt).__name__), (
                     f"hookcap: capture {self.kinds!r}: {type(opt).__name__} is not SGD, Adam or AdamW, whose "
@@ -266,7 +267,7 @@ class OptimUpdates:
         # parameters, each with its rows; the loop over them runs in C++.
         batches: dict[tuple, list] = {}
         with torch.no_grad():
-            if not fused:
+            if not recomputed:
                 for pname, p in params:
                     if pname in self._copied:
                         batches.setdefault(("update", _RULE_DIFF, (0.0,) * 8), []).append(

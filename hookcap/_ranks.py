@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from ._catalog import Catalog
+from ._catalog import Catalog, UpdateBases
 from ._config import Config
 from ._record import StepRecord
 from .drained import DrainedStep
@@ -37,6 +37,7 @@ class RankMerger:
         self._group = None  # the gloo group of merged rank_sinks
         self._pending: list[StepRecord] = []  # completed records not merged yet
         self._names: list[str] = []  # union of all ranks' metric names (same on every rank)
+        self._update_bases = UpdateBases(self._names)
         self._metas: dict = {}
         self._names_sent = 0  # own metric names already sent to the other ranks
 
@@ -147,7 +148,8 @@ class RankMerger:
         recs = merge_records(due, names, histogram, self._names, steps, group, replicated_names(self._metas))
         if self.rank == 0:
             for rec in recs:
-                self.sinks.write(DrainedStep(rec, self._names, self._metas, histogram))
+                self.sinks.write(DrainedStep(rec, self._names, self._metas, histogram,
+                                             update_bases=self._update_bases()))
 
     def _unmerge(self, why: str) -> None:
         """Every rank at once (decided from the same gathered data): stop
@@ -158,5 +160,5 @@ class RankMerger:
         pending, self._pending = self._pending, []
         for rec in pending:
             self.sinks.write(DrainedStep(rec, self.catalog.names, self.catalog.metas,
-                                         self.config.histogram, self.rank))
+                                         self.config.histogram, self.rank, self.catalog.update_bases()))
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import _compile
 from ._catalog import Catalog
-from ._config import SLOTS, Config, metric_name
+from ._config import PARAM_KINDS, SLOTS, Config, metric_name
 from ._fastpath import NO_ROW, FastPath, ring_index_of, row_id, row_of
 from ._ring import UNNAMED, DeviceRing, capturing
 
@@ -51,7 +51,7 @@ def placement_of(kind: str, t) -> str:
     multi-rank run: DDP, HSDP's replicate dimension: the same tensor on every
     rank, counted once) or ``"per_rank"`` (activations and their gradients:
     each rank's own data, summed)."""
-    if kind not in ("param", "param_grad", "optim_state", "update", "adam_ratio"):
+    if kind not in PARAM_KINDS:
         return "per_rank"
     if callable(getattr(t, "to_local", None)):
         return "sharded"

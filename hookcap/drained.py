@@ -6,20 +6,8 @@ import numpy as np
 
 from . import _layout
 from .histogram import Histogram
+from ._catalog import UpdateBases
 from ._record import StepRecord
-
-
-def update_ratios(names: list[str], l2norm: np.ndarray) -> np.ndarray:
-    """``‖Δw‖ / ‖w_before‖`` at each ``{param}/update`` metric whose
-    ``{param}/update.base`` is in the same step; NaN at every other metric."""
-    out = np.full(len(names), np.nan)
-    index = {n: i for i, n in enumerate(names) if n.endswith("/update") or n.endswith("/update.base")}
-    for n, i in index.items():
-        j = index.get(n + ".base")
-        if j is not None:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                out[i] = l2norm[i] / l2norm[j]
-    return out
 
 
 class DrainedStep:
@@ -45,7 +33,8 @@ class DrainedStep:
     """
 
     def __init__(self, rec: StepRecord, all_names: list[str], metas: dict,
-                 histogram: Histogram | None, rank: int | None = None):
+                 histogram: Histogram | None, rank: int | None = None,
+                 update_bases: np.ndarray | None = None):
         self.step = rec.step
         self.rank = rank
         # Execution order first; metrics written but missing from the order
@@ -69,7 +58,19 @@ class DrainedStep:
             np.zeros((0, _layout.HEADER), dtype=np.int64))
         t = rec.time_ns[rows] / 1e6 if rec.time_ns is not None else np.full((len(rows), 2), np.nan)
         self.stats["fwd_ms"], self.stats["bwd_ms"] = t[:, 0], t[:, 1]
-        self.stats["update_ratio"] = update_ratios(self.names, self.stats["l2norm"])
+        # update_ratio: each {param}/update's l2norm over its {param}/update.base's, where
+        # both are in this step (update_bases: _catalog.UpdateBases, indexed by metric).
+        bases = UpdateBases(all_names)() if update_bases is None else update_bases
+        local = np.full(len(bases), -1, dtype=np.int64)
+        local[ordered] = np.arange(len(ordered))
+        j = local[bases[ordered]]
+        j[bases[ordered] < 0] = -1
+        has = j >= 0
+        l2 = self.stats["l2norm"]
+        ratio = np.full(len(ordered), np.nan)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio[has] = l2[has] / l2[j[has]]
+        self.stats["update_ratio"] = ratio
         self.histogram_spec = histogram
         self.metas = metas
         # Per call of each module, in execution order (a module called twice

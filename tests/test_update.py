@@ -329,3 +329,27 @@ def test_paused_records_no_update():
     col = h.column("0.weight/update")
     assert not np.isnan(h["count"][h.steps.tolist().index(0), col])
     assert 1 not in h.steps.tolist() or np.isnan(h["count"][h.steps.tolist().index(1), col])
+
+
+def test_drained_steps_carry_the_update_ratio():
+    """DrainedStep.stats["update_ratio"]: History.update_ratio at each
+    {param}/update metric, NaN at every other metric."""
+    from hookcap.sinks import Callback
+
+    got = []
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with Monitor(model, capture=("output", "update"), optimizer=opt, sinks=[Callback(got.append)]) as mon:
+        for _ in range(3):
+            model(torch.randn(5, 7)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    h = mon.history()
+    assert [d.step for d in got] == [0, 1, 2]
+    for d in got:
+        for i, name in enumerate(d.names):
+            r = d.stats["update_ratio"][i]
+            if name.endswith("/update"):
+                assert r == h.update_ratio(name[:-len("/update")])[d.step] and np.isfinite(r)
+            else:
+                assert np.isnan(r)
