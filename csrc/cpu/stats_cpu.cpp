@@ -714,14 +714,6 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   wide_to_row<HostAtomics>(row, wtotal, mult);
 }
 
-// The slot named by a CPU state, checked against the ring's slot count.
-int64_t state_slot(const at::Tensor& ring, const int64_t* st) {
-  const int64_t slot = st[kStateSlot];
-  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
-              " out of range for ", ring.size(0), " slots");
-  return slot;
-}
-
 void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
                     int64_t row_index, int64_t hist_kind, double hist_lo, double hist_hi,
                     int64_t hist_bins) {
@@ -824,6 +816,13 @@ void time_mark_cpu(at::Tensor& ring, const at::Tensor& state, int64_t row, int64
 }
 
 }  // namespace
+
+int64_t state_slot(const at::Tensor& ring, const int64_t* st) {
+  const int64_t slot = st[kStateSlot];
+  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
+              " out of range for ", ring.size(0), " slots");
+  return slot;
+}
 
 void accumulate_doubles_cpu(const double* x, int64_t n, int64_t* row, const HistSpec& h) {
   if (n == 0) return;

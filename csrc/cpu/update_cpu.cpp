@@ -21,11 +21,6 @@ namespace {
 // 2 x 32 KB on the stack; at least the loop's size for a local histogram.
 constexpr int64_t kUpdateBlock = 4096;
 
-template <typename T>
-const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->const_data_ptr<T>() : nullptr;
-}
-
 void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                            const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
                            const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
@@ -36,9 +31,7 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
   const int64_t* st = state.data_ptr<int64_t>();
   if (st[kStateEnabled] == 0) return;
-  const int64_t slot = st[kStateSlot];
-  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot, " out of range for ",
-              ring.size(0), " slots");
+  const int64_t slot = state_slot(ring, st);
   auto row_ptr = [&](int64_t r) {
     return ring.data_ptr<int64_t>() + (slot * ring.size(1) + r) * ring.size(2);
   };
@@ -53,9 +46,9 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
   const UpdateRule rule_c = make_update_rule(rule, hyper, host_step(step, hyper));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "hookcap_update_cpu", [&] {
     const scalar_t* w = param.const_data_ptr<scalar_t>();
-    const scalar_t* g = ptr_or_null<scalar_t>(grad);
-    const scalar_t* pa = ptr_or_null<scalar_t>(a);
-    const scalar_t* pb = ptr_or_null<scalar_t>(b);
+    const scalar_t* g = data_or_null<scalar_t>(grad);
+    const scalar_t* pa = data_or_null<scalar_t>(a);
+    const scalar_t* pb = data_or_null<scalar_t>(b);
     auto for_rule = [&](auto rule_tag) {
       constexpr int kRule = decltype(rule_tag)::value;
       // Blocks in parallel: their rows merge by atomics, so the double sums'

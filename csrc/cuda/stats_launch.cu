@@ -355,11 +355,6 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   seal_ring_write(device, stream);
 }
 
-template <typename T>
-const T* data_or_null(const c10::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->const_data_ptr<T>() : nullptr;
-}
-
 void accumulate_update_cuda(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                             const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
                             const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
@@ -374,10 +369,7 @@ void accumulate_update_cuda(const at::Tensor& param, const c10::optional<at::Ten
   note_capture(stream, ring.data_ptr());
   const int64_t n = param.numel();
   // A step count on the device (capturable / fused Adam) is read by the kernel: no sync.
-  const bool dev_step = step.has_value() && step->defined() && !step->is_cpu();
-  const float* step_f = dev_step && step->scalar_type() == at::kFloat ? step->const_data_ptr<float>() : nullptr;
-  const double* step_d = dev_step && step->scalar_type() == at::kDouble ? step->const_data_ptr<double>() : nullptr;
-  const UpdateRule r = make_update_rule(rule, hyper, dev_step ? 1.0 : host_step(step, hyper));
+  const UpdateLaunch u = update_launch(rule, hyper, step, step.has_value() && step->defined() && !step->is_cpu());
   const int64_t want = (n + kThreads * kPerThread - 1) / (kThreads * kPerThread);
   const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(device)));
   const int64_t smem = kernels::update_smem_bytes(h.kind == kHistNone ? 0 : h.nbins, row_base >= 0);
@@ -386,7 +378,7 @@ void accumulate_update_cuda(const at::Tensor& param, const c10::optional<at::Ten
                                              data_or_null<scalar_t>(a), data_or_null<scalar_t>(b)};
     launch_smem("hookcap.accumulate_update",
                 row_base >= 0 ? &kernels::update_kernel<scalar_t, 2> : &kernels::update_kernel<scalar_t, 1>,
-                dim3(blocks), dim3(kThreads), static_cast<size_t>(smem), stream, in, n, r, step_f, step_d,
+                dim3(blocks), dim3(kThreads), static_cast<size_t>(smem), stream, in, n, u.rule, u.step_f, u.step_d,
                 ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
                 ring.size(2), row, row_base, h);
   });

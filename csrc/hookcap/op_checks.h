@@ -220,6 +220,29 @@ inline double host_step(const c10::optional<at::Tensor>& step, c10::ArrayRef<dou
                                             : static_cast<double>(*step->const_data_ptr<float>());
 }
 
+// A tensor's data, or null for an absent optional tensor.
+template <typename T>
+const T* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->const_data_ptr<T>() : nullptr;
+}
+
+// What a kernel launch of accumulate_update needs of the step count: the
+// rule, with the bias corrections of a step the host can read, and the
+// pointer of a step count the kernel reads instead (`on_device`: capturable
+// or fused Adam's, on the GPU; then the host never reads it).
+struct UpdateLaunch {
+  UpdateRule rule;
+  const float* step_f;
+  const double* step_d;
+};
+inline UpdateLaunch update_launch(int64_t rule, c10::ArrayRef<double> hyper,
+                                  const c10::optional<at::Tensor>& step, bool on_device) {
+  const bool dev = on_device && step.has_value() && step->defined();
+  return {make_update_rule(rule, hyper, dev ? 1.0 : host_step(step, hyper)),
+          dev && step->scalar_type() == at::kFloat ? step->const_data_ptr<float>() : nullptr,
+          dev && step->scalar_type() == at::kDouble ? step->const_data_ptr<double>() : nullptr};
+}
+
 // One parameter of an accumulate_updates call.
 struct UpdateArgs {
   const at::Tensor& param;

@@ -110,11 +110,6 @@ std::tuple<at::Tensor, at::Tensor, bool> linear_bins(double lo, double hi, int64
   return {got, want, kernels::linear_float_ok(h)};
 }
 
-template <typename T>
-const T* data_or_null(const c10::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->const_data_ptr<T>() : nullptr;
-}
-
 // update_kernel as accumulate_update_cuda launches it. step_on_device: the
 // kernel reads `step` (capturable / fused Adam) instead of the host.
 void accumulate_update(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
@@ -126,16 +121,13 @@ void accumulate_update(const at::Tensor& param, const c10::optional<at::Tensor>&
   check_update(param, grad, a, b, step, hyper, rule, ring, state, row, row_base);
   check_cpu(param);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
-  const bool dev_step = step_on_device && step.has_value() && step->defined();
-  const float* step_f = dev_step && step->scalar_type() == at::kFloat ? step->const_data_ptr<float>() : nullptr;
-  const double* step_d = dev_step && step->scalar_type() == at::kDouble ? step->const_data_ptr<double>() : nullptr;
-  const UpdateRule r = make_update_rule(rule, hyper, dev_step ? 1.0 : host_step(step, hyper));
+  const UpdateLaunch u = update_launch(rule, hyper, step, step_on_device);
   const dim3 g = dim(grid, "grid"), bl = dim(block, "block");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "hookcap_emu_update", [&] {
     const kernels::UpdateInputs<scalar_t> in{param.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(grad),
                                              data_or_null<scalar_t>(a), data_or_null<scalar_t>(b)};
     py::gil_scoped_release nogil;
-    hookcap_emu::update<scalar_t>(in, param.numel(), r, step_f, step_d, ring.data_ptr<int64_t>(),
+    hookcap_emu::update<scalar_t>(in, param.numel(), u.rule, u.step_f, u.step_d, ring.data_ptr<int64_t>(),
                                   state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2),
                                   row, row_base, h, g, bl);
   });
