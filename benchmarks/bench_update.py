@@ -1,20 +1,26 @@
-"""Cost of recording the optimizer's update per parameter, side by side in one
-process: GPT-2's parameters (benchmarks/_gpt2.py; 148 tensors) stepped by
-AdamW (fused on CUDA, foreach on the CPU), with
+"""Cost of recording the optimizer's update, Adam's ratio and state per
+parameter, side by side in one process: GPT-2's parameters
+(benchmarks/_gpt2.py; 148 tensors) stepped by AdamW (fused on CUDA, foreach on
+the CPU), with
 
   step only        opt.step()
-  hookcap update   + Monitor(capture="update") recording every step: the fused op
-                     (norm, extrema, counts, log2 histogram of Δw and of w_before),
-                     no copy, no host sync
-  foreach_norm     + what a peer does: copy the parameters before the step
+  hookcap          + Monitor(capture=KINDS) recording every step (default: update,
+                     optim_state, adam_ratio): the fused op (norm, extrema, counts,
+                     log2 histogram of Δw, w_before, g/(√v̂+ε), exp_avg and
+                     exp_avg_sq), one pass, no copy, no host sync
+  foreach_norm     + the peers' cheapest way to one norm per tensor of the same
+                     quantities: copy the parameters before the step
                      (torch._foreach_copy_ into buffers allocated once), then
-                     torch._foreach_sub and torch._foreach_norm after it (norms only)
+                     torch._foreach_sub and torch._foreach_norm of Δw (update);
+                     torch._foreach_norm of exp_avg and exp_avg_sq (optim_state);
+                     the ratio made with foreach ops, then its torch._foreach_norm
+                     (adam_ratio). Norms only.
 
 Configurations are timed round-robin (drift hits them alike); medians per step.
 Prints the time each adds over "step only" and their ratio.
 
   PYTHONPATH=. python benchmarks/bench_update.py [--device cuda] [--layers N] [--histogram log2|none]
-      [--json PATH]
+      [--capture update,optim_state,adam_ratio] [--json PATH]
 """
 
 from __future__ import annotations
@@ -52,9 +58,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="GPT-2 layers (default: 12 on CUDA, 2 on the CPU)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--histogram", choices=["log2", "none"], default="log2")
+    ap.add_argument("--capture", default="update,optim_state,adam_ratio",
+                    help="comma-separated kinds among update, optim_state, adam_ratio")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
-                    help="then 5 steps of 'hookcap update' under torch.profiler: where the time goes")
+                    help="then 5 steps of 'hookcap' under torch.profiler: where the time goes")
     args = ap.parse_args()
     dev = torch.device(args.device)
     layers = args.layers or (12 if dev.type == "cuda" else 2)
@@ -67,7 +75,15 @@ def main() -> None:
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, **kw)
     copies = [torch.empty_like(p) for p in params]
     hist = hookcap.Histogram.log2() if args.histogram == "log2" else None
-    mon = hookcap.Monitor(model, capture="update", optimizer=opt, detectors=[], histogram=hist)
+    kinds = tuple(k.strip() for k in args.capture.split(",") if k.strip())
+    bad = set(kinds) - {"update", "optim_state", "adam_ratio"}
+    if bad or not kinds:
+        ap.error(f"--capture: kinds among update, optim_state, adam_ratio, got {args.capture!r}")
+    mon = hookcap.Monitor(model, capture=kinds, optimizer=opt, detectors=[], histogram=hist)
+    beta1, beta2 = opt.param_groups[0]["betas"]
+    eps = opt.param_groups[0]["eps"]
+    steps_taken = [0]  # the peer's own step count on the host (Adam's may be on the device)
+    opt.register_step_post_hook(lambda *a: steps_taken.__setitem__(0, steps_taken[0] + 1))
 
     def sync():
         if dev.type == "cuda":
@@ -80,17 +96,30 @@ def main() -> None:
         opt.step()  # the Monitor's step() follows as the optimizer's post-hook
 
     def step_foreach_norm():
-        torch._foreach_copy_(copies, params)
+        if "update" in kinds:
+            torch._foreach_copy_(copies, params)
         opt.step()
-        diffs = torch._foreach_sub(params, copies)
-        return torch._foreach_norm(diffs)
+        norms = []
+        if "update" in kinds:
+            norms += torch._foreach_norm(torch._foreach_sub(params, copies))
+        states = [opt.state[p] for p in params]
+        if "optim_state" in kinds:
+            norms += torch._foreach_norm([s["exp_avg"] for s in states])
+            norms += torch._foreach_norm([s["exp_avg_sq"] for s in states])
+        if "adam_ratio" in kinds:
+            t = steps_taken[0]
+            denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+            torch._foreach_div_(denom, (1 - beta2 ** t) ** 0.5)
+            torch._foreach_add_(denom, eps)
+            norms += torch._foreach_norm(torch._foreach_div([p.grad for p in params], denom))
+        return norms
 
-    configs = {"step only": step_only, "hookcap update": step_hookcap, "foreach_norm": step_foreach_norm}
+    configs = {"step only": step_only, "hookcap": step_hookcap, "foreach_norm": step_foreach_norm}
     times = {k: [] for k in configs}
     steps_per_round = 5
     for rnd in range(args.rounds + 2):
         for name, fn in configs.items():
-            if name == "hookcap update":
+            if name == "hookcap":
                 mon.attach()
             sync()
             t = time.perf_counter()
@@ -98,7 +127,7 @@ def main() -> None:
                 fn()
             sync()
             dt = (time.perf_counter() - t) / steps_per_round * 1e3
-            if name == "hookcap update":
+            if name == "hookcap":
                 mon.detach()
             if rnd >= 2:  # warm-up rounds
                 times[name].append(dt)
@@ -109,13 +138,13 @@ def main() -> None:
     machine = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     print(f"GPT-2 {layers} layers, {len(params)} parameter tensors, {n_params / 1e6:.1f} M values, "
           f"{params[0].dtype}, AdamW {'fused' if 'fused' in kw else 'foreach'}, {dev.type} ({machine}), "
-          f"{args.rounds} rounds x {steps_per_round} steps, histogram {args.histogram}")
+          f"{args.rounds} rounds x {steps_per_round} steps, histogram {args.histogram}, capture {','.join(kinds)}")
     print("| config | ms per step | added over step only |")
     print("|---|---:|---:|")
     for k in configs:
         print(f"| {k} | {med[k]:.3f} | {'-' if k == 'step only' else f'{added[k]:+.3f} ms'} |")
-    ratio = added["hookcap update"] / added["foreach_norm"] if added["foreach_norm"] > 0 else float("nan")
-    print(f"hookcap update adds {ratio:.2f} x what foreach_norm adds (which gives norms only)")
+    ratio = added["hookcap"] / added["foreach_norm"] if added["foreach_norm"] > 0 else float("nan")
+    print(f"hookcap adds {ratio:.2f} x what foreach_norm adds (which gives norms only)")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -130,7 +159,8 @@ def main() -> None:
         print(prof.key_averages().table(sort_by=key, row_limit=12))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": dev.type, "histogram": args.histogram, "machine": machine, "layers": layers,
+            json.dump({"device": dev.type, "histogram": args.histogram, "capture": list(kinds), "machine": machine,
+                       "layers": layers,
                        "tensors": len(params),
                        "values": n_params, "median_ms": med, "added_ms": added, "ratio": ratio,
                        "torch": torch.__version__}, f, indent=1)

@@ -108,10 +108,9 @@ void accumulate_meta(const at::Tensor& x, at::Tensor& ring, const at::Tensor& st
 void accumulate_update_meta(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                             const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
                             const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
-                            int64_t rule, at::Tensor& ring, const at::Tensor& state, int64_t row,
-                            int64_t row_base, int64_t hist_kind, double hist_lo, double hist_hi,
-                            int64_t hist_bins) {
-  check_update(param, grad, a, b, step, hyper, rule, ring, state, row, row_base);
+                            int64_t rule, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
+                            int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
+  check_update(param, grad, a, b, step, hyper, rule, ring, state, rows);
   check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
 }
 
@@ -157,17 +156,18 @@ TORCH_LIBRARY(hookcap, m) {
       "accumulate(Tensor x, Tensor(a!) ring, Tensor state, int row, int hist_kind, "
       "float hist_lo, float hist_hi, int hist_bins) -> ()");
   // The optimizer's step per element (update_math.h), recomputed from the
-  // parameter and its state after the step: into `row`, and the parameter
-  // before the step into `row_base` (-1: none).
+  // parameter and its state after the step, in one pass: `rows` holds the
+  // rows of Δw, w before the step, Adam's ratio and the state tensors a and
+  // b (update_math.h kOut*; -1: not recorded).
   m.def(
       "accumulate_update(Tensor param, Tensor? grad, Tensor? a, Tensor? b, Tensor? step, "
-      "float[] hyper, int rule, Tensor(a!) ring, Tensor state, int row, int row_base, "
+      "float[] hyper, int rule, Tensor(a!) ring, Tensor state, int[] rows, "
       "int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
   // accumulate_update for a list of parameters stepped alike (one call per
-  // parameter group and kind): grads/a/b/steps/rows/row_bases per parameter.
+  // parameter group): grads/a/b/steps per parameter, rows 5 per parameter.
   m.def(
       "accumulate_updates(Tensor[] params, Tensor?[] grads, Tensor?[] a, Tensor?[] b, Tensor?[] steps, "
-      "float[] hyper, int rule, Tensor(a!) ring, Tensor state, int[] rows, int[] row_bases, "
+      "float[] hyper, int rule, Tensor(a!) ring, Tensor state, int[] rows, "
       "int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
   m.def("reset_slot(Tensor(a!) ring, Tensor state) -> ()");
   m.def("reset_rows(Tensor(a!) ring, Tensor state, int begin, int end) -> ()");

@@ -69,7 +69,8 @@ class Hooks:
         self.recorder = recorder
         self.model = model
         self.optim_state = OptimState(recorder, optimizer) if "optim_state" in config.capture else None
-        kinds = tuple(k for k in ("update", "adam_ratio") if k in config.capture)
+        # One pass per parameter for all three: optim_state's tensors that the step read go with it.
+        kinds = tuple(k for k in ("update", "adam_ratio", "optim_state") if k in config.capture)
         self.updates = OptimUpdates(recorder, optimizer, kinds, config.update_snapshot) if kinds else None
         self.optimizer_followed = False  # follow_optimizer(): the optimizer's own hooks record its kinds
         self.key = _compile.register(self)
@@ -169,10 +170,9 @@ class Hooks:
         """``optim_state``, ``update`` and ``adam_ratio``: right after the optimizer's step."""
         if not self.recorder.recording:
             return
+        covered = self.updates.record(self.params) if self.updates is not None else frozenset()
         if self.optim_state is not None:
-            self.optim_state.record(self.params)
-        if self.updates is not None:
-            self.updates.record(self.params)
+            self.optim_state.record(self.params, covered)
 
     def follow_optimizer(self, optimizer) -> None:
         """For callbacks that step the Monitor themselves (HF, Lightning): the

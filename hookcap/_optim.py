@@ -94,7 +94,9 @@ class OptimState:
         self.recorder = recorder
         self.optimizer = optimizer
 
-    def record(self, params: list[tuple[str, torch.Tensor]]) -> None:
+    def record(self, params: list[tuple[str, torch.Tensor]], covered=frozenset()) -> None:
+        """``covered``: the ``(param, key)`` pairs the update pass recorded
+        already (:class:`OptimUpdates`)."""
         if self.optimizer is None:
             return
         opt = innermost_optimizer(self.optimizer)
@@ -108,13 +110,14 @@ class OptimState:
                 if not st:
                     continue
                 for key, v in st.items():
-                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape:
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape and \
+                            (pname, key) not in covered:
                         self.recorder.write(pname, "optim_state", str(key), v.detach(), mtype, 0)
 
 
 # -- capture kinds "update" and "adam_ratio" ------------------------------------------------
 
-_RULE_SGD, _RULE_ADAM, _RULE_ADAM_RATIO, _RULE_DIFF = 0, 1, 2, 3  # csrc/hookcap/update_math.h
+_RULE_SGD, _RULE_ADAM, _RULE_DIFF = 0, 1, 2  # csrc/hookcap/update_math.h
 _NESTEROV, _MAXIMIZE, _DECOUPLED, _HAS_BUF = 1, 2, 4, 8
 _RECOMPUTED = ("SGD", "Adam", "AdamW")  # exact classes: a subclass may step differently
 
@@ -138,11 +141,11 @@ def _sgd_foreach(group: dict) -> bool:
     return bool(foreach)
 
 
-def group_rule(opt, group: dict, kind: str):
-    """What the fused op needs of one parameter group for ``kind``, computed
-    once per group and step: ``(family, rule, hypers, key)`` (``hypers``: the
-    op's hyper lists by case, ``key``: the state key of the second moment or
-    the SGD options), or a reason string where the group's step cannot be
+def group_rule(opt, group: dict):
+    """What the fused op needs of one parameter group, computed once per
+    group and step: ``(family, rule, hypers, key)`` (``hypers``: the op's
+    hyper lists by case, ``key``: the state key of the second moment or the
+    SGD options), or a reason string where the group's step cannot be
     recomputed."""
     name = type(opt).__name__
     lr = _host_float(group["lr"])
@@ -151,8 +154,6 @@ def group_rule(opt, group: dict, kind: str):
     wd = float(group.get("weight_decay", 0.0))
     flags = _MAXIMIZE if group.get("maximize", False) else 0
     if name == "SGD":
-        if kind == "adam_ratio":
-            return "adam_ratio needs Adam or AdamW"
         mom = float(group.get("momentum", 0.0))
         nesterov = bool(group.get("nesterov", False))
         flags |= _NESTEROV if nesterov else 0
@@ -169,38 +170,47 @@ def group_rule(opt, group: dict, kind: str):
         return f"{name}'s betas are tensors on a device (reading them would sync the host)"
     if group.get("decoupled_weight_decay", name == "AdamW"):
         flags |= _DECOUPLED
-    rule = _RULE_ADAM_RATIO if kind == "adam_ratio" else _RULE_ADAM
     hyper = (lr, wd, 0.0, betas[0], betas[1], float(group["eps"]), float(flags), 0.0)
-    return "adam", rule, {"adam": hyper}, ("max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq")
+    return "adam", _RULE_ADAM, {"adam": hyper}, ("max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq")
 
 
 def param_call(g: tuple, state: dict, p: torch.Tensor, ratio: bool):
-    """``(hyper, grad, a, b, step)`` of the fused op for parameter ``p`` of a
-    group whose :func:`group_rule` is ``g``, or a reason string. The step
-    count goes as its tensor (the op reads a CPU one on the host, a GPU one
-    in the kernel: no sync)."""
+    """``(hyper, grad, a, b, step, a_key, b_key)`` of the fused op for
+    parameter ``p`` of a group whose :func:`group_rule` is ``g``, or a reason
+    string. ``a_key``/``b_key``: the state keys of ``a`` and ``b`` where they
+    are the optimizer's state tensors as stored (else None). The step count
+    goes as its tensor (the op reads a CPU one on the host, a GPU one in the
+    kernel: no sync)."""
     family, _, hypers, key = g
     grad = p.grad
     if family == "sgd":
         momentum, nesterov, grad_is_d = key
         buf = state.get("momentum_buffer") if momentum else None
         if type(buf) is not torch.Tensor:
-            return hypers["grad"], grad, None, None, None
+            return hypers["grad"], grad, None, None, None, None, None
         if nesterov and grad_is_d:
-            return hypers["d"], None, grad, None, None
-        return hypers["buf"], (grad if nesterov else None), buf, None, None  # Δw = −lr·buf: no gradient read
+            return hypers["d"], None, grad, None, None, None, None
+        # Δw = −lr·buf: no gradient read
+        return hypers["buf"], (grad if nesterov else None), buf, None, None, "momentum_buffer", None
     m, v, step = state.get("exp_avg"), state.get(key), state.get("step")
     if m is None or v is None or step is None:
         return "it has no Adam state yet"
     if isinstance(step, torch.Tensor):
-        return hypers["adam"], (grad if ratio else None), m, v, step
-    return hypers["adam"][:7] + (float(step),), (grad if ratio else None), m, v, None
+        return hypers["adam"], (grad if ratio else None), m, v, step, "exp_avg", key
+    return hypers["adam"][:7] + (float(step),), (grad if ratio else None), m, v, None, "exp_avg", key
+
+
+def _same_layout(t, p) -> bool:
+    """Whether state tensor ``t`` can be read in the parameter's pass (the
+    op's check: dtype, device, sizes and strides of ``p``)."""
+    return t.dtype == p.dtype and t.device == p.device and t.shape == p.shape and t.stride() == p.stride()
 
 
 class OptimUpdates:
-    """``update`` and ``adam_ratio``: what the optimizer's step did to each
-    watched parameter, recorded at ``step()`` right after the optimizer's
-    step. ``update``: ``{param}/update`` holds the statistics of
+    """``update`` and ``adam_ratio`` (and, for the optimizers it recomputes,
+    the ``optim_state`` tensors the step read): what the optimizer's step did
+    to each watched parameter, recorded at ``step()`` right after the
+    optimizer's step. ``update``: ``{param}/update`` holds the statistics of
     ``Δw = w_after − w_before`` and ``{param}/update.base`` those of
     ``w_before`` (``History.update_ratio`` divides their norms).
     ``adam_ratio``: ``{param}/adam_ratio``, the statistics of ``g / (√v̂ + ε)``.
@@ -208,8 +218,10 @@ class OptimUpdates:
     For ``torch.optim.SGD``, ``Adam`` and ``AdamW`` (every option, foreach
     and fused) they are recomputed element by element from the parameter,
     its gradient and the optimizer's state after the step, in one pass of
-    the ``accumulate_updates`` op per parameter group: no copy, no update
-    tensor, no host sync.
+    the ``accumulate_updates`` op per parameter group that also records
+    ``exp_avg``, the second moment and ``momentum_buffer`` for
+    ``optim_state``: no copy, no update tensor, no host sync, each tensor
+    read once.
     Other optimizers' updates need ``Monitor(update_snapshot=True)``: a copy
     of each watched parameter, allocated once and refreshed before the
     optimizer's step on recorded steps only; without it they are skipped with
@@ -217,10 +229,11 @@ class OptimUpdates:
 
     def __init__(self, recorder: Recorder, optimizer, kinds: tuple[str, ...], snapshot: bool) -> None:
         global _warned_no_optimizer
-        if optimizer is None and not _warned_no_optimizer:
+        stepped = tuple(k for k in kinds if k != "optim_state")  # OptimState warns for its own
+        if optimizer is None and stepped and not _warned_no_optimizer:
             _warned_no_optimizer = True
             log.warning("hookcap: capture %s follows the optimizer's step: pass Monitor(..., optimizer=opt); "
-                        "without it nothing is recorded (logged once)", " and ".join(map(repr, kinds)))
+                        "without it nothing is recorded (logged once)", " and ".join(map(repr, stepped)))
         self.recorder = recorder
         self.optimizer = optimizer
         self.kinds = kinds
@@ -250,44 +263,70 @@ class OptimUpdates:
                 c.copy_(p)
                 self._copied.add(pname)
 
-    def record(self, params: list[tuple[str, torch.Tensor]]) -> None:
+    def record(self, params: list[tuple[str, torch.Tensor]]) -> set:
+        """Record this step's kinds; returns the ``(param, state key)`` pairs
+        of ``optim_state`` recorded here (the rest is :class:`OptimState`'s)."""
+        covered: set = set()
         if self.optimizer is None:
-            return
+            return covered
         opt = innermost_optimizer(self.optimizer)
         recomputed = self._recomputes(opt)
+        want_update, want_ratio = "update" in self.kinds, "adam_ratio" in self.kinds
+        want_state = "optim_state" in self.kinds
         if not recomputed and not self._copied:
-            if not self.snapshot or "update" not in self.kinds:
+            if (want_update or want_ratio) and not (self.snapshot and want_update):
                 self.recorder.warn_once(("update", type(opt).__name__), (
                     f"hookcap: capture {self.kinds!r}: {type(opt).__name__} is not SGD, Adam or AdamW, whose "
                     "steps hookcap recomputes; its updates need Monitor(update_snapshot=True) (one copy of the "
                     "watched parameters), adam_ratio needs Adam or AdamW: nothing recorded"))
-            return
+            return covered
         mtype = type(opt).__name__
-        # One op call per (kind, rule, hyper-parameters): a parameter group's
+        stepped = [k for k in ("update", "adam_ratio") if k in self.kinds]
+        # One op call per (rule, hyper-parameters): a parameter group's
         # parameters, each with its rows; the loop over them runs in C++.
         batches: dict[tuple, list] = {}
         with torch.no_grad():
             if not recomputed:
                 for pname, p in params:
                     if pname in self._copied:
-                        batches.setdefault(("update", _RULE_DIFF, (0.0,) * 8), []).append(
-                            (pname, p, None, self._copies[pname], None, None))
+                        batches.setdefault((_RULE_DIFF, (0.0,) * 8), []).append(
+                            (pname, p, None, self._copies[pname], None, None, _UPDATE_OUTS))
             else:
                 names = {id(p): pname for pname, p in params}
                 for group in opt.param_groups:
-                    rules = {kind: group_rule(opt, group, kind) for kind in self.kinds}
+                    g = group_rule(opt, group)
+                    adam = not isinstance(g, str) and g[0] == "adam"
                     for p in group["params"]:
                         pname = names.get(id(p))
                         if pname is None or p.grad is None:
                             continue  # not watched, or not stepped by the optimizer at this step
-                        st = opt.state.get(p, {})
-                        for kind, g in rules.items():
-                            call = g if isinstance(g, str) else param_call(g, st, p, kind == "adam_ratio")
-                            if isinstance(call, str):
+                        call = g if isinstance(g, str) else param_call(g, opt.state.get(p, {}), p,
+                                                                       want_ratio and adam)
+                        if isinstance(call, str):
+                            for kind in stepped:
                                 self.recorder.warn_once(("update", pname, kind),
                                                         f"hookcap: {pname}/{kind} not recorded: {call}")
-                                continue
-                            hyper, grad, a, b, step = call
-                            batches.setdefault((kind, g[1], hyper), []).append((pname, p, grad, a, b, step))
-            for (kind, rule, hyper), items in batches.items():
-                self.recorder.write_updates(kind, mtype, rule, list(hyper), items, base=kind == "update")
+                            continue  # optim_state: OptimState's
+                        hyper, grad, a, b, step, a_key, b_key = call
+                        outs = list(_UPDATE_OUTS if want_update else _NO_OUTS)
+                        if want_ratio:
+                            if adam:
+                                outs[2] = ("adam_ratio", "")
+                            else:
+                                self.recorder.warn_once(("update", pname, "adam_ratio"),
+                                                        f"hookcap: {pname}/adam_ratio not recorded: "
+                                                        "adam_ratio needs Adam or AdamW")
+                        if want_state:
+                            for i, t, key in ((3, a, a_key), (4, b, b_key)):
+                                if key is not None and _same_layout(t, p):
+                                    outs[i] = ("optim_state", key)
+                                    covered.add((pname, key))
+                        if any(outs):
+                            batches.setdefault((g[1], hyper), []).append((pname, p, grad, a, b, step, outs))
+            for (rule, hyper), items in batches.items():
+                self.recorder.write_updates(mtype, rule, list(hyper), items)
+        return covered
+
+
+_NO_OUTS = (None,) * 5  # the op's outputs: Δw, w before, Adam's ratio, state a, state b
+_UPDATE_OUTS = (("update", ""), ("update", "base"), None, None, None)

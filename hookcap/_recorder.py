@@ -322,56 +322,58 @@ class Recorder:
             self._order[rid] = None
             self.fast.note_python_write()
 
-    def write_updates(self, kind, mtype, rule, hyper, items, base=False) -> None:
+    def write_updates(self, mtype, rule, hyper, items) -> None:
         """The optimizer's step on each parameter of ``items`` = [(name, p,
-        grad, a, b, step)] (``hookcap._optim``; one rule and one set of
-        hyper-parameters) into the row of ``(name, kind)``; with ``base``, each
-        ``p`` before the step into the row of ``(name, kind, "base")``. One
-        ``accumulate_updates`` call per ring; where it fails, each parameter
-        alone (so one bad tensor skips only its own metric)."""
+        grad, a, b, step, outs)] (``hookcap._optim``; one rule and one set of
+        hyper-parameters): ``outs`` names, for each output of the
+        ``accumulate_updates`` op (Δw, w before the step, Adam's ratio, the
+        state tensors a and b), the ``(kind, path)`` of its row or None. One
+        op call per ring; where it fails, each parameter alone (so one bad
+        tensor skips only its own metrics)."""
         per_ring: dict[int, list] = {}
-        for name, p, grad, a, b, step in items:
+        for name, p, grad, a, b, step, outs in items:
             orig = p
             if not (type(p) is nn.Parameter or type(p) is torch.Tensor):  # a DTensor's: its local shard
                 p, grad, a, b = (t if t is None or type(t) is torch.Tensor else plain_tensor(t.detach())
                                  for t in (p, grad, a, b))
-            rids = []
-            for path in ("", "base") if base else ("",):
-                key = (name, kind, path, p.device, 0)
+            rows, rids, ring = [], [], None
+            for out in outs:
+                if out is None:
+                    rows.append(-1)
+                    continue
+                key = (name, out[0], out[1], p.device, 0)
                 rid = self.rows.get(key)
                 if rid is None:
                     try:
-                        rid = self.register(key, p.detach(), mtype, placement=placement_of(kind, orig))
+                        rid = self.register(key, p.detach(), mtype, placement=placement_of(out[0], orig))
                     except Exception as e:  # telemetry must never take the run down
-                        self.skip_call(metric_name(name, kind, path), f"{type(e).__name__}: {e}")
+                        self.skip_call(metric_name(*key[:3]), f"{type(e).__name__}: {e}")
                         rid = SKIPPED
-                    if rid == SKIPPED:
-                        break
+                if rid == SKIPPED or (ring is not None and ring_index_of(rid) != ring):
+                    rows.append(-1)  # one device, one ring: a second ring is never seen
+                    continue
+                ring = ring_index_of(rid)
+                rows.append(row_of(rid))
                 rids.append(rid)
-            if len(rids) != (2 if base else 1):
-                continue
-            ring = ring_index_of(rids[0])
-            if base and ring_index_of(rids[1]) != ring:  # one device, one ring: never seen
-                self.skip_call(metric_name(name, kind, ""), "its rows are in two rings")
-                continue
-            per_ring.setdefault(ring, []).append((name, p, grad, a, b, step, rids))
+            if rids:
+                per_ring.setdefault(ring, []).append((name, p, grad, a, b, step, rows, rids, outs))
         for ring_i, batch in per_ring.items():
             ring = self.ring_list[ring_i]
             cols = list(zip(*batch))
-            rows = [row_of(r[0]) for r in cols[6]]
-            bases = [row_of(r[1]) if base else -1 for r in cols[6]]
             try:
                 _OP_UPDATES(list(cols[1]), list(cols[2]), list(cols[3]), list(cols[4]), list(cols[5]), hyper, rule,
-                            ring.ring, ring.state, rows, bases, *self.config.hist_args)
+                            ring.ring, ring.state, [r for rows in cols[6] for r in rows], *self.config.hist_args)
             except Exception:
-                for name, p, grad, a, b, step, rids in batch:
+                for name, p, grad, a, b, step, rows, rids, outs in batch:
                     try:
-                        _OP_UPDATE(p, grad, a, b, step, hyper, rule, ring.ring, ring.state, row_of(rids[0]),
-                                   row_of(rids[1]) if base else -1, *self.config.hist_args)
+                        _OP_UPDATE(p, grad, a, b, step, hyper, rule, ring.ring, ring.state, rows,
+                                   *self.config.hist_args)
                     except Exception as e:  # telemetry must never take the run down
-                        self.skip_call(metric_name(name, kind, ""), f"{type(e).__name__}: {e}")
+                        for out in outs:
+                            if out is not None:
+                                self.skip_call(metric_name(name, *out), f"{type(e).__name__}: {e}")
                         rids.clear()
-            for *_, rids in batch:
+            for *_, rids, _outs in batch:
                 for rid in rids:
                     if rid not in self._order:
                         self._order[rid] = None

@@ -1169,13 +1169,15 @@ def test_results_catch_a_wrong_tiny_run_scale(selftest):
 # compute each value in double from the same inputs (update_math.h), so counts,
 # extrema and bins are equal and sums agree to summation order.
 
-UPDATE_CASES = {  # rule, hyper (update_math.h order), which inputs, row_base
-    "sgd-nesterov-wd": (0, [0.1, 0.01, 0.9, 0, 0, 0, 1 + 8, 0], "gab-", True),
-    "sgd-momentum": (0, [0.05, 0.0, 0.9, 0, 0, 0, 8, 0], "-a--", True),
-    "sgd-plain-maximize": (0, [0.05, 0.1, 0.0, 0, 0, 0, 2, 0], "g---", True),
-    "adamw-amsgrad": (1, [1e-3, 0.1, 0, 0.9, 0.999, 1e-8, 4, 7], "-ab-", True),
-    "adam-ratio-l2": (2, [1e-3, 0.01, 0, 0.9, 0.99, 1e-6, 2, 3], "gab-", False),
-    "diff": (3, [0] * 8, "-a--", True),
+UPDATE_CASES = {  # rule, hyper (update_math.h order), which inputs, rows (Δw, base, ratio, a, b)
+    "sgd-nesterov-wd": (0, [0.1, 0.01, 0.9, 0, 0, 0, 1 + 8, 0], "gab-", [0, 1, -1, 2, -1]),
+    "sgd-momentum": (0, [0.05, 0.0, 0.9, 0, 0, 0, 8, 0], "-a--", [0, 1, -1, -1, -1]),
+    "sgd-plain-maximize": (0, [0.05, 0.1, 0.0, 0, 0, 0, 2, 0], "g---", [1, 0, -1, -1, -1]),
+    "adamw-amsgrad": (1, [1e-3, 0.1, 0, 0.9, 0.999, 1e-8, 4, 7], "-ab-", [0, 1, -1, -1, -1]),
+    "adam-ratio-l2": (1, [1e-3, 0.01, 0, 0.9, 0.99, 1e-6, 2, 3], "gab-", [-1, -1, 0, -1, -1]),
+    "adam-all-five": (1, [1e-3, 0.01, 0, 0.9, 0.99, 1e-6, 4, 3], "gab-", [4, 3, 2, 1, 0]),
+    "adam-state-only": (1, [1e-3, 0.0, 0, 0.9, 0.999, 1e-8, 0, 2], "-ab-", [-1, -1, -1, 0, 1]),
+    "diff": (2, [0] * 8, "-a--", [0, 1, -1, -1, -1]),
 }
 
 
@@ -1198,16 +1200,15 @@ def update_inputs(which, n, dtype, seed):
     (torch.float64, 3000, 1, Histogram.log2(-1100, 1000)),  # 2103 bins: counted into the ring
 ])
 def test_update_kernel_matches_the_cpu_op(emu, case, dtype, n, grid, h):
-    rule, hyper, which, base = UPDATE_CASES[case]
+    rule, hyper, which, rows = UPDATE_CASES[case]
     w, grad, a, b = update_inputs(which, n, dtype, seed=n)
-    step = torch.tensor(7.0) if rule in (1, 2) else None
-    rows = 2 if base else 1
-    got, cpu = new_ring(1, 2, h), new_ring(1, 2, h)
+    step = torch.tensor(7.0) if rule == 1 else None
+    nrows = sum(r >= 0 for r in rows)
+    got, cpu = new_ring(1, nrows, h), new_ring(1, nrows, h)
     state = torch.tensor([0, 1, 0])
-    emu.accumulate_update(w, grad, a, b, step, hyper, rule, got, state, 0, 1 if base else -1,
-                          *hist_args(h), grid, 256, True)
-    OPS.accumulate_update(w, grad, a, b, step, hyper, rule, cpu, state, 0, 1 if base else -1, *hist_args(h))
-    for r in range(rows):
+    emu.accumulate_update(w, grad, a, b, step, hyper, rule, got, state, rows, *hist_args(h), grid, 256, True)
+    OPS.accumulate_update(w, grad, a, b, step, hyper, rule, cpu, state, rows, *hist_args(h))
+    for r in range(nrows):
         g_, c_ = got[0, r].numpy(), cpu[0, r].numpy()
         for c in EXACT_COLS:
             col = getattr(_layout, c)
@@ -1217,6 +1218,44 @@ def test_update_kernel_matches_the_cpu_op(emu, case, dtype, n, grid, h):
         assert cs["count"] == n and cs["finite"] == n
         for k in ("l2norm", "mean", "std"):
             np.testing.assert_allclose(gs[k], cs[k], rtol=1e-9, atol=1e-300)
+    # The state outputs are the state tensors' own statistics.
+    for out, t in ((3, a), (4, b)):
+        if rows[out] >= 0:
+            np.testing.assert_allclose(row_stats(cpu[0, rows[out]].numpy(), None)["l2norm"],
+                                       float(t.double().norm()), rtol=1e-10)
+
+
+def test_update_kernels_batch_many_parameters(emu):
+    """accumulate_updates as the CUDA launcher runs it: 32 parameters of two
+    dtypes and two output sets go in runs of at most 24 per launch (the first
+    26 alike: a run of 24, then 2), each parameter with its own blocks and
+    bias corrections (its own step count); every row equals the CPU op's."""
+    hyper = [1e-3, 0.01, 0, 0.9, 0.99, 1e-6, 4, 0]
+    params, grads, a, b, steps, rows = [], [], [], [], [], []
+    nrows = 0
+    for i in range(32):
+        dtype = torch.float32 if i < 28 or i % 2 else torch.bfloat16
+        w, g_, a_, b_ = update_inputs("gab-", 50 + 211 * i, dtype, seed=100 + i)
+        params.append(w), grads.append(g_), a.append(a_), b.append(b_)
+        steps.append(torch.tensor(float(1 + i % 5)))
+        if i < 26 or i % 3:
+            rows += [nrows, nrows + 1, nrows + 2, nrows + 3, nrows + 4]
+            nrows += 5
+        else:
+            rows += [nrows, nrows + 1, -1, -1, -1]
+            nrows += 2
+    h = Histogram.log2()
+    got, cpu = new_ring(1, nrows, h), new_ring(1, nrows, h)
+    state = torch.tensor([0, 1, 0])
+    emu.accumulate_updates(params, grads, a, b, steps, hyper, 1, got, state, rows, *hist_args(h), 3, 256, True)
+    OPS.accumulate_updates(params, grads, a, b, steps, hyper, 1, cpu, state, rows, *hist_args(h))
+    for r in range(nrows):
+        g_, c_ = got[0, r].numpy(), cpu[0, r].numpy()
+        assert c_[_layout.COUNT] > 0
+        for c in EXACT_COLS:
+            assert g_[getattr(_layout, c)] == c_[getattr(_layout, c)], (r, c)
+        np.testing.assert_array_equal(g_[_layout.HEADER:], c_[_layout.HEADER:])
+        np.testing.assert_allclose(row_stats(g_, None)["l2norm"], row_stats(c_, None)["l2norm"], rtol=1e-9)
 
 
 def test_update_kernel_planted_bias_bug_is_caught(emu):
@@ -1227,10 +1266,11 @@ def test_update_kernel_planted_bias_bug_is_caught(emu):
     step = torch.tensor(3.0)
     got, cpu = new_ring(1, 1, None), new_ring(1, 1, None)
     state = torch.tensor([0, 1, 0])
-    OPS.accumulate_update(w, grad, a, b, step, hyper, rule, cpu, state, 0, -1, *NO_HIST_ARGS)
+    OPS.accumulate_update(w, grad, a, b, step, hyper, rule, cpu, state, [0, -1, -1, -1, -1], *NO_HIST_ARGS)
     emu.set_fault(6)  # cuda_emu.h Fault::update_bias
     try:
-        emu.accumulate_update(w, grad, a, b, step, hyper, rule, got, state, 0, -1, *NO_HIST_ARGS, 2, 256, True)
+        emu.accumulate_update(w, grad, a, b, step, hyper, rule, got, state, [0, -1, -1, -1, -1], *NO_HIST_ARGS,
+                              2, 256, True)
     finally:
         emu.set_fault(0)
     gs, cs = row_stats(got[0, 0].numpy(), None), row_stats(cpu[0, 0].numpy(), None)
@@ -1242,5 +1282,5 @@ def test_update_kernel_off_step_writes_nothing(emu):
     ring = new_ring(1, 2, None)
     before = ring.clone()
     emu.accumulate_update(w, grad, a, b, None, [0.1, 0, 0.9, 0, 0, 0, 9, 0], 0, ring, torch.tensor([0, 0, 0]),
-                          0, 1, *NO_HIST_ARGS, 2, 256, False)
+                          [0, 1, -1, -1, -1], *NO_HIST_ARGS, 2, 256, False)
     assert torch.equal(ring, before)

@@ -82,7 +82,8 @@ def test_opcheck_record_and_its_effect():
 
 
 def test_opcheck_update_ops():
-    """accumulate_update and its list form (every rule's inputs; a CPU step tensor)."""
+    """accumulate_update and its list form (every rule's inputs and output
+    sets; a CPU step tensor)."""
     w = torch.randn(6, 5)
     m, v, g = torch.randn(6, 5) * 0.1, torch.rand(6, 5) * 1e-3, torch.randn(6, 5)
     adam = [1e-3, 0.01, 0.0, 0.9, 0.999, 1e-8, 4.0, 0.0]
@@ -90,11 +91,12 @@ def test_opcheck_update_ops():
     op, ops = torch.ops.hookcap.accumulate_update.default, torch.ops.hookcap.accumulate_updates.default
     for h in (H, None):
         hist = h.op_args() if h else (0, 0.0, 0.0, 0)
-        torch.library.opcheck(op, (w, None, m, v, torch.tensor(3.0), adam, 1, ring_for(h), new_state("cpu"), 0, 1)
-                              + hist)
-        torch.library.opcheck(op, (w, g, m, v, torch.tensor(3.0), adam, 2, ring_for(h), new_state("cpu"), 2, -1)
-                              + hist)
+        torch.library.opcheck(op, (w, None, m, v, torch.tensor(3.0), adam, 1, ring_for(h), new_state("cpu"),
+                                   [0, 1, -1, -1, -1]) + hist)
+        torch.library.opcheck(op, (w, g, m, v, torch.tensor(3.0), adam, 1, ring_for(h), new_state("cpu"),
+                                   [-1, -1, 2, 0, 1]) + hist)
         torch.library.opcheck(ops, ([w, w[:2]], [g, g[:2]], [m, m[:2]], [None, None], [None, None], sgd, 0,
-                                    ring_for(h), new_state("cpu"), [0, 1], [2, -1]) + hist)
+                                    ring_for(h), new_state("cpu"), [0, 2, -1, 1, -1, 1, -1, -1, -1, -1]) + hist)
     with pytest.raises(RuntimeError, match="one entry per parameter"):
-        ops([w], [g, g], [m], [None], [None], sgd, 0, ring_for(None), new_state("cpu"), [0], [2], 0, 0.0, 0.0, 0)
+        ops([w], [g, g], [m], [None], [None], sgd, 0, ring_for(None), new_state("cpu"), [0, 2, -1, -1, -1],
+            0, 0.0, 0.0, 0)

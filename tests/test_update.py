@@ -280,9 +280,17 @@ def test_op_rejects_mismatched_state():
     hyper = [0.1, 0.0, 0.0, 0.9, 0.999, 1e-8, 0.0, 1.0]
     with pytest.raises(RuntimeError, match="exp_avg_sq must have the parameter's dtype"):
         torch.ops.hookcap.accumulate_update(w, None, w.clone(), w.t().contiguous().t(), None, hyper, 1,
-                                            ring, state, 0, -1, 0, 0.0, 0.0, 0)
-    with pytest.raises(RuntimeError, match="rule 1 needs exp_avg"):
-        torch.ops.hookcap.accumulate_update(w, None, None, None, None, hyper, 1, ring, state, 0, -1, 0, 0.0, 0.0, 0)
+                                            ring, state, [0, -1, -1, -1, -1], 0, 0.0, 0.0, 0)
+    with pytest.raises(RuntimeError, match="rule 1 with these rows needs exp_avg"):
+        torch.ops.hookcap.accumulate_update(w, None, None, None, None, hyper, 1, ring, state, [0, -1, -1, -1, -1],
+                                            0, 0.0, 0.0, 0)
+    with pytest.raises(RuntimeError, match="the ratio row needs rule 1"):
+        torch.ops.hookcap.accumulate_update(w, w, w, None, None, hyper, 0, ring, state, [-1, -1, 0, -1, -1],
+                                            0, 0.0, 0.0, 0)
+    with pytest.raises(RuntimeError, match="records nothing"):
+        torch.ops.hookcap.accumulate_update(w, None, w, w, None, hyper, 1, ring, state, [-1] * 5, 0, 0.0, 0.0, 0)
+    with pytest.raises(RuntimeError, match="rows needs 5 entries"):
+        torch.ops.hookcap.accumulate_update(w, None, w, w, None, hyper, 1, ring, state, [0, 1], 0, 0.0, 0.0, 0)
 
 
 def test_no_host_read_on_the_update_path(monkeypatch):
@@ -353,3 +361,31 @@ def test_drained_steps_carry_the_update_ratio():
                 assert r == h.update_ratio(name[:-len("/update")])[d.step] and np.isfinite(r)
             else:
                 assert np.isnan(r)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_optim_state_of_the_step_is_read_in_the_update_pass(monkeypatch, amsgrad):
+    """With torch's Adam, exp_avg and the second moment the step used are
+    recorded by the update op's pass (one read of each tensor), the other
+    state keys by the statistics op; the values equal the state tensors."""
+    from hookcap._recorder import Recorder
+
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=amsgrad)
+    generic = []
+    write = Recorder.write
+    monkeypatch.setattr(Recorder, "write", lambda self, name, kind, path, *a, **k: (
+        generic.append((name, kind, path)), write(self, name, kind, path, *a, **k))[1])
+    with Monitor(model, capture=("update", "adam_ratio", "optim_state"), optimizer=opt) as mon:
+        model(torch.randn(5, 7)).pow(2).mean().backward()
+        opt.step()
+        kept = {(n, k): v.double().clone() for n, p in model.named_parameters() for k, v in opt.state[p].items()
+                if k != "step"}
+    h = mon.history()
+    assert {(n, path) for n, kind, path in generic if kind == "optim_state"} == (
+        {(n, "exp_avg_sq") for n, _ in model.named_parameters()} if amsgrad else set())
+    for (pname, key), v in kept.items():
+        col = h.column(f"{pname}/state.{key}")
+        assert h["count"][0, col] == v.numel()
+        np.testing.assert_allclose(h["l2norm"][0, col], float(v.norm()), rtol=1e-6)
+        np.testing.assert_allclose(h["max"][0, col], float(v.max()), rtol=1e-12)

@@ -824,13 +824,72 @@ int64_t state_slot(const at::Tensor& ring, const int64_t* st) {
   return slot;
 }
 
-void accumulate_doubles_cpu(const double* x, int64_t n, int64_t* row, const HistSpec& h) {
+namespace {
+
+static_assert(kDoublesLocalWords == kHistCopies * (kLocalBins + 1), "stats_cpu.h's local histogram size");
+
+template <int kHist>
+__attribute__((target("avx2,fma,f16c"))) void doubles_run_avx2(DoublesPartial& p, const double* x, int64_t n,
+                                                               const HistSink& hs) {
+  run_range<double, kHist, true>(x, true, StridedDesc{}, 0, n, p.shift, p.acc, p.wide, hs);
+}
+
+template <int kHist>
+void doubles_run_base(DoublesPartial& p, const double* x, int64_t n, const HistSink& hs) {
+  run_range<double, kHist, false>(x, true, StridedDesc{}, 0, n, p.shift, p.acc, p.wide, hs);
+}
+
+template <int kHist>
+void doubles_run(DoublesPartial& p, const double* x, int64_t n) {
+  const HistSink hs{p.h, p.local, p.row + kHeader, p.h->nbins + 1, 1};
+  if (use_avx2()) {
+    doubles_run_avx2<kHist>(p, x, n, hs);
+  } else {
+    doubles_run_base<kHist>(p, x, n, hs);
+  }
+}
+
+}  // namespace
+
+void doubles_begin(DoublesPartial& p, int64_t* row, const HistSpec& h, uint32_t* local) {
+  acc_init(p.acc);
+  wide_init(p.wide);
+  p.row = row;
+  p.h = &h;
+  // A local histogram where its counters fit (wider ones count into the row).
+  p.local = h.kind != kHistNone && h.nbins <= kLocalBins ? local : nullptr;
+  if (p.local) std::memset(p.local, 0, sizeof(uint32_t) * kHistCopies * (h.nbins + 1));
+  p.shift = 0.0;
+  p.started = false;
+}
+
+void doubles_push(DoublesPartial& p, const double* x, int64_t n) {
   if (n == 0) return;
-  const StridedDesc d{};
-  switch (h.kind) {
-    case kHistNone: accumulate_typed<double, kHistNone>(x, true, d, n, 1, row, h); break;
-    case kHistLog2: accumulate_typed<double, kHistLog2>(x, true, d, n, 1, row, h); break;
-    default: accumulate_typed<double, kHistLinear>(x, true, d, n, 1, row, h); break;
+  if (!p.started) {
+    const double cand = shift_candidate([&](int64_t i) { return x[i]; }, n);
+    int64_t expected = kShiftUnset;
+    __atomic_compare_exchange_n(p.row + kShift, &expected, dbits(cand), false, __ATOMIC_RELAXED,
+                                __ATOMIC_RELAXED);
+    p.shift = expected == kShiftUnset ? cand : bitsd(expected);
+    p.started = true;
+  }
+  switch (p.h->kind) {
+    case kHistNone: doubles_run<kHistNone>(p, x, n); break;
+    case kHistLog2: doubles_run<kHistLog2>(p, x, n); break;
+    default: doubles_run<kHistLinear>(p, x, n); break;
+  }
+}
+
+void doubles_flush(DoublesPartial& p) {
+  if (!p.started) return;
+  row_merge<HostAtomics>(p.row, p.acc);
+  wide_to_row<HostAtomics>(p.row, p.wide, 1);
+  if (p.local == nullptr) return;
+  const int64_t cs = p.h->nbins + 1;
+  for (int64_t k = 0; k < p.h->nbins; ++k) {
+    int64_t cnt = 0;
+    for (int r = 0; r < kHistCopies; ++r) cnt += p.local[r * cs + 1 + k];
+    if (cnt) HostAtomics::add_i64(p.row + kHeader + k, cnt);
   }
 }
 

@@ -14,8 +14,23 @@ namespace hookcap {
 // The slot named by a CPU state, checked against the ring's slot count.
 int64_t state_slot(const at::Tensor& ring, const int64_t* st);
 
-// Merges n doubles at x into `row` (count and calls excepted: the caller
-// counts its elements and its call), fixing the row's shift if unset.
-void accumulate_doubles_cpu(const double* x, int64_t n, int64_t* row, const HistSpec& h);
+// One thread's statistics of doubles a kernel produces block by block
+// (accumulate_update) for one row: pushed block by block, merged into the
+// row once by doubles_flush (count and calls excepted: the caller counts its
+// elements and its call). The row's shift is fixed by the first push of any
+// writer (first writer wins, as everywhere).
+constexpr int64_t kDoublesLocalWords = 4 * 1025;  // the local histogram's counters (stats_cpu.cpp)
+struct DoublesPartial {
+  Acc acc;
+  WideAcc wide;
+  int64_t* row;
+  const HistSpec* h;
+  uint32_t* local;  // kDoublesLocalWords counters, or null: bins count straight into the row
+  double shift;
+  bool started;
+};
+void doubles_begin(DoublesPartial& p, int64_t* row, const HistSpec& h, uint32_t* local);
+void doubles_push(DoublesPartial& p, const double* x, int64_t n);
+void doubles_flush(DoublesPartial& p);
 
 }  // namespace hookcap

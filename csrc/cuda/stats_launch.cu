@@ -20,7 +20,7 @@
 #include <cuda/ptx>
 
 #include "cuda/stats_kernel.cuh"
-#include "cuda/update_kernel.cuh"
+#include "cuda/update_plan.h"
 #include "hookcap/op_checks.h"
 
 namespace hookcap {
@@ -355,34 +355,45 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   seal_ring_write(device, stream);
 }
 
+// accumulate_updates: every parameter checked before any is written (a
+// call fails whole or not at all), then one launch per run of up to
+// kernels::kUpdateTensors parameters (update_plan.h).
+void accumulate_updates_cuda(at::TensorList params, const c10::List<c10::optional<at::Tensor>>& grads,
+                             const c10::List<c10::optional<at::Tensor>>& a,
+                             const c10::List<c10::optional<at::Tensor>>& b,
+                             const c10::List<c10::optional<at::Tensor>>& steps, c10::ArrayRef<double> hyper,
+                             int64_t rule, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
+                             int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
+  for_each_update(params, grads, a, b, steps, rows, [&](const UpdateArgs& u) {
+    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.rows);
+  });
+  if (params.empty()) return;
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  c10::cuda::CUDAGuard guard(ring.device());
+  const int device = ring.device().index();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  note_capture(stream, ring.data_ptr());
+  // A step count on the device (capturable / fused Adam) is read by the kernel: no sync.
+  auto device_step = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined() && !t->is_cpu(); };
+  plan_updates(params, grads, a, b, steps, hyper, rule, rows, h, kThreads * kPerThread, max_blocks(device),
+               device_step, [&](auto kernel, const auto& batch, const UpdateRule& r, const kernels::UpdateOuts& o,
+                                int32_t blocks, int64_t smem) {
+                 launch_smem("hookcap.accumulate_update", kernel, dim3(blocks), dim3(kThreads),
+                             static_cast<size_t>(smem), stream, batch, r, ring.data_ptr<int64_t>(),
+                             state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2), o, h);
+               });
+  seal_ring_write(device, stream);
+}
+
 void accumulate_update_cuda(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                             const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
                             const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
-                            int64_t rule, at::Tensor& ring, const at::Tensor& state, int64_t row,
-                            int64_t row_base, int64_t hist_kind, double hist_lo, double hist_hi,
-                            int64_t hist_bins) {
-  check_update(param, grad, a, b, step, hyper, rule, ring, state, row, row_base);
-  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
-  c10::cuda::CUDAGuard guard(param.device());
-  const int device = param.device().index();
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-  note_capture(stream, ring.data_ptr());
-  const int64_t n = param.numel();
-  // A step count on the device (capturable / fused Adam) is read by the kernel: no sync.
-  const UpdateLaunch u = update_launch(rule, hyper, step, step.has_value() && step->defined() && !step->is_cpu());
-  const int64_t want = (n + kThreads * kPerThread - 1) / (kThreads * kPerThread);
-  const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(device)));
-  const int64_t smem = kernels::update_smem_bytes(h.kind == kHistNone ? 0 : h.nbins, row_base >= 0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "hookcap_update_cuda", [&] {
-    const kernels::UpdateInputs<scalar_t> in{param.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(grad),
-                                             data_or_null<scalar_t>(a), data_or_null<scalar_t>(b)};
-    launch_smem("hookcap.accumulate_update",
-                row_base >= 0 ? &kernels::update_kernel<scalar_t, 2> : &kernels::update_kernel<scalar_t, 1>,
-                dim3(blocks), dim3(kThreads), static_cast<size_t>(smem), stream, in, n, u.rule, u.step_f, u.step_d,
-                ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
-                ring.size(2), row, row_base, h);
-  });
-  seal_ring_write(device, stream);
+                            int64_t rule, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
+                            int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
+  accumulate_updates_cuda({param}, c10::List<c10::optional<at::Tensor>>({grad}),
+                          c10::List<c10::optional<at::Tensor>>({a}), c10::List<c10::optional<at::Tensor>>({b}),
+                          c10::List<c10::optional<at::Tensor>>({step}), hyper, rule, ring, state, rows, hist_kind,
+                          hist_lo, hist_hi, hist_bins);
 }
 
 // Blocks of kThreads for a reset of `words` ring words: one word per thread
@@ -454,7 +465,7 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate", &accumulate_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);
-  m.impl("accumulate_updates", &accumulate_updates_each<&accumulate_update_cuda>);
+  m.impl("accumulate_updates", &accumulate_updates_cuda);
   m.impl("reset_slot", &reset_slot_cuda);
   m.impl("reset_rows", &reset_rows_cuda);
   m.impl("advance", &advance_cuda);

@@ -1,12 +1,14 @@
 // accumulate_update's CUDA kernel: the optimizer's step per element
-// (hookcap/update_math.h) and the parameter before it, into two ring rows in
-// one pass over the parameter and its state. Plain CUDA C++, compiled by nvcc
-// (stats_launch.cu) and by the CPU emulation harness (tests/cuda_emu).
+// (hookcap/update_math.h), the parameter before it, Adam's ratio and the
+// state tensors, into up to kOutputs ring rows in one pass over each
+// parameter and its state; up to kUpdateTensors parameters per launch. Plain
+// CUDA C++, compiled by nvcc (stats_launch.cu) and by the CPU emulation
+// harness (tests/cuda_emu).
 //
 // Parameters are read once per recorded step, so this kernel is simple
 // rather than tuned: double arithmetic per element (the values match a
-// float64 recomputation of the step), one merge into the ring per block,
-// histogram counts in shared memory per block, one shared atomic per
+// float64 recomputation of the step), one merge into the ring per block and
+// row, histogram counts in shared memory per block, one shared atomic per
 // distinct bin of a warp.
 #pragma once
 
@@ -24,6 +26,38 @@ struct UpdateInputs {
   const T* b;  // its second, or null
 };
 
+// One parameter of a launch. step_f / step_d: the optimizer's step count on
+// the device (Adam with capturable or fused), read by the kernel so the host
+// never syncs; both null: step_size and bc2_sqrt are the bias corrections.
+template <typename T>
+struct UpdateTensor {
+  UpdateInputs<T> in;
+  const float* step_f;
+  const double* step_d;
+  double step_size, bc2_sqrt;
+  int64_t n;
+  int32_t row[kOutputs];  // the row of each recorded output, in the launch's order (UpdateOuts)
+  int32_t first_block;    // this parameter's first block in the launch
+  int32_t blocks;
+};
+
+// Parameters per launch: the launch's arguments stay within the 4 KB every
+// CUDA version takes.
+constexpr int kUpdateTensors = 24;
+template <typename T>
+struct UpdateBatch {
+  UpdateTensor<T> t[kUpdateTensors];
+  int32_t count;
+};
+static_assert(sizeof(UpdateBatch<double>) <= 2600, "accumulate_update's launch arguments must fit 4 KB");
+
+// Which outputs a launch records (update_math.h kOut*), in row order.
+struct UpdateOuts {
+  int out[kOutputs];
+  bool step;   // an output needs the step's values (Δw, w before, ratio)
+  bool ratio;  // Adam's ratio is one of them
+};
+
 template <typename T>
 __device__ __forceinline__ double as_double(T v) {
   if constexpr (std::is_same_v<T, double>) {
@@ -33,10 +67,14 @@ __device__ __forceinline__ double as_double(T v) {
   }
 }
 
+// Output k of element i.
 template <typename T>
-__device__ __forceinline__ UpdateValue update_at(const UpdateRule& r, const UpdateInputs<T>& in, int64_t i) {
-  return update_value(r, as_double(in.w[i]), in.g ? as_double(in.g[i]) : 0.0,
-                      in.a ? as_double(in.a[i]) : 0.0, in.b ? as_double(in.b[i]) : 0.0);
+__device__ __forceinline__ double update_out_at(const UpdateRule& r, const UpdateInputs<T>& in,
+                                                const UpdateOuts& o, int64_t i, int k) {
+  const double a = in.a ? as_double(in.a[i]) : 0.0, b = in.b ? as_double(in.b[i]) : 0.0;
+  const UpdateValue u = o.step ? update_value(r, as_double(in.w[i]), in.g ? as_double(in.g[i]) : 0.0, a, b, o.ratio)
+                               : UpdateValue{0.0, 0.0, 0.0};
+  return update_output(u, a, b, o.out[k]);
 }
 
 // Shared-memory histogram counters per row (more bins count straight into the ring).
@@ -44,35 +82,45 @@ constexpr int64_t kUpdateSmemBins = 2048;
 
 // Dynamic shared memory: the rows' shifts, each warp's partial per row,
 // then (local_hist) the rows' counters.
-C10_HOST_DEVICE constexpr int64_t update_acc_offset() { return 16; }
+C10_HOST_DEVICE constexpr int64_t update_acc_offset() { return (kOutputs * 8 + 15) / 16 * 16; }
 C10_HOST_DEVICE constexpr int64_t update_hist_offset(int64_t rows) {
   return update_acc_offset() + kWarps * rows * static_cast<int64_t>(sizeof(Acc));
 }
-inline int64_t update_smem_bytes(int64_t nbins, bool two_rows) {
-  const int64_t rows = two_rows ? 2 : 1;
+inline int64_t update_smem_bytes(int64_t nbins, int64_t rows) {
   return update_hist_offset(rows) + (nbins > 0 && nbins <= kUpdateSmemBins ? rows * nbins * 4 : 0);
 }
 
-// step_f / step_d: the optimizer's step count on the device (Adam with
-// capturable or fused), read here so the host never syncs; both null: `r`
-// carries the bias corrections already.
-// kRows: 2 with the parameter before the step (row_base), else 1; a
-// template argument so that every per-row array stays in registers.
+// The batch's parameter that block `block` works on: the last whose first
+// block is at or before it.
+template <typename T>
+__device__ __forceinline__ int update_tensor_of(const UpdateBatch<T>& batch, int64_t block) {
+  int ti = 0;
+  for (int j = 1; j < batch.count; ++j) ti = batch.t[j].first_block <= block ? j : ti;
+  return ti;
+}
+
+// kRows: how many outputs `o` records (1 to kOutputs); a template argument
+// so that every per-row array stays in registers. `r`: the rule, whose
+// bias corrections each parameter sets.
 template <typename T, int kRows>
-__global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, int64_t n, UpdateRule r,
-                                                          const float* step_f, const double* step_d,
-                                                          int64_t* ring, const int64_t* state, int64_t slots,
-                                                          int64_t rows, int64_t width, int64_t row,
-                                                          int64_t row_base, HistSpec h) {
+__global__ void __launch_bounds__(kThreads) update_kernel(UpdateBatch<T> batch, UpdateRule r, int64_t* ring,
+                                                          const int64_t* state, int64_t slots, int64_t rows,
+                                                          int64_t width, UpdateOuts o, HistSpec h) {
   if (state[kStateEnabled] == 0) return;
   const int64_t slot = state[kStateSlot];
   if (slot < 0 || slot >= slots) return;  // same guard as the stats kernels
-  if (step_f != nullptr) update_set_step(r, static_cast<double>(*step_f));
-  if (step_d != nullptr) update_set_step(r, *step_d);
+  const UpdateTensor<T>& t = batch.t[update_tensor_of(batch, blockIdx.x)];
+  const UpdateInputs<T> in = t.in;
+  const int64_t n = t.n;
+  const int64_t block = static_cast<int64_t>(blockIdx.x) - t.first_block;
+  r.step_size = t.step_size;
+  r.bc2_sqrt = t.bc2_sqrt;
+  if (t.step_f != nullptr) update_set_step(r, static_cast<double>(*t.step_f));
+  if (t.step_d != nullptr) update_set_step(r, *t.step_d);
   if (HOOKCAP_EMU_FAULT(update_bias)) r.step_size = r.lr;  // the harness's planted bug: no bias correction
-  constexpr int nrows = kRows;
-  int64_t* out[2] = {ring + (slot * rows + row) * width,
-                     kRows == 2 ? ring + (slot * rows + row_base) * width : nullptr};
+  int64_t* out[kRows];
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) out[k] = ring + (slot * rows + t.row[k]) * width;
   unsigned char* smem = dynamic_smem();
   double* s_shift = reinterpret_cast<double*>(smem);
   const int64_t nbins = h.kind == kHistNone ? 0 : h.nbins;
@@ -83,48 +131,54 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
   if (tid == 0) {
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-      if (blockIdx.x == 0) {
+      if (block == 0) {
         DeviceAtomics::add_i64(out[k] + kCount, n);
         DeviceAtomics::add_i64(out[k] + kCalls, 1);
       }
       // Every block finds the same candidate (the first elements): the first
       // writer of the row fixes it, as the stats kernels do.
-      const double cand = shift_candidate(
-          [&](int64_t i) { const UpdateValue u = update_at(r, in, i); return k == 0 ? u.value : u.base; }, n);
+      const double cand = shift_candidate([&](int64_t i) { return update_out_at(r, in, o, i, k); }, n);
       const int64_t old = DeviceAtomics::cas_i64(out[k] + kShift, kShiftUnset, dbits(cand));
       s_shift[k] = old == kShiftUnset ? cand : bitsd(old);
     }
   }
   if (local_hist) {
-    for (int64_t i = tid; i < nrows * nbins; i += kThreads) s_hist[i] = 0u;
+    for (int64_t i = tid; i < kRows * nbins; i += kThreads) s_hist[i] = 0u;
   }
   __syncthreads();
   Acc acc[kRows];
   WideAcc wide[kRows];
+  double shift[kRows];
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     acc_init(acc[k]);
     wide_init(wide[k]);
+    shift[k] = s_shift[k];
   }
-  const double shift0 = s_shift[0], shift1 = nrows == 2 ? s_shift[1] : 0.0;
   const int lane = tid % kWarpSize;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t stride = static_cast<int64_t>(t.blocks) * kThreads;
   // The same trip count for every thread (a multiple of the stride), so every
   // lane of a warp reaches the warp-wide bin match together.
   const int64_t end = (n + stride - 1) / stride * stride;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + tid; i < end; i += stride) {
+  for (int64_t i = block * kThreads + tid; i < end; i += stride) {
     const bool valid = i < n;
-    const UpdateValue u = valid ? update_at(r, in, i) : UpdateValue{0.0, 0.0};
+    double av = 0.0, bv = 0.0;
+    UpdateValue u{0.0, 0.0, 0.0};
+    if (valid) {
+      av = in.a ? as_double(in.a[i]) : 0.0;
+      bv = in.b ? as_double(in.b[i]) : 0.0;
+      if (o.step) u = update_value(r, as_double(in.w[i]), in.g ? as_double(in.g[i]) : 0.0, av, bv, o.ratio);
+    }
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
-      const double v = k == 0 ? u.value : u.base;
+      const double v = update_output(u, av, bv, o.out[k]);
       if (valid) {
         // Values from narrower parameters are never wide (update_math.h's
         // results of float inputs stay far inside double's squaring range).
         if constexpr (std::is_same_v<T, double>) {
-          acc_push_wide(acc[k], wide[k], v, k == 0 ? shift0 : shift1);
+          acc_push_wide(acc[k], wide[k], v, shift[k]);
         } else {
-          acc_push(acc[k], v, k == 0 ? shift0 : shift1);
+          acc_push(acc[k], v, shift[k]);
         }
       }
       if (nbins == 0) continue;
@@ -164,9 +218,21 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateInputs<T> in, in
     }
   }
   if (local_hist) {
-    for (int64_t i = tid; i < nrows * nbins; i += kThreads) {
+    for (int64_t i = tid; i < kRows * nbins; i += kThreads) {
       if (s_hist[i] != 0u) DeviceAtomics::add_i64(out[i / nbins] + kHeader + i % nbins, s_hist[i]);
     }
+  }
+}
+
+// fn(update_kernel<T, rows>) for 1 <= rows <= kOutputs.
+template <typename T, typename Fn>
+void with_update_kernel(int rows, Fn&& fn) {
+  switch (rows) {
+    case 1: fn(&update_kernel<T, 1>); break;
+    case 2: fn(&update_kernel<T, 2>); break;
+    case 3: fn(&update_kernel<T, 3>); break;
+    case 4: fn(&update_kernel<T, 4>); break;
+    default: fn(&update_kernel<T, 5>); break;
   }
 }
 

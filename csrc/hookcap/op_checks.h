@@ -151,24 +151,37 @@ inline DimPlan plan_read(const at::Tensor& x, int64_t max_walk = kMaxDims) {
 // accumulate_update: the parameter and every state tensor the rule reads are
 // dense with the parameter's sizes and strides (element i of each is at
 // offset i from its data pointer), of the parameter's dtype and device.
+// `rows`: kOutputs rows (update_math.h kOut*), -1 where not recorded, at
+// least one recorded.
 inline void check_update(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                          const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
                          const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
-                         int64_t rule, const at::Tensor& ring, const at::Tensor& state, int64_t row,
-                         int64_t row_base) {
-  check_accumulate(param, ring, state, row);
+                         int64_t rule, const at::Tensor& ring, const at::Tensor& state,
+                         c10::IntArrayRef rows) {
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == kOutputs, "hookcap.accumulate_update: rows needs ",
+              static_cast<int64_t>(kOutputs), " entries (update, base, ratio, a, b; -1: not recorded), got ",
+              static_cast<int64_t>(rows.size()));
+  int64_t first = -1;
+  for (const int64_t r : rows) {
+    TORCH_CHECK(r >= -1, "hookcap.accumulate_update: a row must be >= 0 or -1, got ", r);
+    TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(r), "hookcap.accumulate_update: row ", r,
+                    " out of range for a ring with ", ring.sym_size(1), " rows");
+    if (first < 0) first = r;
+  }
+  TORCH_CHECK(first >= 0, "hookcap.accumulate_update: rows records nothing (every entry is -1)");
+  check_accumulate(param, ring, state, first);
   const at::ScalarType t = param.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16,
               "hookcap.accumulate_update: parameters of float32, float64, float16 or bfloat16, got ", t);
-  TORCH_CHECK(rule >= 0 && rule < kRules, "hookcap.accumulate_update: rule must be 0 (SGD), 1 (Adam), "
-              "2 (Adam ratio) or 3 (difference), got ", rule);
+  TORCH_CHECK(rule >= 0 && rule < kRules, "hookcap.accumulate_update: rule must be 0 (SGD), 1 (Adam) "
+              "or 2 (difference), got ", rule);
   TORCH_CHECK(static_cast<int64_t>(hyper.size()) == kHypCount, "hookcap.accumulate_update: hyper needs ",
               static_cast<int64_t>(kHypCount), " values, got ", static_cast<int64_t>(hyper.size()));
   TORCH_CHECK(param.is_non_overlapping_and_dense(),
               "hookcap.accumulate_update: the parameter must be dense (no gaps or overlaps)");
   auto same = [&](const c10::optional<at::Tensor>& x, const char* what, bool needed) {
     if (!x.has_value() || !x->defined()) {
-      TORCH_CHECK(!needed, "hookcap.accumulate_update: rule ", rule, " needs ", what);
+      TORCH_CHECK(!needed, "hookcap.accumulate_update: rule ", rule, " with these rows needs ", what);
       return;
     }
     TORCH_CHECK(x->scalar_type() == t && x->device() == param.device() &&
@@ -178,12 +191,14 @@ inline void check_update(const at::Tensor& param, const c10::optional<at::Tensor
                 "), got ", x->scalar_type(), " ", x->device(), " ", x->sym_sizes(), " ", x->sym_strides());
   };
   const bool has_buf = static_cast<int64_t>(hyper[kHypFlags]) & kFlagHasBuf;
-  const bool adam = rule == kRuleAdam || rule == kRuleAdamRatio;
-  same(grad, "the gradient", rule == kRuleAdamRatio || (rule == kRuleSgd && !(has_buf && !(
+  const bool adam = rule == kRuleAdam;
+  const bool ratio = rows[kOutRatio] >= 0;
+  TORCH_CHECK(!ratio || adam, "hookcap.accumulate_update: the ratio row needs rule 1 (Adam)");
+  same(grad, "the gradient", ratio || (rule == kRuleSgd && !(has_buf && !(
       static_cast<int64_t>(hyper[kHypFlags]) & kFlagNesterov))));
   same(a, rule == kRuleSgd ? "the momentum buffer" : rule == kRuleDiff ? "the copy" : "exp_avg",
-       adam || rule == kRuleDiff || (rule == kRuleSgd && has_buf));
-  same(b, "exp_avg_sq", adam);
+       adam || rule == kRuleDiff || (rule == kRuleSgd && has_buf) || rows[kOutA] >= 0);
+  same(b, "exp_avg_sq", adam || rows[kOutB] >= 0);
   if (step.has_value() && step->defined()) {
     TORCH_CHECK(step->numel() == 1 && (step->scalar_type() == at::kFloat || step->scalar_type() == at::kDouble),
                 "hookcap.accumulate_update: step must be one float32 or float64 value, got ",
@@ -192,9 +207,6 @@ inline void check_update(const at::Tensor& param, const c10::optional<at::Tensor
                 "hookcap.accumulate_update: step must be on the CPU or the parameter's device, got ",
                 step->device());
   }
-  TORCH_CHECK(row_base >= -1, "hookcap.accumulate_update: row_base must be a row or -1, got ", row_base);
-  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row_base), "hookcap.accumulate_update: row_base ", row_base,
-                  " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
 // The rule's constants; Adam's bias corrections from `step` where the host
@@ -247,24 +259,23 @@ inline UpdateLaunch update_launch(int64_t rule, c10::ArrayRef<double> hyper,
 struct UpdateArgs {
   const at::Tensor& param;
   c10::optional<at::Tensor> grad, a, b, step;
-  int64_t row, row_base;
+  c10::IntArrayRef rows;  // kOutputs
 };
 
 // Calls fn(UpdateArgs) for each parameter of an accumulate_updates call,
-// after checking that every list has one entry per parameter.
+// after checking that every list has one entry per parameter (rows: kOutputs).
 template <typename Fn>
 void for_each_update(at::TensorList params, const c10::List<c10::optional<at::Tensor>>& grads,
                      const c10::List<c10::optional<at::Tensor>>& a,
                      const c10::List<c10::optional<at::Tensor>>& b,
-                     const c10::List<c10::optional<at::Tensor>>& steps, c10::IntArrayRef rows,
-                     c10::IntArrayRef row_bases, Fn&& fn) {
+                     const c10::List<c10::optional<at::Tensor>>& steps, c10::IntArrayRef rows, Fn&& fn) {
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && a.size() == n && b.size() == n && steps.size() == n && rows.size() == n &&
-                  row_bases.size() == n,
-              "hookcap.accumulate_updates: grads, a, b, steps, rows and row_bases need one entry per "
-              "parameter (", n, ")");
+  TORCH_CHECK(grads.size() == n && a.size() == n && b.size() == n && steps.size() == n &&
+                  rows.size() == n * kOutputs,
+              "hookcap.accumulate_updates: grads, a, b and steps need one entry per parameter (", n,
+              ") and rows ", static_cast<int64_t>(kOutputs), " per parameter");
   for (size_t i = 0; i < n; ++i) {
-    fn(UpdateArgs{params[i], grads.get(i), a.get(i), b.get(i), steps.get(i), rows[i], row_bases[i]});
+    fn(UpdateArgs{params[i], grads.get(i), a.get(i), b.get(i), steps.get(i), rows.slice(i * kOutputs, kOutputs)});
   }
 }
 
@@ -277,14 +288,13 @@ void accumulate_updates_each(at::TensorList params, const c10::List<c10::optiona
                              const c10::List<c10::optional<at::Tensor>>& b,
                              const c10::List<c10::optional<at::Tensor>>& steps, c10::ArrayRef<double> hyper,
                              int64_t rule, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
-                             c10::IntArrayRef row_bases, int64_t hist_kind, double hist_lo, double hist_hi,
-                             int64_t hist_bins) {
-  for_each_update(params, grads, a, b, steps, rows, row_bases, [&](const UpdateArgs& u) {
-    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.row, u.row_base);
+                             int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
+  for_each_update(params, grads, a, b, steps, rows, [&](const UpdateArgs& u) {
+    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.rows);
   });
-  for_each_update(params, grads, a, b, steps, rows, row_bases, [&](const UpdateArgs& u) {
-    kOne(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.row, u.row_base, hist_kind, hist_lo,
-         hist_hi, hist_bins);
+  for_each_update(params, grads, a, b, steps, rows, [&](const UpdateArgs& u) {
+    kOne(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.rows, hist_kind, hist_lo, hist_hi,
+         hist_bins);
   });
 }
 

@@ -14,12 +14,16 @@
 
 namespace hookcap {
 
-// Which quantity (the op's `rule`).
-constexpr int kRuleSgd = 0;        // Δw of torch.optim.SGD; a = momentum_buffer
-constexpr int kRuleAdam = 1;       // Δw of Adam/AdamW; a = exp_avg, b = exp_avg_sq (max_exp_avg_sq: amsgrad)
-constexpr int kRuleAdamRatio = 2;  // g / (√v̂ + ε) of that step; same inputs plus the gradient
-constexpr int kRuleDiff = 3;       // w − a, a = a copy of w taken before the step
-constexpr int kRules = 4;
+// Which step (the op's `rule`).
+constexpr int kRuleSgd = 0;   // torch.optim.SGD; a = momentum_buffer (or .grad holding d)
+constexpr int kRuleAdam = 1;  // Adam/AdamW; a = exp_avg, b = exp_avg_sq (max_exp_avg_sq: amsgrad)
+constexpr int kRuleDiff = 2;  // w − a, a = a copy of w taken before the step
+constexpr int kRules = 3;
+
+// What one pass can record per parameter (the op's `rows`, kOutputs per
+// parameter, -1 where not recorded): Δw, w before the step, Adam's ratio
+// g / (√v̂ + ε) (needs the gradient), and the state tensors a and b as read.
+constexpr int kOutUpdate = 0, kOutBase = 1, kOutRatio = 2, kOutA = 3, kOutB = 4, kOutputs = 5;
 
 // The op's `hyper` list, by index.
 constexpr int kHypLr = 0, kHypWeightDecay = 1, kHypMomentum = 2, kHypBeta1 = 3, kHypBeta2 = 4,
@@ -43,51 +47,58 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void update_set_step(UpdateRule& r, double t) 
 }
 
 struct UpdateValue {
-  double value;  // Δw, or the ratio
+  double value;  // Δw
   double base;   // w before the step
+  double ratio;  // Adam: g / (√v̂ + ε); else 0
 };
 
 // One element under rule kRule. w: the parameter after the step; g: its
 // gradient (as the optimizer found it, before `maximize`); a, b: the rule's
-// state tensors.
+// state tensors. `ratio`: compute Adam's ratio (a division per element).
 template <int kRule>
 C10_HOST_DEVICE C10_ALWAYS_INLINE UpdateValue update_value_of(const UpdateRule& r, double w, double g,
-                                                              double a, double b) {
+                                                              double a, double b, bool ratio) {
   const bool maximize = r.flags & kFlagMaximize;
   const double gs = maximize ? -g : g;  // the gradient the step descended
   if constexpr (kRule == kRuleDiff) {
-    return {w - a, a};
+    return {w - a, a, 0.0};
   } else if constexpr (kRule == kRuleSgd) {
     // torch: d = g' (+ μ·buf, Nesterov) or buf, g' = ±g + wd·w₀; w = w₀ − lr·d.
-    if ((r.flags & kFlagHasBuf) && !(r.flags & kFlagNesterov)) return {-r.lr * a, w + r.lr * a};
+    if ((r.flags & kFlagHasBuf) && !(r.flags & kFlagNesterov)) return {-r.lr * a, w + r.lr * a, 0.0};
     const double c = gs + ((r.flags & kFlagNesterov) ? r.momentum * a : 0.0);
     const double w0 = (w + r.lr * c) / (1.0 - r.lr * r.wd);
-    return {-r.lr * (c + r.wd * w0), w0};
+    return {-r.lr * (c + r.wd * w0), w0, 0.0};
   } else {
     // Adam: w = w₀·(1 − lr·wd if decoupled) − step_size·m / (√v / √(1 − β2^t) + ε).
     const double denom = ::sqrt(b) / r.bc2_sqrt + r.eps;
     const double adam = -r.step_size * (a / denom);
     const bool decoupled = r.flags & kFlagDecoupled;
     const double w0 = decoupled ? (w - adam) / (1.0 - r.lr * r.wd) : w - adam;
-    if constexpr (kRule == kRuleAdam) {
-      return {decoupled ? adam - r.lr * r.wd * w0 : adam, w0};
-    } else {
-      // The gradient the moments took: L2 weight decay (Adam's own) is part of it.
-      const double gm = decoupled ? gs : gs + r.wd * w0;
-      return {gm / denom, w0};
-    }
+    // The gradient the moments took: L2 weight decay (Adam's own) is part of it.
+    const double gm = decoupled ? gs : gs + r.wd * w0;
+    return {decoupled ? adam - r.lr * r.wd * w0 : adam, w0, ratio ? gm / denom : 0.0};
+  }
+}
+
+// Output `out` (kOut*) of one element: its value, or the input state read.
+C10_HOST_DEVICE C10_ALWAYS_INLINE double update_output(const UpdateValue& u, double a, double b, int out) {
+  switch (out) {
+    case kOutUpdate: return u.value;
+    case kOutBase: return u.base;
+    case kOutRatio: return u.ratio;
+    case kOutA: return a;
+    default: return b;
   }
 }
 
 // update_value_of for the rule in `r` (a branch per element: the CUDA kernel's
 // warps all take the same one; the CPU loop dispatches once per call).
 C10_HOST_DEVICE C10_ALWAYS_INLINE UpdateValue update_value(const UpdateRule& r, double w, double g,
-                                                           double a, double b) {
+                                                           double a, double b, bool ratio) {
   switch (r.rule) {
-    case kRuleSgd: return update_value_of<kRuleSgd>(r, w, g, a, b);
-    case kRuleAdam: return update_value_of<kRuleAdam>(r, w, g, a, b);
-    case kRuleAdamRatio: return update_value_of<kRuleAdamRatio>(r, w, g, a, b);
-    default: return update_value_of<kRuleDiff>(r, w, g, a, b);
+    case kRuleSgd: return update_value_of<kRuleSgd>(r, w, g, a, b, ratio);
+    case kRuleAdam: return update_value_of<kRuleAdam>(r, w, g, a, b, ratio);
+    default: return update_value_of<kRuleDiff>(r, w, g, a, b, ratio);
   }
 }
 

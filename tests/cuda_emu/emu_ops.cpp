@@ -8,6 +8,7 @@
 
 #include "hookcap/op_checks.h"
 #include "emu_runner.h"
+#include "cuda/update_plan.h"
 
 namespace {
 
@@ -110,27 +111,43 @@ std::tuple<at::Tensor, at::Tensor, bool> linear_bins(double lo, double hi, int64
   return {got, want, kernels::linear_float_ok(h)};
 }
 
-// update_kernel as accumulate_update_cuda launches it. step_on_device: the
-// kernel reads `step` (capturable / fused Adam) instead of the host.
+// update_kernel as accumulate_updates_cuda launches it (update_plan.h), each
+// parameter with up to `grid` blocks. step_on_device: the kernel reads each
+// `step` (capturable / fused Adam) instead of the host.
+void accumulate_updates(const std::vector<at::Tensor>& params, const std::vector<c10::optional<at::Tensor>>& grads,
+                        const std::vector<c10::optional<at::Tensor>>& a,
+                        const std::vector<c10::optional<at::Tensor>>& b,
+                        const std::vector<c10::optional<at::Tensor>>& steps, std::vector<double> hyper, int64_t rule,
+                        at::Tensor& ring, const at::Tensor& state, std::vector<int64_t> rows, int64_t hist_kind,
+                        double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid, int64_t block,
+                        bool step_on_device) {
+  const c10::List<c10::optional<at::Tensor>> g(grads), la(a), lb(b), ls(steps);
+  for_each_update(params, g, la, lb, ls, rows, [&](const UpdateArgs& u) {
+    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.rows);
+    check_cpu(u.param);
+  });
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const dim3 bl = dim(block, "block");
+  dim(grid, "grid");
+  auto device_step = [&](const c10::optional<at::Tensor>& t) { return step_on_device && t.has_value() && t->defined(); };
+  py::gil_scoped_release nogil;
+  plan_updates(params, g, la, lb, ls, hyper, rule, rows, h, 1, grid, device_step,
+               [&](auto kernel, const auto& batch, const UpdateRule& r, const kernels::UpdateOuts& o, int32_t blocks,
+                   int64_t smem) {
+                 emu::launch(kernel, dim3(static_cast<unsigned>(blocks)), bl, static_cast<size_t>(smem), batch, r,
+                             ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
+                             ring.size(2), o, h);
+               });
+}
+
 void accumulate_update(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                        const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
                        const c10::optional<at::Tensor>& step, std::vector<double> hyper, int64_t rule,
-                       at::Tensor& ring, const at::Tensor& state, int64_t row, int64_t row_base,
+                       at::Tensor& ring, const at::Tensor& state, std::vector<int64_t> rows,
                        int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid,
                        int64_t block, bool step_on_device) {
-  check_update(param, grad, a, b, step, hyper, rule, ring, state, row, row_base);
-  check_cpu(param);
-  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
-  const UpdateLaunch u = update_launch(rule, hyper, step, step_on_device);
-  const dim3 g = dim(grid, "grid"), bl = dim(block, "block");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "hookcap_emu_update", [&] {
-    const kernels::UpdateInputs<scalar_t> in{param.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(grad),
-                                             data_or_null<scalar_t>(a), data_or_null<scalar_t>(b)};
-    py::gil_scoped_release nogil;
-    hookcap_emu::update<scalar_t>(in, param.numel(), u.rule, u.step_f, u.step_d, ring.data_ptr<int64_t>(),
-                                  state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2),
-                                  row, row_base, h, g, bl);
-  });
+  accumulate_updates({param}, {grad}, {a}, {b}, {step}, std::move(hyper), rule, ring, state, std::move(rows),
+                     hist_kind, hist_lo, hist_hi, hist_bins, grid, block, step_on_device);
 }
 
 // The fault the kernels commit from now on (cuda_emu.h Fault, by number; 0: none).
@@ -465,6 +482,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fast_divide", &fast_divide);
   m.def("reset_slot", &reset_slot);
   m.def("accumulate_update", &accumulate_update);
+  m.def("accumulate_updates", &accumulate_updates);
   m.def("set_fault", &set_fault);
   m.def("reset_rows", &reset_rows);
   m.def("advance", &advance, py::arg("ring"), py::arg("state"), py::arg("every"), py::arg("block"),

@@ -31,17 +31,6 @@ void accumulate(const T* x, int64_t n, hookcap::ReadKind read, const StridedDesc
       });
 }
 
-// As the launcher (accumulate_update_cuda): the shared memory the plan needs.
-template <typename T>
-void update(const hookcap::kernels::UpdateInputs<T>& in, int64_t n, const hookcap::UpdateRule& r,
-            const float* step_f, const double* step_d, int64_t* ring, const int64_t* state, int64_t slots,
-            int64_t rows, int64_t width, int64_t row, int64_t row_base, const HistSpec& h, dim3 grid, dim3 block) {
-  const int64_t smem = hookcap::kernels::update_smem_bytes(h.kind == hookcap::kHistNone ? 0 : h.nbins, row_base >= 0);
-  emu::launch(row_base >= 0 ? hookcap::kernels::update_kernel<T, 2> : hookcap::kernels::update_kernel<T, 1>, grid,
-              block, static_cast<size_t>(smem), in, n, r, step_f, step_d, ring, state, slots, rows, width, row,
-              row_base, h);
-}
-
 // reset_slot launches reset_rows_kernel over every row, as the launcher does.
 inline void reset_rows(int64_t* ring, const int64_t* state, int64_t slots, int64_t rows,
                        int64_t width, int64_t begin, int64_t end, dim3 grid, dim3 block) {
