@@ -714,45 +714,6 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   wide_to_row<HostAtomics>(row, wtotal, mult);
 }
 
-void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
-                    int64_t row_index, int64_t hist_kind, double hist_lo, double hist_hi,
-                    int64_t hist_bins) {
-  check_accumulate(x_in, ring, state, row_index);
-  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
-  const int64_t* st = state.data_ptr<int64_t>();
-  if (st[kStateEnabled] == 0) return;
-  const int64_t slot = state_slot(ring, st);
-  int64_t* row = ring.data_ptr<int64_t>() + (slot * ring.size(1) + row_index) * ring.size(2);
-  const int64_t n = x_in.numel();
-  HostAtomics::add_i64(row + kCount, n);
-  HostAtomics::add_i64(row + kCalls, 1);
-  if (n == 0) return;
-
-  const DimPlan plan = plan_read(x_in);
-  const bool flat = plan.flat;
-  const StridedDesc& d = plan.desc;
-  AT_DISPATCH_FLOATING_TYPES_AND4(
-      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
-      "hookcap_accumulate_cpu", [&] {
-        constexpr bool kFloatWork = !std::is_same_v<scalar_t, double>;
-        const int64_t m = plan.visit, mult = plan.mult;
-        for_each_read(plan, [&](int64_t offset, bool) {
-          const scalar_t* p = x_in.const_data_ptr<scalar_t>() + offset;
-          switch (h.kind) {
-            case kHistNone: accumulate_typed<scalar_t, kHistNone>(p, flat, d, m, mult, row, h); break;
-            case kHistLog2:
-              if (kFloatWork && h.lo_exp >= -126 && m >= kDirectHistBelow) {
-                accumulate_typed<scalar_t, kFloatWork ? kHistLog2Exp : kHistLog2>(p, flat, d, m, mult, row, h);
-              } else {
-                accumulate_typed<scalar_t, kHistLog2>(p, flat, d, m, mult, row, h);
-              }
-              break;
-            default: accumulate_typed<scalar_t, kHistLinear>(p, flat, d, m, mult, row, h); break;
-          }
-        });
-      });
-}
-
 // Rows [0, rows) at `base` reset for `step`. keep_reset: leave out rows
 // already reset for `step` (the host resets the CPU rows it has read, while
 // they are in its cache: hookcap/_drain.py); only a reset writes kStepTag, so
@@ -824,6 +785,8 @@ int64_t state_slot(const at::Tensor& ring, const int64_t* st) {
   return slot;
 }
 
+bool cpu_avx2() { return use_avx2(); }
+
 namespace {
 
 static_assert(kDoublesLocalWords == kHistCopies * (kLocalBins + 1), "stats_cpu.h's local histogram size");
@@ -891,6 +854,49 @@ void doubles_flush(DoublesPartial& p) {
     for (int r = 0; r < kHistCopies; ++r) cnt += p.local[r * cs + 1 + k];
     if (cnt) HostAtomics::add_i64(p.row + kHeader + k, cnt);
   }
+}
+
+void accumulate_tensor_cpu(const at::Tensor& x_in, int64_t* row, const HistSpec& h) {
+  if (x_in.numel() == 0) return;
+  const DimPlan plan = plan_read(x_in);
+  const bool flat = plan.flat;
+  const StridedDesc& d = plan.desc;
+  AT_DISPATCH_FLOATING_TYPES_AND4(
+      at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
+      "hookcap_accumulate_cpu", [&] {
+        constexpr bool kFloatWork = !std::is_same_v<scalar_t, double>;
+        const int64_t m = plan.visit, mult = plan.mult;
+        for_each_read(plan, [&](int64_t offset, bool) {
+          const scalar_t* p = x_in.const_data_ptr<scalar_t>() + offset;
+          switch (h.kind) {
+            case kHistNone: accumulate_typed<scalar_t, kHistNone>(p, flat, d, m, mult, row, h); break;
+            case kHistLog2:
+              if (kFloatWork && h.lo_exp >= -126 && m >= kDirectHistBelow) {
+                accumulate_typed<scalar_t, kFloatWork ? kHistLog2Exp : kHistLog2>(p, flat, d, m, mult, row, h);
+              } else {
+                accumulate_typed<scalar_t, kHistLog2>(p, flat, d, m, mult, row, h);
+              }
+              break;
+            default: accumulate_typed<scalar_t, kHistLinear>(p, flat, d, m, mult, row, h); break;
+          }
+        });
+      });
+}
+
+static void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
+                           int64_t row_index, int64_t hist_kind, double hist_lo, double hist_hi,
+                           int64_t hist_bins) {
+  check_accumulate(x_in, ring, state, row_index);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const int64_t* st = state.data_ptr<int64_t>();
+  if (st[kStateEnabled] == 0) return;
+  const int64_t slot = state_slot(ring, st);
+  int64_t* row = ring.data_ptr<int64_t>() + (slot * ring.size(1) + row_index) * ring.size(2);
+  const int64_t n = x_in.numel();
+  HostAtomics::add_i64(row + kCount, n);
+  HostAtomics::add_i64(row + kCalls, 1);
+  if (n == 0) return;
+  accumulate_tensor_cpu(x_in, row, h);
 }
 
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {

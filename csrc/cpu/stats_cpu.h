@@ -14,6 +14,13 @@ namespace hookcap {
 // The slot named by a CPU state, checked against the ring's slot count.
 int64_t state_slot(const at::Tensor& ring, const int64_t* st);
 
+// Merges tensor x (any layout the statistics op reads) into `row`, count
+// and calls excepted, with the statistics op's own loop.
+void accumulate_tensor_cpu(const at::Tensor& x, int64_t* row, const HistSpec& h);
+
+// Whether this CPU runs the AVX2+FMA+F16C builds of the loops.
+bool cpu_avx2();
+
 // One thread's statistics of doubles a kernel produces block by block
 // (accumulate_update) for one row: pushed block by block, merged into the
 // row once by doubles_flush (count and calls excepted: the caller counts its

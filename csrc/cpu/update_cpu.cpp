@@ -1,8 +1,8 @@
 // accumulate_update on the CPU: the optimizer's per-element update, the
-// parameter before the step, Adam's ratio and the state tensors, recomputed
-// in blocks of doubles (update_math.h) in one pass and merged by the
-// statistics loop. No tensor is made: each block lives in this thread's
-// buffer.
+// parameter before the step and Adam's ratio, recomputed in blocks of
+// doubles (update_math.h) and merged by the statistics loop; the state
+// tensors by the statistics op's loop. No tensor is made: each block lives
+// in this thread's buffer.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,9 +19,33 @@
 namespace hookcap {
 namespace {
 
-// Values per block: kOutputs blocks of doubles and their local histograms
-// (kOutputs x 16 KB) on the stack.
+// Values per block: three blocks of doubles and their local histograms
+// (3 x 16 KB) on the stack.
 constexpr int64_t kUpdateBlock = 1024;
+
+// One block's Δw, w before and (kRatio) Adam's ratio: a loop without
+// branches on the outputs, so that the compiler vectorises the division and
+// square root.
+template <int kRule, bool kRatio, typename T>
+__attribute__((always_inline)) inline void fill_block(const UpdateRule& r, const T* w, const T* g, const T* a, const T* b, int64_t m,
+                                 double* value, double* base, double* ratio) {
+  for (int64_t i = 0; i < m; ++i) {
+    const UpdateValue u = update_value_of<kRule>(r, static_cast<double>(w[i]), g ? static_cast<double>(g[i]) : 0.0,
+                                                 a ? static_cast<double>(a[i]) : 0.0,
+                                                 b ? static_cast<double>(b[i]) : 0.0, kRatio);
+    value[i] = u.value;
+    base[i] = u.base;
+    if constexpr (kRatio) ratio[i] = u.ratio;
+  }
+}
+
+// The same loop for AVX2 (no FMA: the values match the baseline build's).
+template <int kRule, bool kRatio, typename T>
+__attribute__((target("avx2"))) void fill_block_avx2(const UpdateRule& r, const T* w, const T* g, const T* a,
+                                                     const T* b, int64_t m, double* value, double* base,
+                                                     double* ratio) {
+  fill_block<kRule, kRatio>(r, w, g, a, b, m, value, base, ratio);
+}
 
 void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                            const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
@@ -33,58 +57,72 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
   const int64_t* st = state.data_ptr<int64_t>();
   if (st[kStateEnabled] == 0) return;
   const int64_t slot = state_slot(ring, st);
-  // The recorded outputs, in kOut* order: outs[k] of row_ptrs[k].
-  int outs[kOutputs];
-  int64_t* row_ptrs[kOutputs];
-  int nout = 0;
   const int64_t n = param.numel();
+  int64_t* row_of[kOutputs] = {};
   for (int o = 0; o < kOutputs; ++o) {
     if (rows[o] < 0) continue;
     int64_t* r = ring.data_ptr<int64_t>() + (slot * ring.size(1) + rows[o]) * ring.size(2);
     __atomic_fetch_add(r + kCount, n, __ATOMIC_RELAXED);
     __atomic_fetch_add(r + kCalls, 1, __ATOMIC_RELAXED);
-    outs[nout] = o;
-    row_ptrs[nout++] = r;
+    row_of[o] = r;
   }
-  const bool want_ratio = rows[kOutRatio] >= 0;
-  const bool want_step = rows[kOutUpdate] >= 0 || rows[kOutBase] >= 0 || want_ratio;
+  // The state tensors as stored: the statistics op's own loop (in float for
+  // float32 state, as when the op records them).
+  if (row_of[kOutA]) accumulate_tensor_cpu(*a, row_of[kOutA], h);
+  if (row_of[kOutB]) accumulate_tensor_cpu(*b, row_of[kOutB], h);
+  if (!row_of[kOutUpdate] && !row_of[kOutBase] && !row_of[kOutRatio]) return;
   const UpdateRule rule_c = make_update_rule(rule, hyper, host_step(step, hyper));
+  const bool avx2 = cpu_avx2();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, param.scalar_type(), "hookcap_update_cpu", [&] {
     const scalar_t* w = param.const_data_ptr<scalar_t>();
     const scalar_t* g = data_or_null<scalar_t>(grad);
     const scalar_t* pa = data_or_null<scalar_t>(a);
     const scalar_t* pb = data_or_null<scalar_t>(b);
-    auto for_rule = [&](auto rule_tag) {
+    auto for_rule = [&](auto rule_tag, auto ratio_tag) {
       constexpr int kRule = decltype(rule_tag)::value;
+      constexpr bool kRatio = decltype(ratio_tag)::value;
       // Threads take runs of blocks, each with its own partials, merged into
       // the rows once per run: the double sums' last bits may depend on the
       // order the threads finish in.
       const int64_t nblocks = (n + kUpdateBlock - 1) / kUpdateBlock;
       // grain: small parameters stay on this thread (a parallel region costs more)
       at::parallel_for(0, nblocks, 16, [&](int64_t c0, int64_t c1) {
-        double vals[kOutputs][kUpdateBlock];
-        uint32_t local[kOutputs][kDoublesLocalWords];
-        DoublesPartial part[kOutputs];
-        for (int k = 0; k < nout; ++k) doubles_begin(part[k], row_ptrs[k], h, local[k]);
+        double vals[3][kUpdateBlock];  // Δw, w before, ratio (kOutUpdate..kOutRatio)
+        uint32_t local[3][kDoublesLocalWords];
+        DoublesPartial part[3];
+        for (int k = 0; k < 3; ++k) {
+          if (row_of[k]) doubles_begin(part[k], row_of[k], h, local[k]);
+        }
         for (int64_t c = c0; c < c1; ++c) {
           const int64_t b0 = c * kUpdateBlock, m = std::min(kUpdateBlock, n - b0);
-          for (int64_t i = 0; i < m; ++i) {
-            const double av = pa ? static_cast<double>(pa[b0 + i]) : 0.0;
-            const double bv = pb ? static_cast<double>(pb[b0 + i]) : 0.0;
-            const UpdateValue u = want_step ? update_value_of<kRule>(
-                rule_c, static_cast<double>(w[b0 + i]), g ? static_cast<double>(g[b0 + i]) : 0.0, av, bv,
-                want_ratio) : UpdateValue{0.0, 0.0, 0.0};
-            for (int k = 0; k < nout; ++k) vals[k][i] = update_output(u, av, bv, outs[k]);
+          auto at = [&](const scalar_t* p) { return p ? p + b0 : nullptr; };
+          if (avx2) {
+            fill_block_avx2<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m, vals[0], vals[1], vals[2]);
+          } else {
+            fill_block<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m, vals[0], vals[1], vals[2]);
           }
-          for (int k = 0; k < nout; ++k) doubles_push(part[k], vals[k], m);
+          for (int k = 0; k < 3; ++k) {
+            if (row_of[k]) doubles_push(part[k], vals[k], m);
+          }
         }
-        for (int k = 0; k < nout; ++k) doubles_flush(part[k]);
+        for (int k = 0; k < 3; ++k) {
+          if (row_of[k]) doubles_flush(part[k]);
+        }
       });
     };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    const bool ratio = row_of[kOutRatio] != nullptr;
     switch (rule) {
-      case kRuleSgd: for_rule(std::integral_constant<int, kRuleSgd>{}); break;
-      case kRuleAdam: for_rule(std::integral_constant<int, kRuleAdam>{}); break;
-      default: for_rule(std::integral_constant<int, kRuleDiff>{}); break;
+      case kRuleSgd: for_rule(std::integral_constant<int, kRuleSgd>{}, No{}); break;
+      case kRuleAdam:
+        if (ratio) {
+          for_rule(std::integral_constant<int, kRuleAdam>{}, Yes{});
+        } else {
+          for_rule(std::integral_constant<int, kRuleAdam>{}, No{});
+        }
+        break;
+      default: for_rule(std::integral_constant<int, kRuleDiff>{}, No{}); break;
     }
   });
 }
