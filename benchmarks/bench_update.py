@@ -80,7 +80,7 @@ def main() -> None:
     if bad or not kinds:
         ap.error(f"--capture: kinds among update, optim_state, adam_ratio, got {args.capture!r}")
     mon = hookcap.Monitor(model, capture=kinds, optimizer=opt, detectors=[], histogram=hist)
-    beta1, beta2 = opt.param_groups[0]["betas"]
+    beta2 = opt.param_groups[0]["betas"][1]
     eps = opt.param_groups[0]["eps"]
     steps_taken = [0]  # the peer's own step count on the host (Adam's may be on the device)
     opt.register_step_post_hook(lambda *a: steps_taken.__setitem__(0, steps_taken[0] + 1))

@@ -623,6 +623,22 @@ bool use_avx2() {
   return yes;
 }
 
+// Count k of a local histogram: the sum over its `copies` (each `cs` entries).
+HC_ALWAYS_INLINE int64_t local_total(const uint32_t* local, int copies, int64_t cs, int64_t k) {
+  int64_t cnt = 0;
+  for (int r = 0; r < copies; ++r) cnt += local[r * cs + k];
+  return cnt;
+}
+
+// A linear or log2 local histogram (bin k at entry 1 + k) into the row's bins,
+// each count times `mult`.
+void merge_local_bins(const uint32_t* local, int copies, int64_t cs, int64_t nbins, int64_t mult, int64_t* row) {
+  for (int64_t k = 0; k < nbins; ++k) {
+    const int64_t cnt = local_total(local, copies, cs, 1 + k) * mult;
+    if (cnt) HostAtomics::add_i64(row + kHeader + k, cnt);
+  }
+}
+
 template <typename T, int kHist>
 void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, int64_t mult,
                       int64_t* row, const HistSpec& h) {
@@ -676,11 +692,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
         chunk_base<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
       }
       if (!local_hist) continue;
-      auto total_of = [&](int64_t k) {
-        int64_t cnt = 0;
-        for (int r = 0; r < copies; ++r) cnt += local[r * cs + k];
-        return cnt * mult;
-      };
+      auto total_of = [&](int64_t k) { return local_total(local, copies, cs, k) * mult; };
       if constexpr (kExp) {
         // Exponent field 0 holds zeros (counted exactly by the stats) and
         // float subnormals (underflow when lo >= -126); 255 is NaN/Inf.
@@ -693,10 +705,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
           if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_exp[k], cnt);
         }
       } else {
-        for (int64_t k = 0; k < h.nbins; ++k) {
-          const int64_t cnt = total_of(1 + k);
-          if (cnt) HostAtomics::add_i64(row + kHeader + k, cnt);
-        }
+        merge_local_bins(local, copies, cs, h.nbins, mult, row);
       }
     }
   });
@@ -847,13 +856,7 @@ void doubles_flush(DoublesPartial& p) {
   if (!p.started) return;
   row_merge<HostAtomics>(p.row, p.acc);
   wide_to_row<HostAtomics>(p.row, p.wide, 1);
-  if (p.local == nullptr) return;
-  const int64_t cs = p.h->nbins + 1;
-  for (int64_t k = 0; k < p.h->nbins; ++k) {
-    int64_t cnt = 0;
-    for (int r = 0; r < kHistCopies; ++r) cnt += p.local[r * cs + 1 + k];
-    if (cnt) HostAtomics::add_i64(p.row + kHeader + k, cnt);
-  }
+  if (p.local) merge_local_bins(p.local, kHistCopies, p.h->nbins + 1, p.h->nbins, 1, p.row);
 }
 
 void accumulate_tensor_cpu(const at::Tensor& x_in, int64_t* row, const HistSpec& h) {

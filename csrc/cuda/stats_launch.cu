@@ -355,8 +355,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   seal_ring_write(device, stream);
 }
 
-// accumulate_updates: every parameter checked before any is written (a
-// call fails whole or not at all), then one launch per run of up to
+// accumulate_updates: check_updates, then one launch per run of up to
 // kernels::kUpdateTensors parameters (update_plan.h).
 void accumulate_updates_cuda(at::TensorList params, const c10::List<c10::optional<at::Tensor>>& grads,
                              const c10::List<c10::optional<at::Tensor>>& a,
@@ -364,9 +363,7 @@ void accumulate_updates_cuda(at::TensorList params, const c10::List<c10::optiona
                              const c10::List<c10::optional<at::Tensor>>& steps, c10::ArrayRef<double> hyper,
                              int64_t rule, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
                              int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
-  for_each_update(params, grads, a, b, steps, rows, [&](const UpdateArgs& u) {
-    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.rows);
-  });
+  check_updates(params, grads, a, b, steps, hyper, rule, ring, state, rows);
   if (params.empty()) return;
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
   c10::cuda::CUDAGuard guard(ring.device());

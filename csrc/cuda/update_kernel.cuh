@@ -67,14 +67,15 @@ __device__ __forceinline__ double as_double(T v) {
   }
 }
 
-// Output k of element i.
+// Element i: its state values a and b, and the step's values where an
+// output needs them.
 template <typename T>
-__device__ __forceinline__ double update_out_at(const UpdateRule& r, const UpdateInputs<T>& in,
-                                                const UpdateOuts& o, int64_t i, int k) {
-  const double a = in.a ? as_double(in.a[i]) : 0.0, b = in.b ? as_double(in.b[i]) : 0.0;
-  const UpdateValue u = o.step ? update_value(r, as_double(in.w[i]), in.g ? as_double(in.g[i]) : 0.0, a, b, o.ratio)
-                               : UpdateValue{0.0, 0.0, 0.0};
-  return update_output(u, a, b, o.out[k]);
+__device__ __forceinline__ UpdateValue update_at(const UpdateRule& r, const UpdateInputs<T>& in,
+                                                 const UpdateOuts& o, int64_t i, double& a, double& b) {
+  a = in.a ? as_double(in.a[i]) : 0.0;
+  b = in.b ? as_double(in.b[i]) : 0.0;
+  return o.step ? update_value(r, as_double(in.w[i]), in.g ? as_double(in.g[i]) : 0.0, a, b, o.ratio)
+                : UpdateValue{0.0, 0.0, 0.0};
 }
 
 // Shared-memory histogram counters per row (more bins count straight into the ring).
@@ -137,7 +138,11 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateBatch<T> batch, 
       }
       // Every block finds the same candidate (the first elements): the first
       // writer of the row fixes it, as the stats kernels do.
-      const double cand = shift_candidate([&](int64_t i) { return update_out_at(r, in, o, i, k); }, n);
+      const double cand = shift_candidate([&](int64_t i) {
+        double a, b;
+        const UpdateValue u = update_at(r, in, o, i, a, b);
+        return update_output(u, a, b, o.out[k]);
+      }, n);
       const int64_t old = DeviceAtomics::cas_i64(out[k] + kShift, kShiftUnset, dbits(cand));
       s_shift[k] = old == kShiftUnset ? cand : bitsd(old);
     }
@@ -163,12 +168,7 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateBatch<T> batch, 
   for (int64_t i = block * kThreads + tid; i < end; i += stride) {
     const bool valid = i < n;
     double av = 0.0, bv = 0.0;
-    UpdateValue u{0.0, 0.0, 0.0};
-    if (valid) {
-      av = in.a ? as_double(in.a[i]) : 0.0;
-      bv = in.b ? as_double(in.b[i]) : 0.0;
-      if (o.step) u = update_value(r, as_double(in.w[i]), in.g ? as_double(in.g[i]) : 0.0, av, bv, o.ratio);
-    }
+    const UpdateValue u = valid ? update_at(r, in, o, i, av, bv) : UpdateValue{0.0, 0.0, 0.0};
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
       const double v = update_output(u, av, bv, o.out[k]);

@@ -279,9 +279,20 @@ void for_each_update(at::TensorList params, const c10::List<c10::optional<at::Te
   }
 }
 
-// accumulate_updates for a backend whose accumulate_update is kOne: every
-// parameter checked before any is written (a call fails whole or not at
-// all), then kOne on each. The one signature of the list op.
+// Every parameter of an accumulate_updates call checked: each backend calls
+// this before it writes any, so a call fails whole or not at all.
+inline void check_updates(at::TensorList params, const c10::List<c10::optional<at::Tensor>>& grads,
+                          const c10::List<c10::optional<at::Tensor>>& a,
+                          const c10::List<c10::optional<at::Tensor>>& b,
+                          const c10::List<c10::optional<at::Tensor>>& steps, c10::ArrayRef<double> hyper,
+                          int64_t rule, const at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows) {
+  for_each_update(params, grads, a, b, steps, rows, [&](const UpdateArgs& u) {
+    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.rows);
+  });
+}
+
+// accumulate_updates for a backend whose accumulate_update is kOne:
+// check_updates, then kOne on each parameter.
 template <auto kOne>
 void accumulate_updates_each(at::TensorList params, const c10::List<c10::optional<at::Tensor>>& grads,
                              const c10::List<c10::optional<at::Tensor>>& a,
@@ -289,9 +300,7 @@ void accumulate_updates_each(at::TensorList params, const c10::List<c10::optiona
                              const c10::List<c10::optional<at::Tensor>>& steps, c10::ArrayRef<double> hyper,
                              int64_t rule, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
                              int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
-  for_each_update(params, grads, a, b, steps, rows, [&](const UpdateArgs& u) {
-    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.rows);
-  });
+  check_updates(params, grads, a, b, steps, hyper, rule, ring, state, rows);
   for_each_update(params, grads, a, b, steps, rows, [&](const UpdateArgs& u) {
     kOne(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.rows, hist_kind, hist_lo, hist_hi,
          hist_bins);

@@ -122,10 +122,8 @@ void accumulate_updates(const std::vector<at::Tensor>& params, const std::vector
                         double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid, int64_t block,
                         bool step_on_device) {
   const c10::List<c10::optional<at::Tensor>> g(grads), la(a), lb(b), ls(steps);
-  for_each_update(params, g, la, lb, ls, rows, [&](const UpdateArgs& u) {
-    check_update(u.param, u.grad, u.a, u.b, u.step, hyper, rule, ring, state, u.rows);
-    check_cpu(u.param);
-  });
+  check_updates(params, g, la, lb, ls, hyper, rule, ring, state, rows);
+  for (const at::Tensor& p : params) check_cpu(p);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
   const dim3 bl = dim(block, "block");
   dim(grid, "grid");
