@@ -13,6 +13,11 @@ Plots (matplotlib, Agg canvas; the caller's pyplot backend is not touched):
 - ``histogram.png``: the chosen metric's histogram over time (share of its
   finite values per bin, log colour scale); default metric: the one with the
   largest value of the stat. Only when the file has histograms.
+- ``signals.png``: the loss-spike signals over steps, when the file has them
+  (see ``spike_signals``): the tapped ``loss``, each parameter's update ratio
+  ``||dw|| / ||w_before||`` and its Adam ratio RMS, one thin line per
+  parameter and the largest across parameters in bold, with the steps of the
+  ``spike`` anomalies marked.
 - ``index.html``: shows them, with the file, steps, metrics and anomalies.
 """
 
@@ -348,11 +353,76 @@ def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
     return path
 
 
+def spike_signals(run: RunData) -> dict[str, dict[str, np.ndarray]]:
+    """The loss-spike signals a run holds, each ``{label: float64 [S]}``
+    (NaN where not recorded): ``"loss"`` (``mean`` of the metric ``loss``,
+    i.e. the tapped scalar), ``"update_ratio"`` (``l2norm`` of
+    ``{param}/update`` over that of ``{param}/update.base``, per parameter)
+    and ``"adam_ratio"`` (``rms`` of ``{param}/adam_ratio``). Absent keys:
+    the run did not record that signal."""
+    st, col = run.stats, {n: i for i, n in enumerate(run.names)}
+    out: dict[str, dict[str, np.ndarray]] = {}
+    if "loss" in col and "mean" in st:
+        out["loss"] = {"loss": st["mean"][:, col["loss"]]}
+    if "l2norm" in st:
+        ratios = {}
+        for n in run.names:
+            if n.endswith("/update") and n + ".base" in col:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    ratios[n[:-len("/update")]] = st["l2norm"][:, col[n]] / st["l2norm"][:, col[n + ".base"]]
+        if ratios:
+            out["update_ratio"] = ratios
+    if "rms" in st:
+        adam = {n[:-len("/adam_ratio")]: st["rms"][:, col[n]] for n in run.names if n.endswith("/adam_ratio")}
+        if adam:
+            out["adam_ratio"] = adam
+    return out
+
+
+def plot_signals(run: RunData, path: str) -> str | None:
+    """One panel per signal of ``spike_signals`` sharing the step axis; None
+    when the run has neither update nor Adam ratios."""
+    sig = spike_signals(run)
+    if "update_ratio" not in sig and "adam_ratio" not in sig:
+        return None
+    Figure = _import_mpl()
+    titles = {"loss": "loss (tapped)", "update_ratio": "update ratio ||dw|| / ||w_before||",
+              "adam_ratio": "Adam ratio RMS  g / (sqrt(v_hat) + eps)"}
+    keys = [k for k in titles if k in sig]
+    fig = Figure(figsize=(11, 2.6 * len(keys) + 0.6), dpi=100, layout="constrained")
+    axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
+    spikes = sorted({int(a.step) for a in run.anomalies if a.kind == "spike"})
+    x = run.steps
+    for ax, k in zip(axes, keys):
+        lines = np.array(list(sig[k].values()))  # [P, S]
+        with np.errstate(all="ignore"):
+            fin = np.where(np.isfinite(lines), lines, np.nan)
+            top = np.nanmax(np.where(np.isnan(fin), -np.inf, fin), axis=0) if len(lines) else fin
+        top = np.where(np.isfinite(top), top, np.nan)
+        if len(lines) > 1:
+            for v in fin:
+                ax.plot(x, v, color="#9ab", linewidth=0.6, alpha=0.6)
+        ax.plot(x, top, color="#c03", linewidth=1.8, label="max over parameters" if len(lines) > 1 else k)
+        pos = fin[np.isfinite(fin)]
+        if k != "loss" and pos.size and (pos > 0).all():
+            ax.set_yscale("log")
+        for s in spikes:
+            ax.axvline(s, color="#f80", linewidth=1.0, linestyle="--")
+        ax.set_title(titles[k] + (f" ({len(lines)} parameters)" if k != "loss" else ""), fontsize=10)
+        ax.grid(True, color="#eeeeee", linewidth=0.5)
+        if len(lines) > 1:
+            ax.legend(loc="upper left", fontsize=8)
+    axes[-1].set_xlabel("step" + ("  (dashed: spike anomalies)" if spikes else ""))
+    fig.savefig(path)
+    return path
+
+
 def report(source, out=None, stat: str = "l2norm", metric: str | None = None) -> dict:
     """Write the plots and ``index.html`` for ``source`` (a History, a dump
     ``.npz``, a Parquet dataset directory or a JSONL file) into ``out``
     (default: ``<source>-report`` next to the file or directory, without its
-    extension). Returns ``{"index", "heatmap", "nonfinite", "histogram"}``
+    extension). Returns ``{"index", "heatmap", "nonfinite", "histogram",
+    "signals"}``
     -> path written (None for a plot the data cannot make)."""
     _import_mpl()
     run = load_run(source)
@@ -372,6 +442,7 @@ def report(source, out=None, stat: str = "l2norm", metric: str | None = None) ->
         "heatmap": plot_heatmap(run, stat, os.path.join(out, "heatmap.png")),
         "nonfinite": plot_nonfinite(run, os.path.join(out, "nonfinite.png"), first),
         "histogram": plot_histogram(run, metric, os.path.join(out, "histogram.png")),
+        "signals": plot_signals(run, os.path.join(out, "signals.png")),
     }
     files["index"] = _write_index(run, out, stat, metric, first, files)
     return files
@@ -397,12 +468,15 @@ def _write_index(run: RunData, out: str, stat: str, metric: str, first, files: d
         "heatmap": f"{stat} per metric (rows, first-execution order) and step (columns)",
         "nonfinite": "NaN + Inf counts; the circle marks the first offender",
         "histogram": f"histogram of <code>{e(metric)}</code> over time",
+        "signals": "loss-spike signals: loss, update ratio and Adam ratio per parameter (bold: largest)",
     }
     missing = {
         "nonfinite": "no non-finite timeline: the file has no nan/inf columns",
         "histogram": f"no histogram plot: {e(run.source)} holds no histograms for this metric",
     }
-    for key in ("heatmap", "nonfinite", "histogram"):
+    for key in ("signals", "heatmap", "nonfinite", "histogram"):
+        if key == "signals" and not files.get(key):
+            continue  # no optimizer kinds recorded: nothing to say
         if files.get(key):
             name = os.path.basename(files[key])
             sections.append(f'<h2>{captions[key]}</h2>\n<img src="{e(name)}" alt="{key}">')
@@ -429,4 +503,5 @@ code{{background:#f3f3f3}}</style></head>
     return path
 
 
-__all__ = ["RunData", "bin_labels", "first_nonfinite", "load_run", "read_jsonl", "report"]
+__all__ = ["RunData", "bin_labels", "first_nonfinite", "load_run", "plot_signals", "read_jsonl", "report",
+           "spike_signals"]

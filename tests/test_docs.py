@@ -41,3 +41,15 @@ def test_loss_spike_page_example_finds_the_spike(tmp_path, monkeypatch, capsys):
     adam = h["rms"][:, h.column("0.weight/adam_ratio")]
     assert adam[31] > 1.8 * adam[30]
     assert (tmp_path / "loss-spike-report" / "index.html").exists()
+    # The report's signals plot draws exactly the History's derived values.
+    from hookcap.report import from_history, spike_signals
+
+    sig = spike_signals(from_history(h))
+    params = [n for n, _ in ns["model"].named_parameters()]
+    assert sorted(sig["update_ratio"]) == sorted(params) == sorted(sig["adam_ratio"])
+    for p in params:
+        np.testing.assert_array_equal(sig["update_ratio"][p], h.update_ratio(p))
+        np.testing.assert_array_equal(sig["adam_ratio"][p], h["rms"][:, h.column(f"{p}/adam_ratio")])
+    np.testing.assert_array_equal(sig["loss"]["loss"], h["max"][:, h.column("loss")])  # a 0-d tap: mean == max
+    page = (tmp_path / "loss-spike-report" / "index.html").read_text()
+    assert 'src="signals.png"' in page and (tmp_path / "loss-spike-report" / "signals.png").stat().st_size > 1024

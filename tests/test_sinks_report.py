@@ -614,6 +614,7 @@ def test_report_from_dump_and_jsonl(tmp_path):
         files = report(src, out=out, stat="absmax")
         for k in ("heatmap", "nonfinite", "histogram"):
             check_png(files[k])
+        assert files["signals"] is None  # no optimizer kinds recorded
         with open(files["index"]) as f:
             page = f.read()
         for k in ("heatmap.png", "nonfinite.png", "histogram.png"):
