@@ -93,6 +93,10 @@ class Consumers:
                 raise ValueError(f"detectors: {d!r} is not callable")
             if isinstance(d, Underflow):
                 d.check_histogram(config.histogram)
+        for s in sinks.active:
+            if getattr(s, "quantiles", ()) and config.histogram is None:
+                raise ValueError(f"{type(s).__name__}(quantiles=...) needs histograms: pass Monitor(histogram=...) "
+                                 "(quantiles are estimated from them), or drop quantiles=")
         check_on_anomaly(on_anomaly)
         self.on_anomaly = on_anomaly
         self.dump_on_anomaly = dump_on_anomaly

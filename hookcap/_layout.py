@@ -63,6 +63,7 @@ CUDA_BUILT = bool(_cuda)
 STAT_NAMES = (
     "count", "nan", "posinf", "neginf", "inf", "zeros", "finite",
     "sum", "sumsq", "min", "max", "absmax", "mean", "std", "rms", "l2norm", "zero_frac",
+    "crest",
 )
 
 # Per-module durations of Monitor(timing=True), in milliseconds.
@@ -151,7 +152,7 @@ def _wide_moments(rows: np.ndarray) -> dict[str, np.ndarray]:
 def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
     """Raw int64 rows [..., width] -> dict of float64 arrays [...] for every
     name in STAT_NAMES. Stats over finite elements are NaN where there is none;
-    ``zero_frac`` is NaN for empty tensors."""
+    ``zero_frac`` is NaN for empty tensors; ``crest`` where ``rms`` is 0."""
     rows = np.asarray(rows, dtype=np.int64)
     f64 = lambda col: rows[..., col].copy().view(np.float64)  # noqa: E731
     count = rows[..., COUNT].astype(np.float64)
@@ -201,7 +202,15 @@ def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
             a = np.array(out[k], dtype=np.float64).reshape(-1)
             a[pick] = v
             out[k] = a.reshape(wide.shape)
+    out["crest"] = crest(out["absmax"], out["rms"])
     return out
+
+
+def crest(absmax, rms) -> np.ndarray:
+    """Crest factor ``absmax / rms`` (>= 1; NaN where ``rms`` is 0 or NaN)."""
+    absmax, rms = np.asarray(absmax, np.float64), np.asarray(rms, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        return np.where(rms > 0, absmax / np.where(rms > 0, rms, 1.0), np.nan)
 
 
 _ADD_COLS = [COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS, BIG_N, SMALL_N]

@@ -105,6 +105,23 @@ class DrainedStep:
         out[lo:lo + h.shape[1]] = h[r]
         return out
 
+    def quantiles(self, q):
+        """Every metric's quantiles at once, from its histogram: a
+        :class:`hookcap.quantiles.Quantiles` with arrays [len(names)] for a
+        float ``q``, [len(names), len(q)] for a sequence (of ``|x|`` for a
+        log2 histogram; see ``History.quantile``)."""
+        from .quantiles import from_histogram
+
+        spec = self.histogram_spec
+        if spec is None:
+            raise ValueError("recorded with histogram=None")
+        lo, band = self.histogram_band()
+        counts = np.zeros((len(self.names), spec.nbins), dtype=np.int64)
+        counts[:, lo:lo + band.shape[1]] = band
+        log2 = spec.kind == "log2"
+        return from_histogram(counts, spec, q, lo_clip=None if log2 else self.stats["min"],
+                              hi_clip=self.stats["absmax" if log2 else "max"])
+
     def histogram_band(self) -> tuple[int, np.ndarray]:
         """Every metric's histogram at once: ``(offset, counts)`` with
         ``counts`` np.int64 ``[len(names), width]`` aligned with ``names``;

@@ -21,7 +21,7 @@ def new_state(device: torch.device | str) -> torch.Tensor:
     return state
 
 
-def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT) -> dict:
+def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quantiles=None) -> dict:
     """Statistics of every element of ``x`` in one pass on x's device.
 
     Returns a dict with float64 scalars for ``count``, ``nan``, ``posinf``,
@@ -31,6 +31,10 @@ def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT) -> dic
     ``zero_frac``; plus ``hist`` (np.int64 counts) and ``bin_edges`` (float64)
     unless ``histogram=None``. One host transfer of the result row; for a CUDA
     tensor that transfer synchronises, as any read of a result would.
+
+    ``quantiles`` (a float or a sequence of probabilities in [0, 1]) adds
+    ``quantiles``: a :class:`hookcap.quantiles.Quantiles` estimated from the
+    histogram (of ``|x|`` for a log2 histogram), with its guaranteed bounds.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"tensor_stats: expected a torch.Tensor, got {type(x).__name__}")
@@ -44,4 +48,17 @@ def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT) -> dic
     if histogram is not None:
         out["hist"] = row[_layout.HEADER:].astype(np.int64)
         out["bin_edges"] = histogram.bin_edges
+    if quantiles is not None:
+        out["quantiles"] = stats_quantiles(out, histogram, quantiles)
     return out
+
+
+def stats_quantiles(stats: dict, histogram: Histogram | None, q):
+    """Quantiles of a tensor_stats dict's histogram, clipped by its extrema."""
+    from .quantiles import from_histogram
+
+    if histogram is None:
+        raise ValueError("tensor_stats: quantiles= needs a histogram (histogram=None was given)")
+    log2 = histogram.kind == "log2"
+    return from_histogram(stats["hist"], histogram, q, lo_clip=None if log2 else stats["min"],
+                          hi_clip=stats["absmax" if log2 else "max"])

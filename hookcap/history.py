@@ -132,6 +132,24 @@ class History:
         with np.errstate(divide="ignore", invalid="ignore"):
             return norms[:, num] / norms[:, den]
 
+    def quantile(self, name: str, q) -> "Quantiles":
+        """Quantiles of one metric's finite values at each step, from its
+        histogram: a :class:`hookcap.quantiles.Quantiles` whose ``value``,
+        ``lower``, ``upper`` and ``rel_error`` are float64 [S] for a float
+        ``q``, [S, len(q)] for an array (NaN where not recorded). With a log2
+        histogram these are quantiles of ``|x|`` (``of == "|x|"``). The true
+        quantile lies in ``[lower, upper]``; ``rel_error`` is the guaranteed
+        relative error of ``value`` (docs/statistics.md#quantiles)."""
+        from .quantiles import from_histogram
+
+        if self._histogram is None:
+            raise ValueError("History.quantile needs histograms: this history was recorded with histogram=None")
+        m = self.column(name)
+        log2 = self._histogram.kind == "log2"
+        return from_histogram(self.histogram(name), self._histogram, q,
+                              lo_clip=None if log2 else self["min"][:, m],
+                              hi_clip=self["absmax" if log2 else "max"][:, m])
+
     def histogram(self, name: str) -> np.ndarray:
         """np.int64 [S, B] histogram counts of one metric (zeros where not recorded)."""
         if self._histogram is None:
@@ -284,6 +302,7 @@ _STAT_COLUMNS = {
     "absmax": _FINITE + (_layout.ABSMAX,), "mean": _MOMENTS,
     "std": _MOMENTS, "rms": _MOMENTS,
     "l2norm": _MOMENTS, "zero_frac": (_layout.COUNT, _layout.ZEROS),
+    "crest": _MOMENTS + (_layout.ABSMAX,),
 }
 
 
@@ -325,6 +344,8 @@ class _ColumnHistory(History):
         self._recorded = np.asarray(recorded, dtype=bool)
         known = _layout.STAT_NAMES + _layout.TIMING_NAMES
         self._stats = {k: np.asarray(stats[k], dtype=np.float64) for k in known if k in stats}
+        if "crest" not in self._stats and "absmax" in self._stats and "rms" in self._stats:
+            self._stats["crest"] = _layout.crest(self._stats["absmax"], self._stats["rms"])  # older files
         self._timed = "fwd_ms" in self._stats
         self._orders = [np.asarray(o, dtype=np.int64) for o in orders]
         self._hist = hist if histogram is not None else None

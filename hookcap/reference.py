@@ -80,12 +80,23 @@ def stats_from_values(a: np.ndarray, histogram: Histogram | None = _DEFAULT) -> 
     with np.errstate(over="ignore"):
         out["l2norm"] = float(np.ldexp(np.sqrt(np.sum(fs * fs)), e)) if n else 0.0
     out["zero_frac"] = out["zeros"] / a.size if a.size else np.nan
+    out["crest"] = out["absmax"] / out["rms"] if n and out["rms"] > 0 else np.nan
     if histogram is not None:
         out["hist"] = hist_counts(f, histogram)
         out["bin_edges"] = histogram.bin_edges
     return out
 
 
-def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT) -> dict:
-    """Same keys and semantics as :func:`hookcap.tensor_stats`, in float64 NumPy."""
-    return stats_from_values(to_float64(x), histogram)
+def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quantiles=None) -> dict:
+    """Same keys and semantics as :func:`hookcap.tensor_stats`, in float64
+    NumPy; ``quantiles`` are exact (``numpy.quantile`` of the finite values,
+    of ``|x|`` with a log2 histogram, as the op's estimates are)."""
+    from .quantiles import exact
+
+    a = to_float64(x)
+    out = stats_from_values(a, histogram)
+    if quantiles is not None:
+        if histogram is None:
+            raise ValueError("tensor_stats: quantiles= needs a histogram (histogram=None was given)")
+        out["quantiles"] = exact(a, quantiles, "|x|" if histogram.kind == "log2" else "x")
+    return out

@@ -34,6 +34,7 @@ def assert_stats_match(got, ref, *, rtol_sum=1e-5, rtol_std=1e-4, abs_sum=None):
         "sumsq": rtol_sum * ref["sumsq"],
         "l2norm": rtol_sum * ref["l2norm"],
         "rms": rtol_sum * (0.0 if np.isnan(ref["rms"]) else ref["rms"]),
+        "crest": rtol_sum * (0.0 if np.isnan(ref["crest"]) else ref["crest"]),
         "std": rtol_std * (0.0 if np.isnan(ref["std"]) else ref["std"]) + 1e-7 * amax,
     }
     for k, tol in tols.items():

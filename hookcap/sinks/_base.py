@@ -6,8 +6,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from .._layout import STAT_NAMES, TIMING_NAMES
 from ..drained import DrainedStep
+from ..quantiles import check_q, column_name
 
 # Stats that are whole counts: text sinks write them as integers.
 COUNT_STATS = frozenset(("count", "nan", "posinf", "neginf", "inf", "zeros", "finite"))
@@ -17,7 +20,12 @@ class Sink:
     """Base class. ``stats``: stat names to write (default: all of
     ``hookcap.STAT_NAMES``; ``"fwd_ms"``/``"bwd_ms"`` may be added, recorded by
     ``Monitor(timing=True)``, NaN otherwise);
-    ``every``: write only steps whose number is a multiple of ``every``.
+    ``every``: write only steps whose number is a multiple of ``every``;
+    ``quantiles``: probabilities in [0, 1] whose quantiles each step carries
+    as two more columns, ``p50`` (the estimate, see
+    :func:`hookcap.quantiles.column_name`) and ``p50_err`` (its guaranteed
+    relative error bound), estimated from the Monitor's histogram (of ``|x|``
+    for a log2 histogram; the Monitor needs ``histogram=`` set).
 
     ``rank``: the rank whose own records this sink receives, set by the
     Monitor through :meth:`bind_rank` in a multi-rank run; None for records
@@ -25,7 +33,7 @@ class Sink:
 
     rank: int | None = None
 
-    def __init__(self, stats: Iterable[str] | None = None, every: int = 1):
+    def __init__(self, stats: Iterable[str] | None = None, every: int = 1, quantiles=None):
         stats = tuple(STAT_NAMES if stats is None else stats)
         bad = [s for s in stats if s not in STAT_NAMES and s not in TIMING_NAMES]
         if bad:
@@ -35,6 +43,27 @@ class Sink:
             raise ValueError(f"every: must be an int >= 1, got {every!r}")
         self.stats = stats
         self.every = every
+        self.quantiles = () if quantiles is None else tuple(float(q) for q in check_q(quantiles)[0])
+
+    def column_names(self) -> list[str]:
+        """The stats written, then two columns per quantile (value, bound)."""
+        out = list(self.stats)
+        for q in self.quantiles:
+            out += [column_name(q), column_name(q) + "_err"]
+        return out
+
+    def columns(self, step: DrainedStep) -> list[tuple[str, np.ndarray]]:
+        """``(column, float64 [len(step.names)])`` for each of
+        :meth:`column_names`: ``step.stats`` and the quantile columns."""
+        out = [(s, step.stats[s]) for s in self.stats]
+        if self.quantiles:
+            if step.histogram_spec is None:
+                raise ValueError(f"{type(self).__name__}(quantiles=...) needs histograms: the Monitor "
+                                 "was created with histogram=None")
+            qs = step.quantiles(self.quantiles)
+            for j, q in enumerate(self.quantiles):
+                out += [(column_name(q), qs.value[:, j]), (column_name(q) + "_err", qs.rel_error[:, j])]
+        return out
 
     def bind_rank(self, rank: int | None) -> None:
         """Called by the Monitor once in a multi-rank run (torch.distributed
@@ -61,8 +90,8 @@ class Sink:
 class Callback(Sink):
     """Calls ``fn(step: DrainedStep)`` for every written step."""
 
-    def __init__(self, fn: Callable[[DrainedStep], None], stats=None, every: int = 1):
-        super().__init__(stats, every)
+    def __init__(self, fn: Callable[[DrainedStep], None], stats=None, every: int = 1, quantiles=None):
+        super().__init__(stats, every, quantiles)
         self.fn = fn
 
     def write(self, step: DrainedStep) -> None:
@@ -93,8 +122,8 @@ class _TextFileSink(Sink):
     file actually written. Records merged across ranks and single-process runs
     write ``path`` as given."""
 
-    def __init__(self, path, stats=None, every=1, append=False):
-        super().__init__(stats, every)
+    def __init__(self, path, stats=None, every=1, append=False, quantiles=None):
+        super().__init__(stats, every, quantiles)
         self.path_template = os.fspath(path)
         self.path = self.path_template
         self.append = bool(append)

@@ -12,7 +12,7 @@ from ._base import COUNT_STATS, _TextFileSink
 
 
 class CSV(_TextFileSink):
-    """``hookcap.sinks.CSV(path, stats=None, every=1, append=False)``
+    """``hookcap.sinks.CSV(path, stats=None, every=1, append=False, quantiles=None)``
 
     Columns ``step,name`` then the chosen stats (default: all of
     ``hookcap.STAT_NAMES``), one row per (step, metric) in execution order.
@@ -22,11 +22,12 @@ class CSV(_TextFileSink):
     continues an existing file (its header must match; no second header).
     Per-rank records of a multi-rank run go to one file per rank (``{rank}``
     in ``path``, else ``run.rank1.csv``; see ``hookcap.sinks.jsonl.rank_path``),
-    with the same columns.
+    with the same columns. ``quantiles=[0.5, 0.99]`` adds the columns
+    ``p50,p50_err,p99,p99_err`` after the stats (see :class:`hookcap.sinks.Sink`).
     """
 
     def _header(self) -> list[str]:
-        return ["step", "name", *self.stats]
+        return ["step", "name", *self.column_names()]
 
     def _open(self):
         self._has_header = False
@@ -55,7 +56,7 @@ class CSV(_TextFileSink):
         return buf.getvalue()
 
     def write(self, step: DrainedStep) -> None:
-        cols = [(step.stats[s], s in COUNT_STATS) for s in self.stats]
+        cols = [(v, s in COUNT_STATS) for s, v in self.columns(step)]
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
         for i, name in enumerate(step.names):

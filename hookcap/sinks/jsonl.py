@@ -41,7 +41,7 @@ def full_histogram(line: dict, nbins: int) -> np.ndarray:
 
 
 class JSONL(_TextFileSink):
-    """``hookcap.sinks.JSONL(path, stats=None, every=1, append=False, histogram=False)``
+    """``hookcap.sinks.JSONL(path, stats=None, every=1, append=False, histogram=False, quantiles=None)``
 
     One JSON object per line and per (step, metric), in execution order within
     a step: ``{"step": 3, "name": "fc/output", "count": 64, ..., "l2norm": 1.23}``;
@@ -56,16 +56,18 @@ class JSONL(_TextFileSink):
     "lo", "hi"[, "bins"]}``, see ``hookcap.Histogram``), so the line is
     readable on its own.
     ``append=True`` continues an existing file instead of truncating it.
+    ``quantiles=[0.5, 0.99]`` adds ``"p50"``, ``"p50_err"``, ``"p99"``,
+    ``"p99_err"`` after the stats (see :class:`hookcap.sinks.Sink`).
     """
 
-    def __init__(self, path, stats=None, every=1, append=False, histogram=False):
-        super().__init__(path, stats, every, append)
+    def __init__(self, path, stats=None, every=1, append=False, histogram=False, quantiles=None):
+        super().__init__(path, stats, every, append, quantiles)
         self.histogram = bool(histogram)
 
     def write(self, step: DrainedStep) -> None:
         spec = step.histogram_spec if self.histogram else None
         spec_json = json.dumps(histogram_spec_dict(spec)) if spec is not None else None
-        cols = [(s, step.stats[s], s in COUNT_STATS) for s in self.stats]
+        cols = [(s, v, s in COUNT_STATS) for s, v in self.columns(step)]
         rank = getattr(step, "rank", None)
         head = f'"step": {int(step.step)}' + ("" if rank is None else f', "rank": {int(rank)}')
         lines = []

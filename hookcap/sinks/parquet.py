@@ -88,7 +88,8 @@ def _check_dir(path: str, append: bool) -> list[tuple[int, str]]:
 
 
 class Parquet(Sink):
-    """``hookcap.sinks.Parquet(path, every=1, stats=None, histogram=True, row_group_steps=64, append=False)``
+    """``hookcap.sinks.Parquet(path, every=1, stats=None, histogram=True, row_group_steps=64, append=False,
+    quantiles=None)``
 
     The full history of a run on disk (the Monitor's in-memory history keeps
     only the newest ``capacity`` steps): use it for long runs. Needs pyarrow
@@ -134,8 +135,8 @@ class Parquet(Sink):
     """
 
     def __init__(self, path, every: int = 1, stats=None, histogram: bool = True, row_group_steps: int = 64,
-                 append: bool = False):
-        super().__init__(stats, every)
+                 append: bool = False, quantiles=None):
+        super().__init__(stats, every, quantiles)
         if isinstance(row_group_steps, bool) or not isinstance(row_group_steps, int) or row_group_steps < 1:
             raise ValueError(f"row_group_steps: must be an int >= 1 (steps per part file), got {row_group_steps!r}")
         self._pa, self._pq = _import_pyarrow()
@@ -162,7 +163,7 @@ class Parquet(Sink):
     def _reset(self) -> None:
         self._steps: list[tuple[int, int | None, int]] = []  # (step, rank, metrics)
         self._codes: list[np.ndarray] = []
-        self._cols: dict[str, list[np.ndarray]] = {s: [] for s in self.stats}
+        self._cols: dict[str, list[np.ndarray]] = {s: [] for s in self.column_names()}
         self._hoff: list[np.ndarray] = []
         self._hlen: list[np.ndarray] = []
         self._hval: list[np.ndarray] = []
@@ -188,8 +189,8 @@ class Parquet(Sink):
         self._metas = step.metas
         self._steps.append((int(step.step), getattr(step, "rank", None), len(names)))
         self._codes.append(self._last_codes)
-        for s in self.stats:
-            self._cols[s].append(step.stats[s])
+        for s, v in self.columns(step):
+            self._cols[s].append(v)
         if spec is not None:
             self._add_histograms(step)
         if len(self._steps) >= self.row_group_steps or self._nhist >= MAX_HIST_VALUES:
@@ -276,7 +277,7 @@ class Parquet(Sink):
             "module": self._dict_column(np.asarray(self._mod_of, dtype=np.int64)[codes], self._modules),
             "kind": self._dict_column(np.asarray(self._kind_of, dtype=np.int64)[codes], self._kinds),
         }
-        for s in self.stats:
+        for s in self.column_names():
             v = np.concatenate(self._cols[s]) if self._cols[s] else np.empty(0)
             if s in COUNT_STATS:
                 ok = np.isfinite(v)  # always, for records of a Monitor

@@ -36,7 +36,7 @@ def bucket_limits(spec: Histogram) -> np.ndarray:
 
 
 class TensorBoard(Sink):
-    """``hookcap.sinks.TensorBoard(log_dir, stats=None, every=1, histograms=True, prefix="")``
+    """``hookcap.sinks.TensorBoard(log_dir, stats=None, every=1, histograms=True, prefix="", quantiles=None)``
 
     Writes, at ``global_step = step``, one scalar per metric and stat tagged
     ``f"{prefix}{name}/{stat}"`` and, when the Monitor records histograms, one
@@ -60,8 +60,8 @@ class TensorBoard(Sink):
     suffix. A ``SummaryWriter`` passed in is used as given (give each rank its own).
     """
 
-    def __init__(self, log_dir=None, stats=None, every=1, histograms=True, prefix: str = ""):
-        super().__init__(stats, every)
+    def __init__(self, log_dir=None, stats=None, every=1, histograms=True, prefix: str = "", quantiles=None):
+        super().__init__(stats, every, quantiles)
         self._SummaryWriter, self._histogram_raw, self._Summary = _import_tb()
         if hasattr(log_dir, "add_scalar"):
             self.writer, self._owned, self.log_dir = log_dir, False, getattr(log_dir, "log_dir", None)
@@ -121,8 +121,9 @@ class TensorBoard(Sink):
     def write(self, step: DrainedStep) -> None:
         w = self._writer()
         s = int(step.step)
-        scalars = [(f"{self.prefix}{name}/{stat}", float(step.stats[stat][i]))
-                   for i, name in enumerate(step.names) for stat in self.stats]
+        cols = self.columns(step)
+        scalars = [(f"{self.prefix}{name}/{stat}", float(v[i]))
+                   for i, name in enumerate(step.names) for stat, v in cols]
         hists = list(self.histogram_values(step))
         if self._batched and hasattr(w, "_get_file_writer"):
             values = [self._Summary.Value(tag=t, simple_value=v) for t, v in scalars]

@@ -37,7 +37,7 @@ def wandb_histogram_arrays(counts: np.ndarray, edges: np.ndarray):
 
 
 class WandB(Sink):
-    """``hookcap.sinks.WandB(run=None, stats=None, every=1, histograms=True, prefix="")``
+    """``hookcap.sinks.WandB(run=None, stats=None, every=1, histograms=True, prefix="", quantiles=None)``
 
     Per step: ``run.log({f"{prefix}{name}/{stat}": value, ...}, step=step)``, plus
     ``f"{prefix}{name}/hist"`` as ``wandb.Histogram(np_histogram=(counts, edges))``
@@ -59,8 +59,8 @@ class WandB(Sink):
     the plain keys.
     """
 
-    def __init__(self, run=None, stats=None, every=1, histograms=True, prefix: str = ""):
-        super().__init__(stats, every)
+    def __init__(self, run=None, stats=None, every=1, histograms=True, prefix: str = "", quantiles=None):
+        super().__init__(stats, every, quantiles)
         self._wandb = _import_wandb()
         self.run = run if run is not None else self._wandb.run
         if self.run is None:
@@ -74,8 +74,8 @@ class WandB(Sink):
         """The dict passed to ``run.log`` for ``step``."""
         rank = getattr(step, "rank", None)
         pre = self.prefix if rank is None else f"rank{int(rank)}/{self.prefix}"
-        out = {f"{pre}{name}/{stat}": float(step.stats[stat][i])
-               for i, name in enumerate(step.names) for stat in self.stats}
+        cols = self.columns(step)
+        out = {f"{pre}{name}/{stat}": float(v[i]) for i, name in enumerate(step.names) for stat, v in cols}
         spec = step.histogram_spec
         if self.histograms and spec is not None:
             edges = self._edges.get(spec)
