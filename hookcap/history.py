@@ -150,6 +150,20 @@ class History:
                               lo_clip=None if log2 else self["min"][:, m],
                               hi_clip=self["absmax" if log2 else "max"][:, m])
 
+    def fp8_fit(self, name: str, fmt: str = "e4m3", scaling="amax"):
+        """How one metric's values would fit an FP8 format at each step: a
+        :class:`hookcap.fp8.FP8Fit` with bounded fractions [S] that would
+        underflow to zero, become subnormal or saturate when cast as
+        ``x * s`` (``scaling="amax"``: ``s = max / absmax`` per step, as
+        per-tensor current scaling does; or a float ``s``). ``fmt``:
+        ``"e4m3"`` or ``"e5m2"``. Needs a log2 histogram; exact where the
+        thresholds fall on bin edges (docs/statistics.md#fp8-fit)."""
+        from .fp8 import fit
+
+        if self._histogram is None:
+            raise ValueError("History.fp8_fit needs histograms: this history was recorded with histogram=None")
+        return fit(self.histogram(name), self._histogram, self["absmax"][:, self.column(name)], fmt, scaling)
+
     def histogram(self, name: str) -> np.ndarray:
         """np.int64 [S, B] histogram counts of one metric (zeros where not recorded)."""
         if self._histogram is None:
