@@ -13,6 +13,11 @@ Plots (matplotlib, Agg canvas; the caller's pyplot backend is not touched):
 - ``histogram.png``: the chosen metric's histogram over time (share of its
   finite values per bin, log colour scale); default metric: the one with the
   largest value of the stat. Only when the file has histograms.
+- ``quantiles.png``: the same metric's median and p1-p99, p0.1-p99.9 bands
+  over steps, estimated from its histogram (of ``|x|`` for log2 bins). Only
+  when the file has histograms.
+- ``crest.png``: the ``crest`` heatmap (absmax / rms per metric and step):
+  where outliers stand out from the bulk.
 - ``signals.png``: the loss-spike signals over steps, when the file has them
   (see ``spike_signals``): the tapped ``loss``, each parameter's update ratio
   ``||dw|| / ||w_before||`` and its Adam ratio RMS, one thin line per
@@ -353,6 +358,41 @@ def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
     return path
 
 
+def plot_quantiles(run: RunData, metric: str, path: str) -> str | None:
+    """Median and p1-p99 / p0.1-p99.9 bands of ``metric`` over steps."""
+    if not run.has_histograms() or metric not in run.names:
+        return None
+    from .quantiles import from_histogram
+
+    Figure = _import_mpl()
+    j = run.names.index(metric)
+    log2 = run.hist_spec.kind == "log2"
+    st = run.stats
+    lo = None if log2 or "min" not in st else st["min"][:, j]
+    hi = st.get("absmax" if log2 else "max")
+    qs = from_histogram(run.histogram(metric), run.hist_spec, [0.001, 0.01, 0.5, 0.99, 0.999],
+                        lo_clip=lo, hi_clip=None if hi is None else hi[:, j])
+    v = qs.value
+    if not np.isfinite(v).any():
+        return None
+    fig = Figure(figsize=(11, 4), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    x = run.steps
+    ax.fill_between(x, v[:, 0], v[:, 4], color="#c6dbef", label="p0.1 - p99.9", step=None)
+    ax.fill_between(x, v[:, 1], v[:, 3], color="#6baed6", label="p1 - p99")
+    ax.plot(x, v[:, 2], color="#08306b", linewidth=1.6, label="median")
+    fin = v[np.isfinite(v)]
+    if log2 and fin.size and (fin > 0).all():
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_title(f"{metric}: quantiles of {qs.of} over time (from the histogram; "
+                 f"largest bound on the median: {np.nanmax(qs.rel_error[:, 2]):.2g} relative)", fontsize=10)
+    ax.grid(True, color="#eeeeee", linewidth=0.5)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.savefig(path)
+    return path
+
+
 def spike_signals(run: RunData) -> dict[str, dict[str, np.ndarray]]:
     """The loss-spike signals a run holds, each ``{label: float64 [S]}``
     (NaN where not recorded): ``"loss"`` (``mean`` of the metric ``loss``,
@@ -422,7 +462,7 @@ def report(source, out=None, stat: str = "l2norm", metric: str | None = None) ->
     ``.npz``, a Parquet dataset directory or a JSONL file) into ``out``
     (default: ``<source>-report`` next to the file or directory, without its
     extension). Returns ``{"index", "heatmap", "nonfinite", "histogram",
-    "signals"}``
+    "quantiles", "crest", "signals"}``
     -> path written (None for a plot the data cannot make)."""
     _import_mpl()
     run = load_run(source)
@@ -442,6 +482,8 @@ def report(source, out=None, stat: str = "l2norm", metric: str | None = None) ->
         "heatmap": plot_heatmap(run, stat, os.path.join(out, "heatmap.png")),
         "nonfinite": plot_nonfinite(run, os.path.join(out, "nonfinite.png"), first),
         "histogram": plot_histogram(run, metric, os.path.join(out, "histogram.png")),
+        "quantiles": plot_quantiles(run, metric, os.path.join(out, "quantiles.png")),
+        "crest": plot_heatmap(run, "crest", os.path.join(out, "crest.png")) if "crest" in run.stats else None,
         "signals": plot_signals(run, os.path.join(out, "signals.png")),
     }
     files["index"] = _write_index(run, out, stat, metric, first, files)
@@ -468,15 +510,17 @@ def _write_index(run: RunData, out: str, stat: str, metric: str, first, files: d
         "heatmap": f"{stat} per metric (rows, first-execution order) and step (columns)",
         "nonfinite": "NaN + Inf counts; the circle marks the first offender",
         "histogram": f"histogram of <code>{e(metric)}</code> over time",
+        "quantiles": f"quantiles of <code>{e(metric)}</code> over time (median, p1-p99, p0.1-p99.9)",
+        "crest": "crest factor (absmax / rms) per metric and step: outliers standing out from the bulk",
         "signals": "loss-spike signals: loss, update ratio and Adam ratio per parameter (bold: largest)",
     }
     missing = {
         "nonfinite": "no non-finite timeline: the file has no nan/inf columns",
         "histogram": f"no histogram plot: {e(run.source)} holds no histograms for this metric",
     }
-    for key in ("signals", "heatmap", "nonfinite", "histogram"):
-        if key == "signals" and not files.get(key):
-            continue  # no optimizer kinds recorded: nothing to say
+    for key in ("signals", "heatmap", "nonfinite", "histogram", "quantiles", "crest"):
+        if key in ("signals", "quantiles", "crest") and not files.get(key):
+            continue  # nothing recorded for it: nothing to say
         if files.get(key):
             name = os.path.basename(files[key])
             sections.append(f'<h2>{captions[key]}</h2>\n<img src="{e(name)}" alt="{key}">')
@@ -503,5 +547,5 @@ code{{background:#f3f3f3}}</style></head>
     return path
 
 
-__all__ = ["RunData", "bin_labels", "first_nonfinite", "load_run", "plot_signals", "read_jsonl", "report",
+__all__ = ["RunData", "bin_labels", "first_nonfinite", "load_run", "plot_quantiles", "plot_signals", "read_jsonl", "report",
            "spike_signals"]

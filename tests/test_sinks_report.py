@@ -615,6 +615,8 @@ def test_report_from_dump_and_jsonl(tmp_path):
         for k in ("heatmap", "nonfinite", "histogram"):
             check_png(files[k])
         assert files["signals"] is None  # no optimizer kinds recorded
+        check_png(files["quantiles"])
+        check_png(files["crest"])
         with open(files["index"]) as f:
             page = f.read()
         for k in ("heatmap.png", "nonfinite.png", "histogram.png"):
@@ -636,7 +638,7 @@ def test_report_cli_and_no_histograms(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     check_png(out / "heatmap.png")
     check_png(out / "nonfinite.png")
-    assert not (out / "histogram.png").exists()
+    assert not (out / "histogram.png").exists() and not (out / "quantiles.png").exists()
     page = (out / "index.html").read_text()
     assert "no histogram plot" in page and "<code>2/output</code>" in page
     assert main(["report", str(tmp_path / "plain.jsonl"), "--stat", "mean"]) == 1
