@@ -6,6 +6,7 @@ point are timed round-robin, so drift on a noisy machine hits them alike.
 
   PYTHONPATH=. python benchmarks/bench_kernel.py                  # 64Mi float32, targets
   PYTHONPATH=. python benchmarks/bench_kernel.py --sweep          # 1e3..1e8 x fp32/bf16/fp16
+  PYTHONPATH=. python benchmarks/bench_kernel.py --sweep --sizes 4096,65536,1048576 --dtypes float32
   PYTHONPATH=. python benchmarks/bench_kernel.py --device cuda    # CUDA events, vs d2d copy
   add --json benchmarks/results/kernel.json to keep the results with the machine they ran on.
 """
@@ -205,6 +206,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweep", action="store_true", help="sizes 1e3..1e8 x float32/bfloat16/float16")
     p.add_argument("--max-size", type=float, default=1e8, help="largest sweep size (default 1e8)")
+    p.add_argument("--sizes", type=lambda s: [int(float(t)) for t in s.split(",")],
+                   help="sweep these sizes instead (comma list, e.g. 4096,65536,1048576,16777216)")
+    p.add_argument("--dtypes", type=lambda s: s.split(","), default=list(DTYPES),
+                   help="sweep these dtypes (comma list of float32,bfloat16,float16)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=lambda s: [int(t) for t in s.split(",")],
                    help="comma list of torch.set_num_threads values (default 1,2 on cpu, current on cuda)")
@@ -216,7 +221,9 @@ def main() -> None:
         sys.exit("bench_kernel: --device cuda but torch.cuda.is_available() is False (no GPU or driver)")
     if args.device == "cuda" and not _layout.CUDA_BUILT:
         sys.exit("bench_kernel: --device cuda but hookcap was built without CUDA kernels (see build_info())")
-    sizes = [n for n in SWEEP_SIZES if n <= args.max_size]
+    sizes = args.sizes or [n for n in SWEEP_SIZES if n <= args.max_size]
+    if any(d not in DTYPES for d in args.dtypes):
+        p.error(f"--dtypes: each of {', '.join(DTYPES)}, got {args.dtypes}")
     if not sizes:
         p.error(f"--max-size {args.max_size:g} is below the smallest sweep size {SWEEP_SIZES[0]:g}")
     threads = args.threads or ([1, 2] if args.device == "cpu" else [torch.get_num_threads()])
@@ -235,7 +242,7 @@ def main() -> None:
 
     results, targets = [], []
     if args.sweep:
-        for dtype in DTYPES:
+        for dtype in args.dtypes:
             for n in sizes:
                 for t in threads:
                     res = run_point(n, dtype, t, args.device, budget, min_rounds)
