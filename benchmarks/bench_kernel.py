@@ -6,7 +6,7 @@ point are timed round-robin, so drift on a noisy machine hits them alike.
 
   PYTHONPATH=. python benchmarks/bench_kernel.py                  # 64Mi float32, targets
   PYTHONPATH=. python benchmarks/bench_kernel.py --sweep          # 1e3..1e8 x fp32/bf16/fp16
-  PYTHONPATH=. python benchmarks/bench_kernel.py --sweep --sizes 4096,65536,1048576 --dtypes float32
+  PYTHONPATH=. python benchmarks/bench_kernel.py --sweep --sizes 4096,65536,1048576 --dtypes float32 --shape
   PYTHONPATH=. python benchmarks/bench_kernel.py --device cuda    # CUDA events, vs d2d copy
   add --json benchmarks/results/kernel.json to keep the results with the machine they ran on.
 """
@@ -65,12 +65,15 @@ def fused(x: torch.Tensor, hist: hookcap.Histogram | None):
     return lambda: _ops.accumulate(x, ring, state, 0, hist)
 
 
-def configs(x: torch.Tensor) -> dict:
-    """name -> (zero-argument callable, bytes moved per call)."""
+def configs(x: torch.Tensor, shape: bool = False) -> dict:
+    """name -> (zero-argument callable, bytes moved per call). ``shape``: also
+    the distribution-shape histograms (4 bins per octave; signed)."""
     nbytes = x.numel() * x.element_size()
     out = {
         "hookcap": (fused(x, None), nbytes),
         "hookcap+log2": (fused(x, hookcap.Histogram.log2()), nbytes),
+        **({"+log2 sub=4": (fused(x, hookcap.Histogram.log2(sub=4)), nbytes),
+            "+log2 signed": (fused(x, hookcap.Histogram.log2(signed=True)), nbytes)} if shape else {}),
         "torch.sum": (lambda: torch.sum(x), nbytes),
         "torch chain": (lambda: torch_chain(x), nbytes),
     }
@@ -123,11 +126,12 @@ def measure(fns: dict, sample, budget: float, min_rounds: int) -> dict:
     return {name: (statistics.median(t), len(t), number[name]) for name, t in times.items()}
 
 
-def run_point(n: int, dtype: str, threads: int, device: str, budget: float, min_rounds: int) -> dict:
+def run_point(n: int, dtype: str, threads: int, device: str, budget: float, min_rounds: int,
+              shape: bool = False) -> dict:
     """Time every configuration on one randn tensor; config name -> result record."""
     torch.set_num_threads(threads)
     x = torch.randn(n, dtype=DTYPES[dtype], device=device)
-    cfgs = configs(x)
+    cfgs = configs(x, shape)
     sample = sample_cuda if device == "cuda" else sample_cpu
     timed = measure({name: fn for name, (fn, _) in cfgs.items()}, sample, budget, min_rounds)
     return {
@@ -208,6 +212,8 @@ def main() -> None:
     p.add_argument("--max-size", type=float, default=1e8, help="largest sweep size (default 1e8)")
     p.add_argument("--sizes", type=lambda s: [int(float(t)) for t in s.split(",")],
                    help="sweep these sizes instead (comma list, e.g. 4096,65536,1048576,16777216)")
+    p.add_argument("--shape", action="store_true",
+                   help="also time log2 with 4 bins per octave and signed log2 (sweep)")
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=list(DTYPES),
                    help="sweep these dtypes (comma list of float32,bfloat16,float16)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -245,7 +251,7 @@ def main() -> None:
         for dtype in args.dtypes:
             for n in sizes:
                 for t in threads:
-                    res = run_point(n, dtype, t, args.device, budget, min_rounds)
+                    res = run_point(n, dtype, t, args.device, budget, min_rounds, args.shape)
                     if n == sizes[0] and t == threads[0]:
                         print_sweep_header(dtype, list(res))
                     print_sweep_row(res)

@@ -16,7 +16,7 @@ then for every accumulate specialisation:
 - reports registers, spills (ptxas's bytes for the whole kernel, and ``inlp``:
   local-memory loads and stores inside the steady loop), static shared memory, the most dynamic
   shared memory the launcher gives the mode (``dyn``: its budget, which keeps
-  4 blocks per SM; log2 at most 2,203 bins), resident blocks of
+  4 blocks per SM; log2 at most 4,405 bins, log2key at most 8,192 keys), resident blocks of
   256 threads per SM (static + dyn), bytes of global loads in flight per SM at
   the peak (the loads issued before the first instruction that reads one of
   their results, times the resident threads) and on average (each load from
@@ -66,7 +66,8 @@ SM_LIMITS = {
 }
 SMEM_RESERVED = 1024  # per block, sm_80 and later
 MIN_BLOCKS = 4  # launch_plan.cuh kMinBlocks: the launcher's dynamic shared-memory budget keeps 4 blocks per SM
-LOG2_MAX_DYN = 4 * (2203 + 1)  # log2 counts in dynamic shared memory: at most 2,203 bins (+1)
+LOG2_MAX_DYN = 4 * (4405 + 1)  # log2 counts in dynamic shared memory: at most 4,405 bins (+1)
+LOG2KEY_MAX_DYN = 4 * 2**13  # log2 keys (sign, exponent, 4 mantissa bits) within the budget
 H100 = dict(sms=132, clock_hz=1.755e9, issue_per_sm_clk=128, fp64_per_sm_clk=64, hbm_bytes_s=3.35e12)
 
 ELEM_BYTES = {"double": 8, "float": 4, "c10::Half": 2, "c10::BFloat16": 2,
@@ -358,6 +359,8 @@ def max_dynamic_smem(arch: int, mode: str, dtype: str, static: int) -> int:
     budget = min(lim["smem"] // MIN_BLOCKS - SMEM_RESERVED, lim["optin"]) - static
     if mode == "log2":
         return LOG2_MAX_DYN
+    if mode == "log2key":
+        return min(LOG2KEY_MAX_DYN, budget)
     if mode == "linear" or (mode == "wide" and dtype != "double"):
         return budget
     return 0
@@ -389,7 +392,8 @@ def parse_name(demangled: str) -> tuple[str, str] | None:
     args = [a.strip() for a in m.group(1).split(",")]
     if len(args) != 3:
         return None
-    modes = {"0": "-", "1": "log2exp", "2": "log2", "3": "linear", "4": "wide", "5": "wide-exact"}
+    modes = {"0": "-", "1": "log2exp", "2": "log2", "3": "linear", "4": "wide", "5": "wide-exact",
+             "6": "log2key"}
     reads = {"0": "dense", "1": "rows", "2": "strided"}  # strided.h ReadKind: flat, vectors, elements
     return args[0], " ".join([SHORT.get(args[0], args[0]), modes.get(args[1], args[1]), reads.get(args[2], args[2])])
 

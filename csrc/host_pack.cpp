@@ -93,12 +93,12 @@ bool hist_spec_of(PyObject* const* args, int64_t width, const char* who, HistSpe
 }
 
 // The highest bin a kernel row can have filled (see band_bounded): the bin of
-// its abs-max (log2) or max (linear); the last bin when that is not finite.
+// its abs-max (log2) or max (linear, signed log2); the last bin when that is
+// not finite.
 int64_t top_bin(const int64_t* row, const HistSpec& h, int64_t nb) {
   int64_t bin = -1;
   if (h.kind == kHistLog2) {
-    bin = log2_bin<double>(key_value(row[kAbsMax]), static_cast<int32_t>(h.lo_exp),
-                           static_cast<int32_t>(h.hi_exp));
+    bin = hist_bin(key_value(row[h.sign ? kMax : kAbsMax]), h);
   } else if (h.kind == kHistLinear) {
     bin = linear_bin(key_value(row[kMax]), h);
   }

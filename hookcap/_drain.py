@@ -183,5 +183,5 @@ class Drain:
         time_ns = time_of(self.catalog, keys, timers, time_rows) if self.config.timing else None
         hist = self.config.histogram
         return make_record(step, keys, rows, plan.order, plan.calls, calls_bad, time_ns,
-                           zero_bin=hist is not None and hist.kind == "log2",
+                           zero_bin=hist is not None and hist.zero_bin == 0,
                            hist_args=None if hist is None else self.config.hist_args)

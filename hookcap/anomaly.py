@@ -172,7 +172,7 @@ class Underflow:
         spec = step.histogram_spec
         self.check_histogram(spec)
         if self._mask is None:
-            edges = spec.bin_edges  # bin i covers [edges[i], edges[i+1])
+            edges = spec.unsigned.bin_edges  # bin i covers [edges[i], edges[i+1]) of |x|
             self._mask = edges[1:] <= self.below
             self._mask[0] = False  # exact zeros are not "non-zero values"
         out = []
@@ -180,7 +180,7 @@ class Underflow:
         for i, name in enumerate(step.names):
             if nonzero[i] <= 0:
                 continue
-            small = step.histogram(name)[self._mask].sum()
+            small = spec.fold(step.histogram(name))[self._mask].sum()
             share = small / nonzero[i]
             if share > self.frac:
                 out.append(Anomaly(step.step, name, "underflow",

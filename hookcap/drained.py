@@ -110,7 +110,7 @@ class DrainedStep:
         :class:`hookcap.quantiles.Quantiles` with arrays [len(names)] for a
         float ``q``, [len(names), len(q)] for a sequence (of ``|x|`` for a
         log2 histogram; see ``History.quantile``)."""
-        from .quantiles import from_histogram
+        from .quantiles import from_stats
 
         spec = self.histogram_spec
         if spec is None:
@@ -118,9 +118,7 @@ class DrainedStep:
         lo, band = self.histogram_band()
         counts = np.zeros((len(self.names), spec.nbins), dtype=np.int64)
         counts[:, lo:lo + band.shape[1]] = band
-        log2 = spec.kind == "log2"
-        return from_histogram(counts, spec, q, lo_clip=None if log2 else self.stats["min"],
-                              hi_clip=self.stats["absmax" if log2 else "max"])
+        return from_stats(counts, spec, q, self.stats.__getitem__)
 
     def histogram_band(self) -> tuple[int, np.ndarray]:
         """Every metric's histogram at once: ``(offset, counts)`` with

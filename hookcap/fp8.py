@@ -73,7 +73,8 @@ def fit(counts, spec: Histogram, absmax, fmt: str = "e4m3", scaling="amax") -> F
         raise ValueError(f"fp8_fit: fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if spec is None or spec.kind != "log2":
         raise ValueError("fp8_fit needs a log2 histogram (Histogram.log2): its bins are magnitudes")
-    counts = np.asarray(counts, dtype=np.float64)
+    counts = np.asarray(spec.fold(counts), dtype=np.float64)  # signed: both sides' magnitudes
+    spec = spec.unsigned
     absmax = np.asarray(absmax, dtype=np.float64)
     fmax, fnorm, fsub = FORMATS[fmt]
     if isinstance(scaling, str):
@@ -94,6 +95,8 @@ def fit(counts, spec: Histogram, absmax, fmt: str = "e4m3", scaling="amax") -> F
     s = scale[..., None]
     t0, t1, t2 = (fsub / 2) / s, fnorm / s, fmax / s  # thresholds on |x|, [..., 1]
     amax = absmax[..., None]
+    if isinstance(scaling, str):
+        t2 = amax  # max / s is absmax itself, whatever the rounding of s
     # Bin [a, b) against [L, U): inside if a >= L and b <= U, overlapping if b > L and a < U.
     under = _fractions(counts, a, b, binned & (b <= t0), binned & (a < t0), finite)
     sub = _fractions(counts, a, b, binned & (a >= t0) & (b <= t1), binned & (b > t0) & (a < t1), finite)

@@ -55,10 +55,8 @@ def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quanti
 
 def stats_quantiles(stats: dict, histogram: Histogram | None, q):
     """Quantiles of a tensor_stats dict's histogram, clipped by its extrema."""
-    from .quantiles import from_histogram
+    from .quantiles import from_stats
 
     if histogram is None:
         raise ValueError("tensor_stats: quantiles= needs a histogram (histogram=None was given)")
-    log2 = histogram.kind == "log2"
-    return from_histogram(stats["hist"], histogram, q, lo_clip=None if log2 else stats["min"],
-                          hi_clip=stats["absmax" if log2 else "max"])
+    return from_stats(stats["hist"], histogram, q, stats.__getitem__)

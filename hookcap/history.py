@@ -136,19 +136,17 @@ class History:
         """Quantiles of one metric's finite values at each step, from its
         histogram: a :class:`hookcap.quantiles.Quantiles` whose ``value``,
         ``lower``, ``upper`` and ``rel_error`` are float64 [S] for a float
-        ``q``, [S, len(q)] for an array (NaN where not recorded). With a log2
-        histogram these are quantiles of ``|x|`` (``of == "|x|"``). The true
+        ``q``, [S, len(q)] for an array (NaN where not recorded). With an
+        unsigned log2 histogram these are quantiles of ``|x|``
+        (``of == "|x|"``). The true
         quantile lies in ``[lower, upper]``; ``rel_error`` is the guaranteed
         relative error of ``value`` (docs/statistics.md#quantiles)."""
-        from .quantiles import from_histogram
+        from .quantiles import from_stats
 
         if self._histogram is None:
             raise ValueError("History.quantile needs histograms: this history was recorded with histogram=None")
         m = self.column(name)
-        log2 = self._histogram.kind == "log2"
-        return from_histogram(self.histogram(name), self._histogram, q,
-                              lo_clip=None if log2 else self["min"][:, m],
-                              hi_clip=self["absmax" if log2 else "max"][:, m])
+        return from_stats(self.histogram(name), self._histogram, q, lambda s: self[s][:, m])
 
     def fp8_fit(self, name: str, fmt: str = "e4m3", scaling="amax"):
         """How one metric's values would fit an FP8 format at each step: a

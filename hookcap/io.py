@@ -58,8 +58,7 @@ def write(records, names: list[str], metas: dict, histogram: Histogram | None,
         "layout_header": _layout.HEADER,
         "names": list(names),
         "metas": {n: {**metas[n], "shape": list(metas[n]["shape"])} for n in names},
-        "histogram": None if histogram is None else {
-            "kind": histogram.kind, "lo": histogram.lo, "hi": histogram.hi, "bins": histogram.bins},
+        "histogram": None if histogram is None else histogram.to_dict(),
         "extra": extra or {},
         "descs": [[d[0], list(d[1]), None if d[2] is None else list(d[2]), d[3], d[4]] for d in descs],
     }
@@ -121,10 +120,7 @@ def read(path: str | os.PathLike) -> tuple[list[StepRecord], list[str], dict, Hi
     else:
         recs = _read_v1(a, old_h)
     spec = header["histogram"]
-    hist = None
-    if spec is not None:
-        hist = Histogram.log2(int(spec["lo"]), int(spec["hi"])) if spec["kind"] == "log2" else \
-            Histogram.linear(spec["lo"], spec["hi"], spec["bins"])
+    hist = Histogram.from_dict(spec)
     metas = {n: {**m, "shape": tuple(m["shape"])} for n, m in header["metas"].items()}
     return recs, header["names"], metas, hist, header.get("extra", {})
 

@@ -27,8 +27,9 @@ class Quantiles:
 
     Attributes:
         q: the probabilities asked for, float64.
-        of: ``"|x|"`` for a log2 histogram (its bins hold magnitudes, so these
-            are quantiles of ``|x|``), ``"x"`` for a linear one.
+        of: ``"|x|"`` for an unsigned log2 histogram (its bins hold
+            magnitudes, so these are quantiles of ``|x|``), ``"x"`` for a
+            signed log2 or a linear one.
         value: the estimate, in the tensor's units; NaN where nothing finite
             was recorded.
         lower, upper: the true quantile (numpy's default ``"linear"`` method
@@ -75,7 +76,7 @@ def from_histogram(counts, spec: Histogram, q, lo_clip=None, hi_clip=None) -> Qu
 
     ``lo_clip``, ``hi_clip`` ([...], optional): known bounds of the binned
     quantity (the smallest and largest finite value for a linear histogram;
-    0 and ``absmax`` for a log2 one). They make the end bins' intervals
+    0 and ``absmax`` for an unsigned log2 one). They make the end bins' intervals
     finite and the extreme order statistics exact."""
     qs, scalar = check_q(q)
     counts = np.asarray(counts, dtype=np.int64)
@@ -88,7 +89,7 @@ def from_histogram(counts, spec: Histogram, q, lo_clip=None, hi_clip=None) -> Qu
     lo_c = np.full(R, -np.inf) if lo_clip is None else np.broadcast_to(np.asarray(lo_clip, np.float64), lead).reshape(-1)
     hi_c = np.full(R, np.inf) if hi_clip is None else np.broadcast_to(np.asarray(hi_clip, np.float64), lead).reshape(-1)
     lo_c, hi_c = np.where(np.isnan(lo_c), -np.inf, lo_c), np.where(np.isnan(hi_c), np.inf, hi_c)
-    if spec.kind == "log2":
+    if spec.magnitudes:
         lo_c = np.maximum(lo_c, 0.0)
     h = np.maximum(n - 1, 0)[:, None] * qs[None, :]  # numpy's position, [R, Q]
     k0 = np.floor(h).astype(np.int64)
@@ -111,7 +112,7 @@ def from_histogram(counts, spec: Histogram, q, lo_clip=None, hi_clip=None) -> Qu
         # The extremes are recorded exactly.
         top = k == (n - 1)[:, None]
         lo = np.where(top & np.isfinite(hi_c)[:, None], hi_c[:, None], lo)
-        if spec.kind == "linear":
+        if not spec.magnitudes:
             bottom = (k == 0) & np.isfinite(lo_c)[:, None]
             hi = np.where(bottom, lo_c[:, None], hi)
         hi = np.maximum(hi, lo)
@@ -140,7 +141,16 @@ def from_histogram(counts, spec: Histogram, q, lo_clip=None, hi_clip=None) -> Qu
     rel = relative_bound(value, lower, upper)
     shape = lead if scalar else lead + (len(qs),)
     out = [v.reshape(shape) if not scalar else v[:, 0].reshape(lead) for v in (value, lower, upper, rel)]
-    return Quantiles(qs, "|x|" if spec.kind == "log2" else "x", *out)
+    return Quantiles(qs, "|x|" if spec.magnitudes else "x", *out)
+
+
+def from_stats(counts, spec: Histogram, q, stat) -> Quantiles:
+    """:func:`from_histogram` clipped by the recorded extrema: ``stat(name)``
+    gives ``"min"``, ``"max"`` or ``"absmax"`` aligned with ``counts``' rows
+    (``absmax`` for a histogram of magnitudes, ``min`` and ``max`` otherwise)."""
+    if spec.magnitudes:
+        return from_histogram(counts, spec, q, hi_clip=stat("absmax"))
+    return from_histogram(counts, spec, q, lo_clip=stat("min"), hi_clip=stat("max"))
 
 
 def relative_bound(value, lower, upper) -> np.ndarray:
@@ -168,4 +178,4 @@ def exact(values, q, of: str = "x") -> Quantiles:
     return Quantiles(qs, of, got, got, got, zero)
 
 
-__all__ = ["Quantiles", "column_name", "exact", "from_histogram"]
+__all__ = ["Quantiles", "column_name", "exact", "from_histogram", "from_stats"]

@@ -27,11 +27,15 @@ def hist_counts(f: np.ndarray, histogram: Histogram) -> np.ndarray:
     out = np.zeros(histogram.nbins, dtype=np.int64)
     if histogram.kind == "log2":
         a = np.abs(f)
-        out[0] = int((a == 0).sum())
-        nz = a[a != 0]
-        e = np.frexp(nz)[1].astype(np.int64) - 1  # 2**e <= |x| < 2**(e+1)
+        m, e = np.frexp(a)  # a = m * 2**e, m in [0.5, 1)
+        e = e.astype(np.int64) - 1  # 2**e <= |x| < 2**(e+1)
+        sub = histogram.sub
+        j = np.floor((2.0 * m - 1.0) * sub).astype(np.int64)  # exact: sub is a power of two
         lo, hi = int(histogram.lo), int(histogram.hi)
-        idx = np.where(e < lo, 1, np.where(e >= hi, hi - lo + 2, 2 + (e - lo)))
+        top = (hi - lo) * sub + 2
+        u = np.where(e < lo, 1, np.where(e >= hi, top, 2 + (e - lo) * sub + j))
+        u = np.where(a == 0, 0, u)
+        idx = top + np.where(f < 0, -u, u) if histogram.signed else u
         np.add.at(out, idx, 1)
     else:
         edges = linear_inner_edges(histogram)
@@ -98,5 +102,5 @@ def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quanti
     if quantiles is not None:
         if histogram is None:
             raise ValueError("tensor_stats: quantiles= needs a histogram (histogram=None was given)")
-        out["quantiles"] = exact(a, quantiles, "|x|" if histogram.kind == "log2" else "x")
+        out["quantiles"] = exact(a, quantiles, "|x|" if histogram.magnitudes else "x")
     return out

@@ -90,9 +90,7 @@ def read_jsonl(path) -> RunData:
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{ln}: not a hookcap JSONL line ({e})") from None
             if spec is None and d.get("hist_spec"):
-                s = d["hist_spec"]
-                spec = Histogram.log2(int(s["lo"]), int(s["hi"])) if s["kind"] == "log2" else \
-                    Histogram.linear(s["lo"], s["hi"], s["bins"])
+                spec = Histogram.from_dict(d["hist_spec"])
     if not rows:
         raise ValueError(f"{path}: no data lines")
     steps = sorted({int(d["step"]) for d in rows})
@@ -308,8 +306,12 @@ def plot_nonfinite(run: RunData, path: str, first) -> str | None:
 def bin_labels(spec: Histogram) -> list[str]:
     """A short label per bin (log2: of |x|)."""
     if spec.kind == "log2":
-        lo, hi = int(spec.lo), int(spec.hi)
-        return ["0", f"<2^{lo}"] + [f"2^{e}" for e in range(lo, hi)] + [f">=2^{hi}"]
+        lo, hi, sub = int(spec.lo), int(spec.hi), spec.sub
+        inner = [f"2^{e}" if j == 0 else f"2^{e}*{1 + j / sub:g}" for e in range(lo, hi) for j in range(sub)]
+        mags = [f"<2^{lo}"] + inner + [f">=2^{hi}"]
+        if not spec.signed:
+            return ["0"] + mags
+        return ["-" + m for m in mags[::-1]] + ["0"] + mags
     e = spec.bin_edges
     return [f"<{e[1]:.3g}"] + [f"{e[i]:.3g}" for i in range(1, len(e) - 2)] + [f">={e[-2]:.3g}"]
 
@@ -351,7 +353,8 @@ def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
                   cmap=ListedColormap([_NO_FINITE_COLOUR]), vmin=0, vmax=1, interpolation="nearest")
         magenta = ", magenta: no finite value"
     _label_axes(ax, run, labels)
-    what = "log2 bins of |x|" if run.hist_spec.kind == "log2" else "linear bins"
+    what = ("log2 bins of |x|" if run.hist_spec.magnitudes else "signed log2 bins"
+            if run.hist_spec.kind == "log2" else "linear bins")
     ax.set_ylabel("bin (lower edge)")
     ax.set_title(f"{metric}: histogram over time ({what}; white: empty{magenta})")
     fig.savefig(path)
@@ -362,16 +365,14 @@ def plot_quantiles(run: RunData, metric: str, path: str) -> str | None:
     """Median and p1-p99 / p0.1-p99.9 bands of ``metric`` over steps."""
     if not run.has_histograms() or metric not in run.names:
         return None
-    from .quantiles import from_histogram
+    from .quantiles import from_stats
 
     Figure = _import_mpl()
     j = run.names.index(metric)
-    log2 = run.hist_spec.kind == "log2"
+    log2 = run.hist_spec.magnitudes
     st = run.stats
-    lo = None if log2 or "min" not in st else st["min"][:, j]
-    hi = st.get("absmax" if log2 else "max")
-    qs = from_histogram(run.histogram(metric), run.hist_spec, [0.001, 0.01, 0.5, 0.99, 0.999],
-                        lo_clip=lo, hi_clip=None if hi is None else hi[:, j])
+    qs = from_stats(run.histogram(metric), run.hist_spec, [0.001, 0.01, 0.5, 0.99, 0.999],
+                    lambda s: st[s][:, j] if s in st else None)
     v = qs.value
     if not np.isfinite(v).any():
         return None

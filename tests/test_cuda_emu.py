@@ -381,6 +381,10 @@ def test_blocks_larger_than_the_launchers_fault(emu):
 @pytest.mark.parametrize("h", [
     Histogram.log2(-10, 10),  # underflow and overflow bins in use
     Histogram.log2(-140, 10),  # below float's normal range: log2_bin per element, not the exponent byte
+    Histogram.log2(-10, 10, sub=4),  # bins per octave: keys counted in shared memory (kModeLog2Key)
+    Histogram.log2(-10, 10, sub=2, signed=True),
+    Histogram.log2(sub=16, signed=True),  # 8,192 keys: 32 KB of shared memory
+    Histogram.log2(-140, 10, sub=8, signed=True),  # below float's normal range: log2_bin_fine per element
     Histogram.linear(1e6, 1e6 + 16.0, 100),  # bins 2.6 floats wide: at linear_float_ok's limit, in float
     Histogram.linear(1e6, 1e6 + 14.0, 100),  # 2.2 floats wide: past the limit, bins in double (kModeWideExact)
     Histogram.linear(-1e3, 1e3, 40),
@@ -411,7 +415,7 @@ def test_linear_histogram_values_on_edges(emu, h):
 # Histogram modes (kernels::hist_plan): counts in dynamic shared memory up to
 # the device's budget, wider ones in the ring by warp-aggregated atomics
 # ---------------------------------------------------------------------------
-MODE_LOG2EXP, MODE_LOG2, MODE_LINEAR, MODE_WIDE, MODE_WIDE_EXACT = 1, 2, 3, 4, 5
+MODE_LOG2EXP, MODE_LOG2, MODE_LINEAR, MODE_WIDE, MODE_WIDE_EXACT, MODE_LOG2KEY = 1, 2, 3, 4, 5, 6
 STATIC_SMEM = 848  # the kernels' static shared memory (kernels::kStaticSmem)
 H100 = 233472 // 4 - 1024 - STATIC_SMEM  # kernels::smem_budget: 4 blocks of 256 per SM
 A100 = 167936 // 4 - 1024 - STATIC_SMEM
@@ -429,6 +433,12 @@ A100 = 167936 // 4 - 1024 - STATIC_SMEM
     (Histogram.log2(-1100, 1100), True, H100, (MODE_LOG2, 4 * 2204)),  # the widest log2
     (Histogram.log2(-1100, 1100), False, 0, (MODE_LOG2, 4 * 2204)),  # always shared
     (Histogram.log2(), True, H100, (MODE_LOG2EXP, 0)),
+    (Histogram.log2(sub=4), True, H100, (MODE_LOG2KEY, 4 * 2**10)),  # exponent + 2 mantissa bits
+    (Histogram.log2(signed=True), True, H100, (MODE_LOG2KEY, 4 * 2**9)),  # sign + exponent
+    (Histogram.log2(sub=16, signed=True), True, A100, (MODE_LOG2KEY, 4 * 2**13)),
+    (Histogram.log2(sub=16, signed=True), True, 30000, (MODE_LOG2, 4 * 4102)),  # keys beyond the budget
+    (Histogram.log2(sub=4), False, H100, (MODE_LOG2, 4 * 516)),  # float64: log2_bin_fine per element
+    (Histogram.log2(-140, 10, sub=2), True, H100, (MODE_LOG2, 4 * 304)),  # float subnormals in range
     (Histogram.linear(1e6, 1e6 + 16, 100), True, H100, (MODE_LINEAR, 8 * 100 + 16)),  # bins 2.6 floats wide
     (Histogram.linear(1e6, 1e6 + 14, 100), True, H100, (MODE_WIDE_EXACT, 0)),  # 2.2: float cannot estimate
     (Histogram.linear(1e13, 1e13 + 1, 10), True, H100, (MODE_WIDE_EXACT, 0)),
@@ -1261,6 +1271,21 @@ def test_update_kernels_batch_many_parameters(emu):
             assert g_[getattr(_layout, c)] == c_[getattr(_layout, c)], (r, c)
         np.testing.assert_array_equal(g_[_layout.HEADER:], c_[_layout.HEADER:])
         np.testing.assert_allclose(row_stats(g_, None)["l2norm"], row_stats(c_, None)["l2norm"], rtol=1e-6)
+
+
+def test_planted_key_sign_bug_is_caught(emu):
+    """The key merge with the sign dropped (a fault the harness plants) puts
+    negative values in positive bins: the counts no longer match the CPU op."""
+    h = Histogram.log2(-20, 10, sub=4, signed=True)
+    x = sample(3000, torch.float32, 11, max_exp=8)
+    cpu = run_cpu(x, h)
+    emu.set_fault(7)  # cuda_emu.h Fault::key_sign
+    try:
+        got = run_emu(emu, x, h, 3, THREADS)
+    finally:
+        emu.set_fault(0)
+    assert not np.array_equal(got[_layout.HEADER:], cpu[_layout.HEADER:])
+    check(run_emu(emu, x, h, 3, THREADS), x, h, cpu_raw=cpu)  # without the fault: exact
 
 
 def test_update_kernel_planted_bias_bug_is_caught(emu):

@@ -21,7 +21,9 @@ def truth(x, fmt, s):
     a = a[np.isfinite(a)]
     y = a * s
     n = max(a.size, 1)
-    return ((a > 0) & (y < fsub / 2)).sum() / n, ((y >= fsub / 2) & (y < fnorm)).sum() / n, (y > fmax).sum() / n
+    # absmax * (max / absmax) may round above max: the values are what is scaled, not the product.
+    return ((a > 0) & (y < fsub / 2)).sum() / n, ((y >= fsub / 2) & (y < fnorm)).sum() / n, \
+        (y > fmax * (1 + 1e-12)).sum() / n
 
 
 @st.composite
@@ -36,10 +38,11 @@ def data(draw):
 
 
 @given(x=data(), fmt=st.sampled_from(["e4m3", "e5m2"]),
-       scaling=st.sampled_from(["amax", 2.0 ** -3, 2.0 ** 7, 3.7]))
-def test_true_fractions_inside_bounds(x, fmt, scaling):
-    s = hookcap.tensor_stats(x, H)
-    f = fit(s["hist"], H, s["absmax"], fmt, scaling)
+       scaling=st.sampled_from(["amax", 2.0 ** -3, 2.0 ** 7, 3.7]),
+       h=st.sampled_from([H, Histogram.log2(-40, 20, sub=4), Histogram.log2(-40, 20, signed=True)]))
+def test_true_fractions_inside_bounds(x, fmt, scaling, h):
+    s = hookcap.tensor_stats(x, h)
+    f = fit(s["hist"], h, s["absmax"], fmt, scaling)
     if s["finite"] == 0:
         assert np.isnan(f.underflow_lo)
         return

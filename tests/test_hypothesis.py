@@ -53,6 +53,9 @@ def tensors(draw, max_numel=200_000):
 HISTS = st.sampled_from([
     Histogram.log2(),
     Histogram.log2(-20, 5),
+    Histogram.log2(-20, 5, sub=4),
+    Histogram.log2(sub=2, signed=True),
+    Histogram.log2(-140, 8, sub=8, signed=True),
     Histogram.linear(-2.0, 2.0, 9),
     Histogram.linear(-1500.0, 500.0, 64),
     None,

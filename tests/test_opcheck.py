@@ -23,6 +23,7 @@ CASES = [
     (torch.randn(7, 9).t(), Histogram.linear(-1, 1, 5)),
     (torch.randn(4, 4, dtype=torch.float64)[:, 1], None),
     (torch.randn(33).to(torch.bfloat16), H),
+    (torch.randn(300), Histogram.log2(-20, 8, sub=4, signed=True)),
     (torch.empty(0), H),
 ]
 

@@ -218,6 +218,73 @@ def test_log2_layout_contract():
     assert len(edges) == h.nbins + 1 and edges[2] == 2.0**lo and edges[-2] == 2.0**hi
 
 
+FINE = [Histogram.log2(-10, 6, sub=4), Histogram.log2(-10, 6, sub=16), Histogram.log2(-10, 6, signed=True),
+        Histogram.log2(-10, 6, sub=8, signed=True), Histogram.log2(-150, 6, sub=2, signed=True),
+        Histogram.log2(sub=16, signed=True)]
+
+
+@pytest.mark.parametrize("h", FINE, ids=lambda h: f"sub{h.sub}{'s' if h.signed else ''}[{h.lo},{h.hi})")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [7, 1000, 100_003])
+def test_sub_octave_and_signed_bins(h, dtype, n):
+    """Every bin equals the reference's (frexp mantissas, numpy), for every
+    dtype, both signs, zeros, subnormals and NaN/Inf."""
+    x = specials(n, dtype, seed=n)
+    x = x * torch.where(torch.rand(n, generator=torch.Generator().manual_seed(1)) < 0.5, -1.0, 1.0).to(dtype)
+    check(x, h)
+
+
+@pytest.mark.parametrize("h", FINE[:4], ids=lambda h: f"sub{h.sub}{'s' if h.signed else ''}")
+def test_values_on_every_edge(h):
+    """Every bin edge, and the double just below it, in the bin the edges say
+    (signed: negative bins are (edges[i], edges[i+1]])."""
+    e = h.bin_edges
+    e = e[np.isfinite(e) & (e != 0)]
+    v = np.concatenate([e, np.nextafter(e, 0.0), [0.0, -0.0, 1e300, -1e300]])
+    s = check(torch.tensor(v, dtype=torch.float64), h)
+    idx = np.array([int(np.flatnonzero(hookcap.reference.hist_counts(np.array([a]), h))[0]) for a in v])
+    edges = h.bin_edges
+    for a, i in zip(v, idx):
+        if h.magnitudes:
+            assert (abs(a) == 0 and i == 0) or edges[i] <= abs(a) < edges[i + 1], (a, i)
+        else:
+            assert (a == 0 and i == h.zero_bin) or (a > 0 and edges[i] <= a < edges[i + 1]) or \
+                (a < 0 and edges[i] < a <= edges[i + 1]), (a, i)
+    np.testing.assert_array_equal(s["hist"], np.bincount(idx, minlength=h.nbins))
+
+
+def test_fine_log2_layout_contract():
+    h = Histogram.log2(-1, 1, sub=4, signed=True)
+    assert h.nbins == 2 * (2 * 4 + 2) + 1 and h.zero_bin == 10
+    x = torch.tensor([0.0, -0.0, 0.3, -0.3, 0.5, 0.625, -0.75, 1.0, 1.99, -2.0, 5.0, float("nan")])
+    got = hookcap.tensor_stats(x, h)["hist"]
+    want = np.zeros(h.nbins, dtype=np.int64)
+    want[10] = 2  # zeros
+    want[11], want[9] = 1, 1  # 0 < |x| < 2**-1: underflow, each side
+    want[12], want[13] = 1, 1  # [0.5, 0.625), [0.625, 0.75)
+    want[10 - 4] = 1  # -0.75: magnitude bin [0.75, 0.875) is u = 4
+    want[16], want[19] = 1, 1  # [1, 1.25), [1.75, 2)
+    want[0], want[20] = 1, 1  # -2 and 5: overflow, each side
+    np.testing.assert_array_equal(got, want)
+    assert Histogram.log2(-1, 1, sub=4).fold(got).sum() == got.sum()
+
+
+def test_fine_log2_arguments_validated():
+    for bad in (3, 32, 0):
+        with pytest.raises(ValueError, match="sub"):
+            Histogram.log2(sub=bad)
+    with pytest.raises(ValueError, match="at most"):
+        Histogram.log2(-1100, 1100, sub=2)
+    with pytest.raises(ValueError, match="signed"):
+        Histogram.log2(signed=1)
+    ring = torch.zeros(2, 1, _layout.HEADER + Histogram.log2().nbins, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="hist_bins"):
+        torch.ops.hookcap.accumulate(torch.randn(4), ring, new_state("cpu"), 0, 1, -64.0, 64.0, 3)
+    h = Histogram.log2(sub=4)  # a ring sized for plain octaves does not fit 4 bins per octave
+    with pytest.raises(RuntimeError, match="ring width"):
+        torch.ops.hookcap.accumulate(torch.randn(4), ring, new_state("cpu"), 0, *h.op_args())
+
+
 def test_log2_subnormals_land_in_true_exponent_bin():
     h = Histogram.log2(-1080, 0)
     x = torch.tensor([2.0**-1074, 3 * 2.0**-1070, 2.0**-1022], dtype=torch.float64)

@@ -62,7 +62,9 @@ struct HostAtomics {
 };
 
 constexpr int kHistCopies = 4;        // sub-histograms break store->load chains (unrolled x4 below)
-constexpr int64_t kLocalBins = 1024;   // wider histograms count into the ring
+// Wider histograms count into the ring. 2,100: the default log2 range with
+// 8 bins per octave and the sign (2,053 bins) still counts locally.
+constexpr int64_t kLocalBins = 2100;
 constexpr int64_t kBlock = 2048;       // float sums are flushed to double per block
 constexpr int64_t kMinChunk = 16384;
 constexpr int64_t kMaxChunks = 64;
@@ -71,6 +73,9 @@ constexpr int64_t kMaxChunks = 64;
 // counts the 8-bit exponent field; a 256-entry table built from the shared
 // log2_bin maps those counts to bins once per chunk.
 constexpr int kHistLog2Exp = 3;
+// CPU-only tag of log2 histograms with bins per octave or signed bins
+// (log2_bin_fine), counted by bin index as the other kinds.
+constexpr int kHistLog2Fine = 4;
 constexpr int64_t kExpBins = 256;
 // Below this many elements a histogram counts straight into the ring (one
 // atomic add per element); from here on into local copies merged once, when
@@ -217,6 +222,8 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
   using V = work_t<T>;
   auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
   const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
+  [[maybe_unused]] const int32_t sub = static_cast<int32_t>(h.sub_shift);
+  [[maybe_unused]] const bool sgn = h.sign != 0;
   V c = center;
   V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
   int32_t nz = 0;
@@ -291,6 +298,8 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     if constexpr (!kDefer) nz = -tree8(vnz[0] + vnz[1], add)[0];  // vector compares count down
     if constexpr (kHist == kHistLog2) {
       for (int64_t i = 0; i < head; ++i) idx[i] = log2_bin(load_work(at(i)), lo, hi) + 1;
+    } else if constexpr (kHist == kHistLog2Fine) {
+      for (int64_t i = 0; i < head; ++i) idx[i] = log2_bin_fine(load_work(at(i)), lo, hi, sub, sgn) + 1;
     }
   }
   V s1l[kLanes] = {}, s2l[kLanes] = {}, mnl[kLanes], mxl[kLanes];
@@ -304,6 +313,7 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     push_shifted(v, c, s1l[j], s2l[j]);
     push_minmax(v, mnl[j], mxl[j], nzl[j]);
     if constexpr (kHist == kHistLog2) idx[i] = log2_bin(v, lo, hi) + 1;
+    if constexpr (kHist == kHistLog2Fine) idx[i] = log2_bin_fine(v, lo, hi, sub, sgn) + 1;
     if constexpr (kHist == kHistLog2Exp) eb[i] = static_cast<uint8_t>(vbits(v) >> 23);
   };
   const int64_t nv = head + (n - head) / kLanes * kLanes;
@@ -852,7 +862,13 @@ void doubles_push(DoublesPartial& p, const double* x, int64_t n) {
   }
   switch (p.h->kind) {
     case kHistNone: doubles_run<kHistNone>(p, x, n); break;
-    case kHistLog2: doubles_run<kHistLog2>(p, x, n); break;
+    case kHistLog2:
+      if (p.h->sub_shift || p.h->sign) {
+        doubles_run<kHistLog2Fine>(p, x, n);
+      } else {
+        doubles_run<kHistLog2>(p, x, n);
+      }
+      break;
     default: doubles_run<kHistLinear>(p, x, n); break;
   }
 }
@@ -879,7 +895,9 @@ void accumulate_tensor_cpu(const at::Tensor& x_in, int64_t* row, const HistSpec&
           switch (h.kind) {
             case kHistNone: accumulate_typed<scalar_t, kHistNone>(p, flat, d, m, mult, row, h); break;
             case kHistLog2:
-              if (kFloatWork && h.lo_exp >= -126 && m >= kDirectHistBelow) {
+              if (h.sub_shift || h.sign) {
+                accumulate_typed<scalar_t, kHistLog2Fine>(p, flat, d, m, mult, row, h);
+              } else if (kFloatWork && h.lo_exp >= -126 && m >= kDirectHistBelow) {
                 accumulate_typed<scalar_t, kFloatWork ? kHistLog2Exp : kHistLog2>(p, flat, d, m, mult, row, h);
               } else {
                 accumulate_typed<scalar_t, kHistLog2>(p, flat, d, m, mult, row, h);

@@ -26,7 +26,7 @@ bool cpu_avx2();
 // row once by doubles_flush (count and calls excepted: the caller counts its
 // elements and its call). The row's shift is fixed by the first push of any
 // writer (first writer wins, as everywhere).
-constexpr int64_t kDoublesLocalWords = 4 * 1025;  // the local histogram's counters (stats_cpu.cpp)
+constexpr int64_t kDoublesLocalWords = 4 * 2101;  // the local histogram's counters (stats_cpu.cpp)
 struct DoublesPartial {
   Acc acc;
   WideAcc wide;

@@ -31,7 +31,15 @@ enum HistMode : int {
   kModeWideExact = 5,  // linear on float that float cannot estimate (linear_float_ok false),
                        // or whose thresholds do not fit the budget: counts as kModeWide,
                        // each bin by linear_bin in double
+  kModeLog2Key = 6,    // log2 on float, lo_exp >= -126, with bins per octave or the sign: the
+                       // float's key (sign, exponent, top mantissa bits: log2_key_bits) counted
+                       // in dynamic shared memory, mapped to bins once per block
 };
+
+// Keys of kModeLog2Key: 2**(8 + sub_shift (+ 1 signed)) counters.
+C10_HOST_DEVICE inline int64_t log2_keys(const HistSpec& h) {
+  return int64_t{1} << (8 + h.sub_shift + (h.sign ? 1 : 0));
+}
 
 // Whether the float estimate of a linear bin, q = fl(v * inv + off) in one
 // fma (inv = float(1 / width), off = float(1/2 - lo * inv): linear_thr), is
@@ -134,11 +142,15 @@ C10_HOST_DEVICE inline HistPlan hist_plan(const HistSpec& h, bool work_is_float,
   if (h.kind == kHistNone) return p;
   const int64_t counts = 4 * (h.nbins + 1);  // [0]: values not binned (NaN/Inf)
   if (h.kind == kHistLog2) {
-    if (work_is_float && h.lo_exp >= -126) {
+    const bool fine = h.sub_shift != 0 || h.sign != 0;
+    if (work_is_float && h.lo_exp >= -126 && !fine) {
       p.mode = kModeLog2Exp;
+    } else if (work_is_float && h.lo_exp >= -126 && 4 * log2_keys(h) <= budget) {
+      p.mode = kModeLog2Key;
+      p.smem = 4 * log2_keys(h);
     } else {
       p.mode = kModeLog2;
-      p.smem = counts;  // <= 2,203 bins: under any device's budget
+      p.smem = counts;  // <= 4,405 bins (kMaxLog2Octaves): under any device's budget
     }
     return p;
   }

@@ -404,9 +404,11 @@ struct BlockCounts {
 struct CountsTarget {
   int64_t* row;    // the ring row
   int64_t mult;    // RowTarget::mult
-  int64_t ncounts;  // entries: 256 exponent bytes (kModeLog2Exp), else the ring's bins
+  int64_t ncounts;  // entries: 256 exponent bytes (kModeLog2Exp), keys (kModeLog2Key), else the ring's bins
   int64_t bins;    // linear: equal-width bins (thresholds' +Inf bin at bins + 1)
   int32_t lo_exp, hi_exp;
+  int32_t sub_shift;  // log2: bins per octave 2**sub_shift
+  bool sign;          // log2: signed bins
 };
 
 // Into the ring: a partial's moments (one thread; `zero_or_sub`: with
@@ -428,6 +430,15 @@ __device__ __forceinline__ void ring_merge_moments(const CountsTarget& t, Acc a,
     if (a.nzero) DeviceAtomics::add_i64(hrow, a.nzero);
     if (zero_or_sub > a.nzero) DeviceAtomics::add_i64(hrow + 1, zero_or_sub - a.nzero);
   }
+  if constexpr (kMode == kModeLog2Key) {
+    // ring_merge_counts put the zeros with the positive subnormals (key
+    // field 0, sign 0) in the positive underflow bin: move them to the zeros'.
+    if (a.nzero) {
+      const int32_t zero_bin = t.sign ? log2_top(t.lo_exp, t.hi_exp, t.sub_shift) : 0;
+      DeviceAtomics::add_i64(hrow + zero_bin, a.nzero);
+      DeviceAtomics::add_i64(hrow + zero_bin + 1, -a.nzero);
+    }
+  }
   if constexpr (kThresholds) {
     // linear_bin_thr put NaN and -Inf in bin 0 and +Inf in bins + 1.
     if (a.nnan + a.nninf) DeviceAtomics::add_i64(hrow, -(a.nnan + a.nninf));
@@ -447,6 +458,21 @@ __device__ __forceinline__ void ring_merge_counts(const CountsTarget& t, const C
         const float v = bitsf(static_cast<int32_t>(i) << 23);
         DeviceAtomics::add_i64(hrow + log2_bin(v, t.lo_exp, t.hi_exp), static_cast<int64_t>(c) * t.mult);
       }
+    } else if constexpr (kMode == kModeLog2Key) {
+      const int32_t field = static_cast<int32_t>(i >> t.sub_shift) & 0xff;
+      if (field == 255) continue;  // NaN/Inf
+      const unsigned int c = cnt(i);
+      if (!c) continue;
+      // Field 0: zeros (all under key 0) and subnormals, below lo_exp >= -126:
+      // the underflow bin of their sign (ring_merge_moments moves the zeros).
+      const int32_t top = log2_top(t.lo_exp, t.hi_exp, t.sub_shift);
+      const bool neg = t.sign && (i >> (8 + t.sub_shift)) != 0;
+      // The harness's planted bug: the key's sign dropped when it is mapped to a bin.
+      const uint32_t k = HOOKCAP_EMU_FAULT(key_sign) ? static_cast<uint32_t>(i) & ((1u << (8 + t.sub_shift)) - 1)
+                                                     : static_cast<uint32_t>(i);
+      const int32_t b = field != 0 ? log2_key_bin(k, t.lo_exp, t.hi_exp, t.sub_shift, t.sign)
+                                   : (t.sign ? top + (neg ? -1 : 1) : 1);
+      DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(c) * t.mult);
     } else {
       const unsigned int c = cnt(i);
       if (c) DeviceAtomics::add_i64(hrow + i, static_cast<int64_t>(c) * t.mult);
@@ -538,10 +564,13 @@ __device__ __noinline__ void tree_merge_groups(CountsTarget t, int64_t* scratch,
 template <int kMode, bool kThresholds>
 __device__ __forceinline__ void block_epilogue(const Acc& acc, bool has_shift, double shift, const RowTarget& tgt,
                                                const HistSpec& hist, int64_t* row, BlockCounts counts) {
-  constexpr bool kCounts = kMode == kModeLog2Exp || kMode == kModeLog2 || kMode == kModeLinear;
+  constexpr bool kCounts =
+      kMode == kModeLog2Exp || kMode == kModeLog2Key || kMode == kModeLog2 || kMode == kModeLinear;
   const int tid = threadIdx.x;
-  const CountsTarget t{row, tgt.mult, kMode == kModeLog2Exp ? 256 : kCounts ? hist.nbins : 0, hist.bins,
-                       static_cast<int32_t>(hist.lo_exp), static_cast<int32_t>(hist.hi_exp)};
+  const CountsTarget t{row, tgt.mult,
+                       kMode == kModeLog2Exp ? 256 : kMode == kModeLog2Key ? log2_keys(hist) : kCounts ? hist.nbins : 0,
+                       hist.bins, static_cast<int32_t>(hist.lo_exp), static_cast<int32_t>(hist.hi_exp),
+                       static_cast<int32_t>(hist.sub_shift), hist.sign != 0};
   __shared__ int s_last;  // the tree: whether this block merges its group
   if (tid == 0 && blockIdx.x == 0) {
     if (tgt.count) DeviceAtomics::add_i64(row + kCount, tgt.count);
@@ -624,16 +653,23 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   unsigned int* s_cnt = reinterpret_cast<unsigned int*>(smem);
   if constexpr (kMode == kModeLog2Exp) {
     for (int i = tid; i < kWarps * 256; i += blockDim.x) (&sh.tab[0][0])[i] = 0u;
+  } else if constexpr (kMode == kModeLog2Key) {
+    for (int64_t b = tid; b < log2_keys(hist); b += blockDim.x) s_cnt[b] = 0u;
   } else if constexpr (kSharedCounts && !kPairs) {
     for (int64_t b = tid; b <= hist.nbins; b += blockDim.x) s_cnt[b] = 0u;
   }
   __syncthreads();
   const int32_t lo_exp = static_cast<int32_t>(hist.lo_exp), hi_exp = static_cast<int32_t>(hist.hi_exp);
+  const int32_t sub_shift = static_cast<int32_t>(hist.sub_shift);
+  const bool sgn = hist.sign != 0;
+  // kModeLog2Key: the key's shift and mask (log2_key_bits).
+  const int32_t key_shift = 23 - sub_shift;
+  const uint32_t key_mask = static_cast<uint32_t>(log2_keys(hist) - 1);
 
   // The bin of v in the ring (-1: NaN/Inf, not binned).
   auto bin_of = [&](W v) -> int {
     if constexpr (kMode == kModeLog2) {
-      return log2_bin(v, lo_exp, hi_exp);
+      return sub_shift == 0 && !sgn ? log2_bin(v, lo_exp, hi_exp) : log2_bin_fine(v, lo_exp, hi_exp, sub_shift, sgn);
     } else if constexpr (kThresholds) {
       return linear_bin_thr(v, thr, lin);  // NaN/Inf: bins 0, bins + 1, taken back at the end
     } else {
@@ -644,6 +680,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   auto bin = [&](W v) {
     if constexpr (kMode == kModeLog2Exp) {
       atomicAdd(&sh.tab[warp][(vbits(v) >> 23) & 0xff], 1u);
+    } else if constexpr (kMode == kModeLog2Key) {
+      atomicAdd(&s_cnt[log2_key_bits(v, key_shift, key_mask)], 1u);
     } else if constexpr (kPairs) {
       atomicAdd(linear_count_thr(v, pairs, lin), 1u);
     } else if constexpr (kSharedCounts) {
@@ -781,7 +819,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // (there a group stays in flight for about one more instruction per
   // element; the other loops spill with it).
   constexpr bool kTwoSets =
-      kVec && sizeof(T) == 2 && (kSharedCounts || (kMode == kModeLog2Exp && kFlat));
+      kVec && sizeof(T) == 2 && (kSharedCounts || kMode == kModeLog2Key || (kMode == kModeLog2Exp && kFlat));
   constexpr int kUnrollM = kTwoSets                               ? 2
                            : kWarpBins                            ? (kPer >= 8 ? 1 : 2)
                            : !kFloat && kMode == kModeLinear      ? 2
@@ -1001,6 +1039,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   BlockCounts counts{nullptr, 0, 0, 0, 0};
   if constexpr (kMode == kModeLog2Exp) {
     counts = BlockCounts{&sh.tab[0][0], kWarps, 256, 1, 0};
+  } else if constexpr (kMode == kModeLog2Key) {
+    counts = BlockCounts{s_cnt, 1, 0, 1, 0};  // entry i: key i
   } else if constexpr (kPairs) {
     counts = BlockCounts{reinterpret_cast<unsigned int*>(pairs), 1, 0, 2, 1};  // ThrCount::count
   } else if constexpr (kSharedCounts) {
@@ -1020,7 +1060,7 @@ void dispatch_accumulate(ReadKind read, const HistSpec& h, int64_t smem_budget, 
     // Float64 never takes the exponent-byte or the exact-wide mode (hist_plan): not instantiated.
     constexpr int kTag = decltype(mode_tag)::value;
     constexpr bool kF64 = sizeof(work_t<T>) != sizeof(float);
-    constexpr int kMode = kF64 && kTag == kModeLog2Exp ? kModeLog2
+    constexpr int kMode = kF64 && (kTag == kModeLog2Exp || kTag == kModeLog2Key) ? kModeLog2
                           : kF64 && kTag == kModeWideExact ? kModeWide : kTag;
     if (read == kReadFlat) {
       launch(&accumulate_kernel<T, kMode, kReadFlat>, plan);
@@ -1034,6 +1074,7 @@ void dispatch_accumulate(ReadKind read, const HistSpec& h, int64_t smem_budget, 
     case kModeNone: pick(std::integral_constant<int, kModeNone>{}); break;
     case kModeLog2Exp: pick(std::integral_constant<int, kModeLog2Exp>{}); break;
     case kModeLog2: pick(std::integral_constant<int, kModeLog2>{}); break;
+    case kModeLog2Key: pick(std::integral_constant<int, kModeLog2Key>{}); break;
     case kModeLinear: pick(std::integral_constant<int, kModeLinear>{}); break;
     case kModeWide: pick(std::integral_constant<int, kModeWide>{}); break;
     default: pick(std::integral_constant<int, kModeWideExact>{}); break;

@@ -58,6 +58,27 @@ inline void check_time_mark(const at::Tensor& ring, const at::Tensor& state, int
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
+// A log2 histogram's hist_bins argument: bins per octave (0 or 1: one; 2,
+// 4, 8 or 16) plus 256 when the sign is kept (hookcap/histogram.py op_args).
+// At most this many bins of a log2 histogram between 2**lo and 2**hi, so
+// that its counts (signed: about twice) fit any GPU's shared memory.
+constexpr int64_t kMaxLog2Octaves = 2200;
+
+struct Log2Layout {
+  int64_t sub_shift;
+  bool sign;
+};
+
+inline Log2Layout log2_layout(int64_t bins) {
+  const int64_t sub = bins & 0xff;
+  TORCH_CHECK(bins >= 0 && (bins >> 9) == 0 && (sub == 0 || sub == 1 || sub == 2 || sub == 4 || sub == 8 || sub == 16),
+              "hookcap: a log2 histogram's hist_bins must be its bins per octave (1, 2, 4, 8 or 16), plus "
+              "256 for signed bins, got ", bins);
+  int64_t s = 0;
+  while ((int64_t{1} << s) < sub) ++s;
+  return {s, (bins & 0x100) != 0};
+}
+
 // Validates the histogram arguments against the ring width; returns the
 // number of histogram bins they imply.
 inline int64_t check_hist(int64_t kind, double lo, double hi, int64_t bins,
@@ -72,10 +93,15 @@ inline int64_t check_hist(int64_t kind, double lo, double hi, int64_t bins,
     TORCH_CHECK(lo == std::floor(lo) && hi == std::floor(hi) && lo >= -1100 && hi <= 1100,
                 "hookcap: log2 histogram exponents must be integers in [-1100, 1100], got lo=",
                 lo, " hi=", hi);
-    nbins = static_cast<int64_t>(hi) - static_cast<int64_t>(lo) + 3;
+    const Log2Layout l = log2_layout(bins);
+    TORCH_CHECK((hi - lo) * static_cast<double>(int64_t{1} << l.sub_shift) <= kMaxLog2Octaves,
+                "hookcap: a log2 histogram may have at most ", kMaxLog2Octaves,
+                " bins between 2**lo and 2**hi ((hi - lo) * sub), got lo=", lo, " hi=", hi, " sub=",
+                int64_t{1} << l.sub_shift);
+    nbins = log2_nbins(static_cast<int64_t>(lo), static_cast<int64_t>(hi), l.sub_shift, l.sign);
     TORCH_SYM_CHECK(width.sym_eq(kHeader + nbins), "hookcap: ring width ", width,
-                    " does not fit a log2 histogram [", lo, ", ", hi, "): need ",
-                    kHeader + nbins);
+                    " does not fit a log2 histogram [", lo, ", ", hi, ") with hist_bins ", bins,
+                    ": need ", kHeader + nbins);
   } else {
     TORCH_CHECK(bins >= 1, "hookcap: linear histogram needs bins >= 1, got ", bins);
     const double w = (hi - lo) / static_cast<double>(bins);
@@ -102,6 +128,9 @@ inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
   if (kind == kHistLog2) {
     h.lo_exp = static_cast<int64_t>(lo);
     h.hi_exp = static_cast<int64_t>(hi);
+    const Log2Layout l = log2_layout(bins);
+    h.sub_shift = l.sub_shift;
+    h.sign = l.sign ? 1 : 0;
   } else if (kind == kHistLinear) {
     h.lo = lo;
     h.hi = hi;

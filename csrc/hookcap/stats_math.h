@@ -63,6 +63,8 @@ struct HistSpec {
   int64_t nbins;   // total bins incl. the special ones (ring width - kHeader)
   int64_t lo_exp;  // log2: lowest exponent bin
   int64_t hi_exp;  // log2: exponent where overflow starts
+  int64_t sub_shift;  // log2: 2**sub_shift bins per octave (the top mantissa bits)
+  int64_t sign;       // log2: 1 = negative and positive values in separate bins
   double lo;       // linear: range start
   double hi;       // linear: range end
   int64_t bins;    // linear: equal-width bins between lo and hi
@@ -711,6 +713,57 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t log2_bin(V v, int32_t lo_exp, int32_t 
   return a < static_cast<V>(kInf) ? (a == V(0) ? 0 : bin) : -1;
 }
 
+// The general log2 bins: 2**s bins per octave from the top s mantissa bits
+// (s = 0: log2_bin's), and with `sgn` the sign kept. Unsigned layout (as
+// log2_bin, octaves split): 0 zeros, 1 underflow, 2 + (e - lo) * 2**s + m
+// for 2**e * (1 + m / 2**s) <= |v| < 2**e * (1 + (m + 1) / 2**s), top =
+// (hi - lo) * 2**s + 2 overflow. Signed layout, in value order: bin top + u
+// for v > 0 (u its unsigned bin), top - u for v < 0, top for zeros (-0 too).
+// -1: NaN and Inf, not binned.
+C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t log2_top(int32_t lo_exp, int32_t hi_exp, int32_t s) {
+  return (hi_exp - lo_exp) * (1 << s) + 2;
+}
+
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t log2_bin_fine(V v, int32_t lo_exp, int32_t hi_exp, int32_t s, bool sgn) {
+  using B = FloatBits<V>;
+  const V a = v < 0 ? -v : v;
+  const auto b = vbits(a) & B::kAbsMask;
+  const int32_t biased = static_cast<int32_t>(b >> B::kMant);
+  const auto sb = vbits(static_cast<V>(a * B::kSubScale)) & B::kAbsMask;  // subnormals, scaled up exactly
+  // (unbiased exponent) * 2**s + the top s mantissa bits.
+  const int32_t key = biased != 0 ? static_cast<int32_t>(b >> (B::kMant - s)) - B::kBias * (1 << s)
+                                  : static_cast<int32_t>(sb >> (B::kMant - s)) - (B::kBias + B::kSubScaleExp) * (1 << s);
+  const int32_t top = log2_top(lo_exp, hi_exp, s);
+  int32_t u = 2 + key - lo_exp * (1 << s);
+  u = u < 1 ? 1 : (u > top ? top : u);
+  u = a < static_cast<V>(kInf) ? (a == V(0) ? 0 : u) : -1;
+  return !sgn || u < 0 ? u : top + (v < 0 ? -u : u);
+}
+
+// The key a float is counted under with bins per octave or signed bins
+// (the CUDA kernel's kModeLog2Key): its bits, +-0 made +0, shifted right by
+// 23 - s and masked to the exponent and top s mantissa bits, and the sign
+// when the mask keeps it. Keys of one exponent field 1..254 share a bin
+// (log2_key_bin); field 0 holds zeros and subnormals, 255 NaN and Inf.
+C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t log2_key_bits(float v, int32_t shift, uint32_t mask) {
+  uint32_t b = static_cast<uint32_t>(vbits(v));
+  b = (b << 1) == 0u ? 0u : b;
+  return (b >> shift) & mask;
+}
+
+// The bin of key k (exponent field 1..254): that of the key's least value.
+C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t log2_key_bin(uint32_t k, int32_t lo_exp, int32_t hi_exp, int32_t s,
+                                                      bool sgn) {
+  return log2_bin_fine(bitsf(static_cast<int32_t>(k << (23 - s))), lo_exp, hi_exp, s, sgn);
+}
+
+// Total bins of a log2 histogram: log2_top + 1 unsigned, 2 * log2_top + 1 signed.
+C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t log2_nbins(int64_t lo_exp, int64_t hi_exp, int64_t s, bool sgn) {
+  const int64_t top = (hi_exp - lo_exp) * (int64_t{1} << s) + 2;
+  return sgn ? 2 * top + 1 : top + 1;
+}
+
 // Edge i of a linear histogram: lo + i*width, the last edge pinned to hi.
 C10_HOST_DEVICE C10_ALWAYS_INLINE double linear_edge(const HistSpec& h, int64_t i) {
   return i >= h.bins ? h.hi : h.lo + static_cast<double>(i) * h.width;
@@ -737,9 +790,11 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t linear_bin(double v, const HistSpec& h
 }
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t hist_bin(double v, const HistSpec& h) {
-  return h.kind == kHistLog2 ? log2_bin(v, static_cast<int32_t>(h.lo_exp),
-                                        static_cast<int32_t>(h.hi_exp))
-                             : linear_bin(v, h);
+  if (h.kind != kHistLog2) return linear_bin(v, h);
+  const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
+  return h.sub_shift == 0 && h.sign == 0
+             ? log2_bin(v, lo, hi)
+             : log2_bin_fine(v, lo, hi, static_cast<int32_t>(h.sub_shift), h.sign != 0);
 }
 
 }  // namespace hookcap

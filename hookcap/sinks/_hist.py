@@ -17,11 +17,20 @@ def finite_edges(spec: Histogram) -> np.ndarray:
     - log2 (bins of ``|x|``): the exact-zero bin becomes ``[-2**lo, 0]`` (the
       only bin left of 0; it holds exact zeros only), underflow ``[0, 2**lo)``,
       the overflow bin ``[2**hi, 2**(hi+1))`` (one octave).
+    - signed log2: the overflow bins ``[+-2**hi, +-2**(hi+1))``; the zero bin
+      ``[-2**(lo-1), 2**(lo-1))`` and the underflow bins beside it shrink to
+      ``[-2**lo, -2**(lo-1))`` and ``[2**(lo-1), 2**lo)`` (edges stay increasing).
     - linear: underflow ``[lo - w, lo)``, overflow ``[hi, hi + w)`` with ``w`` the
       bin width.
     """
     e = np.array(spec.bin_edges, dtype=np.float64)
-    if spec.kind == "log2":
+    if spec.kind == "log2" and spec.signed:
+        e[-1] = 2.0 * e[-2]
+        e[0] = -e[-1]
+        c = spec.zero_bin  # the zero bin [0, 0] becomes [-2**lo / 2, 2**lo / 2) around 0
+        half = np.ldexp(1.0, int(spec.lo) - 1)
+        e[c], e[c + 1] = -half, half
+    elif spec.kind == "log2":
         e[0] = -np.ldexp(1.0, int(spec.lo))
         e[-1] = 2.0 * e[-2]
     else:

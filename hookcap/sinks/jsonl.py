@@ -24,10 +24,7 @@ def json_number(v: float) -> str:
 
 
 def histogram_spec_dict(spec) -> dict:
-    d = {"kind": spec.kind, "lo": spec.lo, "hi": spec.hi}
-    if spec.kind == "linear":
-        d["bins"] = spec.bins
-    return d
+    return spec.to_dict()
 
 
 def full_histogram(line: dict, nbins: int) -> np.ndarray:
@@ -53,7 +50,7 @@ class JSONL(_TextFileSink):
     the counts of bins ``hist_offset`` … ``hist_offset + len(hist) - 1``, the
     band from the first to the last non-empty bin (every other bin is 0;
     :func:`full_histogram` expands it), and ``"hist_spec"`` (``{"kind",
-    "lo", "hi"[, "bins"]}``, see ``hookcap.Histogram``), so the line is
+    "lo", "hi"[, "bins"][, "sub", "signed"]}``, ``hookcap.Histogram.to_dict``), so the line is
     readable on its own.
     ``append=True`` continues an existing file instead of truncating it.
     ``quantiles=[0.5, 0.99]`` adds ``"p50"``, ``"p50_err"``, ``"p99"``,

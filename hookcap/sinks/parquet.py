@@ -55,11 +55,7 @@ def module_of(metric: str, kind: str) -> str:
 
 def histogram_spec_from_dict(d: dict | None) -> Histogram | None:
     """Inverse of ``hookcap.sinks.jsonl.histogram_spec_dict`` (None -> None)."""
-    if d is None:
-        return None
-    if d["kind"] == "log2":
-        return Histogram.log2(int(d["lo"]), int(d["hi"]))
-    return Histogram.linear(d["lo"], d["hi"], int(d["bins"]))
+    return Histogram.from_dict(d)
 
 
 def part_files(path: str) -> list[tuple[int, str]]:

@@ -109,7 +109,7 @@ class TensorBoard(Sink):
             a, b = band(counts)
             if b == 0:
                 continue  # no finite value: nothing to draw
-            if spec.kind == "log2":
+            if spec.magnitudes:
                 lo, hi = float(lower[a]), float(st["absmax"][i])
             else:
                 lo, hi = float(st["min"][i]), float(st["max"][i])

@@ -83,9 +83,11 @@ std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
 std::tuple<int64_t, int64_t> hist_plan(int64_t hist_kind, double hist_lo, double hist_hi,
                                              int64_t hist_bins, bool work_is_float,
                                              int64_t smem_budget) {
-  const int64_t nbins = hist_kind == kHistNone ? 0
-                        : hist_kind == kHistLog2 ? static_cast<int64_t>(hist_hi - hist_lo) + 3
-                                                 : hist_bins + 2;
+  int64_t nbins = hist_kind == kHistNone ? 0 : hist_bins + 2;
+  if (hist_kind == kHistLog2) {
+    const Log2Layout l = log2_layout(hist_bins);
+    nbins = log2_nbins(static_cast<int64_t>(hist_lo), static_cast<int64_t>(hist_hi), l.sub_shift, l.sign);
+  }
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, kHeader + nbins);
   const kernels::HistPlan p = kernels::hist_plan(h, work_is_float, smem_budget);
   return {p.mode, p.smem};
