@@ -357,7 +357,7 @@ def max_dynamic_smem(arch: int, mode: str, dtype: str, static: int) -> int:
     wide on float, its thresholds) up to the budget."""
     lim = SM_LIMITS.get(arch, SM_LIMITS[80])
     budget = min(lim["smem"] // MIN_BLOCKS - SMEM_RESERVED, lim["optin"]) - static
-    if mode == "log2":
+    if mode in ("log2", "log2fine"):
         return LOG2_MAX_DYN
     if mode == "log2key":
         return min(LOG2KEY_MAX_DYN, budget)
@@ -393,7 +393,7 @@ def parse_name(demangled: str) -> tuple[str, str] | None:
     if len(args) != 3:
         return None
     modes = {"0": "-", "1": "log2exp", "2": "log2", "3": "linear", "4": "wide", "5": "wide-exact",
-             "6": "log2key"}
+             "6": "log2key", "7": "log2fine"}
     reads = {"0": "dense", "1": "rows", "2": "strided"}  # strided.h ReadKind: flat, vectors, elements
     return args[0], " ".join([SHORT.get(args[0], args[0]), modes.get(args[1], args[1]), reads.get(args[2], args[2])])
 

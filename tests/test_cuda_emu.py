@@ -401,6 +401,16 @@ def test_histogram_kinds(emu, h):
     check(run_emu(emu, x, h, 3, THREADS), x, h, cpu_raw=run_cpu(x, h))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fine_log2_keys_beyond_the_budget_bin_per_element(emu, dtype):
+    """With 8,192 keys over a small device's budget the launch takes
+    kModeLog2Fine (log2_bin_fine per element): the same counts."""
+    h = Histogram.log2(sub=16, signed=True)
+    assert emu.hist_plan(*h.op_args(), True, 30000)[0] == MODE_LOG2FINE
+    x = sample(3000, dtype, 12, max_exp=12)
+    check(run_emu_budget(emu, x, h, 3, THREADS, 30000), x, h, cpu_raw=run_cpu(x, h))
+
+
 @pytest.mark.parametrize("h", [
     Histogram.linear(-1.0, 1.0, 2500),
     Histogram.linear(1e16, 1e16 + 300 * 2.0 ** -47 * 1e16, 300),  # about the narrowest bins allowed
@@ -415,7 +425,7 @@ def test_linear_histogram_values_on_edges(emu, h):
 # Histogram modes (kernels::hist_plan): counts in dynamic shared memory up to
 # the device's budget, wider ones in the ring by warp-aggregated atomics
 # ---------------------------------------------------------------------------
-MODE_LOG2EXP, MODE_LOG2, MODE_LINEAR, MODE_WIDE, MODE_WIDE_EXACT, MODE_LOG2KEY = 1, 2, 3, 4, 5, 6
+MODE_LOG2EXP, MODE_LOG2, MODE_LINEAR, MODE_WIDE, MODE_WIDE_EXACT, MODE_LOG2KEY, MODE_LOG2FINE = 1, 2, 3, 4, 5, 6, 7
 STATIC_SMEM = 848  # the kernels' static shared memory (kernels::kStaticSmem)
 H100 = 233472 // 4 - 1024 - STATIC_SMEM  # kernels::smem_budget: 4 blocks of 256 per SM
 A100 = 167936 // 4 - 1024 - STATIC_SMEM
@@ -436,9 +446,10 @@ A100 = 167936 // 4 - 1024 - STATIC_SMEM
     (Histogram.log2(sub=4), True, H100, (MODE_LOG2KEY, 4 * 2**10)),  # exponent + 2 mantissa bits
     (Histogram.log2(signed=True), True, H100, (MODE_LOG2KEY, 4 * 2**9)),  # sign + exponent
     (Histogram.log2(sub=16, signed=True), True, A100, (MODE_LOG2KEY, 4 * 2**13)),
-    (Histogram.log2(sub=16, signed=True), True, 30000, (MODE_LOG2, 4 * 4102)),  # keys beyond the budget
-    (Histogram.log2(sub=4), False, H100, (MODE_LOG2, 4 * 516)),  # float64: log2_bin_fine per element
-    (Histogram.log2(-140, 10, sub=2), True, H100, (MODE_LOG2, 4 * 304)),  # float subnormals in range
+    (Histogram.log2(sub=16, signed=True), True, 30000, (MODE_LOG2FINE, 4 * 4102)),  # keys beyond the budget
+    (Histogram.log2(sub=4), False, H100, (MODE_LOG2FINE, 4 * 516)),  # float64: log2_bin_fine per element
+    (Histogram.log2(-140, 10, sub=2), True, H100, (MODE_LOG2FINE, 4 * 304)),  # float subnormals in range
+    (Histogram.log2(-140, 10), True, H100, (MODE_LOG2, 4 * 154)),  # plain octaves keep log2_bin
     (Histogram.linear(1e6, 1e6 + 16, 100), True, H100, (MODE_LINEAR, 8 * 100 + 16)),  # bins 2.6 floats wide
     (Histogram.linear(1e6, 1e6 + 14, 100), True, H100, (MODE_WIDE_EXACT, 0)),  # 2.2: float cannot estimate
     (Histogram.linear(1e13, 1e13 + 1, 10), True, H100, (MODE_WIDE_EXACT, 0)),

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 #include <type_traits>
 
 #include "cpu/stats_cpu.h"
@@ -76,6 +77,11 @@ constexpr int kHistLog2Exp = 3;
 // CPU-only tag of log2 histograms with bins per octave or signed bins
 // (log2_bin_fine), counted by bin index as the other kinds.
 constexpr int kHistLog2Fine = 4;
+// CPU-only tag of the same histograms on float-sized inputs with lo >= -126:
+// the loop stores each value's key (log2_key_bits: sign, exponent, top
+// mantissa bits, as the CUDA kernel's kModeLog2Key) and counts keys in a
+// local table; a table built from log2_key_bin maps them to bins per chunk.
+constexpr int kHistLog2Key = 5;
 constexpr int64_t kExpBins = 256;
 // Below this many elements a histogram counts straight into the ring (one
 // atomic add per element); from here on into local copies merged once, when
@@ -93,6 +99,7 @@ struct HistSink {
   int64_t* ring_bins;
   int64_t copy_stride;  // entries per local copy
   int64_t unit;         // count per element (a view's stride-0 multiplicity)
+  int copies = kHistCopies;  // local copies (kHistLog2Key: as many as fit)
 };
 
 template <typename T>
@@ -224,6 +231,8 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
   const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
   [[maybe_unused]] const int32_t sub = static_cast<int32_t>(h.sub_shift);
   [[maybe_unused]] const bool sgn = h.sign != 0;
+  [[maybe_unused]] const int32_t key_shift = 23 - sub;
+  [[maybe_unused]] const uint32_t key_mask = (1u << (8 + sub + (sgn ? 1 : 0))) - 1u;
   V c = center;
   V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
   int32_t nz = 0;
@@ -256,6 +265,13 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
         u8v ex[4];        // AVX2: exponent fields, narrowed to bytes by PackBytes4
         for (int k = 0; k < 4; ++k) {
           const f8 v = load8<kAvx2>(x + i + 8 * k);
+          if constexpr (kHist == kHistLog2Key) {  // log2_key_bits, 8 at a time
+            u8v bits;
+            std::memcpy(&bits, &v, sizeof bits);
+            bits = (bits << 1) == 0u ? u8v{} : bits;  // +-0 share key 0
+            const u8v key = (bits >> key_shift) & key_mask;
+            std::memcpy(idx + i + 8 * k, &key, sizeof key);
+          }
           push_shifted(v, cc, vs1[k & 1], vs2[k & 1], Square8{});
           if constexpr (kDefer) {
             push_min_max(v, vmn[k & 1], vmx[k & 1]);
@@ -314,6 +330,7 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     push_minmax(v, mnl[j], mxl[j], nzl[j]);
     if constexpr (kHist == kHistLog2) idx[i] = log2_bin(v, lo, hi) + 1;
     if constexpr (kHist == kHistLog2Fine) idx[i] = log2_bin_fine(v, lo, hi, sub, sgn) + 1;
+    if constexpr (kHist == kHistLog2Key) idx[i] = static_cast<int32_t>(log2_key_bits(v, key_shift, key_mask));
     if constexpr (kHist == kHistLog2Exp) eb[i] = static_cast<uint8_t>(vbits(v) >> 23);
   };
   const int64_t nv = head + (n - head) / kLanes * kLanes;
@@ -512,6 +529,29 @@ HC_ALWAYS_INLINE int exponent_window_base(V top_value, int w, int prev) {
   return b < 1 ? 1 : (b > 256 - w ? 256 - w : b);
 }
 
+// Count the block's keys (kHistLog2Key) into hs.copies local tables of
+// hs.copy_stride entries: every key counts (NaN/Inf keys are left out when
+// the tables are merged).
+HC_ALWAYS_INLINE void count_keys(const int32_t* idx, int64_t n, const HistSink& hs) {
+  uint32_t* c = hs.local;
+  const int64_t cs = hs.copy_stride;
+  int64_t i = 0;
+  if (hs.copies >= 4) {
+    for (; i + 4 <= n; i += 4) {
+      ++c[idx[i]];
+      ++c[cs + idx[i + 1]];
+      ++c[2 * cs + idx[i + 2]];
+      ++c[3 * cs + idx[i + 3]];
+    }
+  } else if (hs.copies == 2) {
+    for (; i + 2 <= n; i += 2) {
+      ++c[idx[i]];
+      ++c[cs + idx[i + 1]];
+    }
+  }
+  for (; i < n; ++i) ++c[idx[i]];
+}
+
 // Count the block's bin indices (idx = bin + 1; 0 = not binned).
 // `ahead` (may be null) is prefetched one line per 16 elements, spread over
 // the scalar loop so the fill buffers never stall it.
@@ -566,6 +606,8 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
       wide = ec.missed * 16 > static_cast<uint32_t>(len);
     } else if constexpr (kExp) {
       count_exponents_scalar(eb, len, hs);
+    } else if constexpr (kHist == kHistLog2Key) {
+      count_keys(idx, len, hs);
     } else if constexpr (kHist != kHistNone) {
       block_scatter(idx, len, hs, ahead, kBlock * static_cast<int64_t>(sizeof(T)));
     }
@@ -672,9 +714,12 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   constexpr bool kExp = kHist == kHistLog2Exp;
   // Tiny tensors count straight into the ring: clearing and merging local
   // copies would cost more than the elements themselves.
-  const int64_t cs = kExp ? kExpBins : h.nbins + 1;
-  const bool local_hist = kHist != kHistNone && (kExp || h.nbins <= kLocalBins) && n >= kDirectHistBelow &&
-                          n >= (kExp ? 1 : kHistCopies) * cs / 2;
+  constexpr bool kKey = kHist == kHistLog2Key;
+  const int64_t nkeys = int64_t{1} << (8 + h.sub_shift + (h.sign ? 1 : 0));
+  const int64_t cs = kExp ? kExpBins : kKey ? nkeys : h.nbins + 1;
+  // Keys always count locally (idx holds keys, not bins): as many copies as fit.
+  const bool local_hist = kKey || (kHist != kHistNone && (kExp || h.nbins <= kLocalBins) &&
+                                   n >= kDirectHistBelow && n >= (kExp ? 1 : kHistCopies) * cs / 2);
   // Exponent field -> bin (kExp only), rebuilt only when the histogram
   // range changes (one Monitor uses one range).
   thread_local int32_t exp_bin[kExpBins];
@@ -688,9 +733,34 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
     }
   }
   const int32_t* bin_of_exp = exp_bin;  // this thread's table, read by the workers too
+  // Key -> bin (kKey only; -1: NaN/Inf), rebuilt when the histogram changes.
+  thread_local std::vector<int32_t> key_bin;
+  thread_local int64_t key_spec[4] = {1, 0, -1, -1};
+  if constexpr (kKey) {
+    const int64_t spec[4] = {h.lo_exp, h.hi_exp, h.sub_shift, h.sign};
+    if (!std::equal(spec, spec + 4, key_spec)) {
+      const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
+      const int32_t s = static_cast<int32_t>(h.sub_shift);
+      const int32_t top = log2_top(lo, hi, s);
+      key_bin.assign(nkeys, -1);
+      for (int64_t k = 0; k < nkeys; ++k) {
+        const int32_t field = static_cast<int32_t>(k >> s) & 0xff;
+        const bool neg = (k >> (8 + s)) != 0;  // only with the sign kept
+        // Field 0: zeros (all under key 0, moved by the merge below) and
+        // subnormals, below lo_exp >= -126: the underflow bin of their sign.
+        key_bin[k] = field == 255 ? -1
+                     : field == 0 ? (h.sign ? top + (neg ? -1 : 1) : 1)
+                                  : log2_key_bin(static_cast<uint32_t>(k), lo, hi, s, h.sign != 0);
+      }
+      std::copy(spec, spec + 4, key_spec);
+    }
+  }
+  const int32_t* bin_of_key = key_bin.data();
   const bool avx2 = use_avx2();
   // The AVX2 exponent counter writes copy 0 only: clear and sum just that one.
-  const int copies = kExp && avx2 ? 1 : kHistCopies;
+  const int64_t room = kHistCopies * (kLocalBins + 1) / cs;  // key tables that fit the local array
+  const int copies = kExp && avx2 ? 1 : !kKey ? kHistCopies : room >= 4 ? 4 : room >= 2 ? 2 : 1;
+  TORCH_CHECK(!kKey || room >= 1, "hookcap: log2 key table of ", cs, " entries exceeds the local array");
   Acc partial[kMaxChunks];
   WideAcc wide[kMaxChunks];
 
@@ -699,7 +769,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
     static_assert(kLocalBins + 1 >= kExpBins, "local copies must hold the exponent histogram");
     for (int64_t c = c0; c < c1; ++c) {
       if (local_hist) std::memset(local, 0, sizeof(uint32_t) * copies * cs);
-      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs, mult};
+      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs, mult, copies};
       const int64_t b = c * chunk, e = std::min(n, b + chunk);
       if (avx2) {
         chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
@@ -718,6 +788,21 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
         for (int k = 1; k < 255; ++k) {
           const int64_t cnt = total_of(k);
           if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_exp[k], cnt);
+        }
+      } else if constexpr (kKey) {
+        // Every key's count to its bin; the zeros, counted with the positive
+        // underflow under key 0, move to the zero bin.
+        for (int64_t k = 0; k < nkeys; ++k) {
+          const int64_t cnt = bin_of_key[k] >= 0 ? total_of(k) : 0;
+          if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_key[k], cnt);
+        }
+        const int64_t zeros = partial[c].nzero * mult;
+        if (zeros) {
+          const int64_t zero_bin = h.sign ? log2_top(static_cast<int32_t>(h.lo_exp), static_cast<int32_t>(h.hi_exp),
+                                                     static_cast<int32_t>(h.sub_shift))
+                                          : 0;
+          HostAtomics::add_i64(row + kHeader + zero_bin, zeros);
+          HostAtomics::add_i64(row + kHeader + zero_bin + 1, -zeros);
         }
       } else {
         merge_local_bins(local, copies, cs, h.nbins, mult, row);
@@ -895,7 +980,9 @@ void accumulate_tensor_cpu(const at::Tensor& x_in, int64_t* row, const HistSpec&
           switch (h.kind) {
             case kHistNone: accumulate_typed<scalar_t, kHistNone>(p, flat, d, m, mult, row, h); break;
             case kHistLog2:
-              if (h.sub_shift || h.sign) {
+              if ((h.sub_shift || h.sign) && kFloatWork && h.lo_exp >= -126) {
+                accumulate_typed<scalar_t, kFloatWork ? kHistLog2Key : kHistLog2Fine>(p, flat, d, m, mult, row, h);
+              } else if (h.sub_shift || h.sign) {
                 accumulate_typed<scalar_t, kHistLog2Fine>(p, flat, d, m, mult, row, h);
               } else if (kFloatWork && h.lo_exp >= -126 && m >= kDirectHistBelow) {
                 accumulate_typed<scalar_t, kFloatWork ? kHistLog2Exp : kHistLog2>(p, flat, d, m, mult, row, h);

@@ -34,6 +34,8 @@ enum HistMode : int {
   kModeLog2Key = 6,    // log2 on float, lo_exp >= -126, with bins per octave or the sign: the
                        // float's key (sign, exponent, top mantissa bits: log2_key_bits) counted
                        // in dynamic shared memory, mapped to bins once per block
+  kModeLog2Fine = 7,   // kModeLog2 with bins per octave or the sign (log2_bin_fine): its own
+                       // specialisation, so plain octaves keep log2_bin's shorter loop
 };
 
 // Keys of kModeLog2Key: 2**(8 + sub_shift (+ 1 signed)) counters.
@@ -149,7 +151,7 @@ C10_HOST_DEVICE inline HistPlan hist_plan(const HistSpec& h, bool work_is_float,
       p.mode = kModeLog2Key;
       p.smem = 4 * log2_keys(h);
     } else {
-      p.mode = kModeLog2;
+      p.mode = fine ? kModeLog2Fine : kModeLog2;
       p.smem = counts;  // <= 4,405 bins (kMaxLog2Octaves): under any device's budget
     }
     return p;

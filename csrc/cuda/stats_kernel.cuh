@@ -564,8 +564,8 @@ __device__ __noinline__ void tree_merge_groups(CountsTarget t, int64_t* scratch,
 template <int kMode, bool kThresholds>
 __device__ __forceinline__ void block_epilogue(const Acc& acc, bool has_shift, double shift, const RowTarget& tgt,
                                                const HistSpec& hist, int64_t* row, BlockCounts counts) {
-  constexpr bool kCounts =
-      kMode == kModeLog2Exp || kMode == kModeLog2Key || kMode == kModeLog2 || kMode == kModeLinear;
+  constexpr bool kCounts = kMode == kModeLog2Exp || kMode == kModeLog2Key || kMode == kModeLog2 ||
+                          kMode == kModeLog2Fine || kMode == kModeLinear;
   const int tid = threadIdx.x;
   const CountsTarget t{row, tgt.mult,
                        kMode == kModeLog2Exp ? 256 : kMode == kModeLog2Key ? log2_keys(hist) : kCounts ? hist.nbins : 0,
@@ -612,7 +612,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                       HistSpec hist, LinearThr lin) {
   using W = work_t<T>;
   constexpr bool kFloat = sizeof(W) == sizeof(float);
-  constexpr bool kSharedCounts = kMode == kModeLog2 || kMode == kModeLinear;
+  constexpr bool kSharedCounts = kMode == kModeLog2 || kMode == kModeLog2Fine || kMode == kModeLinear;
   // Counts in the ring, lane by lane through warp_add_bin: the loops below
   // keep every lane of a warp going round together.
   constexpr bool kWarpBins = kMode == kModeWide || kMode == kModeWideExact;
@@ -669,7 +669,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // The bin of v in the ring (-1: NaN/Inf, not binned).
   auto bin_of = [&](W v) -> int {
     if constexpr (kMode == kModeLog2) {
-      return sub_shift == 0 && !sgn ? log2_bin(v, lo_exp, hi_exp) : log2_bin_fine(v, lo_exp, hi_exp, sub_shift, sgn);
+      return log2_bin(v, lo_exp, hi_exp);
+    } else if constexpr (kMode == kModeLog2Fine) {
+      return log2_bin_fine(v, lo_exp, hi_exp, sub_shift, sgn);
     } else if constexpr (kThresholds) {
       return linear_bin_thr(v, thr, lin);  // NaN/Inf: bins 0, bins + 1, taken back at the end
     } else {
@@ -749,7 +751,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // the registers, nor float8 log2 by log2_bin, which spills with them on
   // sm_89): widened by pairs, a run's min and max on the pairs.
   constexpr bool kPacked = kVec && kPairs16<T> && kFloat && kMode != kModeWideExact &&
-                           !(sizeof(T) == 1 && kMode == kModeLog2);
+                           !(sizeof(T) == 1 && (kMode == kModeLog2 || kMode == kModeLog2Fine));
   auto widen_raw = [&](const Raw& r, W (&out)[kPer]) {
     if constexpr (kVec) {
       widen_words<W, T, kPacked>(r, out);
@@ -1060,7 +1062,8 @@ void dispatch_accumulate(ReadKind read, const HistSpec& h, int64_t smem_budget, 
     // Float64 never takes the exponent-byte or the exact-wide mode (hist_plan): not instantiated.
     constexpr int kTag = decltype(mode_tag)::value;
     constexpr bool kF64 = sizeof(work_t<T>) != sizeof(float);
-    constexpr int kMode = kF64 && (kTag == kModeLog2Exp || kTag == kModeLog2Key) ? kModeLog2
+    constexpr int kMode = kF64 && kTag == kModeLog2Exp   ? kModeLog2
+                          : kF64 && kTag == kModeLog2Key ? kModeLog2Fine
                           : kF64 && kTag == kModeWideExact ? kModeWide : kTag;
     if (read == kReadFlat) {
       launch(&accumulate_kernel<T, kMode, kReadFlat>, plan);
@@ -1074,6 +1077,7 @@ void dispatch_accumulate(ReadKind read, const HistSpec& h, int64_t smem_budget, 
     case kModeNone: pick(std::integral_constant<int, kModeNone>{}); break;
     case kModeLog2Exp: pick(std::integral_constant<int, kModeLog2Exp>{}); break;
     case kModeLog2: pick(std::integral_constant<int, kModeLog2>{}); break;
+    case kModeLog2Fine: pick(std::integral_constant<int, kModeLog2Fine>{}); break;
     case kModeLog2Key: pick(std::integral_constant<int, kModeLog2Key>{}); break;
     case kModeLinear: pick(std::integral_constant<int, kModeLinear>{}); break;
     case kModeWide: pick(std::integral_constant<int, kModeWide>{}); break;
