@@ -96,13 +96,14 @@ def from_histogram(counts, spec: Histogram, q, lo_clip=None, hi_clip=None) -> Qu
     k1 = np.minimum(k0 + 1, np.maximum(n - 1, 0)[:, None])
     frac = h - k0
     cum = np.cumsum(c, axis=1)
+    # Rows' cumulative counts, each lifted above the one before, searched as one array.
+    row_off = (np.arange(R) * (cum[:, -1:].max(initial=0) + 1))[:, None]
+    flat = (cum + row_off).reshape(-1)
 
     def order_stat(k):
         """Estimate and interval of the k-th smallest finite value ([R, Q] each)."""
         # Bin holding rank k: the first bin whose cumulative count exceeds k.
-        step = cum[:, -1:].max(initial=0) + 1
-        flat = (cum + (np.arange(R) * step)[:, None]).reshape(-1)
-        j = np.searchsorted(flat, (k + (np.arange(R) * step)[:, None]).reshape(-1), side="right")
+        j = np.searchsorted(flat, (k + row_off).reshape(-1), side="right")
         j = (j - np.repeat(np.arange(R) * B, k.shape[1])).reshape(k.shape)
         j = np.clip(j, 0, B - 1)
         start = np.take_along_axis(cum, j, axis=1) - np.take_along_axis(c, j, axis=1)

@@ -232,7 +232,7 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
   [[maybe_unused]] const int32_t sub = static_cast<int32_t>(h.sub_shift);
   [[maybe_unused]] const bool sgn = h.sign != 0;
   [[maybe_unused]] const int32_t key_shift = 23 - sub;
-  [[maybe_unused]] const uint32_t key_mask = (1u << (8 + sub + (sgn ? 1 : 0))) - 1u;
+  [[maybe_unused]] const uint32_t key_mask = static_cast<uint32_t>(log2_keys(h) - 1);
   V c = center;
   V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
   int32_t nz = 0;
@@ -715,7 +715,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   // Tiny tensors count straight into the ring: clearing and merging local
   // copies would cost more than the elements themselves.
   constexpr bool kKey = kHist == kHistLog2Key;
-  const int64_t nkeys = int64_t{1} << (8 + h.sub_shift + (h.sign ? 1 : 0));
+  const int64_t nkeys = log2_keys(h);
   const int64_t cs = kExp ? kExpBins : kKey ? nkeys : h.nbins + 1;
   // Keys always count locally (idx holds keys, not bins): as many copies as fit.
   const bool local_hist = kKey || (kHist != kHistNone && (kExp || h.nbins <= kLocalBins) &&
@@ -739,18 +739,10 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   if constexpr (kKey) {
     const int64_t spec[4] = {h.lo_exp, h.hi_exp, h.sub_shift, h.sign};
     if (!std::equal(spec, spec + 4, key_spec)) {
-      const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
-      const int32_t s = static_cast<int32_t>(h.sub_shift);
-      const int32_t top = log2_top(lo, hi, s);
-      key_bin.assign(nkeys, -1);
+      key_bin.resize(nkeys);
       for (int64_t k = 0; k < nkeys; ++k) {
-        const int32_t field = static_cast<int32_t>(k >> s) & 0xff;
-        const bool neg = (k >> (8 + s)) != 0;  // only with the sign kept
-        // Field 0: zeros (all under key 0, moved by the merge below) and
-        // subnormals, below lo_exp >= -126: the underflow bin of their sign.
-        key_bin[k] = field == 255 ? -1
-                     : field == 0 ? (h.sign ? top + (neg ? -1 : 1) : 1)
-                                  : log2_key_bin(static_cast<uint32_t>(k), lo, hi, s, h.sign != 0);
+        key_bin[k] = log2_key_bin(static_cast<uint32_t>(k), static_cast<int32_t>(h.lo_exp),
+                                  static_cast<int32_t>(h.hi_exp), static_cast<int32_t>(h.sub_shift), h.sign != 0);
       }
       std::copy(spec, spec + 4, key_spec);
     }
@@ -790,17 +782,16 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
           if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_exp[k], cnt);
         }
       } else if constexpr (kKey) {
-        // Every key's count to its bin; the zeros, counted with the positive
-        // underflow under key 0, move to the zero bin.
+        // Every key's count to its bin (log2_key_bin); the zeros, counted
+        // with the positive underflow under key 0, move to the zero bin.
         for (int64_t k = 0; k < nkeys; ++k) {
           const int64_t cnt = bin_of_key[k] >= 0 ? total_of(k) : 0;
           if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_key[k], cnt);
         }
         const int64_t zeros = partial[c].nzero * mult;
         if (zeros) {
-          const int64_t zero_bin = h.sign ? log2_top(static_cast<int32_t>(h.lo_exp), static_cast<int32_t>(h.hi_exp),
-                                                     static_cast<int32_t>(h.sub_shift))
-                                          : 0;
+          const int64_t zero_bin = log2_zero_bin(static_cast<int32_t>(h.lo_exp), static_cast<int32_t>(h.hi_exp),
+                                                 static_cast<int32_t>(h.sub_shift), h.sign != 0);
           HostAtomics::add_i64(row + kHeader + zero_bin, zeros);
           HostAtomics::add_i64(row + kHeader + zero_bin + 1, -zeros);
         }

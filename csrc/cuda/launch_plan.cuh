@@ -38,11 +38,6 @@ enum HistMode : int {
                        // specialisation, so plain octaves keep log2_bin's shorter loop
 };
 
-// Keys of kModeLog2Key: 2**(8 + sub_shift (+ 1 signed)) counters.
-C10_HOST_DEVICE inline int64_t log2_keys(const HistSpec& h) {
-  return int64_t{1} << (8 + h.sub_shift + (h.sign ? 1 : 0));
-}
-
 // Whether the float estimate of a linear bin, q = fl(v * inv + off) in one
 // fma (inv = float(1 / width), off = float(1/2 - lo * inv): linear_thr), is
 // close enough to v's exact position plus a half, p + 1/2 with

@@ -434,7 +434,7 @@ __device__ __forceinline__ void ring_merge_moments(const CountsTarget& t, Acc a,
     // ring_merge_counts put the zeros with the positive subnormals (key
     // field 0, sign 0) in the positive underflow bin: move them to the zeros'.
     if (a.nzero) {
-      const int32_t zero_bin = t.sign ? log2_top(t.lo_exp, t.hi_exp, t.sub_shift) : 0;
+      const int32_t zero_bin = log2_zero_bin(t.lo_exp, t.hi_exp, t.sub_shift, t.sign);
       DeviceAtomics::add_i64(hrow + zero_bin, a.nzero);
       DeviceAtomics::add_i64(hrow + zero_bin + 1, -a.nzero);
     }
@@ -459,20 +459,14 @@ __device__ __forceinline__ void ring_merge_counts(const CountsTarget& t, const C
         DeviceAtomics::add_i64(hrow + log2_bin(v, t.lo_exp, t.hi_exp), static_cast<int64_t>(c) * t.mult);
       }
     } else if constexpr (kMode == kModeLog2Key) {
-      const int32_t field = static_cast<int32_t>(i >> t.sub_shift) & 0xff;
-      if (field == 255) continue;  // NaN/Inf
       const unsigned int c = cnt(i);
       if (!c) continue;
-      // Field 0: zeros (all under key 0) and subnormals, below lo_exp >= -126:
-      // the underflow bin of their sign (ring_merge_moments moves the zeros).
-      const int32_t top = log2_top(t.lo_exp, t.hi_exp, t.sub_shift);
-      const bool neg = t.sign && (i >> (8 + t.sub_shift)) != 0;
       // The harness's planted bug: the key's sign dropped when it is mapped to a bin.
       const uint32_t k = HOOKCAP_EMU_FAULT(key_sign) ? static_cast<uint32_t>(i) & ((1u << (8 + t.sub_shift)) - 1)
                                                      : static_cast<uint32_t>(i);
-      const int32_t b = field != 0 ? log2_key_bin(k, t.lo_exp, t.hi_exp, t.sub_shift, t.sign)
-                                   : (t.sign ? top + (neg ? -1 : 1) : 1);
-      DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(c) * t.mult);
+      // Zeros land in the positive underflow bin: ring_merge_moments moves them.
+      const int32_t b = log2_key_bin(k, t.lo_exp, t.hi_exp, t.sub_shift, t.sign);
+      if (b >= 0) DeviceAtomics::add_i64(hrow + b, static_cast<int64_t>(c) * t.mult);
     } else {
       const unsigned int c = cnt(i);
       if (c) DeviceAtomics::add_i64(hrow + i, static_cast<int64_t>(c) * t.mult);

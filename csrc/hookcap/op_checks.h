@@ -58,12 +58,12 @@ inline void check_time_mark(const at::Tensor& ring, const at::Tensor& state, int
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
-// A log2 histogram's hist_bins argument: bins per octave (0 or 1: one; 2,
-// 4, 8 or 16) plus 256 when the sign is kept (hookcap/histogram.py op_args).
 // At most this many bins of a log2 histogram between 2**lo and 2**hi, so
 // that its counts (signed: about twice) fit any GPU's shared memory.
 constexpr int64_t kMaxLog2Octaves = 2200;
 
+// A log2 histogram's hist_bins argument: bins per octave (0 or 1: one; 2,
+// 4, 8 or 16) plus 256 when the sign is kept (hookcap/histogram.py op_args).
 struct Log2Layout {
   int64_t sub_shift;
   bool sign;

@@ -741,26 +741,45 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t log2_bin_fine(V v, int32_t lo_exp, int
   return !sgn || u < 0 ? u : top + (v < 0 ? -u : u);
 }
 
+// The bin of exact zeros: 0, or the middle of a signed layout.
+C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t log2_zero_bin(int32_t lo_exp, int32_t hi_exp, int32_t s, bool sgn) {
+  return sgn ? log2_top(lo_exp, hi_exp, s) : 0;
+}
+
 // The key a float is counted under with bins per octave or signed bins
-// (the CUDA kernel's kModeLog2Key): its bits, +-0 made +0, shifted right by
-// 23 - s and masked to the exponent and top s mantissa bits, and the sign
-// when the mask keeps it. Keys of one exponent field 1..254 share a bin
-// (log2_key_bin); field 0 holds zeros and subnormals, 255 NaN and Inf.
+// (the CPU loop's and the CUDA kernel's key counting): its bits, +-0 made
+// +0, shifted right by 23 - s and masked to the exponent and top s mantissa
+// bits, and the sign when the mask keeps it.
 C10_HOST_DEVICE C10_ALWAYS_INLINE uint32_t log2_key_bits(float v, int32_t shift, uint32_t mask) {
   uint32_t b = static_cast<uint32_t>(vbits(v));
   b = (b << 1) == 0u ? 0u : b;
   return (b >> shift) & mask;
 }
 
-// The bin of key k (exponent field 1..254): that of the key's least value.
+// Keys of a histogram with bins per octave or signed bins: 2**(8 + s (+ 1 signed)).
+C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t log2_keys(const HistSpec& h) {
+  return int64_t{1} << (8 + h.sub_shift + (h.sign ? 1 : 0));
+}
+
+// The bin of key k (lo_exp >= -126), -1 for NaN/Inf (exponent field 255).
+// Field 1..254: the bin of the key's least value. Field 0 holds the zeros
+// (all under key 0) and the subnormals, which lie below 2**lo_exp: the
+// underflow bin of their sign; the caller moves the zeros (the statistics'
+// exact count) from the positive underflow bin to log2_zero_bin.
 C10_HOST_DEVICE C10_ALWAYS_INLINE int32_t log2_key_bin(uint32_t k, int32_t lo_exp, int32_t hi_exp, int32_t s,
                                                       bool sgn) {
+  const int32_t field = static_cast<int32_t>(k >> s) & 0xff;
+  if (field == 255) return -1;
+  if (field == 0) {
+    const bool neg = sgn && (k >> (8 + s)) != 0;
+    return log2_zero_bin(lo_exp, hi_exp, s, sgn) + (neg ? -1 : 1);
+  }
   return log2_bin_fine(bitsf(static_cast<int32_t>(k << (23 - s))), lo_exp, hi_exp, s, sgn);
 }
 
 // Total bins of a log2 histogram: log2_top + 1 unsigned, 2 * log2_top + 1 signed.
 C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t log2_nbins(int64_t lo_exp, int64_t hi_exp, int64_t s, bool sgn) {
-  const int64_t top = (hi_exp - lo_exp) * (int64_t{1} << s) + 2;
+  const int64_t top = log2_top(static_cast<int32_t>(lo_exp), static_cast<int32_t>(hi_exp), static_cast<int32_t>(s));
   return sgn ? 2 * top + 1 : top + 1;
 }
 

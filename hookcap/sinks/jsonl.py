@@ -23,10 +23,6 @@ def json_number(v: float) -> str:
     return repr(float(v))
 
 
-def histogram_spec_dict(spec) -> dict:
-    return spec.to_dict()
-
-
 def full_histogram(line: dict, nbins: int) -> np.ndarray:
     """np.int64 [nbins]: every bin's count from a JSONL line's ``hist_offset``
     and ``hist`` band (``nbins``: ``Histogram.nbins`` of its ``hist_spec``)."""
@@ -63,7 +59,7 @@ class JSONL(_TextFileSink):
 
     def write(self, step: DrainedStep) -> None:
         spec = step.histogram_spec if self.histogram else None
-        spec_json = json.dumps(histogram_spec_dict(spec)) if spec is not None else None
+        spec_json = json.dumps(spec.to_dict()) if spec is not None else None
         cols = [(s, v, s in COUNT_STATS) for s, v in self.columns(step)]
         rank = getattr(step, "rank", None)
         head = f'"step": {int(step.step)}' + ("" if rank is None else f', "rank": {int(rank)}')

@@ -14,7 +14,6 @@ from .._layout import STAT_NAMES, TIMING_NAMES
 from ..drained import DrainedStep
 from ..histogram import Histogram
 from ._base import COUNT_STATS, Sink, rank_path
-from .jsonl import histogram_spec_dict
 
 FORMAT = "hookcap-parquet"
 VERSION = 1
@@ -51,11 +50,6 @@ def module_of(metric: str, kind: str) -> str:
             return metric[:i]
         i = metric.find(tail, i + 1)
     return metric
-
-
-def histogram_spec_from_dict(d: dict | None) -> Histogram | None:
-    """Inverse of ``hookcap.sinks.jsonl.histogram_spec_dict`` (None -> None)."""
-    return Histogram.from_dict(d)
 
 
 def part_files(path: str) -> list[tuple[int, str]]:
@@ -299,7 +293,7 @@ class Parquet(Sink):
         # The Monitor's metric order (its metas dict), so hookcap.load restores History.names.
         order = [self._code[n] for n in self._metas if n in self._code and self._code[n] in used_set]
         order += sorted(used_set.difference(order))
-        spec = None if self._spec is None else histogram_spec_dict(self._spec)
+        spec = None if self._spec is None else self._spec.to_dict()
         meta = {
             "hookcap.format": FORMAT,
             "hookcap.version": str(VERSION),
@@ -378,7 +372,7 @@ def read_dataset(path) -> dict:
             metas.setdefault(n, {**m, "shape": tuple(m["shape"])})
         tables.append(pf.read())
     t = pa.concat_tables(tables, promote_options="default")
-    spec = histogram_spec_from_dict(json.loads(spec_json))
+    spec = Histogram.from_dict(json.loads(spec_json))
     col = lambda c: t[c].to_numpy(zero_copy_only=False)  # noqa: E731
     names = list(metas)
     name_col = t["name"].combine_chunks()
