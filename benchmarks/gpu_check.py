@@ -1,6 +1,6 @@
 """One command for a machine with a CUDA GPU: build hookcap, test it, benchmark it.
 
-  python benchmarks/gpu_check.py OUTDIR [--skip-build] [--quick] [--device cuda|cpu]
+  python benchmarks/gpu_check.py OUTDIR [--skip-build] [--quick] [--budget S] [--device cuda|cpu]
 
 Steps, each recorded in OUTDIR/gpu_check.json as {name, ok, seconds, details | error};
 a failing step does not stop the later ones:
@@ -112,7 +112,7 @@ class Runner:
 
     def __init__(self, args):
         self.args = args
-        self.deadline = time.monotonic() + TOTAL_BUDGET_S
+        self.deadline = time.monotonic() + getattr(args, "budget", TOTAL_BUDGET_S)
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 
@@ -901,6 +901,8 @@ def main(argv=None) -> int:
     p.add_argument("outdir", help="folder for gpu_check.json, summary.md and the logs")
     p.add_argument("--skip-build", action="store_true", help="use the extension already built in place")
     p.add_argument("--quick", action="store_true", help="kernel sizes up to 1e7, a small GPT-2, fewer rounds")
+    p.add_argument("--budget", type=float, default=TOTAL_BUDGET_S,
+                   help=f"seconds for the whole run (default {TOTAL_BUDGET_S}); each step's limit is cut to what is left")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: exercise the code paths on a machine without a GPU")
     p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)  # a child's step
