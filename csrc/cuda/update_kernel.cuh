@@ -28,13 +28,13 @@ struct UpdateInputs {
 
 // One parameter of a launch. step_f / step_d: the optimizer's step count on
 // the device (Adam with capturable or fused), read by the kernel so the host
-// never syncs; both null: step_size and bc2_sqrt are the bias corrections.
+// never syncs; both null: step_size and inv_bc2_sqrt are the bias corrections.
 template <typename T>
 struct UpdateTensor {
   UpdateInputs<T> in;
   const float* step_f;
   const double* step_d;
-  double step_size, bc2_sqrt;
+  double step_size, inv_bc2_sqrt;
   int64_t n;
   int32_t row[kOutputs];  // the row of each recorded output, in the launch's order (UpdateOuts)
   int32_t first_block;    // this parameter's first block in the launch
@@ -100,11 +100,18 @@ __device__ __forceinline__ int update_tensor_of(const UpdateBatch<T>& batch, int
   return ti;
 }
 
+// Float64 parameters' values may be wide (stats_math.h): Acc and WideAcc per
+// row; every narrower parameter's results stay inside double's squaring range.
+template <typename T>
+constexpr bool kWideUpdate = std::is_same_v<T, double>;
+template <typename T>
+using Part = std::conditional_t<kWideUpdate<T>, Acc, ThreadAcc<double>>;
+
 // kRows: how many outputs `o` records (1 to kOutputs); a template argument
 // so that every per-row array stays in registers. `r`: the rule, whose
 // bias corrections each parameter sets.
 template <typename T, int kRows>
-__global__ void __launch_bounds__(kThreads) update_kernel(UpdateBatch<T> batch, UpdateRule r, int64_t* ring,
+__global__ void __launch_bounds__(kThreads, kWideUpdate<T> ? 1 : 2) update_kernel(UpdateBatch<T> batch, UpdateRule r, int64_t* ring,
                                                           const int64_t* state, int64_t slots, int64_t rows,
                                                           int64_t width, UpdateOuts o, HistSpec h) {
   if (state[kStateEnabled] == 0) return;
@@ -115,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateBatch<T> batch, 
   const int64_t n = t.n;
   const int64_t block = static_cast<int64_t>(blockIdx.x) - t.first_block;
   r.step_size = t.step_size;
-  r.bc2_sqrt = t.bc2_sqrt;
+  r.inv_bc2_sqrt = t.inv_bc2_sqrt;
   if (t.step_f != nullptr) update_set_step(r, static_cast<double>(*t.step_f));
   if (t.step_d != nullptr) update_set_step(r, *t.step_d);
   if (HOOKCAP_EMU_FAULT(update_bias)) r.step_size = r.lr;  // the harness's planted bug: no bias correction
@@ -129,35 +136,43 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateBatch<T> batch, 
   Acc* s_acc = reinterpret_cast<Acc*>(smem + update_acc_offset());
   unsigned int* s_hist = reinterpret_cast<unsigned int*>(smem + update_hist_offset(kRows));
   const int tid = static_cast<int>(threadIdx.x);
-  if (tid == 0) {
-#pragma unroll
-    for (int k = 0; k < kRows; ++k) {
-      if (block == 0) {
-        DeviceAtomics::add_i64(out[k] + kCount, n);
-        DeviceAtomics::add_i64(out[k] + kCalls, 1);
-      }
-      // Every block finds the same candidate (the first elements): the first
-      // writer of the row fixes it, as the stats kernels do.
-      const double cand = shift_candidate([&](int64_t i) {
-        double a, b;
-        const UpdateValue u = update_at(r, in, o, i, a, b);
-        return update_output(u, a, b, o.out[k]);
-      }, n);
-      const int64_t old = DeviceAtomics::cas_i64(out[k] + kShift, kShiftUnset, dbits(cand));
-      s_shift[k] = old == kShiftUnset ? cand : bitsd(old);
+  if (tid < kRows) {
+    // Thread k takes row k: the rows' probes load side by side.
+    const int k = tid;
+    int64_t* row = ring + (slot * rows + t.row[k]) * width;
+    if (block == 0) {
+      DeviceAtomics::add_i64(row + kCount, n);
+      DeviceAtomics::add_i64(row + kCalls, 1);
     }
+    // Every block finds the same candidate (the first elements): the first
+    // writer of the row fixes it, as the stats kernels do.
+    const double cand = shift_candidate([&](int64_t i) {
+      double a, b;
+      const UpdateValue u = update_at(r, in, o, i, a, b);
+      return update_output(u, a, b, o.out[k]);
+    }, n);
+    const int64_t old = DeviceAtomics::cas_i64(row + kShift, kShiftUnset, dbits(cand));
+    s_shift[k] = old == kShiftUnset ? cand : bitsd(old);
   }
   if (local_hist) {
     for (int64_t i = tid; i < kRows * nbins; i += kThreads) s_hist[i] = 0u;
   }
   __syncthreads();
-  Acc acc[kRows];
-  WideAcc wide[kRows];
+  // Partials per row: the stats kernels' small per-thread accumulator
+  // (moments about the shift and extrema, made an Acc at the merge), which
+  // keeps two blocks of five rows in an SM's registers; float64 parameters
+  // keep Acc and the wide buckets.
+  Part<T> acc[kRows];
+  WideAcc wide[kWideUpdate<T> ? kRows : 1];
   double shift[kRows];
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
-    acc_init(acc[k]);
-    wide_init(wide[k]);
+    if constexpr (kWideUpdate<T>) {
+      acc_init(acc[k]);
+      wide_init(wide[k]);
+    } else {
+      thread_acc_init(acc[k]);
+    }
     shift[k] = s_shift[k];
   }
   const int lane = tid % kWarpSize;
@@ -175,10 +190,10 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateBatch<T> batch, 
       if (valid) {
         // Values from narrower parameters are never wide (update_math.h's
         // results of float inputs stay far inside double's squaring range).
-        if constexpr (std::is_same_v<T, double>) {
+        if constexpr (kWideUpdate<T>) {
           acc_push_wide(acc[k], wide[k], v, shift[k]);
         } else {
-          acc_push(acc[k], v, shift[k]);
+          thread_acc_push(acc[k], v, shift[k]);
         }
       }
       if (nbins == 0) continue;
@@ -197,11 +212,15 @@ __global__ void __launch_bounds__(kThreads) update_kernel(UpdateBatch<T> batch, 
   const int warp = tid / kWarpSize;
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
-    if constexpr (std::is_same_v<T, double>) {
+    Acc a;
+    if constexpr (kWideUpdate<T>) {
       wide_to_row<DeviceAtomics>(out[k], wide[k], 1);  // rare values: straight from their thread
+      a = acc[k];
+    } else {
+      a = to_acc(acc[k], shift[k]);
     }
-    warp_reduce(acc[k]);
-    if (lane == 0) s_acc[warp * kRows + k] = acc[k];
+    warp_reduce(a);
+    if (lane == 0) s_acc[warp * kRows + k] = a;
   }
   __syncthreads();
   if (warp == 0) {

@@ -70,7 +70,7 @@ void plan_updates(at::TensorList params, const c10::List<c10::optional<at::Tenso
         t.step_f = u.step_f;
         t.step_d = u.step_d;
         t.step_size = u.rule.step_size;
-        t.bc2_sqrt = u.rule.bc2_sqrt;
+        t.inv_bc2_sqrt = u.rule.inv_bc2_sqrt;
         t.n = params[i].numel();
         int k = 0;
         for (int j = 0; j < kOutputs; ++j) {

@@ -250,6 +250,7 @@ inline UpdateRule make_update_rule(int64_t rule, c10::ArrayRef<double> hyper, do
   r.beta2 = hyper[kHypBeta2];
   r.eps = hyper[kHypEps];
   r.flags = static_cast<int>(hyper[kHypFlags]);
+  update_set_keep(r);
   update_set_step(r, step);
   return r;
 }
