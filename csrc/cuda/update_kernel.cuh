@@ -9,7 +9,7 @@
 // rather than tuned: double arithmetic per element (the values match a
 // float64 recomputation of the step), one merge into the ring per block and
 // row, histogram counts in shared memory per block, one shared atomic per
-// distinct bin of a warp.
+// value.
 #pragma once
 
 #include "cuda/stats_kernel.cuh"
@@ -177,33 +177,27 @@ __global__ void __launch_bounds__(kThreads, kWideUpdate<T> ? 1 : 2) update_kerne
   }
   const int lane = tid % kWarpSize;
   const int64_t stride = static_cast<int64_t>(t.blocks) * kThreads;
-  // The same trip count for every thread (a multiple of the stride), so every
-  // lane of a warp reaches the warp-wide bin match together.
-  const int64_t end = (n + stride - 1) / stride * stride;
-  for (int64_t i = block * kThreads + tid; i < end; i += stride) {
-    const bool valid = i < n;
-    double av = 0.0, bv = 0.0;
-    const UpdateValue u = valid ? update_at(r, in, o, i, av, bv) : UpdateValue{0.0, 0.0, 0.0};
+  for (int64_t i = block * kThreads + tid; i < n; i += stride) {
+    double av, bv;
+    const UpdateValue u = update_at(r, in, o, i, av, bv);
 #pragma unroll
     for (int k = 0; k < kRows; ++k) {
       const double v = update_output(u, av, bv, o.out[k]);
-      if (valid) {
-        // Values from narrower parameters are never wide (update_math.h's
-        // results of float inputs stay far inside double's squaring range).
-        if constexpr (kWideUpdate<T>) {
-          acc_push_wide(acc[k], wide[k], v, shift[k]);
-        } else {
-          thread_acc_push(acc[k], v, shift[k]);
-        }
+      // Values from narrower parameters are never wide (update_math.h's
+      // results of float inputs stay far inside double's squaring range).
+      if constexpr (kWideUpdate<T>) {
+        acc_push_wide(acc[k], wide[k], v, shift[k]);
+      } else {
+        thread_acc_push(acc[k], v, shift[k]);
       }
       if (nbins == 0) continue;
-      const int bin = valid ? static_cast<int>(hist_bin(v, h)) : -1;
+      const int bin = static_cast<int>(hist_bin(v, h));
+      if (bin < 0) continue;
+      // One shared atomic per value, as the stats kernels count (a warp-wide
+      // match of equal bins first cost more than the conflicts it saves).
       if (local_hist) {
-        // Most values of a parameter's update share a few bins: one shared
-        // atomic per distinct bin of the warp, not one per value.
-        const unsigned peers = __match_any_sync(0xffffffffu, bin);
-        if (bin >= 0 && (peers & ((1u << lane) - 1u)) == 0u) atomicAdd(s_hist + k * nbins + bin, __popc(peers));
-      } else if (bin >= 0) {
+        atomicAdd(s_hist + k * nbins + bin, 1u);
+      } else {
         DeviceAtomics::add_i64(out[k] + kHeader + bin, 1);
       }
     }
