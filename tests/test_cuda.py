@@ -102,7 +102,8 @@ def compare(x_cpu, h, dev):
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h", [Histogram.log2(), Histogram.linear(-2, 3, 11), Histogram.linear(-2, 3, 5000),
-                               None])
+                               # bins per octave and signed (CUDA: keys counted per block; float64: per element)
+                               Histogram.log2(sub=4), Histogram.log2(-30, 12, sub=2, signed=True), None])
 @pytest.mark.parametrize("n", [1, 5, 1023, 1_000_003])
 def test_matches_cpu_and_reference(dev, dtype, h, n):
     compare(specials(n, dtype, n), h, dev)
@@ -227,6 +228,7 @@ def test_tiny_values_keep_their_squares(dtype, scale):
     for n in (1000, 40 * BLOCK_ELEMS + 3):
         x = (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
         compare(x, Histogram.log2(lo=-140), "cuda")
+        compare(x, Histogram.log2(lo=-140, sub=2, signed=True), "cuda")  # per-element fine bins
         compare(x + torch.tensor(3 * scale, dtype=torch.float64).to(dtype), None, "cuda")
 
 
