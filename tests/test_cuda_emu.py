@@ -1254,8 +1254,10 @@ def test_update_kernel_matches_the_cpu_op(emu, case, dtype, n, grid, h):
 def test_update_kernels_batch_many_parameters(emu):
     """accumulate_updates as the CUDA launcher runs it: 32 parameters of two
     dtypes and two output sets go in runs of at most 24 per launch (the first
-    26 alike: a run of 24, then 2), each parameter with its own blocks and
-    bias corrections (its own step count); every row equals the CPU op's."""
+    26 alike: a run of 24, then 2), each parameter with its own block and
+    bias corrections (its own step count); every row equals the CPU op's.
+    One block each: an emulated block costs about a second (256 threads),
+    and the merge of several blocks per parameter is tested above."""
     hyper = [1e-3, 0.01, 0, 0.9, 0.99, 1e-6, 4, 0]
     params, grads, a, b, steps, rows = [], [], [], [], [], []
     nrows = 0
@@ -1273,7 +1275,7 @@ def test_update_kernels_batch_many_parameters(emu):
     h = Histogram.log2()
     got, cpu = new_ring(1, nrows, h), new_ring(1, nrows, h)
     state = torch.tensor([0, 1, 0])
-    emu.accumulate_updates(params, grads, a, b, steps, hyper, 1, got, state, rows, *hist_args(h), 3, 256, True)
+    emu.accumulate_updates(params, grads, a, b, steps, hyper, 1, got, state, rows, *hist_args(h), 1, 256, True)
     OPS.accumulate_updates(params, grads, a, b, steps, hyper, 1, cpu, state, rows, *hist_args(h))
     for r in range(nrows):
         g_, c_ = got[0, r].numpy(), cpu[0, r].numpy()
