@@ -111,9 +111,9 @@ using Part = std::conditional_t<kWideUpdate<T>, Acc, ThreadAcc<double>>;
 // so that every per-row array stays in registers. `r`: the rule, whose
 // bias corrections each parameter sets.
 template <typename T, int kRows>
-__global__ void __launch_bounds__(kThreads, kWideUpdate<T> ? 1 : 2) update_kernel(UpdateBatch<T> batch, UpdateRule r, int64_t* ring,
-                                                          const int64_t* state, int64_t slots, int64_t rows,
-                                                          int64_t width, UpdateOuts o, HistSpec h) {
+__global__ void __launch_bounds__(kThreads, kWideUpdate<T> ? 1 : 2)
+    update_kernel(UpdateBatch<T> batch, UpdateRule r, int64_t* ring, const int64_t* state, int64_t slots,
+                  int64_t rows, int64_t width, UpdateOuts o, HistSpec h) {
   if (state[kStateEnabled] == 0) return;
   const int64_t slot = state[kStateSlot];
   if (slot < 0 || slot >= slots) return;  // same guard as the stats kernels
