@@ -112,7 +112,7 @@ class Runner:
 
     def __init__(self, args):
         self.args = args
-        self.deadline = time.monotonic() + getattr(args, "budget", TOTAL_BUDGET_S)
+        self.deadline = time.monotonic() + args.budget
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
 
