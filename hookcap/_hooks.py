@@ -59,6 +59,13 @@ def _by_mode(train, ev):
     return hook
 
 
+def _give_back_guard(guard: list) -> None:
+    """Release a hook set's hold on dynamo's hook guards, once."""
+    if guard[0]:
+        guard[0] = False
+        _compile.release_hook_guards()
+
+
 class Hooks:
     """All hooks of one Monitor. ``handles`` removes them; ``park`` holds
     those parked on off-steps; ``park_ok`` turns False for good once dynamo
@@ -97,7 +104,10 @@ class Hooks:
         # watched parameters' gradient hooks.
         self.watch = ModelWatch()
         self._param_handles: list = []
-        self._holds_guards = False  # holds _compile.hold_hook_guards while attached
+        # [held]: whether this set holds _compile.hold_hook_guards (while attached);
+        # a set dropped without remove() gives it back when collected.
+        self._guard = [False]
+        weakref.finalize(self, _give_back_guard, self._guard)
 
     # -- registration -------------------------------------------------------------
     def attach(self) -> None:
@@ -117,9 +127,9 @@ class Hooks:
             raise ValueError(f"modules: {cfg.modules!r} matched no module of the model "
                              f"(qualified names look like {example_names(self.model)})")
         self.watch.look(self.model)
-        if self.handles and not self._holds_guards:
+        if self.handles and not self._guard[0]:
             _compile.hold_hook_guards()
-            self._holds_guards = True
+            self._guard[0] = True
         self._bind_params()
         if not self.handles and not self._param_handles and not (self.params and {"param", "optim_state", "update", "adam_ratio"} & set(cfg.capture)):
             self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="
@@ -134,9 +144,7 @@ class Hooks:
             if (mod := ref()) is not None:
                 _portable.disown(mod, ids)
         self._owned.clear()
-        if self._holds_guards:
-            self._holds_guards = False
-            _compile.release_hook_guards()
+        _give_back_guard(self._guard)
         self.park.clear()
         self.open_calls.clear()
 

@@ -2,6 +2,8 @@
 without graph breaks, records the eager stats, and its cadence causes no
 recompiles (the kernels read the device-side enabled flag)."""
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import hookcap
 from conftest import assert_recorded
-from hookcap import Monitor
+from hookcap import Monitor, _compile
 from hookcap.models import TinyResNet, TinyTransformer
 
 
@@ -381,6 +383,8 @@ def test_compiled_instances_of_one_class_record_their_own_calls():
     hooks: two watched by different Monitors and one unwatched, compiled and run
     in turn, each Monitor records exactly its own instance's calls at every step."""
     torch.manual_seed(0)
+    gc.collect()  # Monitors other tests dropped without detach() give their hold back
+    held = _compile._hook_guard_holders
     nets = [_Net(), _Net(), _Net()]
     mons = [Monitor(nets[0], capture=("output",)).attach(), Monitor(nets[1], capture=("output",)).attach()]
     assert torch._dynamo.config.skip_nnmodule_hook_guards is False
@@ -403,4 +407,10 @@ def test_compiled_instances_of_one_class_record_their_own_calls():
     assert counters["stats"]["unique_graphs"] - graphs <= 3  # one graph per set of hooks
     for mon in mons:
         mon.detach()
-    assert torch._dynamo.config.skip_nnmodule_hook_guards is True  # the default, restored
+    assert _compile._hook_guard_holders == held
+    if held == 0:
+        assert torch._dynamo.config.skip_nnmodule_hook_guards is True  # the default, restored
+    mon = Monitor(_Net(), capture=("output",)).attach()
+    del mon  # dropped while attached: collected, it gives its hold back
+    gc.collect()
+    assert _compile._hook_guard_holders == held
