@@ -135,7 +135,7 @@ void column_stats(const int64_t* hd, int64_t k, int64_t* colstat) {
     const bool is_key = c == kMin || c == kMax || c == kAbsMax;
     const bool is_double = c == kShift || c == kS1 || c == kS2 || c == kSum || c == kSumSq ||
                            c == kBigShift || c == kBigS1 || c == kBigS2 || c == kSmallShift ||
-                           c == kSmallS1 || c == kSmallS2;
+                           c == kSmallS1 || c == kSmallS2 || c == kS3 || c == kS4;
     bool exact = mn != mx && (is_key || is_double);
     for (int64_t r = 0; r < k && exact; ++r) {
       exact = f32_exact(is_key ? key_value(col[r]) : bitsd(col[r]));

@@ -94,7 +94,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 4;
+constexpr int64_t kAbiVersion = 5;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.
@@ -146,12 +146,14 @@ std::vector<int64_t> layout() {
           kStateStep,  kStateEnabled, kStateSlot, kStateSize, cuda,
           kFwdNs,      kFwdOpen, kFwdEnds, kBwdNs, kBwdOpen, kBwdEnds,
           kBigN,       kBigShift, kBigS1, kBigS2, kSmallN, kSmallShift, kSmallS1, kSmallS2,
-          kWideScale};
+          kWideScale,  kN4,      kS3,    kS4,    kMoments4Flag};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(hookcap, m) {
+  // hist_kind: 0 none, 1 log2, 2 linear; plus 16 (kMoments4Flag) to also sum
+  // (x - K)^3 and (x - K)^4 (moments=4).
   m.def(
       "accumulate(Tensor x, Tensor(a!) ring, Tensor state, int row, int hist_kind, "
       "float hist_lo, float hist_hi, int hist_bins) -> ()");

@@ -9,7 +9,7 @@ from ._build import build_info, check_and_load
 _BUILD_META = check_and_load()
 
 from . import reference  # noqa: E402
-from ._layout import STAT_NAMES  # noqa: E402
+from ._layout import MOMENT_NAMES, STAT_NAMES  # noqa: E402
 from .functional import tensor_stats  # noqa: E402
 from .histogram import Histogram  # noqa: E402
 from . import sinks  # noqa: E402
@@ -37,6 +37,7 @@ __all__ = [
     "ModelSummary",
     "Monitor",
     "STAT_NAMES",
+    "MOMENT_NAMES",
     "build_info",
     "load",
     "reference",

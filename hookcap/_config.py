@@ -76,6 +76,7 @@ class Config:
     hist_args: tuple  # the histogram's op arguments (kind, lo, hi, bins)
     width: int  # int64 values per ring row: header + bins
     update_snapshot: bool = False  # "update" of other optimizers from a copy taken before their step
+    moments: int = 2  # 4: also the third and fourth moments (hist_args carries the op's flag)
 
     @property
     def all_params(self) -> bool:
@@ -84,7 +85,7 @@ class Config:
 
 
 def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks,
-                eval_forwards="separate", update_snapshot=False) -> Config:
+                eval_forwards="separate", update_snapshot=False, moments=2) -> Config:
     """Validate the Monitor's arguments; ``ValueError`` naming the argument."""
     if isinstance(capture, str):
         capture = (capture,)
@@ -117,10 +118,24 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
                          f"metrics), 'skip' or 'merge', got {eval_forwards!r}")
     if not isinstance(update_snapshot, bool):
         raise ValueError(f"update_snapshot: expected True or False, got {update_snapshot!r}")
-    hist_args = (0, 0.0, 0.0, 0) if histogram is None else histogram.op_args()
+    hist_args = op_hist_args(histogram, check_moments(moments))
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
-                  module_filter(modules), hist_args, width, update_snapshot)
+                  module_filter(modules), hist_args, width, update_snapshot, moments)
+
+
+def check_moments(moments) -> int:
+    """``moments`` (2 or 4), or ``ValueError``."""
+    if isinstance(moments, bool) or moments not in (2, 4):
+        raise ValueError(f"moments: expected 2 (mean and std) or 4 (also skew and kurtosis), got {moments!r}")
+    return moments
+
+
+def op_hist_args(histogram, moments: int = 2) -> tuple:
+    """(hist_kind, hist_lo, hist_hi, hist_bins) of the accumulate op: the
+    histogram's, with the moments=4 flag added to hist_kind."""
+    kind, lo, hi, bins = (0, 0.0, 0.0, 0) if histogram is None else histogram.op_args()
+    return (kind + (_layout.MOMENTS4_FLAG if moments == 4 else 0), lo, hi, bins)
 
 
 def module_filter(modules) -> Callable[[str, nn.Module], bool]:

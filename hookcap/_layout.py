@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import torch
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _raw = list(torch.ops.hookcap.layout())
 if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer entries
@@ -56,6 +56,10 @@ if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer
     SMALL_S1,
     SMALL_S2,
     WIDE_SCALE,
+    N4,  # moments=4: values summed into S3 and S4 (about SHIFT)
+    S3,
+    S4,
+    MOMENTS4_FLAG,  # added to the op's hist_kind for moments=4
 ) = _raw
 CUDA_BUILT = bool(_cuda)
 
@@ -68,6 +72,12 @@ STAT_NAMES = (
 
 # Per-module durations of Monitor(timing=True), in milliseconds.
 TIMING_NAMES = ("fwd_ms", "bwd_ms")
+
+# Higher moments of Monitor(moments=4) / tensor_stats(..., moments=4): central
+# moments E[(x - mean)^3], E[(x - mean)^4] over finite values, skewness
+# m3 / std^3 and Pearson's (non-excess) kurtosis m4 / std^4. NaN in rows
+# recorded without moments=4.
+MOMENT_NAMES = ("m3", "m4", "skew", "kurtosis")
 
 
 def order_key(v) -> np.ndarray:
@@ -203,7 +213,39 @@ def decode(rows: np.ndarray) -> dict[str, np.ndarray]:
             a[pick] = v
             out[k] = a.reshape(wide.shape)
     out["crest"] = crest(out["absmax"], out["rms"])
+    out.update(higher_moments(rows, finite))
     return out
+
+
+def higher_moments(rows: np.ndarray, finite=None) -> dict[str, np.ndarray]:
+    """``m3``, ``m4``, ``skew``, ``kurtosis`` (MOMENT_NAMES) of raw rows
+    [..., width], from the shifted sums S1..S4 about the row's shift K:
+    with d = S1/n, m2 = S2/n - d^2, m3 = S3/n - 3 d S2/n + 2 d^3 and
+    m4 = S4/n - 4 d S3/n + 6 d^2 S2/n - 3 d^4 (K lies near the mean, so d is
+    small and these do not cancel). NaN where the row holds no third and
+    fourth moments of all its finite values (written without moments=4, or
+    float64 values too wide to square: see stats_math.h wide_bucket), where
+    it has no finite value, and, for skew and kurtosis, where m2 is 0 or the
+    powers left double's range."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if finite is None:
+        finite = (rows[..., COUNT] - rows[..., NAN] - rows[..., POSINF] - rows[..., NEGINF]).astype(np.float64)
+    n = finite - rows[..., BIG_N] - rows[..., SMALL_N]
+    ok = (rows[..., N4] > 0) & (rows[..., N4] == finite) & (n == finite)
+    f64 = lambda col: rows[..., col].copy().view(np.float64)  # noqa: E731
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        nn = np.where(ok, n, 1.0)
+        d = f64(S1) / nn
+        a2, a3, a4 = f64(S2) / nn, f64(S3) / nn, f64(S4) / nn
+        m2 = np.maximum(a2 - d * d, 0.0)
+        m3 = a3 - 3.0 * d * a2 + 2.0 * d ** 3
+        m4 = np.maximum(a4 - 4.0 * d * a3 + 6.0 * d * d * a2 - 3.0 * d ** 4, 0.0)
+        m3 = np.where(ok & np.isfinite(m3), m3, np.nan)
+        m4 = np.where(ok & np.isfinite(m4), m4, np.nan)
+        shape = (m2 > 0) & np.isfinite(m2 * m2) & (m2 * m2 > 0)
+        skew = np.where(shape, m3 / (m2 * np.sqrt(m2)), np.nan)
+        kurt = np.where(shape, m4 / (m2 * m2), np.nan)
+    return {"m3": m3, "m4": m4, "skew": skew, "kurtosis": kurt}
 
 
 def crest(absmax, rms) -> np.ndarray:
@@ -213,7 +255,7 @@ def crest(absmax, rms) -> np.ndarray:
         return np.where(rms > 0, absmax / np.where(rms > 0, rms, 1.0), np.nan)
 
 
-_ADD_COLS = [COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS, BIG_N, SMALL_N]
+_ADD_COLS = [COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS, BIG_N, SMALL_N, N4]
 # Shifted moments: the ordinary values' and each wide bucket's, (S1, S2, shift).
 MOMENT_SETS = ((S1, S2, SHIFT), (BIG_S1, BIG_S2, BIG_SHIFT), (SMALL_S1, SMALL_S2, SMALL_SHIFT))
 
@@ -238,6 +280,18 @@ def moments_about(rows: np.ndarray, to, cols=(S1, S2, SHIFT)) -> tuple[np.ndarra
     n = moment_count(rows, cols)
     t = np.where(rows[..., cols[2]] != SHIFT_UNSET, f[..., 2] - to, 0.0)
     return f[..., 0] + n * t, f[..., 1] + 2.0 * t * f[..., 0] + n * t * t
+
+
+def moments4_about(rows: np.ndarray, to) -> tuple[np.ndarray, np.ndarray]:
+    """(S3, S4) of raw rows [..., width] re-expressed about shift ``to``
+    (numpy twin of the C++ shift_rebase4, from the rows' own S1, S2)."""
+    f = rows[..., [S1, S2, S3, S4, SHIFT]].copy().view(np.float64)
+    n = moment_count(rows)
+    t = np.where(rows[..., SHIFT] != SHIFT_UNSET, f[..., 4] - to, 0.0)
+    s1, s2, s3, s4 = f[..., 0], f[..., 1], f[..., 2], f[..., 3]
+    t2 = t * t
+    return (s3 + 3.0 * t * s2 + 3.0 * t2 * s1 + n * t2 * t,
+            s4 + 4.0 * t * s3 + 6.0 * t2 * s2 + 4.0 * t2 * t * s1 + n * t2 * t2)
 
 
 class GroupPlan:
@@ -294,6 +348,9 @@ def merge_groups(rows: np.ndarray, groups, plan: GroupPlan | None = None) -> tup
         first = np.minimum.reduceat(np.where(is_set, np.arange(len(r)), len(r)), starts)
         has = first < len(r)
         k = np.where(has, r[np.minimum(first, len(r) - 1), cs].view(np.float64), 0.0)
+        if cs == SHIFT:  # moments=4 sums, about the same shift (before S1, S2 move)
+            s3, s4 = moments4_about(r, k[seg])
+            out[:, [S3, S4]] = np.add.reduceat(np.stack([s3, s4], axis=1), starts).view(np.int64)
         s1, s2 = moments_about(r, k[seg], cols)
         out[:, [c1, c2]] = np.add.reduceat(np.stack([s1, s2], axis=1), starts).view(np.int64)
         out[:, cs] = np.where(has, k.view(np.int64), SHIFT_UNSET)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from . import _C, _layout
 from .histogram import NO_HIST_ARGS, Histogram
 
 _ops = torch.ops.hookcap
@@ -21,14 +21,18 @@ def accumulate(
     state: torch.Tensor,
     row: int,
     histogram: Histogram | None,
+    moments: int = 2,
 ) -> None:
     """Merge the statistics of every element of ``x`` into ``ring[state.slot, row]``.
 
     ``ring``: int64 [slots, rows, width] on x's device; ``state``: int64 [3]
     (step, enabled, slot) on the same device. Nothing happens when
-    ``state[1] == 0``. One pass, no allocation, no host sync.
+    ``state[1] == 0``. One pass, no allocation, no host sync. ``moments=4``
+    also sums the third and fourth powers (CPU tensors).
     """
     args = NO_HIST_ARGS if histogram is None else histogram.op_args()
+    if moments == 4:
+        args = (args[0] + _layout.MOMENTS4_FLAG, *args[1:])
     _ops.accumulate(x, ring, state, row, *args)
 
 

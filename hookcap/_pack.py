@@ -20,7 +20,8 @@ import numpy as np
 from . import _C, _layout
 
 H = _layout.HEADER
-_F64_LIST = [_layout.SUM, _layout.SUMSQ] + [c for cols in _layout.MOMENT_SETS for c in cols]
+_F64_LIST = [_layout.SUM, _layout.SUMSQ] + [c for cols in _layout.MOMENT_SETS for c in cols] + \
+    [_layout.S3, _layout.S4]
 _KEY_LIST = [_layout.MIN, _layout.MAX, _layout.ABSMAX]
 _F64_SET, _KEY_SET = frozenset(_F64_LIST), frozenset(_KEY_LIST)
 # Column flags of _C._rows_scan (csrc/host_pack.cpp ColFlag).

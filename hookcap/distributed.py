@@ -31,8 +31,9 @@ _I64_MAX = np.iinfo(np.int64).max
 _EXACT_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS,
                _layout.MIN, _layout.MAX, _layout.ABSMAX]
 _SUM_COLS = [_layout.COUNT, _layout.NAN, _layout.POSINF, _layout.NEGINF, _layout.ZEROS, _layout.CALLS,
-             _layout.BIG_N, _layout.SMALL_N]
-_F64_COLS = [_layout.SUM, _layout.SUMSQ] + [c for cols in _layout.MOMENT_SETS for c in cols[:2]]
+             _layout.BIG_N, _layout.SMALL_N, _layout.N4]
+_F64_COLS = [_layout.SUM, _layout.SUMSQ] + [c for cols in _layout.MOMENT_SETS for c in cols[:2]] + \
+    [_layout.S3, _layout.S4]
 
 
 def _dense(records, local_names: list[str], nbins: int, names: list[str], steps: list[int]):
@@ -137,6 +138,7 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     f = rows[..., [_layout.SUM, _layout.SUMSQ]].copy().view(np.float64)
     moments = [m[..., None] for cols, to in zip(_layout.MOMENT_SETS, common)
                for m in _layout.moments_about(rows, to, cols)]
+    moments += [m[..., None] for m in _layout.moments4_about(rows, common[0])]
     sums = np.concatenate([rows[..., _SUM_COLS].astype(np.float64), f[..., 0:1], f[..., 1:2],
                            *moments, rows[..., _layout.HEADER:].astype(np.float64)], axis=-1)
     sums[drop] = 0.0

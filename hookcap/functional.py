@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from . import _layout, _ops
+from ._config import check_moments
 from .histogram import Histogram
 
 _DEFAULT = Histogram.log2()
@@ -21,7 +22,8 @@ def new_state(device: torch.device | str) -> torch.Tensor:
     return state
 
 
-def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quantiles=None) -> dict:
+def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quantiles=None,
+                 moments: int = 2) -> dict:
     """Statistics of every element of ``x`` in one pass on x's device.
 
     Returns a dict with float64 scalars for ``count``, ``nan``, ``posinf``,
@@ -35,16 +37,22 @@ def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quanti
     ``quantiles`` (a float or a sequence of probabilities in [0, 1]) adds
     ``quantiles``: a :class:`hookcap.quantiles.Quantiles` estimated from the
     histogram (of ``|x|`` for a log2 histogram), with its guaranteed bounds.
+
+    ``moments=4`` (CPU tensors) adds ``m3``, ``m4`` (central moments, in x's
+    units cubed and to the fourth), ``skew`` and ``kurtosis`` (Pearson's,
+    not excess: 3 for a normal distribution), from the same pass.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"tensor_stats: expected a torch.Tensor, got {type(x).__name__}")
+    check_moments(moments)
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     ring = torch.empty((1, 1, width), dtype=torch.int64, device=x.device)
     state = new_state(x.device)
     _ops.reset_slot(ring, state)
-    _ops.accumulate(x, ring, state, 0, histogram)
+    _ops.accumulate(x, ring, state, 0, histogram, moments)
     row = ring[0, 0].cpu().numpy()
-    out = {k: float(v) for k, v in _layout.decode(row).items()}
+    out = {k: float(v) for k, v in _layout.decode(row).items()
+           if moments == 4 or k not in _layout.MOMENT_NAMES}
     if histogram is not None:
         out["hist"] = row[_layout.HEADER:].astype(np.int64)
         out["bin_edges"] = histogram.bin_edges

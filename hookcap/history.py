@@ -35,6 +35,8 @@ class History:
         self._index = {n: i for i, n in enumerate(self.names)}
         self.steps = np.array([r.step for r in self._records], dtype=np.int64)
         self._timed = any(r.time_ns is not None for r in self._records)
+        # moments=4: some row holds third and fourth moments
+        self._moments4 = any(bool((r.header_column(_layout.N4) > 0).any()) for r in self._records)
         self._stats = _Columns(self)
         self._recorded_cells = None
 
@@ -75,7 +77,7 @@ class History:
     def _decode_all(self) -> None:
         """Every statistic in one pass over the steps (what reading them all needs)."""
         cols = self._stats
-        todo = [k for k in _layout.STAT_NAMES if k not in cols._done]
+        todo = [k for k in cols._names if k not in cols._done and k not in _layout.TIMING_NAMES]
         if not todo:
             return
         outs = {k: np.full((len(self._records), len(self.names)), np.nan) for k in todo}
@@ -90,7 +92,8 @@ class History:
 
     @property
     def stat_names(self) -> tuple[str, ...]:
-        """``hookcap.STAT_NAMES``, then ``fwd_ms``, ``bwd_ms`` if recorded with timing."""
+        """``hookcap.STAT_NAMES``, then ``m3``, ``m4``, ``skew``, ``kurtosis`` if
+    recorded with ``moments=4``, and ``fwd_ms``, ``bwd_ms`` if recorded with timing."""
         return tuple(self._stats)
 
     @property
@@ -316,6 +319,8 @@ _STAT_COLUMNS = {
     "l2norm": _MOMENTS, "zero_frac": (_layout.COUNT, _layout.ZEROS),
     "crest": _MOMENTS + (_layout.ABSMAX,),
 }
+_STAT_COLUMNS.update({k: _MOMENTS + (_layout.N4, _layout.S3, _layout.S4, _layout.SHIFT)
+                      for k in _layout.MOMENT_NAMES})
 
 
 class _Columns(Mapping):
@@ -323,7 +328,8 @@ class _Columns(Mapping):
 
     def __init__(self, history: History) -> None:
         self._h = history
-        self._names = _layout.STAT_NAMES + (_layout.TIMING_NAMES if history._timed else ())
+        self._names = (_layout.STAT_NAMES + (_layout.MOMENT_NAMES if history._moments4 else ())
+                       + (_layout.TIMING_NAMES if history._timed else ()))
         self._done: dict[str, np.ndarray] = {}
 
     def __getitem__(self, stat: str) -> np.ndarray:
@@ -354,11 +360,12 @@ class _ColumnHistory(History):
         self._index = {n: i for i, n in enumerate(self.names)}
         self.steps = np.asarray(steps, dtype=np.int64)
         self._recorded = np.asarray(recorded, dtype=bool)
-        known = _layout.STAT_NAMES + _layout.TIMING_NAMES
+        known = _layout.STAT_NAMES + _layout.MOMENT_NAMES + _layout.TIMING_NAMES
         self._stats = {k: np.asarray(stats[k], dtype=np.float64) for k in known if k in stats}
         if "crest" not in self._stats and "absmax" in self._stats and "rms" in self._stats:
             self._stats["crest"] = _layout.crest(self._stats["absmax"], self._stats["rms"])  # older files
         self._timed = "fwd_ms" in self._stats
+        self._moments4 = "kurtosis" in self._stats
         self._orders = [np.asarray(o, dtype=np.int64) for o in orders]
         self._hist = hist if histogram is not None else None
 

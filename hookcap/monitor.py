@@ -87,16 +87,11 @@ class Monitor:
             summed over the module's calls in the step, on every metric of
             that module; NaN where not measured). Device-side timestamps on
             CUDA (%globaltimer, stream-ordered: no host sync), the host's
-            steady clock on CPU. Forward: from the module's forward pre-hook to
-            its forward hook (hookcap's own stats work excluded). Backward:
-            from the gradient w.r.t. its first output that requires grad to the
-            gradient w.r.t. its first input that requires grad, so a module
-            none of whose inputs requires grad (a first layer) has no
-            ``bwd_ms``; a step whose marks do not pair up (a forward that
-            raised, a backward that reached only one end) reads NaN, and so
-            does code compiled by ``torch.compile`` or compiled autograd
-            (module boundaries fused away). Costs a pre-hook and two timing
-            ops per module call (four with backward).
+            steady clock on CPU. Forward: pre-hook to forward hook (hookcap's
+            own work excluded); backward: from the gradient w.r.t. the first
+            output to that w.r.t. the first input requiring grad (none for a
+            first layer). NaN where marks do not pair up and under
+            ``torch.compile`` or compiled autograd: docs/monitor.md.
         dump_on_anomaly: path (or existing directory) for an automatic
             ``dump()`` at the first anomaly, and at the first of each later
             anomaly kind (``-{kind}`` added to the file name).
@@ -141,6 +136,9 @@ class Monitor:
             :meth:`state_dict`).
         update_snapshot: ``"update"`` for optimizers other than SGD, Adam and AdamW: a
             copy of the watched parameters before each recorded step (memory: one copy).
+        moments: 2 (default) or 4: also the third and fourth central moments and
+            ``skew``, ``kurtosis`` (Pearson, not excess) of captured tensors, in the
+            same pass (CPU tensors; ``hookcap.MOMENT_NAMES``, docs/statistics.md).
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -167,11 +165,12 @@ class Monitor:
         eval_forwards: str = "separate",
         start_step: int = 0,
         update_snapshot: bool = False,
+        moments: int = 2,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
         config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks, eval_forwards,
-                             update_snapshot)
+                             update_snapshot, moments)
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
             raise ValueError(f"start_step: expected an int >= 0 (the number of the first step), got {start_step!r}")
         if optimizer is not None and not callable(getattr(innermost_optimizer(optimizer), "step", None)):

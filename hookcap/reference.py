@@ -44,8 +44,9 @@ def hist_counts(f: np.ndarray, histogram: Histogram) -> np.ndarray:
     return out
 
 
-def stats_from_values(a: np.ndarray, histogram: Histogram | None = _DEFAULT) -> dict:
-    """Reference statistics of a flat float64 array."""
+def stats_from_values(a: np.ndarray, histogram: Histogram | None = _DEFAULT, moments: int = 2) -> dict:
+    """Reference statistics of a flat float64 array (``moments=4``: also
+    MOMENT_NAMES, two passes about the float64 mean)."""
     a = np.asarray(a, dtype=np.float64).reshape(-1)
     nan = int(np.isnan(a).sum())
     posinf = int(np.isposinf(a).sum())
@@ -85,20 +86,39 @@ def stats_from_values(a: np.ndarray, histogram: Histogram | None = _DEFAULT) -> 
         out["l2norm"] = float(np.ldexp(np.sqrt(np.sum(fs * fs)), e)) if n else 0.0
     out["zero_frac"] = out["zeros"] / a.size if a.size else np.nan
     out["crest"] = out["absmax"] / out["rms"] if n and out["rms"] > 0 else np.nan
+    if moments == 4:
+        out.update(higher_moments(fs, e))
     if histogram is not None:
         out["hist"] = hist_counts(f, histogram)
         out["bin_edges"] = histogram.bin_edges
     return out
 
 
-def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quantiles=None) -> dict:
+def higher_moments(fs: np.ndarray, e: int) -> dict:
+    """m3, m4, skew, kurtosis of finite values fs * 2**e (fs scaled so the
+    largest magnitude is in [0.5, 1): powers neither overflow nor vanish
+    before the final scaling), about their mean."""
+    if fs.size == 0:
+        return {"m3": np.nan, "m4": np.nan, "skew": np.nan, "kurtosis": np.nan}
+    d = fs - np.mean(fs)
+    m2, m3, m4 = np.mean(d * d), np.mean(d ** 3), np.mean(d ** 4)
+    with np.errstate(over="ignore"):
+        out = {"m3": float(np.ldexp(m3, 3 * e)), "m4": float(np.ldexp(m4, 4 * e))}
+    shape = m2 > 0
+    out["skew"] = float(m3 / m2 ** 1.5) if shape else np.nan
+    out["kurtosis"] = float(m4 / (m2 * m2)) if shape else np.nan
+    return out
+
+
+def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quantiles=None,
+                 moments: int = 2) -> dict:
     """Same keys and semantics as :func:`hookcap.tensor_stats`, in float64
     NumPy; ``quantiles`` are exact (``numpy.quantile`` of the finite values,
     of ``|x|`` with a log2 histogram, as the op's estimates are)."""
     from .quantiles import exact
 
     a = to_float64(x)
-    out = stats_from_values(a, histogram)
+    out = stats_from_values(a, histogram, moments)
     if quantiles is not None:
         if histogram is None:
             raise ValueError("tensor_stats: quantiles= needs a histogram (histogram=None was given)")

@@ -93,9 +93,10 @@ constexpr int64_t kExpBins = 256;
 // took 17 us with atomics, 5 us with the local exponent counts).
 constexpr int64_t kDirectHistBelow = 256;
 
-// Per-chunk histogram sink: kHistCopies local copies of (1 + nbins) uint32
-// counts (slot 0 swallows unbinned values), or, for wide histograms, the
-// ring row itself.
+// Per-chunk sinks of the loop beside its Acc: kHistCopies local copies of
+// (1 + nbins) uint32 counts (slot 0 swallows unbinned values), or, for wide
+// histograms, the ring row itself; and with moments=4 the chunk's third and
+// fourth moments.
 struct HistSink {
   const HistSpec* spec;
   uint32_t* local;
@@ -103,6 +104,7 @@ struct HistSink {
   int64_t copy_stride;  // entries per local copy
   int64_t unit;         // count per element (a view's stride-0 multiplicity)
   int copies = kHistCopies;  // local copies (kHistLog2Key: as many as fit)
+  Moments4* m4 = nullptr;    // moments=4: the chunk's sums about the row's shift
 };
 
 template <typename T>
@@ -582,6 +584,35 @@ HC_ALWAYS_INLINE void block_scatter(const int32_t* idx, int64_t n, const HistSin
   }
 }
 
+// Third and fourth moments of a block's finite values (float64: ordinary
+// ones, as nfin counts them) about the row's shift, in double, into m. The
+// block has just been read by block_stats, so it comes from L1, not memory.
+template <typename T, bool kUnit>
+HC_ALWAYS_INLINE void block_moments4(const T* x, int64_t stride, int64_t n, double shift, Moments4& m) {
+  constexpr int kL = 8;
+  double s3[kL] = {}, s4[kL] = {};
+  int64_t cnt[kL] = {};
+  auto one = [&](int64_t i, int j) __attribute__((always_inline)) {
+    const double v = load_double(kUnit ? x + i : x + i * stride);
+    const double a = v < 0 ? -v : v;
+    bool ok = a < kInf;
+    if constexpr (std::is_same_v<T, double>) ok = ok && wide_bucket(a) == 0;
+    push_moments4(ok ? v - shift : 0.0, s3[j], s4[j]);
+    cnt[j] += ok;
+  };
+  const int64_t nv = n - n % kL;
+  for (int64_t i = 0; i < nv; i += kL) {
+#pragma omp simd
+    for (int j = 0; j < kL; ++j) one(i + j, j);
+  }
+  for (int64_t i = nv; i < n; ++i) one(i, static_cast<int>(i - nv));
+  for (int j = 0; j < kL; ++j) {
+    m.s3 += s3[j];
+    m.s4 += s4[j];
+    m.n += cnt[j];
+  }
+}
+
 template <typename T, bool kUnit, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double shift,
                                   Acc& acc, WideAcc& wacc, const HistSink& hs) {
@@ -601,6 +632,7 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
     const int64_t deferred = block_stats<T, kUnit, kHist, kAvx2>(
         p, stride, len, shift, center, acc, wacc, *hs.spec, idx, eb, top,
         ahead ? ahead : reinterpret_cast<const char*>(p));
+    if (hs.m4) block_moments4<T, kUnit>(p, stride, len, shift, *hs.m4);
     if constexpr (kExp && kAvx2) {
       base = exponent_window_base(top, wide ? kExpWindowWide : kExpWindow, base);
       const ExpCount ec = count_exponents_avx2(eb, len, base, wide, hs.local, ahead,
@@ -758,13 +790,16 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   TORCH_CHECK(!kKey || room >= 1, "hookcap: log2 key table of ", cs, " entries exceeds the local array");
   Acc partial[kMaxChunks];
   WideAcc wide[kMaxChunks];
+  Moments4 m4[kMaxChunks];
 
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     uint32_t local[kHistCopies * (kLocalBins + 1)];
     static_assert(kLocalBins + 1 >= kExpBins, "local copies must hold the exponent histogram");
     for (int64_t c = c0; c < c1; ++c) {
       if (local_hist) std::memset(local, 0, sizeof(uint32_t) * copies * cs);
-      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs, mult, copies};
+      moments4_init(m4[c]);
+      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs, mult, copies,
+                        h.moments4 ? &m4[c] : nullptr};
       const int64_t b = c * chunk, e = std::min(n, b + chunk);
       if (avx2) {
         chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
@@ -815,6 +850,12 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   if (mult != 1) acc_scale(total, mult);
   row_merge<HostAtomics>(row, total);
   wide_to_row<HostAtomics>(row, wtotal, mult);
+  if (h.moments4) {
+    Moments4 t4;
+    moments4_init(t4);
+    for (int64_t c = 0; c < nchunks; ++c) moments4_merge(t4, m4[c]);
+    moments4_to_row<HostAtomics>(row, t4, mult);
+  }
 }
 
 }  // namespace

@@ -318,6 +318,8 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
                      int64_t hist_bins) {
   check_accumulate(x_in, ring, state, row);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  TORCH_CHECK(!h.moments4, "hookcap: moments=4 (skew, kurtosis) is computed for CPU tensors only; "
+              "record CUDA tensors with moments=2");
   const int64_t n = x_in.numel();
   c10::cuda::CUDAGuard guard(x_in.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();

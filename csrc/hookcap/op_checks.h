@@ -81,8 +81,12 @@ inline Log2Layout log2_layout(int64_t bins) {
 
 // Validates the histogram arguments against the ring width; returns the
 // number of histogram bins they imply.
-inline int64_t check_hist(int64_t kind, double lo, double hi, int64_t bins,
+inline int64_t check_hist(int64_t kind_arg, double lo, double hi, int64_t bins,
                           const c10::SymInt& width) {
+  TORCH_CHECK(kind_arg >= 0 && (kind_arg & ~(kHistKindMask | kMoments4Flag)) == 0,
+              "hookcap: hist_kind must be 0 (none), 1 (log2) or 2 (linear), plus 16 for moments=4, got ",
+              kind_arg);
+  const int64_t kind = kind_arg & kHistKindMask;
   int64_t nbins = 0;
   if (kind == kHistNone) return nbins;
   TORCH_CHECK(kind == kHistLog2 || kind == kHistLinear,
@@ -122,9 +126,11 @@ inline int64_t check_hist(int64_t kind, double lo, double hi, int64_t bins,
 inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
                                int64_t width) {
   HistSpec h{};
+  check_hist(kind, lo, hi, bins, c10::SymInt(width));
+  h.moments4 = (kind & kMoments4Flag) ? 1 : 0;
+  kind &= kHistKindMask;
   h.kind = kind;
   h.nbins = width - kHeader;
-  check_hist(kind, lo, hi, bins, c10::SymInt(width));
   if (kind == kHistLog2) {
     h.lo_exp = static_cast<int64_t>(lo);
     h.hi_exp = static_cast<int64_t>(hi);

@@ -35,7 +35,11 @@ enum Col : int64_t {
   kStepTag = 12, // step number the slot was reset for
   kSum = 13,    // double bits: sum over finite of x
   kSumSq = 14,  // double bits: sum over finite of x^2
-  // Column 15 reserved. Float64 values too large or too small to square in
+  // Third and fourth moments (moments=4, opt-in): kN4 finite values summed
+  // into kS3, kS4 about the same shift K as kS1/kS2. A row whose kN4 differs
+  // from its ordinary finite values (another write without moments=4) has none.
+  kN4 = 15,
+  // Float64 values too large or too small to square in
   // double (wide_bucket) keep their moments in two buckets of their own, as
   // values times 2**-kWideScale (big) or 2**kWideScale (small): count, shift
   // (double bits, kShiftUnset: none), and moments about it. Every column
@@ -48,8 +52,15 @@ enum Col : int64_t {
   kSmallShift = 21,
   kSmallS1 = 22,
   kSmallS2 = 23,
-  kHeader = 24, // histogram bins start here
+  kS3 = 24,     // double bits: sum over finite of (x - K)^3   (moments=4)
+  kS4 = 25,     // double bits: sum over finite of (x - K)^4   (moments=4)
+  kHeader = 26, // histogram bins start here
 };
+
+// hist_kind flag of the accumulate op: also sum (x - K)^3 and (x - K)^4
+// (Monitor(moments=4)); the histogram kind is hist_kind & kHistKindMask.
+constexpr int64_t kMoments4Flag = 16;
+constexpr int64_t kHistKindMask = kMoments4Flag - 1;
 
 // Shift sentinel: "no shift chosen yet in this slot". A NaN pattern no
 // finite candidate can equal.
@@ -70,6 +81,7 @@ struct HistSpec {
   int64_t bins;    // linear: equal-width bins between lo and hi
   double width;    // linear: (hi - lo) / bins
   double inv_width;  // linear: 1 / width (an estimate's factor; edges decide the bin)
+  int64_t moments4;  // 1: also the third and fourth moments (kMoments4Flag)
 };
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t dbits(double v) {
@@ -309,6 +321,47 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void moments_to_raw(double s1, double s2, doub
                                                       double& sum, double& sumsq) {
   sum = m * c + s1;
   sumsq = s2 + 2.0 * c * s1 + m * c * c;
+}
+
+// Third and fourth moments about the row's shift K (moments=4): n values
+// with sums of (x - K)^3 and (x - K)^4. All partials of a row are about the
+// same K, so they add; rows of different shifts merge on the host
+// (hookcap/_layout.py moments4_about: the binomial expansion).
+struct Moments4 {
+  double s3, s4;
+  int64_t n;
+};
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE void moments4_init(Moments4& m) {
+  m.s3 = m.s4 = 0.0;
+  m.n = 0;
+}
+
+// One deviation d = x - K.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_moments4(V d, V& s3, V& s4) {
+  const V d2 = d * d;
+  s3 += d2 * d;
+  s4 += d2 * d2;
+}
+
+C10_HOST_DEVICE C10_ALWAYS_INLINE void moments4_merge(Moments4& a, const Moments4& b) {
+  a.s3 += b.s3;
+  a.s4 += b.s4;
+  a.n += b.n;
+}
+
+// A partial about the row's shift into the row, each value standing for `mult`.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Atomics>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void moments4_to_row(int64_t* row, const Moments4& m, int64_t mult) {
+  if (m.n == 0) return;
+  const double md = static_cast<double>(mult);
+  Atomics::add_i64(row + kN4, m.n * mult);
+  Atomics::add_f64(row + kS3, m.s3 * md);
+  Atomics::add_f64(row + kS4, m.s4 * md);
 }
 
 // Count v if it is NaN, +Inf or -Inf; returns whether it is finite.

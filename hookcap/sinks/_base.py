@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from .._layout import STAT_NAMES, TIMING_NAMES
+from .._layout import MOMENT_NAMES, STAT_NAMES, TIMING_NAMES
 from ..drained import DrainedStep
 from ..quantiles import check_q, column_name
 
@@ -19,7 +19,8 @@ COUNT_STATS = frozenset(("count", "nan", "posinf", "neginf", "inf", "zeros", "fi
 class Sink:
     """Base class. ``stats``: stat names to write (default: all of
     ``hookcap.STAT_NAMES``; ``"fwd_ms"``/``"bwd_ms"`` may be added, recorded by
-    ``Monitor(timing=True)``, NaN otherwise);
+    ``Monitor(timing=True)``, and ``hookcap.MOMENT_NAMES`` (``"skew"``,
+    ``"kurtosis"``, ...), recorded by ``Monitor(moments=4)``: NaN otherwise);
     ``every``: write only steps whose number is a multiple of ``every``;
     ``quantiles``: probabilities in [0, 1] whose quantiles each step carries
     as two more columns, ``p50`` (the estimate, see
@@ -35,10 +36,10 @@ class Sink:
 
     def __init__(self, stats: Iterable[str] | None = None, every: int = 1, quantiles=None):
         stats = tuple(STAT_NAMES if stats is None else stats)
-        bad = [s for s in stats if s not in STAT_NAMES and s not in TIMING_NAMES]
+        known = STAT_NAMES + MOMENT_NAMES + TIMING_NAMES
+        bad = [s for s in stats if s not in known]
         if bad:
-            raise ValueError(f"stats: unknown stat(s) {bad}; allowed: "
-                             f"{', '.join(STAT_NAMES + TIMING_NAMES)}")
+            raise ValueError(f"stats: unknown stat(s) {bad}; allowed: {', '.join(known)}")
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every: must be an int >= 1, got {every!r}")
         self.stats = stats

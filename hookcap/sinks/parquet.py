@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from .._layout import STAT_NAMES, TIMING_NAMES
+from .._layout import MOMENT_NAMES, STAT_NAMES, TIMING_NAMES
 from ..drained import DrainedStep
 from ..histogram import Histogram
 from ._base import COUNT_STATS, Sink, rank_path
@@ -399,7 +399,7 @@ def read_dataset(path) -> dict:
     recorded = np.zeros((S, M), dtype=bool)
     recorded[block, mcol] = True
     stats = {}
-    for s in STAT_NAMES + TIMING_NAMES:
+    for s in STAT_NAMES + MOMENT_NAMES + TIMING_NAMES:
         if s in t.column_names:
             a = np.full((S, M), np.nan)
             a[block, mcol] = np.asarray(col(s), dtype=np.float64)
