@@ -56,24 +56,27 @@ def torch_chain(x: torch.Tensor) -> None:
     torch.histc(x.float(), bins=131).tolist()
 
 
-def fused(x: torch.Tensor, hist: hookcap.Histogram | None):
+def fused(x: torch.Tensor, hist: hookcap.Histogram | None, moments: int = 2):
     """A call of the fused op into a one-row ring; repeated calls merge into the same row."""
     width = _layout.HEADER + (hist.nbins if hist else 0)
     ring = torch.empty((1, 1, width), dtype=torch.int64, device=x.device)
     state = hookcap.functional.new_state(x.device)
     _ops.reset_slot(ring, state)
-    return lambda: _ops.accumulate(x, ring, state, 0, hist)
+    return lambda: _ops.accumulate(x, ring, state, 0, hist, moments)
 
 
 def configs(x: torch.Tensor, shape: bool = False) -> dict:
     """name -> (zero-argument callable, bytes moved per call). ``shape``: also
-    the distribution-shape histograms (4 bins per octave; signed)."""
+    the distribution-shape histograms (4 bins per octave; signed) and, on the
+    CPU, "+moments=4": moments=4 with the default log2 histogram."""
     nbytes = x.numel() * x.element_size()
     out = {
         "hookcap": (fused(x, None), nbytes),
         "hookcap+log2": (fused(x, hookcap.Histogram.log2()), nbytes),
         **({"+log2 sub=4": (fused(x, hookcap.Histogram.log2(sub=4)), nbytes),
             "+log2 signed": (fused(x, hookcap.Histogram.log2(signed=True)), nbytes)} if shape else {}),
+        **({"+moments=4": (fused(x, hookcap.Histogram.log2(), 4), nbytes)}
+           if shape and not x.is_cuda else {}),
         "torch.sum": (lambda: torch.sum(x), nbytes),
         "torch chain": (lambda: torch_chain(x), nbytes),
     }

@@ -283,11 +283,12 @@ def moments_about(rows: np.ndarray, to, cols=(S1, S2, SHIFT)) -> tuple[np.ndarra
 
 
 def moments4_about(rows: np.ndarray, to) -> tuple[np.ndarray, np.ndarray]:
-    """(S3, S4) of raw rows [..., width] re-expressed about shift ``to``
-    (numpy twin of the C++ shift_rebase4, from the rows' own S1, S2)."""
+    """(S3, S4) of raw rows [..., width] re-expressed about shift ``to`` by
+    the binomial expansion of ((x - K) + t)^k, t = K - to, from the rows' own
+    S1, S2 about their shift K; 0 for rows that hold none (N4 = 0)."""
     f = rows[..., [S1, S2, S3, S4, SHIFT]].copy().view(np.float64)
     n = moment_count(rows)
-    t = np.where(rows[..., SHIFT] != SHIFT_UNSET, f[..., 4] - to, 0.0)
+    t = np.where((rows[..., SHIFT] != SHIFT_UNSET) & (rows[..., N4] > 0), f[..., 4] - to, 0.0)
     s1, s2, s3, s4 = f[..., 0], f[..., 1], f[..., 2], f[..., 3]
     t2 = t * t
     return (s3 + 3.0 * t * s2 + 3.0 * t2 * s1 + n * t2 * t,

@@ -18,6 +18,8 @@ Plots (matplotlib, Agg canvas; the caller's pyplot backend is not touched):
   when the file has histograms.
 - ``crest.png``: the ``crest`` heatmap (absmax / rms per metric and step):
   where outliers stand out from the bulk.
+- ``kurtosis.png``: the ``kurtosis`` heatmap, when recorded
+  (``Monitor(moments=4)``): heavy tails per metric and step (3: normal).
 - ``signals.png``: the loss-spike signals over steps, when the file has them
   (see ``spike_signals``): the tapped ``loss``, each parameter's update ratio
   ``||dw|| / ||w_before||`` and its Adam ratio RMS, one thin line per
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._layout import STAT_NAMES
+from ._layout import MOMENT_NAMES, STAT_NAMES
 from .histogram import Histogram
 from .sinks.jsonl import full_histogram
 from .history import History, load
@@ -70,7 +72,8 @@ class RunData:
 
 def from_history(h: History, source: str = "<History>") -> RunData:
     orders = dict(zip(h.steps.tolist(), h._step_orders()))  # h.order(s), in one pass
-    return RunData(source, h.steps.copy(), list(h.names), {s: h[s] for s in STAT_NAMES if s in h},
+    stats = {s: h[s] for s in STAT_NAMES + MOMENT_NAMES if s in h}
+    return RunData(source, h.steps.copy(), list(h.names), stats,
                    orders, h.histogram_spec, list(h.anomalies), h)
 
 
@@ -102,7 +105,7 @@ def read_jsonl(path) -> RunData:
             names.append(d["name"])
     si = {s: i for i, s in enumerate(steps)}
     mi = {n: i for i, n in enumerate(names)}
-    present = [s for s in STAT_NAMES if any(s in d for d in rows)]
+    present = [s for s in STAT_NAMES + MOMENT_NAMES if any(s in d for d in rows)]
     stats = {s: np.full((len(steps), len(names)), np.nan) for s in present}
     hist: dict[str, np.ndarray] = {}
     for d in rows:
@@ -463,7 +466,7 @@ def report(source, out=None, stat: str = "l2norm", metric: str | None = None) ->
     ``.npz``, a Parquet dataset directory or a JSONL file) into ``out``
     (default: ``<source>-report`` next to the file or directory, without its
     extension). Returns ``{"index", "heatmap", "nonfinite", "histogram",
-    "quantiles", "crest", "signals"}``
+    "quantiles", "crest", "kurtosis", "signals"}``
     -> path written (None for a plot the data cannot make)."""
     _import_mpl()
     run = load_run(source)
@@ -485,6 +488,8 @@ def report(source, out=None, stat: str = "l2norm", metric: str | None = None) ->
         "histogram": plot_histogram(run, metric, os.path.join(out, "histogram.png")),
         "quantiles": plot_quantiles(run, metric, os.path.join(out, "quantiles.png")),
         "crest": plot_heatmap(run, "crest", os.path.join(out, "crest.png")) if "crest" in run.stats else None,
+        "kurtosis": (plot_heatmap(run, "kurtosis", os.path.join(out, "kurtosis.png"))
+                     if np.isfinite(run.stats.get("kurtosis", np.nan)).any() else None),
         "signals": plot_signals(run, os.path.join(out, "signals.png")),
     }
     files["index"] = _write_index(run, out, stat, metric, first, files)
@@ -513,14 +518,15 @@ def _write_index(run: RunData, out: str, stat: str, metric: str, first, files: d
         "histogram": f"histogram of <code>{e(metric)}</code> over time",
         "quantiles": f"quantiles of <code>{e(metric)}</code> over time (median, p1-p99, p0.1-p99.9)",
         "crest": "crest factor (absmax / rms) per metric and step: outliers standing out from the bulk",
+        "kurtosis": "kurtosis (Pearson; 3 for a normal distribution) per metric and step: heavy tails",
         "signals": "loss-spike signals: loss, update ratio and Adam ratio per parameter (bold: largest)",
     }
     missing = {
         "nonfinite": "no non-finite timeline: the file has no nan/inf columns",
         "histogram": f"no histogram plot: {e(run.source)} holds no histograms for this metric",
     }
-    for key in ("signals", "heatmap", "nonfinite", "histogram", "quantiles", "crest"):
-        if key in ("signals", "quantiles", "crest") and not files.get(key):
+    for key in ("signals", "heatmap", "nonfinite", "histogram", "quantiles", "crest", "kurtosis"):
+        if key in ("signals", "quantiles", "crest", "kurtosis") and not files.get(key):
             continue  # nothing recorded for it: nothing to say
         if files.get(key):
             name = os.path.basename(files[key])

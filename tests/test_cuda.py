@@ -732,3 +732,18 @@ def test_optimizer_updates_on_the_device(dev, which):
             if "adam_ratio" in kinds:
                 r = h["rms"][s, h.column(f"{n}/adam_ratio")]
                 assert np.isfinite(r) and r > 0
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_moments4_computed_on_cpu_refused_on_cuda(dev):
+    """moments=4 runs on the CPU op; a CUDA tensor gets a clear error, never
+    rows without the moments they were asked for."""
+    x = torch.randn(10_000, device=dev)
+    if dev == "cpu":
+        got = hookcap.tensor_stats(x, moments=4)
+        want = hookcap.reference.tensor_stats(x, moments=4)
+        assert got["kurtosis"] == pytest.approx(want["kurtosis"], rel=5e-6)
+        return
+    with pytest.raises(RuntimeError, match="moments=4"):
+        hookcap.tensor_stats(x, moments=4)
+    assert np.isfinite(hookcap.tensor_stats(x)["std"])  # the default still runs

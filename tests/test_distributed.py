@@ -73,7 +73,7 @@ def _ddp_worker(rank, world, store, out):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     # Rank 1 also records a metric rank 0 never sees.
     extra = nn.Linear(2, 2) if rank == 1 else None
-    mon = Monitor(model, capture="output").attach()
+    mon = Monitor(model, capture="output", moments=4).attach()
     # A Monitor on one rank only: rank_sinks="all" (no cross-rank handshake to wait for).
     emon = Monitor(extra, capture="output", rank_sinks="all").attach() if extra is not None else None
     for x in batches():
@@ -124,7 +124,7 @@ def test_ddp_activation_stats_merge_to_global_batch(tmp_path):
         assert_wide_match(got, torch.cat([wide_values(s, r) for r in range(2)]).numpy(), rtol=1e-12)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Monitor(model, capture="output") as mon:
+    with Monitor(model, capture="output", moments=4) as mon:
         for x in batches():
             model(x).pow(2).mean().backward()
             opt.step()
@@ -132,6 +132,9 @@ def test_ddp_activation_stats_merge_to_global_batch(tmp_path):
             mon.step()
     ref = mon.history()
     assert merged.names == ref.names and merged.steps.tolist() == ref.steps.tolist()
+    # Third and fourth moments: each rank's about its own shift, moved to a common one.
+    for stat in hookcap.MOMENT_NAMES:
+        np.testing.assert_allclose(merged[stat], ref[stat], rtol=1e-5, atol=1e-6, err_msg=stat)
     for stat in ("count", "nan", "zeros", "finite"):
         np.testing.assert_array_equal(merged[stat], ref[stat])
     # Step 0 sees identical weights on both sides: extrema are bit-exact.

@@ -179,6 +179,11 @@ def test_monitor_records_moments_of_every_call(tmp_path):
     np.testing.assert_array_equal(back["kurtosis"], h["kurtosis"])
     pq = hookcap.load(str(tmp_path / "pq"))
     np.testing.assert_allclose(pq["skew"], h["skew"], rtol=1e-12)
+    pytest.importorskip("matplotlib")
+    from hookcap.report import report
+
+    files = report(h, out=str(tmp_path / "rep"))
+    assert files["kurtosis"] and "kurtosis" in open(files["index"]).read()
 
 
 def test_monitor_without_moments_has_none():
