@@ -94,6 +94,8 @@ class Consumers:
             if isinstance(d, Underflow):
                 d.check_histogram(config.histogram)
         for s in sinks.active:
+            if config.moments == 4 and callable(getattr(s, "add_moments", None)):
+                s.add_moments()
             if getattr(s, "quantiles", ()) and config.histogram is None:
                 raise ValueError(f"{type(s).__name__}(quantiles=...) needs histograms: pass Monitor(histogram=...) "
                                  "(quantiles are estimated from them), or drop quantiles=")

@@ -159,7 +159,8 @@ def test_monitor_records_moments_of_every_call(tmp_path):
     jl = tmp_path / "s.jsonl"
     mon = Monitor(model, capture=("output",), moments=4,
                   sinks=[sinks.JSONL(str(jl), stats=("kurtosis", "skew")),
-                         sinks.Parquet(str(tmp_path / "pq"), stats=hookcap.STAT_NAMES + NAMES)])
+                         sinks.JSONL(str(tmp_path / "all.jsonl")),  # stats=None: gains the moments
+                         sinks.Parquet(str(tmp_path / "pq"))])
     with mon:
         for _ in range(3):
             seen.clear()
@@ -174,6 +175,8 @@ def test_monitor_records_moments_of_every_call(tmp_path):
     lines = [json.loads(s) for s in jl.read_text().splitlines()]
     last = [r for r in lines if r["step"] == 2 and r["name"] == "lin/output"][0]
     assert last["kurtosis"] == pytest.approx(h["kurtosis"][-1, m], rel=1e-12)
+    first = json.loads((tmp_path / "all.jsonl").read_text().splitlines()[0])
+    assert set(hookcap.STAT_NAMES + NAMES) <= set(first)
     mon.dump(str(tmp_path / "h.npz"))
     back = hookcap.load(str(tmp_path / "h.npz"))
     np.testing.assert_array_equal(back["kurtosis"], h["kurtosis"])
@@ -186,13 +189,14 @@ def test_monitor_records_moments_of_every_call(tmp_path):
     assert files["kurtosis"] and "kurtosis" in open(files["index"]).read()
 
 
-def test_monitor_without_moments_has_none():
-    mon = Monitor(torch.nn.Linear(3, 3), capture=("output",))
+def test_monitor_without_moments_has_none(tmp_path):
+    jl = sinks.JSONL(str(tmp_path / "s.jsonl"))
+    mon = Monitor(torch.nn.Linear(3, 3), capture=("output",), sinks=jl)
     with mon:
         mon.model(torch.randn(2, 3))
         mon.step()
     h = mon.history()
-    assert "kurtosis" not in h.stat_names
+    assert "kurtosis" not in h.stat_names and "kurtosis" not in jl.stats
     with pytest.raises(KeyError):
         h["kurtosis"]
     with pytest.raises(ValueError, match="moments"):

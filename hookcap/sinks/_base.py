@@ -20,7 +20,8 @@ class Sink:
     """Base class. ``stats``: stat names to write (default: all of
     ``hookcap.STAT_NAMES``; ``"fwd_ms"``/``"bwd_ms"`` may be added, recorded by
     ``Monitor(timing=True)``, and ``hookcap.MOMENT_NAMES`` (``"skew"``,
-    ``"kurtosis"``, ...), recorded by ``Monitor(moments=4)``: NaN otherwise);
+    ``"kurtosis"``, ...), recorded by ``Monitor(moments=4)``, which adds them
+    to a sink made without ``stats=``: NaN otherwise);
     ``every``: write only steps whose number is a multiple of ``every``;
     ``quantiles``: probabilities in [0, 1] whose quantiles each step carries
     as two more columns, ``p50`` (the estimate, see
@@ -35,6 +36,7 @@ class Sink:
     rank: int | None = None
 
     def __init__(self, stats: Iterable[str] | None = None, every: int = 1, quantiles=None):
+        given = stats is not None
         stats = tuple(STAT_NAMES if stats is None else stats)
         known = STAT_NAMES + MOMENT_NAMES + TIMING_NAMES
         bad = [s for s in stats if s not in known]
@@ -43,6 +45,7 @@ class Sink:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every: must be an int >= 1, got {every!r}")
         self.stats = stats
+        self._stats_default = not given  # stats=None: follows what the Monitor records (add_moments)
         self.every = every
         self.quantiles = () if quantiles is None else tuple(float(q) for q in check_q(quantiles)[0])
 
@@ -65,6 +68,13 @@ class Sink:
             for j, q in enumerate(self.quantiles):
                 out += [(column_name(q), qs.value[:, j]), (column_name(q) + "_err", qs.rel_error[:, j])]
         return out
+
+    def add_moments(self) -> None:
+        """Called by a ``Monitor(moments=4)`` before the first write: a sink
+        made without ``stats=`` also writes ``hookcap.MOMENT_NAMES``. Optional
+        for duck-typed sinks."""
+        if getattr(self, "_stats_default", False) and not set(MOMENT_NAMES) <= set(self.stats):
+            self.stats = tuple(self.stats) + MOMENT_NAMES
 
     def bind_rank(self, rank: int | None) -> None:
         """Called by the Monitor once in a multi-rank run (torch.distributed

@@ -164,6 +164,11 @@ class Parquet(Sink):
         super().bind_rank(rank)
         self.path = rank_path(self.path_template, rank)
 
+    def add_moments(self) -> None:
+        super().add_moments()
+        if not self._steps:  # nothing buffered yet: the columns follow the stats
+            self._reset()
+
     # -- per step: numpy only, no loop over metrics ------------------------------
     def write(self, step: DrainedStep) -> None:
         if self._seq is None:
