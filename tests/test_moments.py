@@ -201,3 +201,22 @@ def test_monitor_without_moments_has_none(tmp_path):
         h["kurtosis"]
     with pytest.raises(ValueError, match="moments"):
         Monitor(torch.nn.Linear(3, 3), moments=True)
+
+
+def test_optimizer_update_rows_keep_two_moments():
+    """Update rows come from their own op, which keeps two moments: with
+    moments=4 they record as usual and read NaN for the four, while the
+    module rows beside them have them."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = Monitor(model, capture=("output", "update", "adam_ratio"), optimizer=opt, moments=4)
+    with mon:
+        for _ in range(2):
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    h = mon.history()
+    up, out = h.column("weight/update"), h.column("./output")
+    assert np.isfinite(h["std"][-1, up]) and np.isnan(h["kurtosis"][-1, up])
+    assert np.isfinite(h["kurtosis"][-1, out])
