@@ -220,3 +220,26 @@ def test_optimizer_update_rows_keep_two_moments():
     up, out = h.column("weight/update"), h.column("./output")
     assert np.isfinite(h["std"][-1, up]) and np.isnan(h["kurtosis"][-1, up])
     assert np.isfinite(h["kurtosis"][-1, out])
+
+
+def test_compiled_model_records_the_moments_of_eager():
+    """Under torch.compile the traced hooks pass the same op arguments (the
+    moments=4 flag with them): the same moments as eager."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(32, 8)
+    hs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        mon = Monitor(model, capture=("output", "grad_output"), moments=4)
+        run = torch.compile(model) if compiled else model
+        with mon:
+            run(x).square().mean().backward()
+            mon.step()
+        hs.append(mon.history())
+    eager, comp = hs
+    assert sorted(comp.names) == sorted(eager.names)
+    cols = [comp.column(n) for n in eager.names]
+    for k in NAMES:
+        np.testing.assert_allclose(comp[k][:, cols], eager[k], rtol=1e-5, atol=1e-12, err_msg=k)
+    assert np.isfinite(comp["kurtosis"]).all()
