@@ -795,25 +795,18 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     uint32_t local[kHistCopies * (kLocalBins + 1)];
     static_assert(kLocalBins + 1 >= kExpBins, "local copies must hold the exponent histogram");
-    for (int64_t c = c0; c < c1; ++c) {
-      if (local_hist) std::memset(local, 0, sizeof(uint32_t) * copies * cs);
-      moments4_init(m4[c]);
-      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs, mult, copies,
-                        h.moments4 ? &m4[c] : nullptr};
-      const int64_t b = c * chunk, e = std::min(n, b + chunk);
-      if (avx2) {
-        chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
-      } else {
-        chunk_base<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
-      }
-      if (!local_hist) continue;
+    // The local counts of this worker's chunks go to the row once (counts
+    // add in any order), or earlier if a uint32 count could overflow;
+    // `zeros`: the zeros among them, counted exactly by the stats.
+    int64_t pending = 0, zeros = 0;
+    auto flush = [&] {
       auto total_of = [&](int64_t k) { return local_total(local, copies, cs, k) * mult; };
+      const int64_t z = zeros * mult;
       if constexpr (kExp) {
-        // Exponent field 0 holds zeros (counted exactly by the stats) and
-        // float subnormals (underflow when lo >= -126); 255 is NaN/Inf.
-        const int64_t zeros = partial[c].nzero * mult;
-        if (zeros) HostAtomics::add_i64(row + kHeader + 0, zeros);
-        const int64_t sub = total_of(0) - zeros;
+        // Exponent field 0 holds zeros and float subnormals (underflow when
+        // lo >= -126); 255 is NaN/Inf.
+        if (z) HostAtomics::add_i64(row + kHeader + 0, z);
+        const int64_t sub = total_of(0) - z;
         if (sub) HostAtomics::add_i64(row + kHeader + 1, sub);
         for (int k = 1; k < 255; ++k) {
           const int64_t cnt = total_of(k);
@@ -826,17 +819,34 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
           const int64_t cnt = bin_of_key[k] >= 0 ? total_of(k) : 0;
           if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_key[k], cnt);
         }
-        const int64_t zeros = partial[c].nzero * mult;
-        if (zeros) {
+        if (z) {
           const int64_t zero_bin = log2_zero_bin(static_cast<int32_t>(h.lo_exp), static_cast<int32_t>(h.hi_exp),
                                                  static_cast<int32_t>(h.sub_shift), h.sign != 0);
-          HostAtomics::add_i64(row + kHeader + zero_bin, zeros);
-          HostAtomics::add_i64(row + kHeader + zero_bin + 1, -zeros);
+          HostAtomics::add_i64(row + kHeader + zero_bin, z);
+          HostAtomics::add_i64(row + kHeader + zero_bin + 1, -z);
         }
       } else {
         merge_local_bins(local, copies, cs, h.nbins, mult, row);
       }
+      std::memset(local, 0, sizeof(uint32_t) * copies * cs);
+      pending = zeros = 0;
+    };
+    if (local_hist) std::memset(local, 0, sizeof(uint32_t) * copies * cs);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = c * chunk, e = std::min(n, b + chunk);
+      if (local_hist && pending + (e - b) > int64_t{UINT32_MAX}) flush();
+      moments4_init(m4[c]);
+      const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs, mult, copies,
+                        h.moments4 ? &m4[c] : nullptr};
+      if (avx2) {
+        chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
+      } else {
+        chunk_base<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
+      }
+      pending += e - b;
+      zeros += partial[c].nzero;
     }
+    if (local_hist && pending) flush();
   });
   // Merge in chunk order: the same sums for any number of threads.
   Acc total;
