@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import nn
 
-from . import _layout
+from . import _layout, _ops
 from .histogram import Histogram
 
 CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad", "optim_state",
@@ -118,7 +118,7 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
                          f"metrics), 'skip' or 'merge', got {eval_forwards!r}")
     if not isinstance(update_snapshot, bool):
         raise ValueError(f"update_snapshot: expected True or False, got {update_snapshot!r}")
-    hist_args = op_hist_args(histogram, check_moments(moments))
+    hist_args = _ops.hist_args(histogram, check_moments(moments))
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
                   module_filter(modules), hist_args, width, update_snapshot, moments)
@@ -129,13 +129,6 @@ def check_moments(moments) -> int:
     if isinstance(moments, bool) or moments not in (2, 4):
         raise ValueError(f"moments: expected 2 (mean and std) or 4 (also skew and kurtosis), got {moments!r}")
     return moments
-
-
-def op_hist_args(histogram, moments: int = 2) -> tuple:
-    """(hist_kind, hist_lo, hist_hi, hist_bins) of the accumulate op: the
-    histogram's, with the moments=4 flag added to hist_kind."""
-    kind, lo, hi, bins = (0, 0.0, 0.0, 0) if histogram is None else histogram.op_args()
-    return (kind + (_layout.MOMENTS4_FLAG if moments == 4 else 0), lo, hi, bins)
 
 
 def module_filter(modules) -> Callable[[str, nn.Module], bool]:

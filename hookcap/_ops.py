@@ -30,10 +30,15 @@ def accumulate(
     ``state[1] == 0``. One pass, no allocation, no host sync. ``moments=4``
     also sums the third and fourth powers (CPU tensors).
     """
-    args = NO_HIST_ARGS if histogram is None else histogram.op_args()
-    if moments == 4:
-        args = (args[0] + _layout.MOMENTS4_FLAG, *args[1:])
-    _ops.accumulate(x, ring, state, row, *args)
+    _ops.accumulate(x, ring, state, row, *hist_args(histogram, moments))
+
+
+def hist_args(histogram: Histogram | None, moments: int = 2) -> tuple:
+    """(hist_kind, hist_lo, hist_hi, hist_bins) of the accumulate op: the
+    histogram's (``NO_HIST_ARGS`` for none), with the moments=4 flag added
+    to hist_kind."""
+    kind, lo, hi, bins = NO_HIST_ARGS if histogram is None else histogram.op_args()
+    return (kind + (_layout.MOMENTS4_FLAG if moments == 4 else 0), lo, hi, bins)
 
 
 def reset_slot(ring: torch.Tensor, state: torch.Tensor) -> None:
