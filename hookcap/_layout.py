@@ -228,6 +228,8 @@ def higher_moments(rows: np.ndarray, finite=None) -> dict[str, np.ndarray]:
     it has no finite value, and, for skew and kurtosis, where m2 is 0 or the
     powers left double's range."""
     rows = np.asarray(rows, dtype=np.int64)
+    if not rows[..., N4].any():  # the default (moments=2): nothing to derive on every decode
+        return {k: np.full(rows.shape[:-1], np.nan) for k in MOMENT_NAMES}
     if finite is None:
         finite = (rows[..., COUNT] - rows[..., NAN] - rows[..., POSINF] - rows[..., NEGINF]).astype(np.float64)
     n = finite - rows[..., BIG_N] - rows[..., SMALL_N]
