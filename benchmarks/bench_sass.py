@@ -390,12 +390,15 @@ def parse_name(demangled: str) -> tuple[str, str] | None:
     if not m:
         return None
     args = [a.strip() for a in m.group(1).split(",")]
-    if len(args) != 3:
+    if len(args) not in (3, 4):
         return None
     modes = {"0": "-", "1": "log2exp", "2": "log2", "3": "linear", "4": "wide", "5": "wide-exact",
              "6": "log2key", "7": "log2fine"}
     reads = {"0": "dense", "1": "rows", "2": "strided"}  # strided.h ReadKind: flat, vectors, elements
-    return args[0], " ".join([SHORT.get(args[0], args[0]), modes.get(args[1], args[1]), reads.get(args[2], args[2])])
+    mode = modes.get(args[1], args[1])
+    if len(args) == 4 and args[3] in ("true", "1"):  # kM4: moments=4
+        mode += "+m4"
+    return args[0], " ".join([SHORT.get(args[0], args[0]), mode, reads.get(args[2], args[2])])
 
 
 def launch_atomics(n: int = 16 * 2**20, grid: int = 528) -> dict:
@@ -455,7 +458,7 @@ def main() -> None:
                 dense = label.split()[-1] in ("dense", "rows")  # 16-byte vector loads
                 loop = analyse(insns, elem, dense, marker)
                 pi = info.get(mangled, dict(regs=0, spill_st=0, spill_ld=0, smem=0))
-                dyn = max_dynamic_smem(arch, label.split()[1], dtype, pi["smem"])
+                dyn = max_dynamic_smem(arch, label.split()[1].split("+")[0], dtype, pi["smem"])
                 bps = blocks_per_sm(arch, pi["regs"], pi["smem"] + dyn)
                 row = dict(arch=arch, kernel=label, dtype=SHORT.get(dtype, dtype), regs=pi["regs"],
                            spill_bytes=pi["spill_st"] + pi["spill_ld"], smem=pi["smem"], dyn_smem=dyn,

@@ -4,6 +4,8 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, settings
 
+import hookcap
+
 
 settings.register_profile(
     "default",
@@ -152,3 +154,51 @@ def assert_wide_match(got: dict, values: np.ndarray, histogram=None, rtol=1e-10)
         assert abs(g - r) <= rtol * scale, f"{k}: got {g!r}, reference {r!r} ({abs(g - r) / max(scale, 1e-300):.3g})"
     if histogram is not None:
         np.testing.assert_array_equal(got["hist"], ref["hist"])
+
+
+# moments=4: the powers are summed in double (the CPU loop) or in float runs
+# flushed to double (the CUDA kernel) about the row's shift; the mean and
+# variance they are centred with come from the float sums of inputs of 32 bits
+# or fewer: std's accuracy, a few parts per million at worst (measured: up to
+# 1.1e-6 on the CPU and 1.9e-6 in the emulated kernel, bfloat16 data).
+MOMENTS_RTOL = 5e-6
+
+
+def assert_moments(got, want, values, rtol=MOMENTS_RTOL):
+    """m3 within rtol of the scale of its terms (mean |x - mean|^3), m4 and
+    kurtosis within rtol relative, skew within rtol (times the scale ratio
+    for very skewed data)."""
+    f = np.asarray(values, np.float64).reshape(-1)
+    f = f[np.isfinite(f)]
+    for k in hookcap.MOMENT_NAMES:
+        if np.isnan(want[k]):
+            assert np.isnan(got[k]), (k, got[k])
+            continue
+        assert np.isfinite(got[k]), (k, got[k])
+    if np.isnan(want["kurtosis"]):
+        return
+    d = np.abs(f - f.mean())
+    scale3 = np.mean(d ** 3)
+    assert abs(got["m3"] - want["m3"]) <= rtol * scale3, (got["m3"], want["m3"])
+    assert abs(got["m4"] - want["m4"]) <= rtol * want["m4"], (got["m4"], want["m4"])
+    assert abs(got["skew"] - want["skew"]) <= rtol * max(1.0, scale3 / np.mean(d * d) ** 1.5), \
+        (got["skew"], want["skew"])
+    assert abs(got["kurtosis"] - want["kurtosis"]) <= rtol * want["kurtosis"], (got["kurtosis"], want["kurtosis"])
+
+
+def draw(kind: str, n: int, seed: int) -> torch.Tensor:
+    """float64 test data of a named shape, for the higher moments."""
+    g = np.random.default_rng(seed)
+    x = {
+        "normal": lambda: g.standard_normal(n),
+        "t3": lambda: g.standard_t(3, n),  # heavy tails: kurtosis far above 3
+        "cauchy": lambda: g.standard_cauchy(n),
+        "offset": lambda: 1e4 + g.standard_normal(n) * 1e-2,  # |mean| >> std
+        "negative": lambda: -np.abs(g.lognormal(0, 2, n)),  # all negative, skewed
+        "spiky": lambda: np.where(g.random(n) < 1e-3, 300.0, g.standard_normal(n)),  # outliers
+        "two_sd": lambda: 2.0 + g.standard_normal(n),  # mean at the edge of a run's centring at 0
+        "tiny": lambda: g.standard_t(3, n) * 1e-13,  # fourth powers below float's range
+        "huge": lambda: g.standard_normal(n) * 1e11,  # fourth powers above it
+        "halves": lambda: np.concatenate([g.standard_normal(n // 2), 1e3 + g.standard_normal(n - n // 2)]),
+    }[kind]()
+    return torch.from_numpy(x)

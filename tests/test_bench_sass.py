@@ -74,4 +74,8 @@ def test_parse_name_reads_mode_and_read_kind_by_position():
         "float", "f32 - strided")
     assert bench_sass.parse_name("void hookcap::kernels::accumulate_kernel<double, 2, 0>(const double *)") == (
         "double", "f64 log2 dense")
+    assert bench_sass.parse_name("void hookcap::kernels::accumulate_kernel<float, 6, 0, false>(const float *)") == (
+        "float", "f32 log2key dense")
+    assert bench_sass.parse_name("void hookcap::kernels::accumulate_kernel<c10::Half, 1, 2, true>(const c10::Half *)") == (
+        "c10::Half", "f16 log2exp+m4 strided")
     assert bench_sass.parse_name("void hookcap::kernels::advance_kernel(long *)") is None

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import abs_sum, assert_recorded, assert_stats_match, assert_wide_match
+from conftest import abs_sum, assert_moments, assert_recorded, assert_stats_match, assert_wide_match, draw
 
 import hookcap
 from hookcap import Histogram, _layout, _ops
@@ -735,15 +735,13 @@ def test_optimizer_updates_on_the_device(dev, which):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_moments4_computed_on_cpu_refused_on_cuda(dev):
-    """moments=4 runs on the CPU op; a CUDA tensor gets a clear error, never
-    rows without the moments they were asked for."""
-    x = torch.randn(10_000, device=dev)
-    if dev == "cpu":
-        got = hookcap.tensor_stats(x, moments=4)
-        want = hookcap.reference.tensor_stats(x, moments=4)
-        assert got["kurtosis"] == pytest.approx(want["kurtosis"], rel=5e-6)
-        return
-    with pytest.raises(RuntimeError, match="moments=4"):
-        hookcap.tensor_stats(x, moments=4)
-    assert np.isfinite(hookcap.tensor_stats(x)["std"])  # the default still runs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("kind", ["normal", "t3", "offset", "two_sd", "tiny", "halves"])
+def test_moments4_match_reference(dev, dtype, kind):
+    """moments=4 on a million values (many blocks: the tree merge) and on a
+    strided view of them, against the float64 reference of the same values."""
+    x = draw(kind, 1_000_003, 7)
+    x = (x.clamp(-6e4, 6e4) if dtype == torch.float16 else x).to(dtype)
+    for v in (x, x[3:].reshape(1000, -1)[:, ::3]):
+        got = hookcap.tensor_stats(v.to(dev), Histogram.log2(), moments=4)
+        assert_moments(got, hookcap.reference.tensor_stats(v, Histogram.log2(), moments=4), v.double().numpy())

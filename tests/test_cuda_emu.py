@@ -20,10 +20,10 @@ import torch
 import torch.utils.cpp_extension as cpp_ext
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import abs_sum, assert_stats_match, assert_wide_match
+from conftest import abs_sum, assert_moments, assert_stats_match, assert_wide_match, draw
 
 import hookcap
-from hookcap import Histogram, _layout
+from hookcap import Histogram, _layout, _ops
 from hookcap.histogram import NO_HIST_ARGS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1327,3 +1327,131 @@ def test_update_kernel_off_step_writes_nothing(emu):
     emu.accumulate_update(w, grad, a, b, None, [0.1, 0, 0.9, 0, 0, 0, 9, 0], 0, ring, torch.tensor([0, 0, 0]),
                           [0, 1, -1, -1, -1], *NO_HIST_ARGS, 2, 256, False)
     assert torch.equal(ring, before)
+
+
+# ---------------------------------------------------------------------------
+# moments=4: the kernels' third and fourth powers, summed in float runs like
+# the moments, flushed to double about each thread's shift and rebased
+# (shift_rebase4) as partials merge, against the float64 reference and the
+# CPU op (which sums them in double about the row's shift).
+
+def run_emu4(emu, x, h, grid, block=THREADS, tree=True):
+    ring = new_ring(1, 1, h)
+    emu.accumulate(x, ring, torch.tensor([0, 1, 0]), 0, *_ops.hist_args(h, 4), grid, block, tree=tree)
+    return ring[0, 0].numpy()
+
+
+def check4(emu, x, h, grid, *, tree=True, block=THREADS):
+    """The emulated moments=4 row: the ordinary statistics as without it (equal
+    to the CPU op's where exact), the four higher moments within their bound,
+    and the same count of values in the powers as the CPU op."""
+    raw = run_emu4(emu, x, h, grid, block, tree)
+    cpu = np.asarray(_ring_cpu4(x, h))
+    check(raw, x, h, cpu_raw=cpu)
+    assert raw[_layout.N4] == cpu[_layout.N4]
+    got = row_stats(raw, h)
+    assert_moments(got, hookcap.reference.tensor_stats(x, h, moments=4), x.double().numpy())
+    return got
+
+
+def _ring_cpu4(x, h):
+    ring = new_ring(1, 1, h)
+    OPS.accumulate(x, ring, torch.tensor([0, 1, 0]), 0, *_ops.hist_args(h, 4))
+    return ring[0, 0].numpy()
+
+
+M4_KINDS = ["normal", "t3", "offset", "negative", "spiky", "two_sd", "tiny", "huge", "halves"]
+
+
+@pytest.mark.parametrize("kind", M4_KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_moments4_match_reference_and_cpu(emu, kind, dtype):
+    """20,001 values (a flat head and tail beside the vectors) over 3 blocks:
+    centred runs, runs far from 0, heavy tails, fourth powers below float's
+    range (rescaled runs) and above it (runs redone in double), blocks whose
+    threads' shifts differ by 1e3 standard deviations."""
+    check4(emu, draw(kind, 20_001, 3).to(dtype), LOG2, 3)
+
+
+@pytest.mark.parametrize("dtype,kinds", [
+    (torch.float16, ["normal", "t3", "negative", "two_sd"]),
+    (torch.float8_e4m3fn, ["normal", "two_sd"]),
+    (torch.float8_e5m2, ["t3"]),
+])
+def test_moments4_narrow_types(emu, dtype, kinds):
+    for kind in kinds:
+        x = draw(kind, 9_000, 5).clamp(-400, 400).to(dtype)
+        check4(emu, x, LOG2, 2)
+
+
+@pytest.mark.parametrize("h", [None, Histogram.log2(-20, 10, sub=4, signed=True), Histogram.linear(-3, 3, 64),
+                               Histogram.linear(-3, 3, 20_000), Histogram.log2(-140, 10)],
+                         ids=["none", "log2key", "linear", "wide", "log2-subnormal"])
+def test_moments4_in_every_histogram_mode(emu, h):
+    x = (draw("t3", 12_345, 8) * 0.7 - 0.2).float()
+    check4(emu, x, h, 2)
+
+
+def test_moments4_through_every_read(emu):
+    """Strided views read element by element, a view of whole 16-byte rows (read
+    as vectors without moments=4, by element with them), stride-0 dimensions
+    (each element read counts for several), an element-misaligned start."""
+    base = draw("two_sd", 64 * 200, 9).float().reshape(200, 64)
+    views = {
+        "strided": base[:, ::3],
+        "rows": base[:, :32],
+        "expanded": base[:50, :8].unsqueeze(1).expand(50, 3, 8),
+        "misaligned": base.reshape(-1)[1:9000],
+    }
+    for name, v in views.items():
+        check4(emu, v, LOG2, 2)
+
+
+def test_moments4_with_nan_inf_subnormals(emu):
+    """Runs holding NaN, Inf or float subnormals are redone in double, values of
+    every magnitude float has (powers up to 2**480: double's range)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = sample(15_000, dtype, 21, max_exp=60)
+        check4(emu, x, Histogram.log2(-140, 64), 3)
+
+
+def test_moments4_of_edge_tensors(emu):
+    const = run_emu4(emu, torch.full((5000,), 2.5), LOG2, 2)
+    got = row_stats(const, LOG2)
+    assert got["m3"] == 0 and got["m4"] == 0 and np.isnan(got["skew"]) and np.isnan(got["kurtosis"])
+    for x in (torch.full((700,), float("nan")), torch.empty(0), torch.tensor([float("inf"), 1.0, -2.0])):
+        raw = run_emu4(emu, x, LOG2, 1)
+        ref = hookcap.reference.tensor_stats(x, LOG2, moments=4)
+        assert_moments(row_stats(raw, LOG2), ref, x.double().numpy())
+
+
+def alternating(n, seed, gap):
+    """Normal values about 0 in even 16-byte vectors, about `gap` in odd ones:
+    on an even grid each lane reads one kind only, so neighbouring lanes have
+    shifts `gap` apart, and the warps and blocks merge partials of both."""
+    g = np.random.default_rng(seed)
+    odd = (np.arange(n) // 4) % 2 == 1
+    return torch.from_numpy(g.standard_normal(n) + gap * odd).float()
+
+
+@pytest.mark.parametrize("tree", [True, False])
+@pytest.mark.parametrize("order,schedule", [(0, 0), (1, 1), (2, 2)])
+def test_moments4_merge_order_and_tree(emu, tree, order, schedule):
+    """Partials with shifts 1e3 standard deviations apart merge into one row in
+    any block order and warp schedule, by the tree or block by block."""
+    emu.configure(order=order, seed=4, schedule=schedule)
+    check4(emu, alternating(30_000, 12, 1e3), LOG2, 6, tree=tree)
+
+
+def test_planted_moments4_rebase_bug_is_caught(emu):
+    """Lanes' third and fourth sums left about their own shifts when the warp
+    moves to a common one (a fault the harness plants): m3 and m4 are far off."""
+    x = alternating(8_000, 1, 50.0)
+    want = hookcap.reference.tensor_stats(x, LOG2, moments=4)
+    emu.set_fault(8)  # cuda_emu.h Fault::m4_rebase
+    try:
+        got = row_stats(run_emu4(emu, x, LOG2, 2), LOG2)
+    finally:
+        emu.set_fault(0)
+    assert abs(got["m4"] - want["m4"]) > 1e-3 * want["m4"]
+    check4(emu, x, LOG2, 2)  # without the fault: within the bound

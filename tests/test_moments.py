@@ -13,47 +13,9 @@ from hypothesis import strategies as st
 
 import hookcap
 from hookcap import Histogram, Monitor, _layout, reference, sinks
+from conftest import assert_moments, draw
 
 NAMES = hookcap.MOMENT_NAMES
-# The powers are summed in double about the row's shift; the mean and variance they are
-# centred with come from the float sums of inputs of 32 bits or fewer: std's accuracy, a
-# few parts per million at worst (measured: up to 1.1e-6 for bf16 t3 data).
-RTOL = 5e-6
-
-
-def assert_moments(got, want, values, rtol=RTOL):
-    """m3 within rtol of the scale of its terms (mean |x - mean|^3), m4 and
-    kurtosis within rtol relative, skew within rtol (times the scale ratio
-    for very skewed data)."""
-    f = np.asarray(values, np.float64).reshape(-1)
-    f = f[np.isfinite(f)]
-    for k in NAMES:
-        if np.isnan(want[k]):
-            assert np.isnan(got[k]), (k, got[k])
-            continue
-        assert np.isfinite(got[k]), (k, got[k])
-    if np.isnan(want["kurtosis"]):
-        return
-    d = np.abs(f - f.mean())
-    scale3 = np.mean(d ** 3)
-    assert abs(got["m3"] - want["m3"]) <= rtol * scale3, (got["m3"], want["m3"])
-    assert abs(got["m4"] - want["m4"]) <= rtol * want["m4"], (got["m4"], want["m4"])
-    assert abs(got["skew"] - want["skew"]) <= rtol * max(1.0, scale3 / np.mean(d * d) ** 1.5), \
-        (got["skew"], want["skew"])
-    assert abs(got["kurtosis"] - want["kurtosis"]) <= rtol * want["kurtosis"], (got["kurtosis"], want["kurtosis"])
-
-
-def draw(kind: str, n: int, seed: int) -> torch.Tensor:
-    g = np.random.default_rng(seed)
-    x = {
-        "normal": lambda: g.standard_normal(n),
-        "t3": lambda: g.standard_t(3, n),  # heavy tails: kurtosis far above 3
-        "cauchy": lambda: g.standard_cauchy(n),
-        "offset": lambda: 1e4 + g.standard_normal(n) * 1e-2,  # |mean| >> std
-        "negative": lambda: -np.abs(g.lognormal(0, 2, n)),  # all negative, skewed
-        "spiky": lambda: np.where(g.random(n) < 1e-3, 300.0, g.standard_normal(n)),  # outliers
-    }[kind]()
-    return torch.from_numpy(x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

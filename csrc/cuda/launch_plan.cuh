@@ -7,6 +7,7 @@
 #pragma once
 
 #include "hookcap/stats_math.h"
+#include "hookcap/strided.h"
 
 #include <cmath>
 #include <cstdint>
@@ -83,7 +84,7 @@ C10_HOST_DEVICE inline float float_at_or_above(double e) {
 constexpr int kTreeFan = 32;                             // one warp's lanes
 constexpr int64_t kMaxTreeBlocks = kTreeFan * kTreeFan;  // two levels
 constexpr int kTableCounts = 256;                        // uint32 counts of a record
-constexpr int64_t kRecordHeader = 16;                    // Acc (12 words), shift, spare
+constexpr int64_t kRecordHeader = 16;                    // Acc (12 words), shift, moments=4 sums, spare
 constexpr int64_t kRecordWords = kRecordHeader + kTableCounts / 2;
 constexpr int64_t kTicketWords = 64;
 
@@ -96,6 +97,20 @@ C10_HOST_DEVICE constexpr int64_t tree_scratch_words(int64_t blocks) {
 // per-warp partials): the launcher's shared-memory budget leaves room for it.
 // (The warps' partials and shifts, and the tree's flag: 16 bytes, aligned.)
 constexpr int64_t kStaticSmem = kWarps * static_cast<int64_t>(sizeof(Acc) + sizeof(int64_t)) + 16;
+
+// The static shared memory a histogram's kernel has beyond kStaticSmem: with
+// moments=4 each warp's third and fourth sums (taken from its dynamic budget).
+C10_HOST_DEVICE constexpr int64_t static_smem_extra(const HistSpec& h) {
+  return h.moments4 ? kWarps * static_cast<int64_t>(sizeof(Moments4)) : 0;
+}
+
+// The read an accumulate launch makes of a view strided.h's vector_read
+// would read as 16-byte vectors: moments=4 reads it by element (its kernels
+// are instantiated for flat and element reads only, which keeps the build's
+// specialisations to two more per mode and type).
+C10_HOST_DEVICE inline ReadKind accumulate_read(ReadKind read, const HistSpec& h) {
+  return h.moments4 && read == kReadVectors ? kReadElements : read;
+}
 
 // Dynamic shared memory one block may take so that kMinBlocks blocks of
 // kThreads fit on an SM with `per_sm` bytes of shared memory, `reserved`

@@ -119,15 +119,36 @@ __device__ __forceinline__ void warp_reduce(Acc& a) {
   }
 }
 
+// warp_reduce of the third and fourth sums (moments=4; about one shift).
+__device__ __forceinline__ void warp_reduce4(Moments4& q) {
+  for (int d = kWarpSize / 2; d > 0; d /= 2) {
+    q.s3 += shfl_down(q.s3, d);
+    q.s4 += shfl_down(q.s4, d);
+  }
+}
+
 // Rebase each lane's partial onto the shift of the warp's lowest lane that
 // has one (lanes without finite values have none); afterwards every lane has
 // that shift, or none if no lane had one.
-__device__ __forceinline__ void warp_common_shift(Acc& a, bool& has, double& shift) {
+// kM4: the lane's third and fourth sums q move with it.
+template <bool kM4 = false>
+__device__ __forceinline__ void warp_common_shift(Acc& a, bool& has, double& shift, Moments4* q = nullptr) {
   const unsigned mask = __ballot_sync(0xffffffffu, has);
   if (mask == 0u) return;
   const int src = __popc((mask & (0u - mask)) - 1u);  // lowest set lane
   const double common = __shfl_sync(0xffffffffu, shift, src);
-  if (has) acc_rebase(a, shift, common);
+  if (has) {
+    // The harness's planted bug: the third and fourth sums left about the lane's own shift.
+    if constexpr (kM4) {
+      if (HOOKCAP_EMU_FAULT(m4_rebase)) {
+        acc_rebase(a, shift, common);
+      } else {
+        acc_rebase4(a, *q, shift, common);
+      }
+    } else {
+      acc_rebase(a, shift, common);
+    }
+  }
   shift = common;
   has = true;
 }
@@ -304,6 +325,12 @@ struct FmaSquare {
   __device__ __forceinline__ double operator()(double s, double d) const { return fma(d, d, s); }
 };
 
+// s + a * b in one rounding (moments=4's cubes and fourth powers).
+struct FmaMul {
+  __device__ __forceinline__ float operator()(float s, float a, float b) const { return fmaf(a, b, s); }
+  __device__ __forceinline__ double operator()(double s, double a, double b) const { return fma(a, b, s); }
+};
+
 // The bin of a float v (linear_bin's result: 0 below lo, bins + 1 at or
 // above hi, else 1 + i for edge i <= v < edge i + 1) through the thresholds
 // thr[i] = least float >= edge i, so that v >= edge i iff v >= thr[i]. The
@@ -351,8 +378,10 @@ __device__ __forceinline__ void warp_add_bin(int64_t* hrow, int key, int64_t mul
 }
 
 // A block partial's record in the tree's scratch (launch_plan.cuh): the Acc
-// as 12 words, then its shift (kShiftUnset: none).
-__device__ __forceinline__ void record_write(int64_t* r, const Acc& a, bool has, double shift) {
+// as 12 words, then its shift (kShiftUnset: none), then with moments=4 its
+// third and fourth sums.
+__device__ __forceinline__ void record_write(int64_t* r, const Acc& a, bool has, double shift,
+                                             const Moments4* q = nullptr) {
   r[0] = dbits(a.sum);
   r[1] = dbits(a.sumsq);
   r[2] = dbits(a.s1);
@@ -366,11 +395,16 @@ __device__ __forceinline__ void record_write(int64_t* r, const Acc& a, bool has,
   r[10] = a.nzero;
   r[11] = a.nfin;
   r[12] = has ? dbits(shift) : kShiftUnset;
+  if (q) {
+    r[13] = dbits(q->s3);
+    r[14] = dbits(q->s4);
+  }
 }
 
 // Read through volatile loads: written by other blocks of the launch (past
 // their __threadfence), not to be served from a stale L1 line.
-__device__ __forceinline__ void record_read(const volatile int64_t* r, Acc& a, bool& has, double& shift) {
+__device__ __forceinline__ void record_read(const volatile int64_t* r, Acc& a, bool& has, double& shift,
+                                            Moments4* q = nullptr) {
   a.sum = bitsd(r[0]);
   a.sumsq = bitsd(r[1]);
   a.s1 = bitsd(r[2]);
@@ -386,6 +420,10 @@ __device__ __forceinline__ void record_read(const volatile int64_t* r, Acc& a, b
   const int64_t s = r[12];
   has = s != kShiftUnset;
   shift = has ? bitsd(s) : 0.0;
+  if (q) {
+    q->s3 = bitsd(r[13]);
+    q->s4 = bitsd(r[14]);
+  }
 }
 
 // Where a block's histogram counts are in shared memory: entry i's count is
@@ -412,14 +450,25 @@ struct CountsTarget {
 };
 
 // Into the ring: a partial's moments (one thread; `zero_or_sub`: with
-// kModeLog2Exp, its count of exponent byte 0)...
-template <int kMode, bool kThresholds>
+// kModeLog2Exp, its count of exponent byte 0; kM4: its third and fourth
+// sums q, about the same shift)...
+template <int kMode, bool kThresholds, bool kM4>
 __device__ __forceinline__ void ring_merge_moments(const CountsTarget& t, Acc a, bool a_has, double a_shift,
-                                                   int64_t zero_or_sub) {
+                                                   int64_t zero_or_sub, Moments4 q) {
   int64_t* hrow = t.row + kHeader;
   if (a_has) {
     const int64_t old = DeviceAtomics::cas_i64(t.row + kShift, kShiftUnset, dbits(a_shift));
-    if (old != kShiftUnset) acc_rebase(a, a_shift, bitsd(old));
+    if (old != kShiftUnset) {
+      if constexpr (kM4) {
+        acc_rebase4(a, q, a_shift, bitsd(old));
+      } else {
+        acc_rebase(a, a_shift, bitsd(old));
+      }
+    }
+  }
+  if constexpr (kM4) {
+    q.n = a.nfin;  // the values in q's sums (before acc_scale)
+    moments4_to_row<DeviceAtomics>(t.row, q, t.mult);
   }
   if (t.mult != 1) acc_scale(a, t.mult);
   row_merge<DeviceAtomics>(t.row, a);
@@ -499,7 +548,7 @@ __device__ __forceinline__ bool tree_ticket(int64_t* ticket, int members, int* f
 // registers are neither in the streaming loop nor saved by every block.
 // `s_sum`: shared memory for ncounts merged counts (the block's own counts,
 // already in its record); `flag`: a shared word.
-template <int kMode, bool kThresholds>
+template <int kMode, bool kThresholds, bool kM4>
 __device__ __noinline__ void tree_merge_groups(CountsTarget t, int64_t* scratch, bool table, unsigned int* s_sum,
                                                int* flag) {
   const int tid = threadIdx.x;
@@ -513,13 +562,16 @@ __device__ __noinline__ void tree_merge_groups(CountsTarget t, int64_t* scratch,
     const int members = static_cast<int>(nrec - first < kTreeFan ? nrec - first : kTreeFan);
     const volatile int64_t* grp = records + (base + first) * kRecordWords;
     Acc acc;
+    Moments4 q;
+    moments4_init(q);
     bool has_shift = false;
     double shift = 0.0;
     if (warp == 0) {
       acc_init(acc);
-      if (lane < members) record_read(grp + lane * kRecordWords, acc, has_shift, shift);
-      warp_common_shift(acc, has_shift, shift);
+      if (lane < members) record_read(grp + lane * kRecordWords, acc, has_shift, shift, kM4 ? &q : nullptr);
+      warp_common_shift<kM4>(acc, has_shift, shift, &q);
       warp_reduce(acc);
+      if constexpr (kM4) warp_reduce4(q);
     }
     if (table) {
       for (int64_t i = tid; i < t.ncounts; i += blockDim.x) {
@@ -532,15 +584,15 @@ __device__ __noinline__ void tree_merge_groups(CountsTarget t, int64_t* scratch,
     }
     if (nrec <= kTreeFan) {  // the top: into the ring
       if (tid == 0) {  // s_sum[0]: its own entry
-        ring_merge_moments<kMode, kThresholds>(t, acc, has_shift, shift,
-                                               kMode == kModeLog2Exp && table ? s_sum[0] : 0);
+        ring_merge_moments<kMode, kThresholds, kM4>(t, acc, has_shift, shift,
+                                                    kMode == kModeLog2Exp && table ? s_sum[0] : 0, q);
       }
       if (table) ring_merge_counts<kMode>(t, [&](int64_t i) { return s_sum[i]; });
       return;
     }
     // Into the group's record on the next level, then that level's ticket.
     int64_t* rec = records + (static_cast<int64_t>(gridDim.x) + group) * kRecordWords;
-    if (tid == 0) record_write(rec, acc, has_shift, shift);
+    if (tid == 0) record_write(rec, acc, has_shift, shift, kM4 ? &q : nullptr);
     if (table) {
       unsigned int* out = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
       for (int64_t i = tid; i < t.ncounts; i += blockDim.x) out[i] = s_sum[i];
@@ -555,9 +607,10 @@ __device__ __noinline__ void tree_merge_groups(CountsTarget t, int64_t* scratch,
 // The end of every accumulate block: its partial (in lane 0 of warp 0: `acc`
 // about `shift`) and its shared-memory counts into the ring, directly or by
 // the tree (launch_plan.cuh). Every thread of the block calls it.
-template <int kMode, bool kThresholds>
+template <int kMode, bool kThresholds, bool kM4>
 __device__ __forceinline__ void block_epilogue(const Acc& acc, bool has_shift, double shift, const RowTarget& tgt,
-                                               const HistSpec& hist, int64_t* row, BlockCounts counts) {
+                                               const HistSpec& hist, int64_t* row, BlockCounts counts,
+                                               const Moments4& q) {
   constexpr bool kCounts = kMode == kModeLog2Exp || kMode == kModeLog2Key || kMode == kModeLog2 ||
                           kMode == kModeLog2Fine || kMode == kModeLinear;
   const int tid = threadIdx.x;
@@ -573,7 +626,8 @@ __device__ __forceinline__ void block_epilogue(const Acc& acc, bool has_shift, d
   const bool tree = tgt.scratch != nullptr && gridDim.x > 1 && gridDim.x <= kMaxTreeBlocks;
   if (!tree) {  // every block into the ring
     if (tid == 0) {
-      ring_merge_moments<kMode, kThresholds>(t, acc, has_shift, shift, kMode == kModeLog2Exp ? counts(0) : 0);
+      ring_merge_moments<kMode, kThresholds, kM4>(t, acc, has_shift, shift, kMode == kModeLog2Exp ? counts(0) : 0,
+                                                  q);
     }
     if constexpr (kCounts) ring_merge_counts<kMode>(t, counts);
     return;
@@ -582,7 +636,7 @@ __device__ __forceinline__ void block_epilogue(const Acc& acc, bool has_shift, d
   const bool table = kCounts && t.ncounts <= kTableCounts;  // counts travel with the records
   if (kCounts && !table) ring_merge_counts<kMode>(t, counts);  // else each block's go to the ring
   int64_t* rec = tgt.scratch + kTicketWords + static_cast<int64_t>(blockIdx.x) * kRecordWords;
-  if (tid == 0) record_write(rec, acc, has_shift, shift);
+  if (tid == 0) record_write(rec, acc, has_shift, shift, kM4 ? &q : nullptr);
   if (table) {
     unsigned int* out = reinterpret_cast<unsigned int*>(rec + kRecordHeader);
     for (int64_t i = tid; i < t.ncounts; i += blockDim.x) out[i] = counts(i);
@@ -591,7 +645,7 @@ __device__ __forceinline__ void block_epilogue(const Acc& acc, bool has_shift, d
   const int members = static_cast<int>(gridDim.x - first < kTreeFan ? gridDim.x - first : kTreeFan);
   if (!tree_ticket(tgt.scratch + group, members, &s_last)) return;
   // The block's own counts are in its record: their shared memory sums the group's.
-  tree_merge_groups<kMode, kThresholds>(t, tgt.scratch, table, counts.at, &s_last);
+  tree_merge_groups<kMode, kThresholds, kM4>(t, tgt.scratch, table, counts.at, &s_last);
 }
 
 // A wide float64 value (stats_math.h wide_bucket) into the ring row. Out of
@@ -600,7 +654,11 @@ __device__ __noinline__ void wide_value_to_ring(int64_t* row, double v, int b, i
   wide_value_to_row<DeviceAtomics>(row, v, b, mult);
 }
 
-template <typename T, int kMode, int kRead>
+// kM4 (moments=4): also the third and fourth sums, in float per run like
+// s1, s2 (three instructions per element), flushed to double about the
+// thread's shift (moments4_add_run) and merged like the moments, rebased
+// by shift_rebase4.
+template <typename T, int kMode, int kRead, bool kM4 = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     accumulate_kernel(const T* __restrict__ x, int64_t n, StridedDesc desc, RowTarget tgt,
                       HistSpec hist, LinearThr lin) {
@@ -614,6 +672,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   __shared__ std::conditional_t<kMode == kModeLog2Exp, Log2ExpSmem, char> sh;
   __shared__ Acc s_warp[kWarps];
   __shared__ int64_t s_shift[kWarps];  // each warp partial's shift (bits), or kShiftUnset
+  __shared__ std::conditional_t<kM4, Moments4[kWarps], char> s_m4;  // kM4: each warp's third and fourth sums
 
   if (blockDim.x > kThreads) __trap();  // shared memory is sized for kThreads
   const int64_t enabled = tgt.state[kStateEnabled];
@@ -690,6 +749,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // The thread's partial, about its shift (its first run's center).
   ThreadAcc<W> part;
   thread_acc_init(part);
+  Moments4 q;  // kM4: the thread's third and fourth sums, about its shift (q.n unused until the merge)
+  moments4_init(q);
   double shift = 0.0;
   bool has_shift = false;
   auto exact = [&](double v) {  // one value in double: NaN/Inf counted, any magnitude
@@ -700,6 +761,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         has_shift = true;
       }
       thread_acc_push(part, v, shift);
+      if constexpr (kM4) {
+        if (a < kInf) push_moments4(v - shift, q.s3, q.s4);
+      }
     } else {
       if (!has_shift && a < kInf && wide_bucket(a) == 0) {  // the shift is an ordinary value
         shift = v;
@@ -707,6 +771,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
       const int b = thread_acc_push_wide(part, v, shift);
       if (b != 0) wide_value_to_ring(row, v, b, tgt.mult);  // rare: straight into the ring
+      if constexpr (kM4) {
+        if (a < kInf && wide_bucket(a) == 0) push_moments4(v - shift, q.s3, q.s4);  // the values nfin counts
+      }
     }
   };
 
@@ -827,6 +894,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const int64_t jend = j0 + kRunItems;
     const int64_t j1 = jend < nitems ? jend : (nitems > j0 ? nitems : j0);  // this thread's
     W s1 = 0, s2 = 0, mn = static_cast<W>(kInf), mx = static_cast<W>(-kInf);
+    W s3 = 0, s4 = 0;  // kM4
     W nz = 0;  // zeros of the run, counted in W (exact: at most kRunElems)
     mn2 = kWordInf;
     mx2 = kWordNegInf;
@@ -834,6 +902,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       const W d = v - c;
       s1 += d;
       s2 = FmaSquare{}(s2, d);
+      if constexpr (kM4) push_moments4(d, s3, s4, FmaMul{});
       if constexpr (!kPacked) {
         mn = wmin(mn, v);
         mx = wmax(mx, v);
@@ -921,13 +990,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     }
     const int64_t m = (j1 - j0) * kPer;
     const bool finite = s2 - s2 == W(0);  // false iff a NaN/Inf (or an overflowing square)
+    // v's moments about the center cv, into the run's sums (a run summed again).
+    auto restat = [&](W v, W cv) {
+      push_shifted(v, cv, s1, s2, FmaSquare{});
+      if constexpr (kM4) push_moments4(v - cv, s3, s4, FmaMul{});
+    };
     if (finite && !shift_well_conditioned(s1, s2, m)) {
       // Far from the center: again about this run's mean (rare; re-read from cache).
       c = c + s1 / static_cast<W>(m);
-      s1 = s2 = 0;
-      revisit(j0, j1, [&](W v) { push_shifted(v, c, s1, s2, FmaSquare{}); });
+      s1 = s2 = s3 = s4 = 0;
+      revisit(j0, j1, [&](W v) { restat(v, c); });
     }
     bool in_float = finite && float_sums_ok(s1, s2, mn, mx);
+    if constexpr (kM4) in_float = in_float && float_moments4_ok(s3, s4, s1, mn, mx);
     if constexpr (!kFloat) {
       // Float64 runs that may hold wide values go element by element (their
       // moments need the buckets).
@@ -940,18 +1015,29 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       // squares cannot underflow: the largest value is in [1, 2)); any other
       // run element by element in double (the bins stand).
       if constexpr (kFloat) {
-        if (finite && float_sums_tiny(s1, s2, mn, mx)) scale_exp = tiny_run_exp(wmax(-mn, mx));
+        bool tiny = finite && float_sums_tiny(s1, s2, mn, mx);
+        if constexpr (kM4) {
+          // Either pair's sums tiny, the other within float's range. Times
+          // 2**k, a run that is not constant either spreads over 0.5 or more
+          // or has its values and center on a grid of 2**-24 or coarser
+          // (near the largest |value|, in [1, 2); subnormals: 2**-22), so
+          // some |x - c| >= 2**-24: its fourth powers pass float_moments4_ok.
+          const bool ok2 = float_sums_ok(s1, s2, mn, mx), ok4 = float_moments4_ok(s3, s4, s1, mn, mx);
+          tiny = finite && ((tiny && (ok4 || float_moments4_tiny(s3, s4, s1, mn, mx))) ||
+                            (ok2 && float_moments4_tiny(s3, s4, s1, mn, mx)));
+        }
+        if (tiny) scale_exp = tiny_run_exp(wmax(-mn, mx));
       }
       W sc = W(1), cs = W(0);
       if (scale_exp > 0) {
         sc = pow2f(scale_exp);
         c = c + s1 / static_cast<W>(m);
         cs = c * sc;
-        s1 = s2 = 0;
+        s1 = s2 = s3 = s4 = 0;
       }
       revisit(j0, j1, [&](W v) {
         if (scale_exp > 0) {
-          push_shifted(v * sc, cs, s1, s2, FmaSquare{});
+          restat(v * sc, cs);
         } else {
           exact(static_cast<double>(v));
         }
@@ -967,6 +1053,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
         has_shift = true;
       }
       thread_acc_add_run(part, s1, s2, m, c, shift, mn, mx, static_cast<uint32_t>(nz), scale_exp);
+      if constexpr (kM4) moments4_add_run(q, s1, s2, s3, s4, m, c, shift, scale_exp);
       if (scale_exp > 0) {
         c = next_center(c * pow2f(scale_exp), s1, s2, m) == W(0) ? W(0) : c;
       } else {
@@ -1007,11 +1094,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // the first such record's of a group, and per row the first merge into the
   // ring sets it (later merges rebase onto it).
   Acc acc = to_acc(part, shift);
-  warp_common_shift(acc, has_shift, shift);
+  warp_common_shift<kM4>(acc, has_shift, shift, &q);
   warp_reduce(acc);
+  if constexpr (kM4) warp_reduce4(q);
   if (lane == 0) {
     s_warp[warp] = acc;
     s_shift[warp] = has_shift ? dbits(shift) : kShiftUnset;
+    if constexpr (kM4) s_m4[warp] = q;
   }
   if (!HOOKCAP_EMU_FAULT(sync)) __syncthreads();
   if (warp == 0) {  // the block's partial, in lane 0
@@ -1020,12 +1109,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     shift = mine ? bitsd(s_shift[lane]) : 0.0;
     if (lane < nwarps) {
       acc = s_warp[lane];
+      if constexpr (kM4) q = s_m4[lane];
     } else {
       acc_init(acc);
+      moments4_init(q);
     }
     has_shift = mine;
-    warp_common_shift(acc, has_shift, shift);
+    warp_common_shift<kM4>(acc, has_shift, shift, &q);
     warp_reduce(acc);
+    if constexpr (kM4) warp_reduce4(q);
   }
 
   // The block's histogram counts in shared memory, entry i: kModeLog2Exp, of
@@ -1042,40 +1134,49 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   } else if constexpr (kSharedCounts) {
     counts = BlockCounts{s_cnt, 1, 0, 1, 1};  // [0]: values not binned
   }
-  block_epilogue<kMode, kThresholds>(acc, has_shift, shift, tgt, hist, row, counts);
+  block_epilogue<kMode, kThresholds, kM4>(acc, has_shift, shift, tgt, hist, row, counts, q);
 }
 
-// The accumulate specialisation for an element type, a histogram, a read
-// (strided.h's ReadKind) and the device's shared-memory budget (smem_budget),
-// handed to `launch` (the CUDA launcher, or the emulation harness) as a
-// kernel pointer with its HistPlan: both choose exactly alike.
+// The accumulate specialisation for an element type, a histogram (with
+// moments=4 or not), a read (strided.h's ReadKind, through accumulate_read)
+// and the device's shared-memory budget (smem_budget), handed to `launch`
+// (the CUDA launcher, or the emulation harness) as a kernel pointer with its
+// HistPlan: both choose exactly alike.
 template <typename T, typename Launch>
 void dispatch_accumulate(ReadKind read, const HistSpec& h, int64_t smem_budget, Launch&& launch) {
-  const HistPlan plan = hist_plan(h, sizeof(work_t<T>) == sizeof(float), smem_budget);
-  auto pick = [&](auto mode_tag) {
+  const HistPlan plan = hist_plan(h, sizeof(work_t<T>) == sizeof(float), smem_budget - static_smem_extra(h));
+  auto pick = [&](auto mode_tag, auto m4_tag) {
     // Float64 never takes the exponent-byte or the exact-wide mode (hist_plan): not instantiated.
     constexpr int kTag = decltype(mode_tag)::value;
+    constexpr bool kM4 = decltype(m4_tag)::value;
     constexpr bool kF64 = sizeof(work_t<T>) != sizeof(float);
     constexpr int kMode = kF64 && kTag == kModeLog2Exp   ? kModeLog2
                           : kF64 && kTag == kModeLog2Key ? kModeLog2Fine
                           : kF64 && kTag == kModeWideExact ? kModeWide : kTag;
     if (read == kReadFlat) {
-      launch(&accumulate_kernel<T, kMode, kReadFlat>, plan);
-    } else if (read == kReadVectors) {
-      launch(&accumulate_kernel<T, kMode, kReadVectors>, plan);
+      launch(&accumulate_kernel<T, kMode, kReadFlat, kM4>, plan);
+    } else if (read == kReadVectors && !kM4) {  // moments=4 reads strided views by element (accumulate_read)
+      launch(&accumulate_kernel<T, kMode, kReadVectors, false>, plan);
     } else {
-      launch(&accumulate_kernel<T, kMode, kReadElements>, plan);
+      launch(&accumulate_kernel<T, kMode, kReadElements, kM4>, plan);
+    }
+  };
+  auto pick_m4 = [&](auto mode_tag) {
+    if (h.moments4) {
+      pick(mode_tag, std::true_type{});
+    } else {
+      pick(mode_tag, std::false_type{});
     }
   };
   switch (plan.mode) {
-    case kModeNone: pick(std::integral_constant<int, kModeNone>{}); break;
-    case kModeLog2Exp: pick(std::integral_constant<int, kModeLog2Exp>{}); break;
-    case kModeLog2: pick(std::integral_constant<int, kModeLog2>{}); break;
-    case kModeLog2Fine: pick(std::integral_constant<int, kModeLog2Fine>{}); break;
-    case kModeLog2Key: pick(std::integral_constant<int, kModeLog2Key>{}); break;
-    case kModeLinear: pick(std::integral_constant<int, kModeLinear>{}); break;
-    case kModeWide: pick(std::integral_constant<int, kModeWide>{}); break;
-    default: pick(std::integral_constant<int, kModeWideExact>{}); break;
+    case kModeNone: pick_m4(std::integral_constant<int, kModeNone>{}); break;
+    case kModeLog2Exp: pick_m4(std::integral_constant<int, kModeLog2Exp>{}); break;
+    case kModeLog2: pick_m4(std::integral_constant<int, kModeLog2>{}); break;
+    case kModeLog2Fine: pick_m4(std::integral_constant<int, kModeLog2Fine>{}); break;
+    case kModeLog2Key: pick_m4(std::integral_constant<int, kModeLog2Key>{}); break;
+    case kModeLinear: pick_m4(std::integral_constant<int, kModeLinear>{}); break;
+    case kModeWide: pick_m4(std::integral_constant<int, kModeWide>{}); break;
+    default: pick_m4(std::integral_constant<int, kModeWideExact>{}); break;
   }
 }
 

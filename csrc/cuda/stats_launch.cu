@@ -318,8 +318,6 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
                      int64_t hist_bins) {
   check_accumulate(x_in, ring, state, row);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
-  TORCH_CHECK(!h.moments4, "hookcap: moments=4 (skew, kurtosis) is computed for CPU tensors only; "
-              "record CUDA tensors with moments=2");
   const int64_t n = x_in.numel();
   c10::cuda::CUDAGuard guard(x_in.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
@@ -339,11 +337,12 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
       "hookcap_accumulate_cuda", [&] {
         const scalar_t* p = x_in.const_data_ptr<scalar_t>();
         StridedDesc vec;
-        const ReadKind read = vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec);
+        const ReadKind read =
+            kernels::accumulate_read(vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec), h);
         const StridedDesc& desc = read == kReadVectors ? vec : plan.desc;
         kernels::dispatch_accumulate<scalar_t>(
             read, h, smem_budget(device), [&](auto kernel, const kernels::HistPlan& hp) {
-              allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, hp.smem);
+              allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, hp.smem + kernels::static_smem_extra(h));
               for_each_read(plan, [&](int64_t offset, bool first) {
                 const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                              row, ring.size(1), ring.size(2), ring.size(0),

@@ -337,12 +337,34 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void moments4_init(Moments4& m) {
   m.n = 0;
 }
 
+// s + a * b, rounded twice. Callers with a fused multiply-add pass their own
+// (one rounding), as for AddSquare.
+struct MulAdd {
+  template <typename V>
+  C10_HOST_DEVICE C10_ALWAYS_INLINE V operator()(V s, V a, V b) const {
+    return s + a * b;
+  }
+};
+
 // One deviation d = x - K.
-template <typename V>
-C10_HOST_DEVICE C10_ALWAYS_INLINE void push_moments4(V d, V& s3, V& s4) {
+template <typename V, typename Ma = MulAdd>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void push_moments4(V d, V& s3, V& s4, Ma ma = {}) {
   const V d2 = d * d;
-  s3 += d2 * d;
-  s4 += d2 * d2;
+  s3 = ma(s3, d2, d);
+  s4 = ma(s4, d2, d2);
+}
+
+// Re-express the third and fourth shifted sums of m values from shift
+// `from` to shift `to` by the binomial expansion, t = from - to:
+// sum((x - to)^3) = s3 + 3t*s2 + 3t^2*s1 + m*t^3,
+// sum((x - to)^4) = s4 + 4t*s3 + 6t^2*s2 + 4t^3*s1 + m*t^4,
+// with s1, s2 the same values' sums about `from` (before shift_rebase moves
+// them). hookcap/_layout.py moments4_about is its numpy twin.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void shift_rebase4(double& s3, double& s4, double s1, double s2,
+                                                     double m, double from, double to) {
+  const double t = from - to, t2 = t * t;
+  s4 += 4.0 * t * s3 + 6.0 * t2 * s2 + 4.0 * t2 * t * s1 + m * t2 * t2;
+  s3 += 3.0 * t * s2 + 3.0 * t2 * s1 + m * t2 * t;
 }
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE void moments4_merge(Moments4& a, const Moments4& b) {
@@ -458,6 +480,14 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_rebase(Acc& a, double from, double to
   if (from != to) shift_rebase(a.s1, a.s2, static_cast<double>(a.nfin), from, to);
 }
 
+// acc_rebase of a partial that also has third and fourth sums q (moments=4,
+// about the same shift): q moves first, while a's s1, s2 are still about `from`.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_rebase4(Acc& a, Moments4& q, double from, double to) {
+  if (from == to) return;
+  shift_rebase4(q.s3, q.s4, a.s1, a.s2, static_cast<double>(a.nfin), from, to);
+  shift_rebase(a.s1, a.s2, static_cast<double>(a.nfin), from, to);
+}
+
 // A thread's partial in the CUDA kernel, kept small (registers): moments
 // about its shift only (the raw sums follow at the end, moments_to_raw),
 // extrema in the working type W (float for inputs of 32 bits or fewer: every
@@ -548,6 +578,25 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void thread_acc_add_run(ThreadAcc<W>& t, W s1,
   t.nfin += static_cast<uint32_t>(m);
 }
 
+// moments=4: add a run's third and fourth sums s3, s4 about c (float sums,
+// like its s1, s2; scale_exp as for thread_acc_add_run: 2**-3k, 2**-4k) to
+// the thread's q, about `shift`.
+template <typename W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void moments4_add_run(Moments4& q, W s1, W s2, W s3, W s4, int64_t m, W c,
+                                                        double shift, int scale_exp = 0) {
+  double d1 = static_cast<double>(s1), d2 = static_cast<double>(s2);
+  double d3 = static_cast<double>(s3), d4 = static_cast<double>(s4);
+  if (scale_exp > 0) {
+    d1 *= pow2d(-scale_exp);
+    d2 *= pow2d(-2 * scale_exp);
+    d3 *= pow2d(-3 * scale_exp);
+    d4 *= pow2d(-4 * scale_exp);
+  }
+  shift_rebase4(d3, d4, d1, d2, static_cast<double>(m), static_cast<double>(c), shift);
+  q.s3 += d3;
+  q.s4 += d4;
+}
+
 // ---------------------------------------------------------------------------
 // Float runs: inputs of 32 bits or fewer are summed in float about a center c
 // over a bounded run of m values (all finite), then flushed into a double
@@ -584,6 +633,36 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_sums_tiny(V s1, V s2, V mn, V mx) {
   } else {
     const V a1 = s1 < 0 ? -s1 : s1;
     return a1 <= V(3.0e38f) && s2 < V(7.9e-31f) && !(mn == mx && s1 == 0);
+  }
+}
+
+// moments=4: float_sums_ok for a run's third and fourth sums about its
+// center: no overflow, and no fourth powers lost to float underflow unless
+// the run is constant (s1 == 0, mn == mx). Its third powers need no test of
+// their own: with s4 >= tiny, those lost to underflow weigh less than 2**-30
+// of the largest. Always true for double (as the CPU loop, whose double
+// sums overflow to Inf only beyond 2**256).
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_moments4_ok(V s3, V s4, V s1, V mn, V mx) {
+  if constexpr (sizeof(V) == sizeof(double)) {
+    return true;
+  } else {
+    const V big = 3.0e38f;
+    const V tiny = 7.9e-31f;
+    const V a3 = s3 < 0 ? -s3 : s3;
+    return a3 <= big && s4 <= big && (s4 >= tiny || (mn == mx && s1 == 0));
+  }
+}
+
+// A run that failed float_moments4_ok only because its fourth powers are
+// too small (as float_sums_tiny): the candidates for the rescaled path.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_moments4_tiny(V s3, V s4, V s1, V mn, V mx) {
+  if constexpr (sizeof(V) == sizeof(double)) {
+    return false;
+  } else {
+    const V a3 = s3 < 0 ? -s3 : s3;
+    return a3 <= V(3.0e38f) && s4 < V(7.9e-31f) && !(mn == mx && s1 == 0);
   }
 }
 

@@ -118,7 +118,7 @@ struct Config {
 // A fault the kernels can be told to commit (HOOKCAP_EMU_FAULT in
 // stats_kernel.cuh): proof that the tests catch it. Set before launches,
 // read-only while they run.
-enum class Fault { none, index, sync, reset_walk, ticket, rescale, update_bias, key_sign };
+enum class Fault { none, index, sync, reset_walk, ticket, rescale, update_bias, key_sign, m4_rebase };
 
 inline Fault& fault() {
   static Fault f = Fault::none;

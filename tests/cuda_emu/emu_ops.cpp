@@ -64,7 +64,7 @@ std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
       "hookcap_emu_accumulate", [&] {
         const scalar_t* p = x_in.const_data_ptr<scalar_t>();
         StridedDesc vec;
-        read = vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec);
+        read = kernels::accumulate_read(vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec), h);
         const StridedDesc& desc = read == kReadVectors ? vec : plan.desc;
         py::gil_scoped_release nogil;
         for_each_read(plan, [&](int64_t offset, bool first) {
