@@ -67,16 +67,15 @@ def fused(x: torch.Tensor, hist: hookcap.Histogram | None, moments: int = 2):
 
 def configs(x: torch.Tensor, shape: bool = False) -> dict:
     """name -> (zero-argument callable, bytes moved per call). ``shape``: also
-    the distribution-shape histograms (4 bins per octave; signed) and, on the
-    CPU, "+moments=4": moments=4 with the default log2 histogram."""
+    the distribution-shape histograms (4 bins per octave; signed) and
+    "+moments=4": moments=4 with the default log2 histogram."""
     nbytes = x.numel() * x.element_size()
     out = {
         "hookcap": (fused(x, None), nbytes),
         "hookcap+log2": (fused(x, hookcap.Histogram.log2()), nbytes),
         **({"+log2 sub=4": (fused(x, hookcap.Histogram.log2(sub=4)), nbytes),
             "+log2 signed": (fused(x, hookcap.Histogram.log2(signed=True)), nbytes)} if shape else {}),
-        **({"+moments=4": (fused(x, hookcap.Histogram.log2(), 4), nbytes)}
-           if shape and not x.is_cuda else {}),
+        **({"+moments=4": (fused(x, hookcap.Histogram.log2(), 4), nbytes)} if shape else {}),
         "torch.sum": (lambda: torch.sum(x), nbytes),
         "torch chain": (lambda: torch_chain(x), nbytes),
     }

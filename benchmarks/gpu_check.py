@@ -290,16 +290,19 @@ def tests(runner: Runner) -> dict:
 
 def hist_kinds(Histogram) -> dict:
     """label -> (Histogram or None, the kernel path it takes on an H100: hist_plan in
-    csrc/cuda/stats_kernel.cuh). Data is randn, so a linear range of +-4 is realistic."""
+    csrc/cuda/stats_kernel.cuh, moments: 2 or 4). Data is randn, so a linear range
+    of +-4 is realistic."""
     return {
-        "none": (None, "no histogram"),
-        "log2": (Histogram.log2(), "log2, exponent byte counted per warp (lo >= -126)"),
-        "log2 lo=-140": (Histogram.log2(-140, 64), "log2 in shared memory (bins below float normals)"),
-        "linear 100": (Histogram.linear(-4, 4, 100), "linear in shared memory, float thresholds"),
-        "linear 4096": (Histogram.linear(-4, 4, 4096), "linear in shared memory (dynamic, 32.8 KB)"),
-        "linear 6800": (Histogram.linear(-4, 4, 6800), "linear in shared memory (dynamic, 54.4 KB: > 48 KB opt-in)"),
-        "linear 10000": (Histogram.linear(-4, 4, 10000), "wide: counts by warp-aggregated atomics"),
-        "linear 20000": (Histogram.linear(-4, 4, 20000), "wide-exact: bins in double"),
+        "none": (None, "no histogram", 2),
+        "log2": (Histogram.log2(), "log2, exponent byte counted per warp (lo >= -126)", 2),
+        "log2 lo=-140": (Histogram.log2(-140, 64), "log2 in shared memory (bins below float normals)", 2),
+        "linear 100": (Histogram.linear(-4, 4, 100), "linear in shared memory, float thresholds", 2),
+        "linear 4096": (Histogram.linear(-4, 4, 4096), "linear in shared memory (dynamic, 32.8 KB)", 2),
+        "linear 6800": (Histogram.linear(-4, 4, 6800), "linear in shared memory (dynamic, 54.4 KB: > 48 KB opt-in)",
+                        2),
+        "linear 10000": (Histogram.linear(-4, 4, 10000), "wide: counts by warp-aggregated atomics", 2),
+        "linear 20000": (Histogram.linear(-4, 4, 20000), "wide-exact: bins in double", 2),
+        "log2 moments=4": (Histogram.log2(), "log2 with m3, m4, skew, kurtosis (the kM4 specialisation)", 4),
     }
 
 
@@ -315,7 +318,8 @@ def check_input(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def stats_mismatches(got: dict, want: dict, abs_sum: float) -> list:
-    """Counts, extrema and histogram bins exact; sum to 1e-5 of sum|x|, sumsq to 1e-5."""
+    """Counts, extrema and histogram bins exact; sum to 1e-5 of sum|x|, sumsq to 1e-5;
+    with moments=4, m4 and kurtosis to 5e-6 (docs/statistics.md)."""
     import numpy as np
 
     bad = []
@@ -325,6 +329,9 @@ def stats_mismatches(got: dict, want: dict, abs_sum: float) -> list:
     for k, tol in (("sum", 1e-5 * abs_sum), ("sumsq", 1e-5 * want["sumsq"])):
         if not abs(got[k] - want[k]) <= tol:
             bad.append(f"{k}: {got[k]!r} vs {want[k]!r} (tol {tol:g})")
+    for k in ("m4", "kurtosis"):
+        if k in want and np.isfinite(want[k]) and not abs(got[k] - want[k]) <= 5e-6 * abs(want[k]):
+            bad.append(f"{k}: {got[k]!r} vs {want[k]!r} (rtol 5e-6)")
     if "hist" in want and not np.array_equal(got["hist"], want["hist"]):
         bad.append(f"hist: {int(np.abs(got['hist'] - want['hist']).sum())} counts differ")
     return bad
@@ -339,11 +346,11 @@ def correctness(device: str, dtypes: dict, kinds: dict, n: int = 10**6) -> list:
         x = check_input(n, dtype)
         a = x.double()
         abs_sum = float(a[a.isfinite()].abs().sum())
-        for label, (h, _) in kinds.items():
-            got = hookcap.tensor_stats(x.to(device), h)
-            refs = {"float64 reference": hookcap.reference.tensor_stats(x, h)}
+        for label, (h, _, m) in kinds.items():
+            got = hookcap.tensor_stats(x.to(device), h, moments=m)
+            refs = {"float64 reference": hookcap.reference.tensor_stats(x, h, moments=m)}
             if device != "cpu":
-                refs["cpu op"] = hookcap.tensor_stats(x, h)
+                refs["cpu op"] = hookcap.tensor_stats(x, h, moments=m)
             for against, want in refs.items():
                 bad = stats_mismatches(got, want, abs_sum)
                 out.append({"dtype": dname, "elements": n, "hist": label, "against": against, "ok": not bad,
@@ -374,7 +381,7 @@ def kernel_stage(args) -> dict:
         except RuntimeError as e:
             details["skipped_points"].append({"dtype": "float8_e4m3fn", "reason": str(e).splitlines()[0]})
     kinds = hist_kinds(hookcap.Histogram)
-    details["hist_kinds"] = {label: path for label, (_, path) in kinds.items()}
+    details["hist_kinds"] = {label: path for label, (_, path, _) in kinds.items()}
 
     details["correctness"] = correctness(args.device, dtypes, kinds)
 
@@ -409,7 +416,7 @@ def kernel_stage(args) -> dict:
         """ref: the contiguous size whose copy GB/s a view is compared against
         (default its own element count)."""
         nbytes = x.numel() * x.element_size()
-        fns = {label: (bench_kernel.fused(x, kinds[label][0]), nbytes) for label in labels}
+        fns = {label: (bench_kernel.fused(x, kinds[label][0], kinds[label][2]), nbytes) for label in labels}
         if copy:
             y = torch.empty_like(x)
             fns["copy"] = (lambda: y.copy_(x), 2 * nbytes)

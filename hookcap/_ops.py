@@ -28,7 +28,7 @@ def accumulate(
     ``ring``: int64 [slots, rows, width] on x's device; ``state``: int64 [3]
     (step, enabled, slot) on the same device. Nothing happens when
     ``state[1] == 0``. One pass, no allocation, no host sync. ``moments=4``
-    also sums the third and fourth powers (CPU tensors).
+    also sums the third and fourth powers.
     """
     _ops.accumulate(x, ring, state, row, *hist_args(histogram, moments))
 

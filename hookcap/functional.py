@@ -38,7 +38,7 @@ def tensor_stats(x: torch.Tensor, histogram: Histogram | None = _DEFAULT, quanti
     ``quantiles``: a :class:`hookcap.quantiles.Quantiles` estimated from the
     histogram (of ``|x|`` for a log2 histogram), with its guaranteed bounds.
 
-    ``moments=4`` (CPU tensors) adds ``m3``, ``m4`` (central moments, in x's
+    ``moments=4`` adds ``m3``, ``m4`` (central moments, in x's
     units cubed and to the fourth), ``skew`` and ``kurtosis`` (Pearson's,
     not excess: 3 for a normal distribution), from the same pass.
     """

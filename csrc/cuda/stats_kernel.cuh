@@ -889,9 +889,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
                                                                   : kUnroll;
   constexpr int64_t kRunItems = (kRunElems / kPer / kUnrollM) * kUnrollM > 0
                                     ? (kRunElems / kPer / kUnrollM) * kUnrollM : kUnrollM;
+  // kM4 on float: the powers' float sums lose accuracy in proportion to how
+  // far the run's center lies from its mean (their central moments cancel
+  // out of sums about c), so runs are centred closely: the first run is one
+  // group of loads, whose mean centres the next (and every later run the
+  // one before's), and a run whose mean lies more than a standard deviation
+  // from its center is summed again about it (shift_well_conditioned4).
+  constexpr bool kCentred = kM4 && kFloat;
   W c = W(0);  // center of the next run
-  for (int64_t j0 = 0; j0 < items_warp; j0 += kRunItems) {
-    const int64_t jend = j0 + kRunItems;
+  for (int64_t j0 = 0, jend = kCentred ? kUnrollM : kRunItems; j0 < items_warp; j0 = jend, jend += kRunItems) {
     const int64_t j1 = jend < nitems ? jend : (nitems > j0 ? nitems : j0);  // this thread's
     W s1 = 0, s2 = 0, mn = static_cast<W>(kInf), mx = static_cast<W>(-kInf);
     W s3 = 0, s4 = 0;  // kM4
@@ -995,7 +1001,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       push_shifted(v, cv, s1, s2, FmaSquare{});
       if constexpr (kM4) push_moments4(v - cv, s3, s4, FmaMul{});
     };
-    if (finite && !shift_well_conditioned(s1, s2, m)) {
+    if (finite && !(kCentred ? shift_well_conditioned4(s1, s2, m) : shift_well_conditioned(s1, s2, m))) {
       // Far from the center: again about this run's mean (rare; re-read from cache).
       c = c + s1 / static_cast<W>(m);
       s1 = s2 = s3 = s4 = 0;
@@ -1054,7 +1060,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       }
       thread_acc_add_run(part, s1, s2, m, c, shift, mn, mx, static_cast<uint32_t>(nz), scale_exp);
       if constexpr (kM4) moments4_add_run(q, s1, s2, s3, s4, m, c, shift, scale_exp);
-      if (scale_exp > 0) {
+      if constexpr (kCentred) {
+        if (scale_exp == 0) c = c + s1 / static_cast<W>(m);  // rescaled runs: c is their mean already
+      } else if (scale_exp > 0) {
         c = next_center(c * pow2f(scale_exp), s1, s2, m) == W(0) ? W(0) : c;
       } else {
         c = next_center(c, s1, s2, m);

@@ -685,6 +685,16 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_
   return m * m <= V(4) * var;
 }
 
+// moments=4's test (the CUDA kernel's float runs): the shift lies within one
+// standard deviation of the run mean, (s1/n)^2 <= var, so that the third and
+// fourth powers' sums are at most ~3.3 times their central part (normal data).
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool shift_well_conditioned4(V s1, V s2, int64_t n) {
+  const V m = s1 / static_cast<V>(n);
+  const V var = s2 / static_cast<V>(n) - m * m;
+  return m * m <= var;
+}
+
 // Center for the next run, given this run's moments about c: zero when the
 // run is well conditioned about zero (|mean| <= 2 std, most activations and
 // gradients), so the loop needs no subtract; else c.
