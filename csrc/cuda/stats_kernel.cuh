@@ -897,7 +897,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // from its center is summed again about it (shift_well_conditioned4).
   constexpr bool kCentred = kM4 && kFloat;
   W c = W(0);  // center of the next run
-  for (int64_t j0 = 0, jend = kCentred ? kUnrollM : kRunItems; j0 < items_warp; j0 = jend, jend += kRunItems) {
+  constexpr int64_t kFirstRun = kCentred ? kUnrollM : kRunItems;  // the default's runs: all kRunItems
+  for (int64_t j0 = 0; j0 < items_warp; j0 += (j0 == 0 ? kFirstRun : kRunItems)) {
+    const int64_t jend = j0 + (j0 == 0 ? kFirstRun : kRunItems);
     const int64_t j1 = jend < nitems ? jend : (nitems > j0 ? nitems : j0);  // this thread's
     W s1 = 0, s2 = 0, mn = static_cast<W>(kInf), mx = static_cast<W>(-kInf);
     W s3 = 0, s4 = 0;  // kM4
