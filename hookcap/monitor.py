@@ -138,7 +138,7 @@ class Monitor:
             copy of the watched parameters before each recorded step (memory: one copy).
         moments: 2 (default) or 4: also the third and fourth central moments and
             ``skew``, ``kurtosis`` (Pearson, not excess) of captured tensors, in the
-            same pass (CPU tensors; ``hookcap.MOMENT_NAMES``, docs/statistics.md).
+            same pass (``hookcap.MOMENT_NAMES``, docs/statistics.md).
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
