@@ -894,7 +894,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   // out of sums about c), so runs are centred closely: the first run is one
   // group of loads, whose mean centres the next (and every later run the
   // one before's), and a run whose mean lies more than a standard deviation
-  // from its center is summed again about it (shift_well_conditioned4).
+  // from its center is summed again about it (shift_well_conditioned).
   constexpr bool kCentred = kM4 && kFloat;
   W c = W(0);  // center of the next run
   constexpr int64_t kFirstRun = kCentred ? kUnrollM : kRunItems;  // the default's runs: all kRunItems
@@ -1003,7 +1003,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       push_shifted(v, cv, s1, s2, FmaSquare{});
       if constexpr (kM4) push_moments4(v - cv, s3, s4, FmaMul{});
     };
-    if (finite && !(kCentred ? shift_well_conditioned4(s1, s2, m) : shift_well_conditioned(s1, s2, m))) {
+    if (finite && !shift_well_conditioned(s1, s2, m, kCentred ? 1 : 2)) {
       // Far from the center: again about this run's mean (rare; re-read from cache).
       c = c + s1 / static_cast<W>(m);
       s1 = s2 = s3 = s4 = 0;
@@ -1030,9 +1030,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
           // or has its values and center on a grid of 2**-24 or coarser
           // (near the largest |value|, in [1, 2); subnormals: 2**-22), so
           // some |x - c| >= 2**-24: its fourth powers pass float_moments4_ok.
-          const bool ok2 = float_sums_ok(s1, s2, mn, mx), ok4 = float_moments4_ok(s3, s4, s1, mn, mx);
-          tiny = finite && ((tiny && (ok4 || float_moments4_tiny(s3, s4, s1, mn, mx))) ||
-                            (ok2 && float_moments4_tiny(s3, s4, s1, mn, mx)));
+          tiny = finite && ((tiny && float_pair_fits(s3, s4)) ||
+                            (float_moments4_tiny(s3, s4, s1, mn, mx) && float_pair_fits(s1, s2)));
         }
         if (tiny) scale_exp = tiny_run_exp(wmax(-mn, mx));
       }

@@ -604,53 +604,73 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void moments4_add_run(Moments4& q, W s1, W s2,
 // (each thread's runs).
 // ---------------------------------------------------------------------------
 
-// Whether a run's float moments can be trusted: no overflow, and no squares
-// lost to float underflow (|x - c| < 2**-63 gives subnormal squares) unless
-// every value equals the center (a constant run, s1 == 0: the squares are
-// truly zero). Tiny gradients and huge activations take the double path
-// instead, so they never come out silently wrong. Always true for double.
+// A run's float sums, in pairs (s1 with s2; with moments=4 also s3 with s4):
+// an odd-power sum `odd` of either sign and an even-power sum `even` >= 0.
+// Beyond kFloatSumBig a sum may have overflowed; an even-power sum below
+// kFloatSumTiny may have lost terms to float underflow (|x - c| < 2**-63
+// gives subnormal squares), unless every value equals the center (a
+// constant run: the powers are truly zero).
+constexpr float kFloatSumBig = 3.0e38f;
+constexpr float kFloatSumTiny = 7.9e-31f;  // ~2**-100
+
+// Neither sum of the pair can have overflowed.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_pair_fits(V odd, V even) {
+  const V a = odd < 0 ? -odd : odd;
+  return a <= V(kFloatSumBig) && even <= V(kFloatSumBig);
+}
+
+// The pair can be trusted: it fits, and lost nothing to underflow unless the
+// run is constant (s1 == 0, mn == mx: its own first sum and extrema).
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_pair_ok(V odd, V even, V s1, V mn, V mx) {
+  return float_pair_fits(odd, even) && (even >= V(kFloatSumTiny) || (mn == mx && s1 == 0));
+}
+
+// The pair fails float_pair_ok only because its even powers are too small.
+template <typename V>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_pair_tiny(V odd, V even, V s1, V mn, V mx) {
+  const V a = odd < 0 ? -odd : odd;
+  return a <= V(kFloatSumBig) && even < V(kFloatSumTiny) && !(mn == mx && s1 == 0);
+}
+
+// Whether a run's float moments can be trusted (float_pair_ok of s1, s2).
+// Tiny gradients and huge activations take the double path instead, so they
+// never come out silently wrong. Always true for double.
 template <typename V>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_sums_ok(V s1, V s2, V mn, V mx) {
   if constexpr (sizeof(V) == sizeof(double)) {
     return true;
   } else {
-    const V big = 3.0e38f;
-    const V tiny = 7.9e-31f;  // ~2**-100
-    const V a1 = s1 < 0 ? -s1 : s1;
-    return a1 <= big && s2 <= big && (s2 >= tiny || (mn == mx && s1 == 0));
+    return float_pair_ok(s1, s2, s1, mn, mx);
   }
 }
 
 // A run that failed float_sums_ok only because its squares are too small:
 // no NaN/Inf (the caller's check), no overflow, values that differ. Its
 // values are tiny (float's spacing at them is below the square root of
-// `tiny`), so summing them again times a power of two (tiny_run_exp) is
-// exact and keeps the run in float.
+// kFloatSumTiny), so summing them again times a power of two (tiny_run_exp)
+// is exact and keeps the run in float.
 template <typename V>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_sums_tiny(V s1, V s2, V mn, V mx) {
   if constexpr (sizeof(V) == sizeof(double)) {
     return false;
   } else {
-    const V a1 = s1 < 0 ? -s1 : s1;
-    return a1 <= V(3.0e38f) && s2 < V(7.9e-31f) && !(mn == mx && s1 == 0);
+    return float_pair_tiny(s1, s2, s1, mn, mx);
   }
 }
 
 // moments=4: float_sums_ok for a run's third and fourth sums about its
-// center: no overflow, and no fourth powers lost to float underflow unless
-// the run is constant (s1 == 0, mn == mx). Its third powers need no test of
-// their own: with s4 >= tiny, those lost to underflow weigh less than 2**-30
-// of the largest. Always true for double (as the CPU loop, whose double
-// sums overflow to Inf only beyond 2**256).
+// center (the run is constant as for s1, s2). Its third powers need no
+// underflow test of their own: with s4 >= kFloatSumTiny, those lost to
+// underflow weigh less than 2**-30 of the largest. Always true for double
+// (as the CPU loop, whose double sums overflow to Inf only beyond 2**256).
 template <typename V>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_moments4_ok(V s3, V s4, V s1, V mn, V mx) {
   if constexpr (sizeof(V) == sizeof(double)) {
     return true;
   } else {
-    const V big = 3.0e38f;
-    const V tiny = 7.9e-31f;
-    const V a3 = s3 < 0 ? -s3 : s3;
-    return a3 <= big && s4 <= big && (s4 >= tiny || (mn == mx && s1 == 0));
+    return float_pair_ok(s3, s4, s1, mn, mx);
   }
 }
 
@@ -661,8 +681,7 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool float_moments4_tiny(V s3, V s4, V s1, V m
   if constexpr (sizeof(V) == sizeof(double)) {
     return false;
   } else {
-    const V a3 = s3 < 0 ? -s3 : s3;
-    return a3 <= V(3.0e38f) && s4 < V(7.9e-31f) && !(mn == mx && s1 == 0);
+    return float_pair_tiny(s3, s4, s1, mn, mx);
   }
 }
 
@@ -676,23 +695,16 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int tiny_run_exp(float amax) {
   return e >= 127 ? 0 : (127 - e > 127 ? 127 : 127 - e);
 }
 
-// Shifted sums of a run are well conditioned when the shift lies within two
-// standard deviations of the run mean: (s1/n)^2 <= 4 * var.
+// Shifted sums of a run are well conditioned when the shift lies within
+// `stds` standard deviations of the run mean: (s1/n)^2 <= stds^2 * var. Two
+// for the moments; one for moments=4's third and fourth powers (the CUDA
+// kernel's float runs), whose sums are then at most ~3.3 times their
+// central part (normal data).
 template <typename V>
-C10_HOST_DEVICE C10_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool shift_well_conditioned(V s1, V s2, int64_t n, int stds = 2) {
   const V m = s1 / static_cast<V>(n);
   const V var = s2 / static_cast<V>(n) - m * m;
-  return m * m <= V(4) * var;
-}
-
-// moments=4's test (the CUDA kernel's float runs): the shift lies within one
-// standard deviation of the run mean, (s1/n)^2 <= var, so that the third and
-// fourth powers' sums are at most ~3.3 times their central part (normal data).
-template <typename V>
-C10_HOST_DEVICE C10_ALWAYS_INLINE bool shift_well_conditioned4(V s1, V s2, int64_t n) {
-  const V m = s1 / static_cast<V>(n);
-  const V var = s2 / static_cast<V>(n) - m * m;
-  return m * m <= var;
+  return m * m <= static_cast<V>(stds * stds) * var;
 }
 
 // Center for the next run, given this run's moments about c: zero when the
