@@ -169,8 +169,42 @@ void record_kernel(const at::Tensor& x, int64_t sink, int64_t rid) {
   write_logged(*s, rid, x);
 }
 
-TORCH_LIBRARY_IMPL(hookcap, CPU, m) { m.impl("record", &record_kernel); }
-TORCH_LIBRARY_IMPL(hookcap, CUDA, m) { m.impl("record", &record_kernel); }
+using MergeRowFn = void(const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t);
+
+// The merge_partials op (Monitor(fused=True) in compiled code): the partials
+// the graph computed for one tensor into the row named by rid of sink `sink`,
+// through merge_row on the partials' device, the ring read now, the write
+// logged, as record does for a tensor.
+void merge_partials_kernel(const at::Tensor& partials, int64_t sink, int64_t rid) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookcap::merge_row", "")
+                       .typed<MergeRowFn>();
+  auto s = sink_of(sink);
+  if (!s) return;  // the Monitor is gone
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    TORCH_CHECK(has_ring(*s, rid), "hookcap.merge_partials: no ring ", ring_of(rid), " in sink ", sink);
+  }
+  if (!s->active.load(std::memory_order_relaxed)) return;
+  RingRef ref = ring_now(*s, rid);
+  try {
+    op.call(partials, ref.ring, ref.state, row_of(rid));
+  } catch (const std::exception& e) {  // telemetry must never take the run down
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->errors.push_back({rid, false, message_of(e)});
+    return;
+  }
+  log_write(*s, rid);
+}
+
+TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
+  m.impl("record", &record_kernel);
+  m.impl("merge_partials", &merge_partials_kernel);
+}
+TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
+  m.impl("record", &record_kernel);
+  m.impl("merge_partials", &merge_partials_kernel);
+}
 
 bool unpack_tensor(PyObject* o, at::Tensor& out, const char* what) {
   if (!THPVariable_Check(o)) {

@@ -94,7 +94,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 5;
+constexpr int64_t kAbiVersion = 6;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.
@@ -130,6 +130,16 @@ void record_meta(const at::Tensor& x, int64_t sink, int64_t rid) {
               x.scalar_type());
 }
 
+void merge_row_meta(const at::Tensor& partials, at::Tensor& ring, const at::Tensor& state, int64_t row) {
+  check_merge_row(partials, ring, state, row);
+}
+
+void merge_partials_meta(const at::Tensor& partials, int64_t sink, int64_t rid) {
+  TORCH_CHECK(partials.scalar_type() == at::kDouble && partials.dim() == 1,
+              "hookcap.merge_partials: partials must be a float64 vector, got ", partials.scalar_type(),
+              " with shape ", partials.sym_sizes());
+}
+
 void advance_meta(at::Tensor& ring, at::Tensor& state, int64_t every) {
   check_ring_state(ring, state);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
@@ -146,7 +156,9 @@ std::vector<int64_t> layout() {
           kStateStep,  kStateEnabled, kStateSlot, kStateSize, cuda,
           kFwdNs,      kFwdOpen, kFwdEnds, kBwdNs, kBwdOpen, kBwdEnds,
           kBigN,       kBigShift, kBigS1, kBigS2, kSmallN, kSmallShift, kSmallS1, kSmallS2,
-          kWideScale,  kN4,      kS3,    kS4,    kMoments4Flag};
+          kWideScale,  kN4,      kS3,    kS4,    kMoments4Flag,
+          kPCount,     kPNan,    kPPosInf, kPNegInf, kPZeros, kPFinite, kPShift, kPS1, kPS2, kPMin, kPMax,
+          kPartials};
 }
 
 }  // namespace
@@ -178,6 +190,12 @@ TORCH_LIBRARY(hookcap, m) {
   // Side effect only (registered as effectful from Python, so compiled
   // graphs keep it in order): x into the row `rid` of gradient sink `sink`.
   m.def("record(Tensor x, int sink, int rid) -> ()");
+  // Monitor(fused=True): one tensor's statistics, computed by the compiled
+  // graph as a float64 vector (stats_math.h PartialCol), into a ring row as
+  // accumulate would merge that tensor; merge_partials names the row by sink
+  // and row id as record does (effectful, registered from Python).
+  m.def("merge_row(Tensor partials, Tensor(a!) ring, Tensor state, int row) -> ()");
+  m.def("merge_partials(Tensor partials, int sink, int rid) -> ()");
   m.def("layout() -> int[]", &layout);
 }
 
@@ -190,12 +208,14 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("advance", &advance_meta);
   m.impl("time_mark", &time_mark_meta);
   m.impl("record", &record_meta);
+  m.impl("merge_row", &merge_row_meta);
+  m.impl("merge_partials", &merge_partials_meta);
 }
 
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
+  for (const char* op : {"accumulate", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record", "merge_row", "merge_partials"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

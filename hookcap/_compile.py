@@ -45,6 +45,7 @@ import weakref
 
 import torch
 
+from . import _fused
 from ._fastpath import row_of
 from ._ops import RECORD_IS_EFFECTFUL
 from ._tree import tensor_leaves
@@ -204,6 +205,14 @@ def _record_grad(sink: int, rid: int, grad):
     return grad
 
 
+def _fused_grad(sink: int, rid: int, grad):
+    """``_record_grad`` of ``Monitor(fused=True)``: the gradient's statistics
+    as reductions of the backward graph, merged by ``merge_partials``."""
+    if grad is not None:
+        _fused.merge(grad, sink, rid)
+    return grad
+
+
 def _grad_hook_on_ring(ring, row: int, hist_args: tuple, grad):
     """``_record_grad`` where torch cannot keep the record op (no effect API):
     the ring is captured, which is exact only for a graph without breaks."""
@@ -226,7 +235,9 @@ def write_all(hooks, name: str, kind: str, obj, mtype: str) -> None:
         rid = _row(hooks, name, kind, path, t, mtype)
         if rid < 0:
             continue
-        if RECORD_IS_EFFECTFUL:
+        if RECORD_IS_EFFECTFUL and _fused.fusable(rec.config, t):
+            _fused.merge(t, rec.fast.id, rid)
+        elif RECORD_IS_EFFECTFUL:
             _RECORD(t, rec.fast.id, rid)
         else:
             ring = rec.ring_of(rid)
@@ -243,7 +254,8 @@ def grad_hooks(hooks, name: str, kind: str, obj, mtype: str, path: str | None = 
         if rid < 0:
             continue
         if RECORD_IS_EFFECTFUL:
-            t.register_hook(functools.partial(_record_grad, rec.fast.id, rid))
+            record = _fused_grad if _fused.fusable(rec.config, t) else _record_grad
+            t.register_hook(functools.partial(record, rec.fast.id, rid))
         else:
             t.register_hook(functools.partial(_grad_hook_on_ring, rec.ring_of(rid), row_of(rid),
                                               rec.config.hist_args))

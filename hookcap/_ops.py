@@ -77,6 +77,22 @@ def record(x: torch.Tensor, sink: int, rid: int) -> None:
     _ops.record(x, sink, rid)
 
 
+def merge_row(partials: torch.Tensor, ring: torch.Tensor, state: torch.Tensor, row: int) -> None:
+    """Merge one tensor's fused partials (float64 [PARTIALS] on the ring's
+    device, ``hookcap._layout.P_*`` order: counts, the finite values' sums
+    about ``P_SHIFT`` and extrema) into ``ring[state.slot, row]``, as
+    :func:`accumulate` would merge that tensor. Nothing happens when
+    ``state[1] == 0``. No host sync (one thread on CUDA)."""
+    _ops.merge_row(partials, ring, state, row)
+
+
+def merge_partials(partials: torch.Tensor, sink: int, rid: int) -> None:
+    """:func:`merge_row` into the row ``rid`` of a Monitor's sink ``sink``,
+    read when it runs, the write logged (as :func:`record` does for a
+    tensor). What code compiled with ``Monitor(fused=True)`` calls; effectful."""
+    _ops.merge_partials(partials, sink, rid)
+
+
 def _register_record_effectful() -> bool:
     """Without an effect, graph passes would drop an op that returns
     nothing and mutates no argument. False where torch has no effect API."""
@@ -91,6 +107,7 @@ def _register_record_effectful() -> bool:
         except ImportError:
             return False
     register(_ops.record.default, _EffectType.ORDERED)
+    register(_ops.merge_partials.default, _EffectType.ORDERED)
     return True
 
 

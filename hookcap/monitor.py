@@ -139,6 +139,9 @@ class Monitor:
         moments: 2 (default) or 4: also the third and fourth central moments and
             ``skew``, ``kurtosis`` (Pearson, not excess) of captured tensors, in the
             same pass (``hookcap.MOMENT_NAMES``, docs/statistics.md).
+        fused: under ``torch.compile``, compute the statistics of float32/bf16/fp16
+            captures as reductions in the compiled graph (fusable into the model's kernels)
+            with ``histogram=None``; docs/compile-and-distributed.md. Eager calls unchanged.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -166,11 +169,12 @@ class Monitor:
         start_step: int = 0,
         update_snapshot: bool = False,
         moments: int = 2,
+        fused: bool = False,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
         config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks, eval_forwards,
-                             update_snapshot, moments)
+                             update_snapshot, moments, fused)
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
             raise ValueError(f"start_step: expected an int >= 0 (the number of the first step), got {start_step!r}")
         if optimizer is not None and not callable(getattr(innermost_optimizer(optimizer), "step", None)):
@@ -212,10 +216,10 @@ class Monitor:
     dropped_steps = property(lambda self: self._drain.dropped,
                              doc="Recorded steps dropped because the host fell a whole ring behind.")
 
-    @property
-    def sinks(self) -> list:
-        """The active sinks (a sink that raised moves to ``failed_sinks``)."""
-        return self._sinks.active
+    sinks = property(lambda self: self._sinks.active,
+                     doc="The active sinks (a sink that raised moves to ``failed_sinks``).")
+    fused = property(lambda self: self._config.fused,
+                     doc="Whether compiled code computes the statistics in the graph (``fused=True`` in effect).")
 
     @property
     def on_anomaly(self):
@@ -227,14 +231,9 @@ class Monitor:
         check_on_anomaly(value)
         self._consumers.on_anomaly = value
 
-    @property
-    def dump_on_anomaly(self):
-        """Path (or directory) of the automatic dump at the first anomaly; settable."""
-        return self._consumers.dump_on_anomaly
-
-    @dump_on_anomaly.setter
-    def dump_on_anomaly(self, value) -> None:
-        self._consumers.dump_on_anomaly = value
+    dump_on_anomaly = property(lambda self: self._consumers.dump_on_anomaly,
+                               lambda self, value: setattr(self._consumers, "dump_on_anomaly", value),
+                               doc="Path (or directory) of the automatic dump at the first anomaly; settable.")
 
     @property
     def dump_on_exit(self):
@@ -245,10 +244,8 @@ class Monitor:
     def dump_on_exit(self, value) -> None:
         self._exit.path = value
 
-    @property
-    def current_step(self) -> int:
-        """The step being recorded now (steps start at 0)."""
-        return self._recorder.step
+    current_step = property(lambda self: self._recorder.step,
+                            doc="The step being recorded now (steps start at 0).")
 
     @property
     def names(self) -> list[str]:

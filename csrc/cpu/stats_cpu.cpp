@@ -183,8 +183,19 @@ static void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::T
   accumulate_tensor_cpu(x_in, row, h);
 }
 
+static void merge_row_cpu(const at::Tensor& partials, at::Tensor& ring, const at::Tensor& state,
+                          int64_t row_index) {
+  check_merge_row(partials, ring, state, row_index);
+  const int64_t* st = state.data_ptr<int64_t>();
+  if (st[kStateEnabled] == 0) return;
+  const int64_t slot = state_slot(ring, st);
+  row_merge_partials<HostAtomics>(ring.data_ptr<int64_t>() + (slot * ring.size(1) + row_index) * ring.size(2),
+                                  partials.const_data_ptr<double>());
+}
+
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("accumulate", &accumulate_cpu);
+  m.impl("merge_row", &merge_row_cpu);
   m.impl("reset_slot", &reset_slot_cpu);
   m.impl("reset_rows", &reset_rows_cpu);
   m.impl("advance", &advance_cpu);

@@ -458,9 +458,31 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   seal_ring_write(ring.device().index(), stream);
 }
 
+// Monitor(fused=True): one thread merges the partials the compiled graph
+// computed (no pass over the tensor; stream-ordered after the graph's kernels).
+__global__ void merge_row_kernel(int64_t* ring, const int64_t* state, const double* partials,
+                                 int64_t slots, int64_t rows, int64_t width, int64_t row) {
+  if (state[kStateEnabled] == 0) return;
+  const int64_t slot = state[kStateSlot];
+  if (slot < 0 || slot >= slots) return;  // same guard as the stats kernels
+  row_merge_partials<kernels::DeviceAtomics>(ring + (slot * rows + row) * width, partials);
+}
+
+void merge_row_cuda(const at::Tensor& partials, at::Tensor& ring, const at::Tensor& state, int64_t row) {
+  check_merge_row(partials, ring, state, row);
+  c10::cuda::CUDAGuard guard(ring.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  note_capture(stream, ring.data_ptr());
+  launch("hookcap.merge_row", &merge_row_kernel, dim3(1), dim3(1), stream, ring.data_ptr<int64_t>(),
+         state.const_data_ptr<int64_t>(), partials.const_data_ptr<double>(), ring.size(0), ring.size(1),
+         ring.size(2), row);
+  seal_ring_write(ring.device().index(), stream);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
+  m.impl("merge_row", &merge_row_cuda);
   m.impl("accumulate", &accumulate_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);
   m.impl("accumulate_updates", &accumulate_updates_cuda);

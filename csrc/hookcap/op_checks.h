@@ -58,6 +58,23 @@ inline void check_time_mark(const at::Tensor& ring, const at::Tensor& state, int
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
+// merge_row: one tensor's fused partials (stats_math.h PartialCol) into a row.
+inline void check_merge_row(const at::Tensor& partials, const at::Tensor& ring, const at::Tensor& state,
+                            int64_t row) {
+  check_ring_state(ring, state);
+  TORCH_CHECK(partials.scalar_type() == at::kDouble && partials.dim() == 1 && partials.is_contiguous(),
+              "hookcap.merge_row: partials must be a contiguous float64 vector, got ",
+              partials.scalar_type(), " with shape ", partials.sym_sizes());
+  TORCH_SYM_CHECK(partials.sym_size(0).sym_eq(static_cast<int64_t>(kPartials)),
+                  "hookcap.merge_row: partials must have ", static_cast<int64_t>(kPartials),
+                  " values, got shape ", partials.sym_sizes());
+  TORCH_CHECK(partials.device() == ring.device(), "hookcap.merge_row: partials are on ",
+              partials.device(), " but the ring is on ", ring.device());
+  TORCH_CHECK(row >= 0, "hookcap.merge_row: row must be >= 0, got ", row);
+  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row), "hookcap.merge_row: row ", row,
+                  " out of range for a ring with ", ring.sym_size(1), " rows");
+}
+
 // At most this many bins of a log2 histogram between 2**lo and 2**hi, so
 // that its counts (signed: about twice) fit any GPU's shared memory.
 constexpr int64_t kMaxLog2Octaves = 2200;

@@ -777,6 +777,59 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge(int64_t* row, const Acc& a) {
   }
 }
 
+// Fused partials (Monitor(fused=True) under torch.compile): the statistics
+// of one tensor computed by the compiled graph's own reductions, as a float64
+// vector in this order. Sums are over finite values about kPShift (any
+// finite value of the tensor; the graph picks the first finite of its first
+// few); min/max over finite values (+inf/-inf when none). Counts are exact
+// integers below 2**53.
+enum PartialCol : int64_t {
+  kPCount = 0,  // numel
+  kPNan = 1,
+  kPPosInf = 2,
+  kPNegInf = 3,
+  kPZeros = 4,
+  kPFinite = 5,
+  kPShift = 6,
+  kPS1 = 7,     // sum over finite of (x - kPShift)
+  kPS2 = 8,     // sum over finite of (x - kPShift)^2
+  kPMin = 9,
+  kPMax = 10,
+  kPartials = 11,
+};
+
+// One tensor's fused partials into a ring row, as the accumulate op would
+// merge the same tensor: count and call, class counts, and the finite
+// values' moments taken to the row's shift (set by this write if unset).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename Atomics>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge_partials(int64_t* row, const double* p) {
+  Atomics::add_i64(row + kCount, static_cast<int64_t>(p[kPCount]));
+  Atomics::add_i64(row + kCalls, 1);
+  Acc a;
+  acc_init(a);
+  a.nnan = static_cast<int64_t>(p[kPNan]);
+  a.npinf = static_cast<int64_t>(p[kPPosInf]);
+  a.nninf = static_cast<int64_t>(p[kPNegInf]);
+  a.nzero = static_cast<int64_t>(p[kPZeros]);
+  a.nfin = static_cast<int64_t>(p[kPFinite]);
+  if (a.nfin > 0) {
+    const double k = p[kPShift], m = p[kPFinite];
+    const int64_t old = Atomics::cas_i64(row + kShift, kShiftUnset, dbits(k));
+    double s1 = p[kPS1], s2 = p[kPS2];
+    moments_to_raw(s1, s2, m, k, a.sum, a.sumsq);
+    if (old != kShiftUnset) shift_rebase(s1, s2, m, k, bitsd(old));
+    a.s1 = s1;
+    a.s2 = s2;
+    a.mn = p[kPMin];
+    a.mx = p[kPMax];
+    a.amx = absmax_of(a.mn, a.mx);
+  }
+  row_merge<Atomics>(row, a);
+}
+
 // Timing rows (Monitor(timing=True)): one per module and device, written only
 // by hookcap::time_mark. A start mark adds (-now, -1) and an end mark
 // (+now, +1, and one completed call) to its phase's (ns, open, ends)
