@@ -13,6 +13,8 @@
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -197,13 +199,35 @@ void merge_partials_kernel(const at::Tensor& partials, int64_t sink, int64_t rid
   log_write(*s, rid);
 }
 
+using ShiftOfRowFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+
+// The fused_shift op: shift_of_row of the row named by rid of sink `sink`,
+// the ring read now; 0 (on like's device) where the Monitor is gone.
+at::Tensor fused_shift_kernel(const at::Tensor& like, int64_t sink, int64_t rid) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookcap::shift_of_row", "")
+                       .typed<ShiftOfRowFn>();
+  auto s = sink_of(sink);
+  if (s) {
+    std::unique_lock<std::mutex> lock(s->mu);
+    if (has_ring(*s, rid)) {
+      RingRef ref = s->rings[ring_of(rid)];
+      lock.unlock();
+      if (ref.ring.device() == like.device()) return op.call(ref.ring, ref.state, row_of(rid));
+    }
+  }
+  return at::zeros({}, like.options().dtype(at::kDouble));
+}
+
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("record", &record_kernel);
   m.impl("merge_partials", &merge_partials_kernel);
+  m.impl("fused_shift", &fused_shift_kernel);
 }
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("record", &record_kernel);
   m.impl("merge_partials", &merge_partials_kernel);
+  m.impl("fused_shift", &fused_shift_kernel);
 }
 
 bool unpack_tensor(PyObject* o, at::Tensor& out, const char* what) {

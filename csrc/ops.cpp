@@ -2,6 +2,7 @@
 // FakeTensor / torch.compile, and the layout query Python checks at import.
 #include <Python.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -140,6 +141,15 @@ void merge_partials_meta(const at::Tensor& partials, int64_t sink, int64_t rid) 
               " with shape ", partials.sym_sizes());
 }
 
+at::Tensor shift_of_row_meta(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
+  check_shift_of_row(ring, state, row);
+  return at::empty({}, ring.options().dtype(at::kDouble));
+}
+
+at::Tensor fused_shift_meta(const at::Tensor& like, int64_t sink, int64_t rid) {
+  return at::empty({}, like.options().dtype(at::kDouble));
+}
+
 void advance_meta(at::Tensor& ring, at::Tensor& state, int64_t every) {
   check_ring_state(ring, state);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
@@ -196,6 +206,11 @@ TORCH_LIBRARY(hookcap, m) {
   // and row id as record does (effectful, registered from Python).
   m.def("merge_row(Tensor partials, Tensor(a!) ring, Tensor state, int row) -> ()");
   m.def("merge_partials(Tensor partials, int sink, int rid) -> ()");
+  // The shift fused partials are summed about (stats_math.h row_center), as
+  // a new float64 0-dim tensor on the ring's device; fused_shift: of the row
+  // named by sink and row id, on like's device (0 where there is none).
+  m.def("shift_of_row(Tensor ring, Tensor state, int row) -> Tensor");
+  m.def("fused_shift(Tensor like, int sink, int rid) -> Tensor");
   m.def("layout() -> int[]", &layout);
 }
 
@@ -210,12 +225,14 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("record", &record_meta);
   m.impl("merge_row", &merge_row_meta);
   m.impl("merge_partials", &merge_partials_meta);
+  m.impl("shift_of_row", &shift_of_row_meta);
+  m.impl("fused_shift", &fused_shift_meta);
 }
 
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record", "merge_row", "merge_partials"}) {
+  for (const char* op : {"accumulate", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record", "merge_row", "merge_partials", "shift_of_row", "fused_shift"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -13,8 +13,11 @@ half types are widened to float32 as they are read):
 - counts of NaN, +Inf, -Inf, zeros and finite values (int64 sums: exact);
 - the finite values' sum and sum of squares about a shift ``K``, in float64
   (no float32 overflow or underflow is possible for these inputs, and the
-  error is the compiler's summation order only: see docs); ``K`` is the first
-  finite value among the tensor's first eight, or 0;
+  error is the compiler's summation order only: see docs). ``K`` comes from
+  the ring (``hookcap::fused_shift``: the row's shift this step, else its
+  mean at the last recorded step, else 0), not from the tensor, so the
+  reductions need nothing of the tensor before they start and can run in
+  the loop that produces it;
 - the finite values' min and max (exact).
 
 Other tensors (float64, float8, ``moments=4``, a histogram) are recorded by
@@ -28,8 +31,8 @@ import torch
 from . import _layout
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HEAD = 8  # the shift is the first finite value among this many leading values
 _MERGE = torch.ops.hookcap.merge_partials.default
+_SHIFT = torch.ops.hookcap.fused_shift.default
 
 
 def fusable(config, t: torch.Tensor) -> bool:
@@ -38,27 +41,15 @@ def fusable(config, t: torch.Tensor) -> bool:
     return config.fused and t.dtype in FUSED_DTYPES
 
 
-def _shift(flat: torch.Tensor) -> torch.Tensor:
-    """float32 0-dim: the first finite value among the first ``_HEAD`` of
-    ``flat`` (1-D, float32), or 0. A value of the tensor, so the shifted sums
-    are small where the data sit far from 0."""
-    head = flat[:_HEAD]
-    ok = torch.isfinite(head)
-    first = torch.argmax(ok.to(torch.int32)).reshape(1)  # a tensor index: no data-dependent size
-    return torch.where(ok.any(), head.gather(0, first)[0], 0.0)
-
-
-def partials(x: torch.Tensor) -> torch.Tensor:
-    """float64 [PARTIALS]: ``x``'s statistics in ``hookcap._layout.P_*`` order,
-    as plain tensor ops (traced into the graph). ``x`` is not modified and no
-    gradient flows through the result."""
+def partials(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """float64 [PARTIALS]: ``x``'s statistics about the shift ``k`` (float64
+    0-dim) in ``hookcap._layout.P_*`` order, as plain tensor ops (traced into
+    the graph). ``x`` is not modified and no gradient flows through the result."""
     x = x.detach()
     f = x if x.dtype == torch.float32 else x.float()
     n = f.numel()
-    flat = f.reshape(-1)
-    k = _shift(flat) if n else torch.zeros((), dtype=torch.float32, device=f.device)
     fin = torch.isfinite(f)
-    d = torch.where(fin, f.double() - k.double(), 0.0)
+    d = torch.where(fin, f.double() - k, 0.0)
     inf = float("inf")
     cols = {
         _layout.P_COUNT: torch.full((), n, dtype=torch.float64, device=f.device),
@@ -67,7 +58,7 @@ def partials(x: torch.Tensor) -> torch.Tensor:
         _layout.P_NEGINF: (f == -inf).sum(dtype=torch.int64).double(),
         _layout.P_ZEROS: (f == 0).sum(dtype=torch.int64).double(),
         _layout.P_FINITE: fin.sum(dtype=torch.int64).double(),
-        _layout.P_SHIFT: k.double(),
+        _layout.P_SHIFT: k,
         _layout.P_S1: d.sum(),
         _layout.P_S2: (d * d).sum(),
         _layout.P_MIN: torch.where(fin, f, inf).amin().double() if n else torch.full(
@@ -80,4 +71,5 @@ def partials(x: torch.Tensor) -> torch.Tensor:
 
 def merge(x: torch.Tensor, sink: int, rid: int) -> None:
     """Traced: ``x``'s partials into row ``rid`` of sink ``sink``."""
-    _MERGE(partials(x), sink, rid)
+    k = _SHIFT(torch.empty(0, device=x.device), sink, rid)
+    _MERGE(partials(x, k), sink, rid)

@@ -93,6 +93,19 @@ def merge_partials(partials: torch.Tensor, sink: int, rid: int) -> None:
     _ops.merge_partials(partials, sink, rid)
 
 
+def shift_of_row(ring: torch.Tensor, state: torch.Tensor, row: int) -> torch.Tensor:
+    """float64 0-dim on the ring's device: the shift fused partials of ``row``
+    are summed about (the row's shift in slot ``state[2]`` if a write set it,
+    else its finite values' mean in the slot before, else 0). No host sync."""
+    return _ops.shift_of_row(ring, state, row)
+
+
+def fused_shift(like: torch.Tensor, sink: int, rid: int) -> torch.Tensor:
+    """:func:`shift_of_row` of the row ``rid`` of sink ``sink`` (0 on ``like``'s
+    device where there is none): what code compiled with ``fused=True`` calls."""
+    return _ops.fused_shift(like, sink, rid)
+
+
 def _register_record_effectful() -> bool:
     """Without an effect, graph passes would drop an op that returns
     nothing and mutates no argument. False where torch has no effect API."""

@@ -3,6 +3,7 @@
 // accumulate_<dtype>.cpp); the ring's slot and reset ops; the statistics of
 // values other kernels produce (doubles_*).
 #include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "cpu/stats_loop.h"
@@ -193,8 +194,24 @@ static void merge_row_cpu(const at::Tensor& partials, at::Tensor& ring, const at
                                   partials.const_data_ptr<double>());
 }
 
+static at::Tensor shift_of_row_cpu(const at::Tensor& ring, const at::Tensor& state, int64_t row_index) {
+  check_shift_of_row(ring, state, row_index);
+  at::Tensor out = at::empty({}, ring.options().dtype(at::kDouble));
+  const int64_t* st = state.data_ptr<int64_t>();
+  const int64_t slots = ring.size(0), slot = st[kStateSlot];
+  double k = 0.0;
+  if (slot >= 0 && slot < slots) {
+    const int64_t stride = ring.size(1) * ring.size(2);
+    const int64_t* row = ring.const_data_ptr<int64_t>() + row_index * ring.size(2);
+    k = row_center(row + slot * stride, slots > 1 ? row + ((slot + slots - 1) % slots) * stride : nullptr);
+  }
+  *out.data_ptr<double>() = k;
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("accumulate", &accumulate_cpu);
+  m.impl("shift_of_row", &shift_of_row_cpu);
   m.impl("merge_row", &merge_row_cpu);
   m.impl("reset_slot", &reset_slot_cpu);
   m.impl("reset_rows", &reset_rows_cpu);

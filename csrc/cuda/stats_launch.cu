@@ -4,6 +4,7 @@
 // stats_kernel.cuh (also executed on the CPU by tests/cuda_emu).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -479,9 +480,32 @@ void merge_row_cuda(const at::Tensor& partials, at::Tensor& ring, const at::Tens
   seal_ring_write(ring.device().index(), stream);
 }
 
+__global__ void shift_of_row_kernel(const int64_t* ring, const int64_t* state, double* out, int64_t slots,
+                                    int64_t rows, int64_t width, int64_t row) {
+  const int64_t slot = state[kStateSlot];
+  double k = 0.0;
+  if (slot >= 0 && slot < slots) {
+    const int64_t stride = rows * width;
+    const int64_t* r = ring + row * width;
+    k = row_center(r + slot * stride, slots > 1 ? r + ((slot + slots - 1) % slots) * stride : nullptr);
+  }
+  *out = k;
+}
+
+at::Tensor shift_of_row_cuda(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
+  check_shift_of_row(ring, state, row);
+  c10::cuda::CUDAGuard guard(ring.device());
+  at::Tensor out = at::empty({}, ring.options().dtype(at::kDouble));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  launch("hookcap.shift_of_row", &shift_of_row_kernel, dim3(1), dim3(1), stream, ring.const_data_ptr<int64_t>(),
+         state.const_data_ptr<int64_t>(), out.data_ptr<double>(), ring.size(0), ring.size(1), ring.size(2), row);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
+  m.impl("shift_of_row", &shift_of_row_cuda);
   m.impl("merge_row", &merge_row_cuda);
   m.impl("accumulate", &accumulate_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);

@@ -75,6 +75,14 @@ inline void check_merge_row(const at::Tensor& partials, const at::Tensor& ring, 
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
+// shift_of_row: a row's center for fused partials.
+inline void check_shift_of_row(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
+  check_ring_state(ring, state);
+  TORCH_CHECK(row >= 0, "hookcap.shift_of_row: row must be >= 0, got ", row);
+  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row), "hookcap.shift_of_row: row ", row,
+                  " out of range for a ring with ", ring.sym_size(1), " rows");
+}
+
 // At most this many bins of a log2 histogram between 2**lo and 2**hi, so
 // that its counts (signed: about twice) fit any GPU's shared memory.
 constexpr int64_t kMaxLog2Octaves = 2200;

@@ -779,10 +779,9 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge(int64_t* row, const Acc& a) {
 
 // Fused partials (Monitor(fused=True) under torch.compile): the statistics
 // of one tensor computed by the compiled graph's own reductions, as a float64
-// vector in this order. Sums are over finite values about kPShift (any
-// finite value of the tensor; the graph picks the first finite of its first
-// few); min/max over finite values (+inf/-inf when none). Counts are exact
-// integers below 2**53.
+// vector in this order. Sums are over finite values about kPShift (the
+// row_center the graph read); min/max over finite values (+inf/-inf when
+// none). Counts are exact integers below 2**53.
 enum PartialCol : int64_t {
   kPCount = 0,  // numel
   kPNan = 1,
@@ -797,6 +796,26 @@ enum PartialCol : int64_t {
   kPMax = 10,
   kPartials = 11,
 };
+
+// The shift a compiled graph sums a tensor's values about (fused partials):
+// the row's shift in this slot where an earlier write set one (no rebase),
+// else the mean of the row's ordinary finite values in `prev` (the slot of
+// the last recorded step, where it still holds it; null: none), else 0. It
+// is read from the ring, not from the tensor, so the graph's reductions need
+// no value of the tensor before they start and fuse into the loop that
+// produces it.
+C10_HOST_DEVICE C10_ALWAYS_INLINE double row_center(const int64_t* row, const int64_t* prev) {
+  if (row[kShift] != kShiftUnset) return bitsd(row[kShift]);
+  // A slot not opened since the row was added holds no step of it (tag < 0);
+  // one the host reset for a later step holds nothing yet (tag >= this one's).
+  if (prev == nullptr || prev[kStepTag] < 0 || prev[kStepTag] >= row[kStepTag] || prev[kCalls] == 0 ||
+      prev[kShift] == kShiftUnset)
+    return 0.0;
+  const int64_t n = prev[kCount] - prev[kNan] - prev[kPosInf] - prev[kNegInf] - prev[kBigN] - prev[kSmallN];
+  if (n <= 0) return 0.0;
+  const double m = bitsd(prev[kShift]) + bitsd(prev[kS1]) / static_cast<double>(n);
+  return (m < kInf && m > -kInf) ? m : 0.0;
+}
 
 // One tensor's fused partials into a ring row, as the accumulate op would
 // merge the same tensor: count and call, class counts, and the finite
