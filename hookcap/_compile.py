@@ -205,11 +205,11 @@ def _record_grad(sink: int, rid: int, grad):
     return grad
 
 
-def _fused_grad(sink: int, rid: int, grad):
+def _fused_grad(sink: int, rid: int, rows: bool, grad):
     """``_record_grad`` of ``Monitor(fused=True)``: the gradient's statistics
     as reductions of the backward graph, merged by ``merge_partials``."""
     if grad is not None:
-        _fused.merge(grad, sink, rid)
+        _fused.merge(grad, sink, rid, rows)
     return grad
 
 
@@ -236,7 +236,7 @@ def write_all(hooks, name: str, kind: str, obj, mtype: str) -> None:
         if rid < 0:
             continue
         if RECORD_IS_EFFECTFUL and _fused.fusable(rec.config, t):
-            _fused.merge(t, rec.fast.id, rid)
+            _fused.merge(t, rec.fast.id, rid, _fused.row_wise(kind, mtype))
         elif RECORD_IS_EFFECTFUL:
             _RECORD(t, rec.fast.id, rid)
         else:
@@ -253,9 +253,10 @@ def grad_hooks(hooks, name: str, kind: str, obj, mtype: str, path: str | None = 
         rid = _row(hooks, name, kind, p, t, mtype) if t.requires_grad else -1
         if rid < 0:
             continue
-        if RECORD_IS_EFFECTFUL:
-            record = _fused_grad if _fused.fusable(rec.config, t) else _record_grad
-            t.register_hook(functools.partial(record, rec.fast.id, rid))
+        if RECORD_IS_EFFECTFUL and _fused.fusable(rec.config, t):
+            t.register_hook(functools.partial(_fused_grad, rec.fast.id, rid, _fused.row_wise(kind, mtype)))
+        elif RECORD_IS_EFFECTFUL:
+            t.register_hook(functools.partial(_record_grad, rec.fast.id, rid))
         else:
             t.register_hook(functools.partial(_grad_hook_on_ring, rec.ring_of(rid), row_of(rid),
                                               rec.config.hist_args))

@@ -41,35 +41,67 @@ def fusable(config, t: torch.Tensor) -> bool:
     return config.fused and t.dtype in FUSED_DTYPES
 
 
-def partials(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def row_wise(kind: str, mtype: str) -> bool:
+    """Whether the statistics of a ``kind`` capture of a module of class
+    ``mtype`` are reduced row by row (see :func:`partials`): the outputs and
+    input gradients of normalisation layers (LayerNorm, RMSNorm, ...), whose
+    kernels compute row by row (the compiler fuses a reduction only into a
+    loop of the same shape: a flat one for elementwise producers)."""
+    return kind in ("output", "grad_input") and "Norm" in mtype
+
+
+def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tensor:
     """float64 [PARTIALS]: ``x``'s statistics about the shift ``k`` (float64
     0-dim) in ``hookcap._layout.P_*`` order, as plain tensor ops (traced into
-    the graph). ``x`` is not modified and no gradient flows through the result."""
+    the graph). ``rows``: each reduction runs over the last dimension first,
+    then over the rest (the loop shape of kernels that compute a tensor row by
+    row, e.g. LayerNorm's, so the compiler can fuse the statistics into them).
+    ``x`` is not modified and no gradient flows through the result."""
     x = x.detach()
     f = x if x.dtype == torch.float32 else x.float()
     n = f.numel()
+    if n == 0:
+        return _empty_partials(f.device)
+    if rows and f.dim() >= 2:
+        def total(t, op):
+            return op(op(t, -1), None)
+    else:
+        def total(t, op):
+            return op(t, None)
+
+    def count(m):
+        return total(m.to(torch.int64), lambda t, d: t.sum() if d is None else t.sum(d)).double()
+
+    def ssum(t):
+        return total(t, lambda t, d: t.sum() if d is None else t.sum(d))
+
     fin = torch.isfinite(f)
     d = torch.where(fin, f.double() - k, 0.0)
     inf = float("inf")
     cols = {
         _layout.P_COUNT: torch.full((), n, dtype=torch.float64, device=f.device),
-        _layout.P_NAN: torch.isnan(f).sum(dtype=torch.int64).double(),
-        _layout.P_POSINF: (f == inf).sum(dtype=torch.int64).double(),
-        _layout.P_NEGINF: (f == -inf).sum(dtype=torch.int64).double(),
-        _layout.P_ZEROS: (f == 0).sum(dtype=torch.int64).double(),
-        _layout.P_FINITE: fin.sum(dtype=torch.int64).double(),
+        _layout.P_NAN: count(torch.isnan(f)),
+        _layout.P_POSINF: count(f == inf),
+        _layout.P_NEGINF: count(f == -inf),
+        _layout.P_ZEROS: count(f == 0),
+        _layout.P_FINITE: count(fin),
         _layout.P_SHIFT: k,
-        _layout.P_S1: d.sum(),
-        _layout.P_S2: (d * d).sum(),
-        _layout.P_MIN: torch.where(fin, f, inf).amin().double() if n else torch.full(
-            (), inf, dtype=torch.float64, device=f.device),
-        _layout.P_MAX: torch.where(fin, f, -inf).amax().double() if n else torch.full(
-            (), -inf, dtype=torch.float64, device=f.device),
+        _layout.P_S1: ssum(d),
+        _layout.P_S2: ssum(d * d),
+        _layout.P_MIN: total(torch.where(fin, f, inf), lambda t, d: t.amin() if d is None else t.amin(d)).double(),
+        _layout.P_MAX: total(torch.where(fin, f, -inf), lambda t, d: t.amax() if d is None else t.amax(d)).double(),
     }
     return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
 
 
-def merge(x: torch.Tensor, sink: int, rid: int) -> None:
+def _empty_partials(device) -> torch.Tensor:
+    p = torch.zeros(_layout.PARTIALS, dtype=torch.float64, device=device)
+    p[_layout.P_MIN] = float("inf")
+    p[_layout.P_MAX] = float("-inf")
+    return p
+
+
+def merge(x: torch.Tensor, sink: int, rid: int, rows: bool = False) -> None:
     """Traced: ``x``'s partials into row ``rid`` of sink ``sink``."""
     k = _SHIFT(torch.empty(0, device=x.device), sink, rid)
-    _MERGE(partials(x, k), sink, rid)
+    _MERGE(partials(x, k, rows), sink, rid)
