@@ -1,0 +1,120 @@
+"""Reading the C++ kernels TorchInductor generates for the CPU: the loop nests
+of each kernel, which buffers they load and store, and what a nest that only
+reduces (stores nothing but reduction results) reads from memory.
+
+That last number is what telemetry costs in memory traffic beyond the
+model's own kernels: a statistic fused into the loop that produces or
+consumes a tensor adds no nest of its own; one that could not be fused reads
+the tensor again in a nest whose only outputs are reduction results.
+
+Used by bench_overhead.py --compile and tests/test_fused.py. Only the
+generated code is read (``torch._inductor.utils.run_and_get_code``); the
+patterns are those of Inductor's C++ backend (torch 2.x): ``in_ptrN`` /
+``out_ptrN`` / ``in_out_ptrN`` arguments, ``for(int64_t xK=...; xK<...(N L);``
+loops, ``tmp_accK`` reduction accumulators.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_KERNEL = re.compile(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\(\[(.*?)\], r'''(.*?)'''\)", re.M | re.S)
+_FOR = re.compile(r"for\(int64_t (x\d+)=static_cast<int64_t>\(\d+L\); \1<static_cast<int64_t>\((\d+)L\)")
+_PTR = r"(in_ptr\d+|out_ptr\d+|in_out_ptr\d+)"
+_ITEMSIZE = {"float": 4, "double": 8, "int64_t": 8, "int32_t": 4, "bool": 1, "at::BFloat16": 2,
+             "at::Half": 2, "bfloat16": 2, "half": 2, "uint8_t": 1, "int8_t": 1}
+
+
+@dataclass
+class Nest:
+    """One top-level loop nest of a kernel. ``elements``: iterations of the
+    nest (product of its loop variables' bounds); ``loads`` / ``stores``:
+    buffers read / written at an index that depends on the loop (scalar
+    reads and the results written after the loop are not counted);
+    ``reductions``: reduction accumulator updates inside the nest."""
+
+    kernel: str
+    elements: int
+    loads: set = field(default_factory=set)
+    stores: set = field(default_factory=set)
+    reductions: int = 0
+
+    @property
+    def reduce_only(self) -> bool:
+        """Reads data and writes only reduction results (what a statistic
+        that is not fused into a model loop looks like)."""
+        return self.reductions > 0 and not self.stores
+
+
+def cpp_kernels(code: str):
+    """``(name, {pointer: element bytes}, body)`` of every C++ kernel in a
+    module Inductor generated."""
+    for m in _KERNEL.finditer(code):
+        types = [t.strip().strip("'") for t in m.group(2).split(",")]
+        body = m.group(3)
+        sig = re.search(r"kernel\((.*?)\)\s*\{", body, re.S)
+        names = re.findall(_PTR, sig.group(1)) if sig else []
+        sizes = {}
+        for name, t in zip(names, types):
+            base = t.replace("const", "").replace("*", "").strip()
+            sizes[name] = _ITEMSIZE.get(base, 4)
+        yield m.group(1), sizes, body
+
+
+def loop_nests(name: str, body: str) -> list[Nest]:
+    """The top-level loop nests of one kernel body."""
+    out, cur, depth, start = [], None, 0, 0
+    for line in body.splitlines():
+        if cur is None and _FOR.search(line):
+            cur, start = [], depth
+        if cur is not None:
+            cur.append(line)
+        depth += line.count("{") - line.count("}")
+        if cur is not None and len(cur) > 1 and depth <= start:
+            out.append(_nest(name, "\n".join(cur)))
+            cur = None
+    return out
+
+
+def _nest(kernel: str, text: str) -> Nest:
+    bounds: dict[str, int] = {}
+    for var, n in _FOR.findall(text):
+        bounds[var] = max(bounds.get(var, 0), int(n))
+    elements = 1
+    for n in bounds.values():
+        elements *= n
+    looped = r"\s*(?:\+|\[)\s*static_cast<int64_t>\(([^;]*?)\)"
+    loads, stores = set(), set()
+    for ptr, idx in re.findall(_PTR + looped, text):
+        if re.search(r"\bx\d+\b", idx):
+            loads.add(ptr)
+    for ptr, idx in re.findall(r"\.store\(" + _PTR + r"\s*\+\s*static_cast<int64_t>\(([^;]*?)\)", text):
+        if re.search(r"\bx\d+\b", idx):
+            stores.add(ptr)
+    for ptr, idx in re.findall(_PTR + r"\[static_cast<int64_t>\(([^\]]*?)\)\]\s*=[^=]", text):
+        if re.search(r"\bx\d+\b", idx):
+            stores.add(ptr)
+    reductions = len(re.findall(r"\btmp_acc\d+(?:_vec)?(?:_local)?\s*=", text))
+    return Nest(kernel, elements, loads - stores, stores, reductions)
+
+
+def nests(codes) -> list[Nest]:
+    """Every loop nest of every C++ kernel in ``codes`` (run_and_get_code's list)."""
+    out = []
+    for code in codes:
+        for name, _, body in cpp_kernels(code):
+            out.extend(loop_nests(name, body))
+    return out
+
+
+def reduce_only_bytes(codes, min_elements: int = 1) -> int:
+    """Bytes that reduce-only nests of at least ``min_elements`` iterations
+    load: iterations times the element size of each buffer they read."""
+    total = 0
+    for code in codes:
+        for name, sizes, body in cpp_kernels(code):
+            for n in loop_nests(name, body):
+                if n.reduce_only and n.elements >= min_elements:
+                    total += n.elements * sum(sizes.get(p, 4) for p in n.loads)
+    return total

@@ -1,0 +1,319 @@
+"""Monitor(fused=True): statistics computed by the compiled graph's own
+reductions and merged by hookcap::merge_partials, against the float64
+reference and the accumulate op; the ring-read shift; and Inductor's
+generated code, which must compute the statistics inside the model's own
+loops (benchmarks/_fusion.py reads it)."""
+
+import gc
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+
+import hookcap
+from conftest import assert_stats_match
+from hookcap import Monitor, _layout, _ops
+from hookcap._fused import partials
+from hookcap.reference import stats_from_values
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _fusion  # noqa: E402
+
+SPECIAL = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def new_ring(rows=2, slots=4):
+    ring = torch.zeros((slots, rows, _layout.HEADER), dtype=torch.int64)
+    state = torch.tensor([0, 1, 0])
+    ring[:, :, _layout.STEP_TAG] = -(1 << 62)
+    _ops.reset_slot(ring, state)
+    return ring, state
+
+
+def row_stats(ring, state, row):
+    d = _layout.decode(ring[int(state[2])].numpy())
+    return {k: d[k][row] for k in hookcap.STAT_NAMES}
+
+
+def merge(x, ring, state, row):
+    _ops.merge_row(partials(x, _ops.shift_of_row(ring, state, row)), ring, state, row)
+
+
+def values(x):
+    return x.detach().double().reshape(-1).numpy()
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    n = draw(st.integers(0, 3000))
+    scale = draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e4, 1e30 if dtype == torch.float32 else 1e3]))
+    offset = draw(st.sampled_from([0.0, 1.0, -50.0, 3e3]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(n, generator=g, dtype=torch.float64) * scale + offset
+    k = draw(st.integers(0, min(n, 6)))
+    if k:
+        at = torch.randint(n, (k,), generator=g)
+        x[at] = torch.tensor([SPECIAL[int(i)] for i in torch.randint(len(SPECIAL), (k,), generator=g)],
+                             dtype=torch.float64)
+    x = x.to(dtype)
+    if draw(st.booleans()) and n >= 6:
+        x = x[: n - n % 6].reshape(-1, 3).t()  # a transposed, non-contiguous view
+    return x
+
+
+@given(tensors())
+def test_merged_partials_equal_the_float64_reference_and_the_op(x):
+    ring, state = new_ring()
+    merge(x, ring, state, 0)
+    _ops.accumulate(x, ring, state, 1, None)
+    got, op = row_stats(ring, state, 0), row_stats(ring, state, 1)
+    assert_stats_match(got, stats_from_values(values(x), None), rtol_sum=1e-12, rtol_std=1e-9,
+                       abs_sum=float(np.abs(values(x)[np.isfinite(values(x))]).sum()))
+    for k in ("count", "nan", "posinf", "neginf", "zeros", "finite", "min", "max", "absmax"):
+        assert got[k] == op[k] or (np.isnan(got[k]) and np.isnan(op[k])), k
+    assert ring[0, 0, _layout.CALLS] == ring[0, 1, _layout.CALLS] == 1
+
+
+def test_several_writes_into_a_row_rebase_onto_its_shift():
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(500, generator=g) + 1e3, torch.randn(300, generator=g) * 5 - 2e3,
+          torch.tensor([float("nan"), 7.0, float("inf")])]
+    ring, state = new_ring()
+    for x in xs:
+        merge(x, ring, state, 0)
+    want = stats_from_values(np.concatenate([values(x) for x in xs]), None)
+    assert_stats_match(row_stats(ring, state, 0), want, rtol_sum=1e-12, rtol_std=1e-9)
+    assert ring[0, 0, _layout.CALLS] == 3
+
+
+def test_shift_comes_from_the_row_then_from_the_last_recorded_step():
+    ring, state = new_ring(slots=4)
+    assert _ops.shift_of_row(ring, state, 0).item() == 0.0  # nothing recorded yet
+    x = torch.randn(1000, dtype=torch.float64).float() * 0.01 + 5e3
+    merge(x, ring, state, 0)
+    shift = ring[0, 0, _layout.SHIFT].view(torch.float64).item()
+    assert _ops.shift_of_row(ring, state, 0).item() == shift == 0.0  # this step: the row's shift
+    _ops.advance(ring, state)  # step 1 in slot 1: the mean of step 0
+    mean = values(x).mean()
+    assert _ops.shift_of_row(ring, state, 0).item() == pytest.approx(mean, rel=1e-12)
+    # A row whose earlier slot holds no step of it (a ring grown, a slot the
+    # host reset for a later step, garbage) reads no shift from there.
+    ring[0, 0, _layout.STEP_TAG] = -(1 << 62)
+    assert _ops.shift_of_row(ring, state, 0).item() == 0.0
+    ring[0, 0, _layout.STEP_TAG] = 7
+    assert _ops.shift_of_row(ring, state, 0).item() == 0.0
+
+
+def test_sums_about_the_last_steps_mean_keep_tight_data_exact():
+    # 1e4 + 0.01 noise: the float64 sums about 0 lose the variance's digits
+    # (relative error ~1e-16 * (mean/std)**2); about the last step's mean
+    # they do not.
+    g = torch.Generator().manual_seed(3)
+    x = (1e4 + 1e-2 * torch.randn(200_000, generator=g, dtype=torch.float64)).float()
+    ring, state = new_ring()
+    merge(x, ring, state, 0)
+    _ops.advance(ring, state)
+    merge(x, ring, state, 0)
+    got = row_stats(ring, state, 0)
+    ref = values(x)
+    np.testing.assert_allclose(got["std"], ref.std(), rtol=1e-9)
+
+
+def test_disabled_state_merges_nothing():
+    ring, state = new_ring()
+    before = ring.clone()
+    state[1] = 0
+    merge(torch.randn(10), ring, state, 0)
+    assert torch.equal(ring, before)
+
+
+def test_opcheck():
+    ring, state = new_ring()
+    p = partials(torch.randn(7, 3), torch.zeros((), dtype=torch.float64))
+    torch.library.opcheck(torch.ops.hookcap.merge_row.default, (p, ring, state, 1))
+    torch.library.opcheck(torch.ops.hookcap.shift_of_row.default, (ring, state, 1))
+
+
+def test_bad_partials_are_refused():
+    ring, state = new_ring()
+    with pytest.raises(RuntimeError, match="float64"):
+        _ops.merge_row(torch.zeros(_layout.PARTIALS), ring, state, 0)
+    with pytest.raises(RuntimeError, match="values"):
+        _ops.merge_row(torch.zeros(3, dtype=torch.float64), ring, state, 0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _ops.merge_row(torch.zeros(_layout.PARTIALS, dtype=torch.float64), ring, state, 5)
+
+
+def test_fused_needs_no_histogram_and_validates():
+    model = nn.Linear(3, 3)
+    with pytest.warns(UserWarning, match="histogram=None"):
+        mon = Monitor(model, fused=True)
+    assert not mon.fused
+    assert Monitor(model, fused=True, histogram=None).fused
+    with pytest.raises(ValueError, match="fused"):
+        Monitor(model, fused=1)
+
+
+class Block(nn.Module):
+    """Linear -> GELU -> Linear -> LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(64, 128)
+        self.g = nn.GELU()
+        self.l2 = nn.Linear(128, 64)
+        self.ln = nn.LayerNorm(64)
+
+    def forward(self, x):
+        return self.ln(self.l2(self.g(self.l(x))))
+
+
+def compiled_steps(model, xs, **kw):
+    mon = Monitor(model, histogram=None, **kw).attach()
+    fn = torch.compile(model)
+    start = counters["stats"]["unique_graphs"]
+    for x in xs:
+        fn(x).pow(2).sum().backward()
+        model.zero_grad()
+        mon.step()
+    mon.detach()
+    return mon.history(), counters["stats"]["unique_graphs"] - start
+
+
+def test_fused_equals_the_op_on_the_same_compiled_values():
+    torch.manual_seed(0)
+    model = Block()
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(32, 64, generator=g) for _ in range(3)]
+    capture = ("output", "grad_output", "grad_input")
+    op, graphs_op = compiled_steps(model, xs, capture=capture)
+    torch._dynamo.reset()
+    fused, graphs_fused = compiled_steps(model, xs, capture=capture, fused=True)
+    assert graphs_fused == graphs_op
+    assert sorted(fused.names) == sorted(op.names) and len(op.names) == 11  # no grad_input of the first layer
+    for name in op.names:
+        a, b = op.column(name), fused.column(name)
+        for stat in ("count", "nan", "posinf", "neginf", "zeros", "finite", "min", "max", "absmax"):
+            np.testing.assert_array_equal(fused[stat][:, b], op[stat][:, a], err_msg=f"{name} {stat}")
+        for stat in ("sumsq", "std", "l2norm"):
+            np.testing.assert_allclose(fused[stat][:, b], op[stat][:, a], rtol=1e-5, err_msg=f"{name} {stat}")
+        # A sum that cancels (LayerNorm's input gradient) is as exact as its
+        # terms: judged against sum |x| <= sqrt(n) * l2norm.
+        abs_sum = np.sqrt(op["count"][:, a]) * op["l2norm"][:, a]
+        np.testing.assert_array_less(np.abs(fused["sum"][:, b] - op["sum"][:, a]), 1e-6 * abs_sum + 1e-30,
+                                     err_msg=name)
+
+
+def test_no_extra_graphs_or_recompiles_over_an_unwatched_model():
+    torch.manual_seed(0)
+    model = Block()
+    xs = [torch.randn(8, 64) for _ in range(4)]
+    noop = [m.register_forward_hook(lambda *a: None) for m in model.children()]
+    fn = torch.compile(model)
+    start = counters["stats"]["unique_graphs"]
+    for x in xs:
+        fn(x).sum().backward()
+    plain = counters["stats"]["unique_graphs"] - start
+    for h in noop:
+        h.remove()
+    torch._dynamo.reset()
+    _, graphs = compiled_steps(model, xs, capture=("output", "grad_output"), fused=True, every=2)
+    assert graphs == plain
+
+
+def test_float64_and_nonfinite_tensors_under_fused():
+    # float64 keeps the op's exact wide-range path; NaN/Inf are counted in the graph.
+    class M(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    m = M()
+    x32 = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0, 3.0])
+    x64 = torch.tensor([1e300, -1e-300, 2.0], dtype=torch.float64)
+    mon = Monitor(m, modules=["."], capture="output", histogram=None, fused=True).attach()
+    fn = torch.compile(m)
+    fn(x32)
+    fn(x64)
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    s = {k: h[k][0, 0] for k in hookcap.STAT_NAMES}
+    ref = stats_from_values(np.concatenate([values(x32 * 2), values(x64 * 2)]), None)
+    assert_stats_match(s, ref, rtol_sum=1e-12, rtol_std=1e-9)
+
+
+def test_a_gone_monitor_gets_no_merge_and_a_zero_shift():
+    model = nn.Linear(3, 3)
+    mon = Monitor(model, histogram=None, fused=True).attach()
+    sink = mon._recorder.fast.id
+    mon.detach()
+    del mon
+    gc.collect()
+    p = partials(torch.ones(3), torch.zeros((), dtype=torch.float64))
+    torch.ops.hookcap.merge_partials(p, sink, 0)  # what a stale graph runs: nothing happens
+    assert torch.ops.hookcap.fused_shift(torch.empty(0), sink, 0).item() == 0.0
+
+
+# -- proof of fusion -------------------------------------------------------------
+
+
+def generated_code(model, x, **kw):
+    """Inductor's forward and backward code of one watched training step."""
+    from torch._inductor.utils import run_and_get_code
+
+    mon = Monitor(model, histogram=None, **kw).attach()
+    fn = torch.compile(model)
+
+    def step():
+        fn(x).pow(2).sum().backward()
+
+    _, codes = run_and_get_code(step)
+    mon.detach()
+    return codes
+
+
+def test_statistics_are_computed_in_the_model_loops():
+    """The outputs of GELU (after a Linear) and LayerNorm, and the gradients
+    their backward kernels produce, get their statistics in the loops that
+    compute them: no loop nest of the step re-reads a captured tensor for
+    telemetry (the reduce-only nests left are the second stage of row-wise
+    partials, one value per row)."""
+    torch.manual_seed(0)
+    rows = 256
+    codes = generated_code(Block(), torch.randn(rows, 64), modules=["g", "ln"],
+                           capture=("output", "grad_input"), fused=True)
+    nests = _fusion.nests(codes)
+    assert nests and all(n.elements <= rows for n in nests if n.reduce_only)
+    gelu = [k for c in codes for k, _, _ in _fusion.cpp_kernels(c) if "gelu" in k]
+    norm = [k for c in codes for k, _, _ in _fusion.cpp_kernels(c) if "native_layer_norm" in k]
+    # forward and backward kernels of both, each with the statistics (isnan) in it
+    assert len(gelu) == 2 and len(norm) == 2
+    assert all("isnan" in k for k in gelu + norm)
+    assert _fusion.reduce_only_bytes(codes, min_elements=rows + 1) == 0
+
+
+def test_the_fusion_check_sees_a_statistic_that_is_not_fused():
+    # Planted: a Linear's output comes from an extern matmul, so its
+    # statistics need a nest of their own, which the check must find.
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    codes = generated_code(Block(), x, modules=["l"], capture="output", fused=True)
+    extra = _fusion.reduce_only_bytes(codes, min_elements=257)
+    assert extra == 256 * 128 * 4  # the Linear's float32 output, read once more
+    op = generated_code(Block(), x, modules=["l"], capture="output")
+    assert _fusion.reduce_only_bytes(op, min_elements=257) == 0  # the op's read is outside Inductor's code
