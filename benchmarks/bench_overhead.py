@@ -16,10 +16,21 @@ Workloads (random init, synthetic data):
   cnn:  torchvision resnet18(weights=None) on 8x3x64x64 (built-in TinyResNet if
         torchvision is missing), SGD, full step.
 
+--compile: every configuration trains its own instance of the model (same
+seed, same weights), compiled with torch.compile (default mode) with its
+Monitor attached for the whole run, so each keeps its own graphs: no
+telemetry, the accumulate op (histogram=None, and log2), and fused=True
+(histogram=None; on the CPU too, where hookcap otherwise leaves CPU tensors to
+the op because it measures faster, as this shows). It also prints the bytes per step that telemetry reads
+beyond the model's own kernels: for the op, the captured tensors' bytes (it
+reads each once); for fused=True, what Inductor's loop nests that only reduce
+read beyond those of the unwatched model (benchmarks/_fusion.py; CPU code).
+
 Usage:
   python benchmarks/bench_overhead.py [--workloads gpt2,cnn] [--rounds 16] [--threads 2]
                                       [--steps-per-round 6] [--configs every=10,hookcap]
-                                      [--device cpu|cuda] [--json benchmarks/results/overhead.json]
+                                      [--device cpu|cuda] [--compile]
+                                      [--json benchmarks/results/overhead.json]
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -323,6 +335,99 @@ def measure(workload, device, rounds, steps_per_round, warm_rounds, only=None):
     return rows, extra
 
 
+COMPILED_CONFIGS = (
+    ("no telemetry", None),
+    ("op histogram=None", {"histogram": None}),
+    ("fused=True histogram=None", {"histogram": None, "fused": True}),
+    ("op log2 hist", {}),
+)
+
+
+def measure_compiled(workload, device, rounds, steps_per_round, warm_rounds):
+    """--compile: one compiled model instance per configuration, interleaved
+    round by round as in :func:`measure`; returns (rows, extra)."""
+    import hookcap._fused
+
+    hookcap._fused.DEVICE_TYPES.add(device.type)  # the CPU too: time the path hookcap leaves off there
+    torch._dynamo.config.skip_nnmodule_hook_guards = False  # each instance its own graphs
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    runs = {}
+    for name, kw in COMPILED_CONFIGS:
+        model, loss_fn = WORKLOADS[workload](device)
+        mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
+        model.compile()
+        runs[name] = (model, loss_fn, torch.optim.SGD(model.parameters(), lr=1e-3), mon)
+    clock = timer(device)
+    by_round = {name: [] for name in runs}
+    times = {name: [] for name in runs}
+    order = random.Random(0)
+    for r in range(rounds + warm_rounds):
+        for name in order.sample(list(runs), len(runs)):
+            model, loss_fn, opt, mon = runs[name]
+            gc.collect()
+
+            def step():
+                loss_fn().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if mon is not None:
+                    mon.step()
+
+            samples = [clock(step) for _ in range(steps_per_round)][1:]
+            if r >= warm_rounds:
+                times[name].extend(samples)
+                by_round[name].append(statistics.median(samples))
+    rows = []
+    for name, (model, loss_fn, opt, mon) in runs.items():
+        ratio = statistics.median(x / b for x, b in zip(by_round[name], by_round["no telemetry"]))
+        row = {"config": name, "median_ms": statistics.median(times[name]) * 1e3, "ratio": ratio,
+               "overhead_pct": 100 * (ratio - 1), "samples": len(times[name])}
+        if mon is not None:
+            h = mon.history()
+            row["captured_bytes"] = int(sum(h["count"][-1][~np.isnan(h["count"][-1])]) * 4)
+            mon.detach()
+        rows.append(row)
+    extra = {"model": getattr(runs["no telemetry"][1], "model_name", workload)}
+    if device.type == "cpu":
+        extra["telemetry_read_bytes"] = telemetry_read_bytes(workload, device)
+        for row in rows:
+            if row["config"].startswith("op"):
+                row["telemetry_read_bytes"] = row["captured_bytes"]
+            elif row["config"].startswith("fused"):
+                row["telemetry_read_bytes"] = extra["telemetry_read_bytes"]
+    return rows, extra
+
+
+def telemetry_read_bytes(workload, device) -> int:
+    """Bytes per step that Inductor's reduce-only loop nests read with a
+    fused=True Monitor beyond those of the unwatched model (one step of a
+    fresh compile each; CPU C++ code)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from _fusion import reduce_only_bytes
+
+    def code(kw):
+        torch._dynamo.reset()
+        model, loss_fn = WORKLOADS[workload](device)
+        mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
+        model.compile()
+        _, codes = run_and_get_code(lambda: loss_fn().backward())
+        if mon is not None:
+            mon.detach()
+        return reduce_only_bytes(codes)
+
+    return code({"histogram": None, "fused": True}) - code(None)
+
+
+def compiled_table(rows, title):
+    lines = [title, f"{'config':28s} {'median ms':>10s} {'ratio':>7s} {'overhead':>9s} {'telemetry reads/step':>21s}",
+             "-" * 80]
+    for r in rows:
+        mb = f"{r['telemetry_read_bytes'] / 1e6:10.2f} MB" if "telemetry_read_bytes" in r else ""
+        lines.append(f"{r['config']:28s} {r['median_ms']:10.1f} {r['ratio']:7.3f} {r['overhead_pct']:+8.1f}% {mb:>21s}")
+    return "\n".join(lines)
+
+
 def sync_check(model, loss_fn, opt):
     """One hookcap step under set_sync_debug_mode('error'): raises on any host sync."""
     mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
@@ -446,6 +551,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None)
+    p.add_argument("--compile", action="store_true",
+                   help="compiled models: no telemetry, the op, fused=True (see the module docstring)")
     p.add_argument("--configs", default=None,
                    help="comma-separated substrings: measure only the configurations whose name "
                         "contains one (the baseline always runs), e.g. 'every=10'")
@@ -458,6 +565,18 @@ def main(argv=None):
     result = {"machine": {"cpu": cpu, "threads": args.threads, "torch": torch.__version__,
                           "device": str(device), "build": hookcap.build_info()}, "workloads": {}}
     print(f"# {cpu}, {args.threads} threads, torch {torch.__version__}, device {device}")
+    if args.compile:
+        result["compiled"] = True
+        for w in args.workloads.split(","):
+            rows, extra = measure_compiled(w, device, args.rounds, args.steps_per_round, args.warm_rounds)
+            result["workloads"][w] = {"rows": rows, **extra}
+            print(compiled_table(rows, f"\n## {w} ({extra['model']}), compiled"))
+        if args.json:
+            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+            print(f"\nwrote {args.json}")
+        return
     for w in args.workloads.split(","):
         rows, extra = measure(w, device, args.rounds, args.steps_per_round, args.warm_rounds,
                               [k for k in args.configs.split(",") if k] if args.configs else None)

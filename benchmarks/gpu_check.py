@@ -19,6 +19,11 @@ a failing step does not stop the later ones:
                run under torch.cuda.set_sync_debug_mode("error") (OUTDIR/overhead.log).
                transformers' GPT2LMHeadModel if importable and sync-free on its own, else the
                same model built in benchmarks/_gpt2.py; the JSON says which ran.
+  compiled     the same GPT-2 (built-in, benchmarks/_gpt2.py) compiled with torch.compile, one
+               instance per configuration: no telemetry, the accumulate op (histogram=None) and
+               Monitor(fused=True, histogram=None) (statistics as reductions in Inductor's Triton
+               kernels), interleaved round by round; compile seconds per instance; the fused
+               and op rows of the first step compared (OUTDIR/compiled.log).
 Then OUTDIR/gpu_check.json and OUTDIR/summary.md (also printed). Exit code 0 if every step
 passed, 1 if not. At most about 10 minutes: each step has a time limit, cut to what is left
 of the run's budget.
@@ -59,7 +64,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TOTAL_BUDGET_S = 580  # the whole run; each step's limit is cut to what is left of it
-STEP_LIMIT_S = {"build": 300, "build_info": 120, "tests": 240, "kernel": 180, "overhead": 200}
+STEP_LIMIT_S = {"build": 300, "build_info": 120, "tests": 240, "kernel": 180, "overhead": 200, "compiled": 240}
 # tests/test_cuda.py's module-level skip reason: seen on a GPU machine, the kernels were not found.
 MODULE_SKIP = "no CUDA device visible"
 KERNEL_HEADER = "| dtype | elements | layout | op | µs/call | GB/s | × copy |"
@@ -771,13 +776,90 @@ def pipelined(model, cfgs, autocast, loss_fn, opt, clock, rounds: int, steps: in
                       "overhead_pct": 100 * (statistics.median(v) / base - 1)} for k, v in out.items()]}
 
 
+COMPILED_CONFIGS = (("no telemetry", None), ("op histogram=None", {"histogram": None}),
+                    ("fused=True histogram=None", {"histogram": None, "fused": True}))
+
+
+def compiled_stage(args) -> dict:
+    """GPT-2 compiled: one instance per configuration, each Monitor attached
+    for the whole run (its own graphs), interleaved rounds; the fused rows
+    of the first recorded step against the op's (same weights, same data)."""
+    import hookcap
+    import hookcap._fused
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if not cuda:
+        hookcap._fused.DEVICE_TYPES.add("cpu")  # --device cpu: exercise the fused path's code here too
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    shape = gpt2_shape(args.device, args.quick)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+    rounds, steps_per_round = (3, 4) if cuda else (2, 2)
+    clock = __import__("bench_overhead").timer(device)
+    runs, compile_s, first = {}, {}, {}
+    for name, kw in COMPILED_CONFIGS:
+        model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
+        mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
+        model.compile()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        cfg = type("Cfg", (), {"after_step": staticmethod(mon.step if mon else (lambda: None))})
+        t0 = time.perf_counter()
+        train_step(autocast, loss_fn, opt, cfg)  # traces and compiles
+        if cuda:
+            torch.cuda.synchronize()
+        compile_s[name] = round(time.perf_counter() - t0, 1)
+        runs[name] = (loss_fn, opt, cfg, mon)
+        log(f"  {name}: first step (compile) {compile_s[name]} s")
+    times = {name: [] for name in runs}
+    by_round = {name: [] for name in runs}
+    order = random.Random(0)
+    for r in range(rounds + 1):
+        for name in order.sample(list(runs), len(runs)):
+            loss_fn, opt, cfg, mon = runs[name]
+            gc.collect()
+            samples = [clock(lambda: train_step(autocast, loss_fn, opt, cfg)) for _ in range(steps_per_round)][1:]
+            if r >= 1:
+                times[name].extend(samples)
+                by_round[name].append(statistics.median(samples))
+    base = by_round["no telemetry"]
+    rows = []
+    for name in runs:
+        ratio = statistics.median(x / b for x, b in zip(by_round[name], base))
+        rows.append({"config": name, "median_ms": statistics.median(times[name]) * 1e3, "ratio": ratio,
+                     "overhead_pct": 100 * (ratio - 1), "samples": len(times[name]),
+                     "compile_s": compile_s[name]})
+    hist = {name: runs[name][3].history() for name in runs if runs[name][3] is not None}
+    op, fused = hist["op histogram=None"], hist["fused=True histogram=None"]
+    mismatches = []
+    for m in op.names:
+        a, b = op.column(m), fused.column(m)
+        for stat in ("count", "nan", "inf", "zeros", "min", "max"):
+            if not (op[stat][0, a] == fused[stat][0, b] or (math.isnan(op[stat][0, a]) and math.isnan(fused[stat][0, b]))):
+                mismatches.append(f"{m} {stat}: op {op[stat][0, a]!r}, fused {fused[stat][0, b]!r}")
+        for stat in ("l2norm", "std"):
+            x, y = op[stat][0, a], fused[stat][0, b]
+            if not abs(x - y) <= 1e-5 * abs(x) + 1e-30:
+                mismatches.append(f"{m} {stat}: op {x!r}, fused {y!r}")
+    for _, _, _, mon in runs.values():
+        if mon is not None:
+            mon.detach()
+    details = {"model": desc, "shape": shape, "autocast": "bfloat16" if cuda else None, "rounds": rounds,
+               "steps_per_round": steps_per_round, "rows": rows, "metrics": len(op.names),
+               "same_names": sorted(op.names) == sorted(fused.names), "fused_vs_op_mismatches": mismatches[:20]}
+    if mismatches or not details["same_names"]:
+        raise StepFailed(f"fused=True differs from the op on the first step: {len(mismatches)} mismatches", details)
+    return details
+
+
 def build_info_stage(args) -> dict:
     import hookcap
 
     return hookcap.build_info()
 
 
-STAGES = {"build_info": build_info_stage, "kernel": kernel_stage, "overhead": overhead_stage}
+STAGES = {"build_info": build_info_stage, "kernel": kernel_stage, "overhead": overhead_stage,
+          "compiled": compiled_stage}
 
 
 def run_stage(args) -> int:
@@ -812,7 +894,7 @@ def step_note(s: dict) -> str:
     if s["name"] == "kernel":
         c = d["correctness"]
         return f"{len(d['rows'])} rows; correctness {sum(r['ok'] for r in c)}/{len(c)}"
-    if s["name"] == "overhead":
+    if s["name"] in ("overhead", "compiled"):
         return ", ".join(f"{r['config']} {r['overhead_pct']:+.1f}%" for r in d["rows"][1:])
     return ""
 
@@ -883,6 +965,17 @@ def summary_md(report: dict) -> str:
         for key in ("pipelined", "read_floor"):
             if "error" in o.get(key, {}):
                 out += ["", f"{key} failed:", "```", o[key]["error"].strip()[-800:], "```"]
+    c = by_name.get("compiled", {})
+    if c.get("rows"):
+        sh = c["shape"]
+        out += ["", f"## Compiled (torch.compile): {c['model']}", "",
+                f"{sh['n_layer']} layers, n_embd {sh['n_embd']}, B={sh['batch']}, T={sh['seq']}, autocast "
+                f"{c['autocast']}; one compiled instance per configuration; {c['rounds']} rounds x "
+                f"{c['steps_per_round']} steps; {c['metrics']} metrics; fused vs op on the first step: "
+                f"{len(c['fused_vs_op_mismatches'])} mismatches.", "",
+                "| config | median ms | overhead | first step (compile) s |", "|---|---:|---:|---:|"]
+        out += [f"| {r['config']} | {r['median_ms']:.1f} | {r['overhead_pct']:+.1f}% | {r['compile_s']} |"
+                for r in c["rows"]]
     errors = [s for s in steps if not s["ok"]]
     if errors:
         out += ["", "## Errors"]
@@ -934,7 +1027,8 @@ def main(argv=None) -> int:
         code = 2
     else:
         for name, fn in (("build", lambda: build(runner, report["machine"])), ("tests", lambda: tests(runner)),
-                         ("kernel", lambda: runner.stage("kernel")), ("overhead", lambda: runner.stage("overhead"))):
+                         ("kernel", lambda: runner.stage("kernel")), ("overhead", lambda: runner.stage("overhead")),
+                         ("compiled", lambda: runner.stage("compiled"))):
             report["steps"].append(run_step(name, fn))
         code = 0 if all(s["ok"] for s in report["steps"]) else 1
     report.update(finished=now_iso(), seconds=round(time.perf_counter() - t0, 1),

@@ -31,6 +31,11 @@ import torch
 from . import _layout
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Devices whose tensors take the fused path. Not the CPU: Inductor's C++
+# reductions cost 5 to 15 times the op's vectorised pass over the same data
+# (docs/performance.md), and a CPU re-read mostly hits the cache. Tests and
+# benchmarks add "cpu" to inspect and time the path.
+DEVICE_TYPES = {"cuda"}
 _MERGE = torch.ops.hookcap.merge_partials.default
 _SHIFT = torch.ops.hookcap.fused_shift.default
 
@@ -38,7 +43,7 @@ _SHIFT = torch.ops.hookcap.fused_shift.default
 def fusable(config, t: torch.Tensor) -> bool:
     """Whether ``t``'s statistics go through the fused partials under
     ``config`` (else the accumulate op records it)."""
-    return config.fused and t.dtype in FUSED_DTYPES
+    return config.fused and t.dtype in FUSED_DTYPES and t.device.type in DEVICE_TYPES
 
 
 def row_wise(kind: str, mtype: str) -> bool:

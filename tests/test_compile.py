@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import hookcap
+import hookcap._fused
 from conftest import assert_recorded
 from hookcap import Monitor, _compile
 from hookcap.models import TinyResNet, TinyTransformer
@@ -22,7 +23,8 @@ PATHS = {"op": {}, "fused": {"histogram": None, "fused": True}}
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
+def fresh_dynamo(monkeypatch):
+    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})  # fused=True on CPU tensors too
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import hookcap
+import hookcap._fused
 from conftest import assert_stats_match
 from hookcap import Monitor, _layout, _ops
 from hookcap._fused import partials
@@ -30,7 +31,9 @@ SPECIAL = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0)
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
+def fresh_dynamo(monkeypatch):
+    # The fused path on CPU tensors (hookcap uses the op there by default).
+    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -157,6 +160,14 @@ def test_bad_partials_are_refused():
         _ops.merge_row(torch.zeros(3, dtype=torch.float64), ring, state, 0)
     with pytest.raises(RuntimeError, match="out of range"):
         _ops.merge_row(torch.zeros(_layout.PARTIALS, dtype=torch.float64), ring, state, 5)
+
+
+def test_cpu_tensors_keep_the_op_unless_asked(monkeypatch):
+    config = Monitor(nn.Linear(3, 3), histogram=None, fused=True)._config
+    assert hookcap._fused.fusable(config, torch.ones(2))
+    assert not hookcap._fused.fusable(config, torch.ones(2, dtype=torch.float64))
+    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda"})
+    assert not hookcap._fused.fusable(config, torch.ones(2))
 
 
 def test_fused_needs_no_histogram_and_validates():

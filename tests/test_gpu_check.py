@@ -17,13 +17,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import _gpt2  # noqa: E402
 import gpu_check  # noqa: E402
 
-STEPS = ["environment", "build", "tests", "kernel", "overhead"]
+STEPS = ["environment", "build", "tests", "kernel", "overhead", "compiled"]
 
 
 def run_gpu_check(outdir, *args):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(outdir), *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
 
 
 def test_cpu_quick_run_records_every_step(tmp_path):
@@ -64,11 +64,15 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert floor["captured_elements_by_hooks"] == floor["recorded_elements_last_step"] > 0
     assert floor["captured_bytes"] == 4 * floor["captured_elements_by_hooks"]  # float32 on the CPU
     assert steps["build"]["build_info"]["torch_version"] == torch.__version__
+    compiled = steps["compiled"]  # the fused path exercised on the CPU, checked against the op
+    assert [r["config"] for r in compiled["rows"]] == [c for c, _ in gpu_check.COMPILED_CONFIGS]
+    assert all(r["median_ms"] > 0 and r["compile_s"] > 0 for r in compiled["rows"])
+    assert compiled["metrics"] > 0 and compiled["same_names"] and compiled["fused_vs_op_mismatches"] == []
 
     summary = (tmp_path / "summary.md").read_text()
-    assert gpu_check.KERNEL_HEADER in summary and "## Overhead" in summary
+    assert gpu_check.KERNEL_HEADER in summary and "## Overhead" in summary and "## Compiled" in summary
     assert summary.strip() in out.stdout
-    assert {"build_info.log", "kernel.log", "overhead.log"} <= set(os.listdir(tmp_path))
+    assert {"build_info.log", "kernel.log", "overhead.log", "compiled.log"} <= set(os.listdir(tmp_path))
 
 
 def test_no_gpu_for_device_cuda_exits_2_with_the_reason(tmp_path):
