@@ -377,6 +377,45 @@ def test_monitor_with_compile(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_fused_compiled_statistics_match_the_op_without_a_sync(dev, monkeypatch):
+    # Monitor(fused=True): the statistics as reductions in Inductor's kernels
+    # (Triton on CUDA; C++ on the CPU, switched on for the test), against a
+    # twin recorded by the op; the steady-state step syncs nothing.
+    import hookcap._fused
+
+    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
+    torch._dynamo.reset()
+    hists = {}
+    for kw in ({}, {"fused": True}):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64),
+                                    torch.nn.LayerNorm(64)).to(dev)
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(128, 64, generator=g).to(dev) for _ in range(4)]
+        xs[2][0, 0] = float("nan")  # NaN flows through every later tensor of that step
+        mon = hookcap.Monitor(model, capture=("output", "grad_output", "grad_input"), histogram=None,
+                              **kw).attach()
+        cm = torch.compile(model)
+        for i, x in enumerate(xs):
+            with no_sync(dev) if i == 3 else contextlib.nullcontext():
+                cm(x).pow(2).sum().backward()
+                model.zero_grad(set_to_none=True)
+                mon.step()
+        mon.detach()
+        hists[bool(kw)] = mon.history()
+        torch._dynamo.reset()
+    op, fused = hists[False], hists[True]
+    assert sorted(op.names) == sorted(fused.names) and list(op.steps) == list(fused.steps) == [0, 1, 2, 3]
+    assert op["nan"][2].sum() > 0
+    for name in op.names:
+        a, b = op.column(name), fused.column(name)
+        for stat in ("count", "nan", "posinf", "neginf", "zeros", "finite", "min", "max", "absmax"):
+            np.testing.assert_array_equal(fused[stat][:, b], op[stat][:, a], err_msg=f"{name} {stat}")
+        for stat in ("sumsq", "std", "l2norm"):
+            np.testing.assert_allclose(fused[stat][:, b], op[stat][:, a], rtol=1e-5, err_msg=f"{name} {stat}")
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_timing_is_stream_ordered_and_matches_a_clock(dev):
     # CUDA: %globaltimer marks around each Linear, no host sync in steady state,
     # checked against CUDA events; CPU: host clock marks against perf_counter.
