@@ -79,6 +79,14 @@ def test_opcheck_record_and_its_effect():
     assert hookcap._ops.RECORD_IS_EFFECTFUL  # compiled graphs keep it
     with pytest.raises(RuntimeError, match="no ring"):
         torch.ops.hookcap.record(torch.randn(2), rec.fast.id, 5 << 32)
+    # fused=True's pair: the shift read from the row, and the partials merged into it
+    from hookcap._fused import partials
+
+    torch.library.opcheck(torch.ops.hookcap.fused_shift.default, (torch.empty(0), rec.fast.id, rid))
+    k = torch.ops.hookcap.fused_shift(torch.empty(0), rec.fast.id, rid)
+    torch.library.opcheck(torch.ops.hookcap.merge_partials.default, (partials(torch.randn(2, 3), k), rec.fast.id, rid))
+    with pytest.raises(RuntimeError, match="no ring"):
+        torch.ops.hookcap.merge_partials(partials(torch.randn(2), k), rec.fast.id, 5 << 32)
     mon.detach()
 
 

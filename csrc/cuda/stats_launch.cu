@@ -497,6 +497,7 @@ at::Tensor shift_of_row_cuda(const at::Tensor& ring, const at::Tensor& state, in
   c10::cuda::CUDAGuard guard(ring.device());
   at::Tensor out = at::empty({}, ring.options().dtype(at::kDouble));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  note_capture(stream, ring.data_ptr());  // a captured read keeps the buffer, as a captured write does
   launch("hookcap.shift_of_row", &shift_of_row_kernel, dim3(1), dim3(1), stream, ring.const_data_ptr<int64_t>(),
          state.const_data_ptr<int64_t>(), out.data_ptr<double>(), ring.size(0), ring.size(1), ring.size(2), row);
   return out;
