@@ -49,6 +49,7 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -844,12 +845,43 @@ def compiled_stage(args) -> dict:
     for _, _, _, mon in runs.values():
         if mon is not None:
             mon.detach()
-    details = {"model": desc, "shape": shape, "autocast": "bfloat16" if cuda else None, "rounds": rounds,
+    details = {"generated_code": dump_fused_code(device, args.outdir)}
+    details.update({"model": desc, "shape": shape, "autocast": "bfloat16" if cuda else None, "rounds": rounds,
                "steps_per_round": steps_per_round, "rows": rows, "metrics": len(op.names),
-               "same_names": sorted(op.names) == sorted(fused.names), "fused_vs_op_mismatches": mismatches[:20]}
+               "same_names": sorted(op.names) == sorted(fused.names), "fused_vs_op_mismatches": mismatches[:20]})
     if mismatches or not details["same_names"]:
         raise StepFailed(f"fused=True differs from the op on the first step: {len(mismatches)} mismatches", details)
     return details
+
+
+def dump_fused_code(device, outdir: str) -> dict:
+    """Inductor's code (Triton on CUDA) for one training step of Linear -> GELU ->
+    Linear -> LayerNorm with Monitor(fused=True), every module's output and input
+    gradient captured, written to OUTDIR/fused_code.txt: which kernels compute the
+    statistics, read offline. Returns the file name and the kernels counted."""
+    import hookcap
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768),
+                                torch.nn.LayerNorm(768)).to(device)
+    x = torch.randn(2048, 768, device=device)
+    mon = hookcap.Monitor(model, capture=("output", "grad_input"), histogram=None, fused=True).attach()
+    fn = torch.compile(model)
+    try:
+        _, codes = run_and_get_code(lambda: fn(x).pow(2).sum().backward())
+    finally:
+        mon.detach()
+    path = os.path.join(outdir, "fused_code.txt")
+    with open(path, "w") as f:
+        for i, code in enumerate(codes):
+            f.write(f"# ===== module {i} =====\n{code}\n")
+    text = "\n".join(codes)
+    return {"file": "fused_code.txt", "modules": len(codes),
+            "triton_kernels": len(set(re.findall(r"def (triton_\w+)\(", text))),
+            "cpp_kernels": len(set(re.findall(r"^(cpp_fused_\w+) = ", text, re.M))),
+            "merge_partials_calls": text.count("hookcap.merge_partials")}
 
 
 def build_info_stage(args) -> dict:
