@@ -14,7 +14,10 @@ op. Medians of 40 calls, 5 interleaved rounds; "added" is over the producer alon
   hist scatter    a 64-bin log2 histogram: frexp exponent, scatter_add into 64 counters
   hist one-hot    the same by comparing each value's bin with every bin
 
-Usage: python benchmarks/bench_fused_forms.py [--threads 2]
+--device cuda: the same forms as Triton kernels on 2**26 values (CUDA events), the op's CUDA
+kernel; gpu_check.py's compiled step runs it.
+
+Usage: python benchmarks/bench_fused_forms.py [--threads 2] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -77,49 +80,73 @@ def hist_onehot(x, k):
     return y, (bins(y).reshape(-1, 1) == torch.arange(NB)).sum(0)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    x = torch.randn(N, generator=torch.Generator().manual_seed(0))
-    k = torch.zeros((), dtype=torch.float64)
+def measure_forms(device: str = "cpu", n: int = N, calls: int = 40, rounds: int = 5) -> list:
+    """Rows {form, us, added_us, added_vs_op}: median time per call of each form,
+    what it adds to the producer alone, and that over what the op adds."""
+    dev = torch.device(device)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(dev)
+    k = torch.zeros((), dtype=torch.float64, device=dev)
     forms = {"producer": lambda x, k: producer(x), "fused=True": fused, "float32": float32,
-             "lean float32": lean, "hist scatter": hist_scatter, "hist one-hot": hist_onehot}
+             "lean float32": lean, "hist scatter": hist_scatter}
+    if dev.type == "cpu":
+        forms["hist one-hot"] = hist_onehot  # 64 compares per value: minutes at GPU sizes
     fns = {name: torch.compile(f) for name, f in forms.items()}
     for f in fns.values():
         f(x, k)
         f(x, k)
     h = Histogram.log2()
-    ring = torch.zeros((2, 2, _layout.HEADER + h.nbins), dtype=torch.int64)
-    state = torch.tensor([0, 1, 0])
+    ring = torch.zeros((2, 2, _layout.HEADER + h.nbins), dtype=torch.int64, device=dev)
+    state = torch.tensor([0, 1, 0], device=dev)
     _ops.reset_slot(ring, state)
     ops = {"op histogram=None": lambda y: _ops.accumulate(y, ring, state, 0, None),
            "op log2": lambda y: _ops.accumulate(y, ring, state, 1, h)}
 
     def timed(fn, after=None):
         ts = []
-        for _ in range(40):
+        for _ in range(calls):
+            if dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
             t = time.perf_counter()
             y = fn(x, k)
             if after is not None:
                 after(y)
-            ts.append(time.perf_counter() - t)
+            if dev.type == "cuda":
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b) * 1e-3)
+            else:
+                ts.append(time.perf_counter() - t)
         return statistics.median(ts) * 1e6
 
     res = {name: [] for name in list(fns) + list(ops)}
-    for _ in range(5):
+    for _ in range(rounds):
         for name, f in fns.items():
             res[name].append(timed(f))
         for name, op in ops.items():
             res[name].append(timed(fns["producer"], op))
     base = statistics.median(res["producer"])
     op_added = statistics.median(res["op histogram=None"]) - base
-    print(f"# {machine_info('cpu')['cpu']}, {args.threads} threads, torch {torch.__version__}; {N:,} float32 values")
-    print(f"{'form':20s} {'µs':>9s} {'added µs':>9s} {'added / op':>11s}")
+    rows = []
     for name, v in res.items():
         med = statistics.median(v)
-        print(f"{name:20s} {med:9.1f} {med - base:9.1f} {(med - base) / op_added:11.2f}")
+        rows.append({"form": name, "us": med, "added_us": med - base, "added_vs_op": (med - base) / op_added})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    n = N if args.device == "cpu" else 2**26
+    rows = measure_forms(args.device, n)
+    print(f"# {machine_info(args.device)['cpu']}, {args.threads} threads, torch {torch.__version__}, "
+          f"{args.device}; {n:,} float32 values")
+    print(f"{'form':20s} {'µs':>9s} {'added µs':>9s} {'added / op':>11s}")
+    for r in rows:
+        print(f"{r['form']:20s} {r['us']:9.1f} {r['added_us']:9.1f} {r['added_vs_op']:11.2f}")
 
 
 if __name__ == "__main__":

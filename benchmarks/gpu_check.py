@@ -23,7 +23,9 @@ a failing step does not stop the later ones:
                instance per configuration: no telemetry, the accumulate op (histogram=None) and
                Monitor(fused=True, histogram=None) (statistics as reductions in Inductor's Triton
                kernels), interleaved round by round; compile seconds per instance; the fused
-               and op rows of the first step compared (OUTDIR/compiled.log).
+               and op rows of the first step compared; the forms of benchmarks/bench_fused_forms.py
+               on 2**26 values (the statistics and a log2 histogram as Triton reductions vs the op);
+               Inductor's code of a fused step in OUTDIR/fused_code.txt (OUTDIR/compiled.log).
 Then OUTDIR/gpu_check.json and OUTDIR/summary.md (also printed). Exit code 0 if every step
 passed, 1 if not. At most about 10 minutes: each step has a time limit, cut to what is left
 of the run's budget.
@@ -845,7 +847,10 @@ def compiled_stage(args) -> dict:
     for _, _, _, mon in runs.values():
         if mon is not None:
             mon.detach()
-    details = {"generated_code": dump_fused_code(device, args.outdir)}
+    import bench_fused_forms
+
+    details = {"generated_code": dump_fused_code(device, args.outdir),
+               "forms": bench_fused_forms.measure_forms(args.device, 2**26 if cuda else 2**14, calls=10, rounds=3)}
     details.update({"model": desc, "shape": shape, "autocast": "bfloat16" if cuda else None, "rounds": rounds,
                "steps_per_round": steps_per_round, "rows": rows, "metrics": len(op.names),
                "same_names": sorted(op.names) == sorted(fused.names), "fused_vs_op_mismatches": mismatches[:20]})
@@ -1008,6 +1013,12 @@ def summary_md(report: dict) -> str:
                 "| config | median ms | overhead | first step (compile) s |", "|---|---:|---:|---:|"]
         out += [f"| {r['config']} | {r['median_ms']:.1f} | {r['overhead_pct']:+.1f}% | {r['compile_s']} |"
                 for r in c["rows"]]
+        if c.get("forms"):
+            out += ["", "Statistics as graph reductions after one elementwise producer (µs per call; added: over "
+                        "the producer alone; / op: over what the accumulate op adds):", "",
+                    "| form | µs | added µs | added / op |", "|---|---:|---:|---:|"]
+            out += [f"| {r['form']} | {r['us']:.1f} | {r['added_us']:.1f} | {r['added_vs_op']:.2f} |"
+                    for r in c["forms"]]
     errors = [s for s in steps if not s["ok"]]
     if errors:
         out += ["", "## Errors"]

@@ -22,6 +22,8 @@ Process-global state, all of it:
 - ``_compiled_autograd_config``: ``torch._dynamo.config.compiled_autograd`` as of
   the last ``attach()``/recording ``step()`` (reading it costs ~5 us: too
   much per hook).
+- ``hookcap._fused.DEVICE_TYPES``: the device types whose tensors take the
+  ``fused=True`` path (CUDA; tests and benchmarks add the CPU).
 - ``PYTHON_GRAD_HOOKS``: ``HOOKCAP_PYTHON_GRAD_HOOKS=1`` at import sends
   gradients through Python tensor hooks instead of the C++ ones (an escape
   hatch).

@@ -31,10 +31,10 @@ import torch
 from . import _layout
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Devices whose tensors take the fused path. Not the CPU: Inductor's C++
-# reductions cost 5 to 15 times the op's vectorised pass over the same data
-# (docs/performance.md), and a CPU re-read mostly hits the cache. Tests and
-# benchmarks add "cpu" to inspect and time the path.
+# Devices whose tensors take the fused path (process-global). Not the CPU:
+# there Inductor's C++ reductions cost about ten times the op's vectorised
+# pass over the same data (docs/performance.md), and a re-read mostly hits
+# the cache. Tests and benchmarks add "cpu" to inspect and time the path.
 DEVICE_TYPES = {"cuda"}
 _MERGE = torch.ops.hookcap.merge_partials.default
 _SHIFT = torch.ops.hookcap.fused_shift.default

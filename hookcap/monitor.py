@@ -139,9 +139,9 @@ class Monitor:
         moments: 2 (default) or 4: also the third and fourth central moments and
             ``skew``, ``kurtosis`` (Pearson, not excess) of captured tensors, in the
             same pass (``hookcap.MOMENT_NAMES``, docs/statistics.md).
-        fused: under ``torch.compile``, compute the statistics of float32/bf16/fp16
-            captures as reductions in the compiled graph (fusable into the model's kernels)
-            with ``histogram=None``; docs/compile-and-distributed.md. Eager calls unchanged.
+        fused: under ``torch.compile``, compute the statistics of CUDA float32/bf16/fp16
+            captures as reductions in the compiled graph (fusable into the model's kernels);
+            with ``histogram=None`` only. Eager calls unchanged; docs/compile-and-distributed.md.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,

@@ -100,7 +100,9 @@ def higher_moments(fs: np.ndarray, e: int) -> dict:
     before the final scaling), about their mean."""
     if fs.size == 0:
         return {"m3": np.nan, "m4": np.nan, "skew": np.nan, "kurtosis": np.nan}
-    d = fs - np.mean(fs)
+    # Constant values have every central moment exactly 0 (np.mean of three
+    # equal values may round off the value itself).
+    d = fs - (fs[0] if fs.min() == fs.max() else np.mean(fs))
     m2, m3, m4 = np.mean(d * d), np.mean(d ** 3), np.mean(d ** 4)
     with np.errstate(over="ignore"):
         out = {"m3": float(np.ldexp(m3, 3 * e)), "m4": float(np.ldexp(m4, 4 * e))}

@@ -68,6 +68,8 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert [r["config"] for r in compiled["rows"]] == [c for c, _ in gpu_check.COMPILED_CONFIGS]
     assert all(r["median_ms"] > 0 and r["compile_s"] > 0 for r in compiled["rows"])
     assert compiled["metrics"] > 0 and compiled["same_names"] and compiled["fused_vs_op_mismatches"] == []
+    forms = {r["form"] for r in compiled["forms"]}
+    assert {"producer", "fused=True", "hist scatter", "op histogram=None", "op log2"} <= forms
     code = compiled["generated_code"]  # kept for reading offline (Triton on a GPU)
     assert code["merge_partials_calls"] == 7 and code["cpp_kernels"] > 0  # 4 outputs, 3 input gradients
     assert "hookcap.merge_partials" in (tmp_path / code["file"]).read_text()
