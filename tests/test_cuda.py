@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import abs_sum, assert_moments, assert_recorded, assert_stats_match, assert_wide_match, draw
+from conftest import (abs_sum, assert_fused_matches_op, assert_moments, assert_recorded, assert_stats_match,
+                      assert_wide_match, draw)
 
 import hookcap
 from hookcap import Histogram, _layout, _ops
@@ -412,14 +413,8 @@ def test_fused_compiled_statistics_match_the_op_without_a_sync(dev, monkeypatch)
         hists[bool(kw)] = mon.history()
         torch._dynamo.reset()
     op, fused = hists[False], hists[True]
-    assert sorted(op.names) == sorted(fused.names) and list(op.steps) == list(fused.steps) == [0, 1, 2, 3]
-    assert op["nan"][2].sum() > 0
-    for name in op.names:
-        a, b = op.column(name), fused.column(name)
-        for stat in ("count", "nan", "posinf", "neginf", "zeros", "finite", "min", "max", "absmax"):
-            np.testing.assert_array_equal(fused[stat][:, b], op[stat][:, a], err_msg=f"{name} {stat}")
-        for stat in ("sumsq", "std", "l2norm"):
-            np.testing.assert_allclose(fused[stat][:, b], op[stat][:, a], rtol=1e-5, err_msg=f"{name} {stat}")
+    assert list(op.steps) == [0, 1, 2, 3] and op["nan"][2].sum() > 0
+    assert_fused_matches_op(op, fused)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
