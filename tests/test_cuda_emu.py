@@ -912,6 +912,37 @@ def test_reset_rows_matches_cpu(emu, begin, end, grid, block):
     assert ring[1, begin:end, _layout.STEP_TAG].tolist() == [4] * (end - begin)
 
 
+def test_fused_merge_and_shift_kernels_match_cpu(emu):
+    """fused=True's CUDA kernels (one thread: the partials merged into a row,
+    the shift read from the ring) write and read what the CPU ops do, across
+    rebased writes, non-finite values, a disabled state and slot changes."""
+    from hookcap._fused import partials
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(700, generator=g) * 3 + 1e3, torch.tensor([float("nan"), 2.0, float("-inf"), 0.0]),
+          (torch.randn(64, 9, generator=g) * 1e-20).to(torch.bfloat16), torch.empty(0),
+          torch.randn(33, generator=g).to(torch.float16) - 7]
+    ring = torch.zeros((3, 3, _layout.HEADER), dtype=torch.int64)
+    ring[:, :, _layout.STEP_TAG] = -(1 << 62)
+    st = torch.tensor([0, 1, 0])
+    OPS.reset_slot(ring, st)
+    cpu = ring.clone()
+    for step in range(4):
+        for i, x in enumerate(xs):
+            row = i % 3
+            k_emu, k_cpu = emu.shift_of_row(ring, st, row), OPS.shift_of_row(cpu, st, row)
+            assert torch.equal(k_emu, k_cpu), (step, i)
+            p = partials(x, k_cpu)
+            emu.merge_row(p, ring, st, row)
+            OPS.merge_row(p, cpu, st, row)
+            assert torch.equal(ring, cpu), (step, i)
+        st_emu = st.clone()
+        emu.advance(ring, st_emu, 2, 32, 1)
+        OPS.advance(cpu, st, 2)
+        assert torch.equal(st_emu, st) and torch.equal(ring, cpu)
+    assert int(st[1]) == 1 and ring[:, :, _layout.CALLS].sum() > 0
+
+
 @pytest.mark.parametrize("every,block,grid", [(1, 1024, 1), (3, 256, 2), (3, 64, 3), (1, 32, 1)])
 def test_advance_matches_cpu(emu, every, block, grid):
     h = Histogram.log2(-4, 4)

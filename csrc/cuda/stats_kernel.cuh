@@ -1232,6 +1232,31 @@ __global__ void advance_state_kernel(int64_t* state, int64_t slots, int64_t ever
   state[kStateSlot] = next.slot;
 }
 
+// Monitor(fused=True): one thread merges the partials a compiled graph
+// computed (no pass over the tensor; stream-ordered after the graph's kernels).
+__global__ void merge_row_kernel(int64_t* ring, const int64_t* state, const double* partials,
+                                 int64_t slots, int64_t rows, int64_t width, int64_t row) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  if (state[kStateEnabled] == 0) return;
+  const int64_t slot = state[kStateSlot];
+  if (slot < 0 || slot >= slots) return;  // same guard as the stats kernels
+  row_merge_partials<DeviceAtomics>(ring + (slot * rows + row) * width, partials);
+}
+
+// The shift fused partials are summed about (stats_math.h row_center), into *out.
+__global__ void shift_of_row_kernel(const int64_t* ring, const int64_t* state, double* out, int64_t slots,
+                                    int64_t rows, int64_t width, int64_t row) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  const int64_t slot = state[kStateSlot];
+  double k = 0.0;
+  if (slot >= 0 && slot < slots) {
+    const int64_t stride = rows * width;
+    const int64_t* r = ring + row * width;
+    k = row_center(r + slot * stride, slots > 1 ? r + ((slot + slots - 1) % slots) * stride : nullptr);
+  }
+  *out = k;
+}
+
 // Reset rows [begin, end) of the slot the state points at (for its step):
 // the whole slot, new metrics' rows after the ring grew, or one row whose
 // value is replaced.

@@ -459,37 +459,15 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   seal_ring_write(ring.device().index(), stream);
 }
 
-// Monitor(fused=True): one thread merges the partials the compiled graph
-// computed (no pass over the tensor; stream-ordered after the graph's kernels).
-__global__ void merge_row_kernel(int64_t* ring, const int64_t* state, const double* partials,
-                                 int64_t slots, int64_t rows, int64_t width, int64_t row) {
-  if (state[kStateEnabled] == 0) return;
-  const int64_t slot = state[kStateSlot];
-  if (slot < 0 || slot >= slots) return;  // same guard as the stats kernels
-  row_merge_partials<kernels::DeviceAtomics>(ring + (slot * rows + row) * width, partials);
-}
-
 void merge_row_cuda(const at::Tensor& partials, at::Tensor& ring, const at::Tensor& state, int64_t row) {
   check_merge_row(partials, ring, state, row);
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
   note_capture(stream, ring.data_ptr());
-  launch("hookcap.merge_row", &merge_row_kernel, dim3(1), dim3(1), stream, ring.data_ptr<int64_t>(),
+  launch("hookcap.merge_row", &kernels::merge_row_kernel, dim3(1), dim3(1), stream, ring.data_ptr<int64_t>(),
          state.const_data_ptr<int64_t>(), partials.const_data_ptr<double>(), ring.size(0), ring.size(1),
          ring.size(2), row);
   seal_ring_write(ring.device().index(), stream);
-}
-
-__global__ void shift_of_row_kernel(const int64_t* ring, const int64_t* state, double* out, int64_t slots,
-                                    int64_t rows, int64_t width, int64_t row) {
-  const int64_t slot = state[kStateSlot];
-  double k = 0.0;
-  if (slot >= 0 && slot < slots) {
-    const int64_t stride = rows * width;
-    const int64_t* r = ring + row * width;
-    k = row_center(r + slot * stride, slots > 1 ? r + ((slot + slots - 1) % slots) * stride : nullptr);
-  }
-  *out = k;
 }
 
 at::Tensor shift_of_row_cuda(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
@@ -498,7 +476,7 @@ at::Tensor shift_of_row_cuda(const at::Tensor& ring, const at::Tensor& state, in
   at::Tensor out = at::empty({}, ring.options().dtype(at::kDouble));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
   note_capture(stream, ring.data_ptr());  // a captured read keeps the buffer, as a captured write does
-  launch("hookcap.shift_of_row", &shift_of_row_kernel, dim3(1), dim3(1), stream, ring.const_data_ptr<int64_t>(),
+  launch("hookcap.shift_of_row", &kernels::shift_of_row_kernel, dim3(1), dim3(1), stream, ring.const_data_ptr<int64_t>(),
          state.const_data_ptr<int64_t>(), out.data_ptr<double>(), ring.size(0), ring.size(1), ring.size(2), row);
   return out;
 }

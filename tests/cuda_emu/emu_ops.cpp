@@ -173,6 +173,25 @@ void reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_
                           ring.size(1), ring.size(2), begin, end, g, b);
 }
 
+// fused=True's two kernels (merge_row_kernel, shift_of_row_kernel), one thread each.
+void merge_row(const at::Tensor& partials, at::Tensor& ring, const at::Tensor& state, int64_t row) {
+  check_merge_row(partials, ring, state, row);
+  check_cpu(ring);
+  py::gil_scoped_release nogil;
+  hookcap_emu::merge_row(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), partials.const_data_ptr<double>(),
+                         ring.size(0), ring.size(1), ring.size(2), row);
+}
+
+at::Tensor shift_of_row(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
+  check_shift_of_row(ring, state, row);
+  check_cpu(ring);
+  at::Tensor out = at::empty({}, ring.options().dtype(at::kDouble));
+  py::gil_scoped_release nogil;
+  hookcap_emu::shift_of_row(ring.const_data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), out.data_ptr<double>(),
+                            ring.size(0), ring.size(1), ring.size(2), row);
+  return out;
+}
+
 void advance(at::Tensor& ring, at::Tensor& state, int64_t every, int64_t block, int64_t grid) {
   check_ring_state(ring, state);
   check_cpu(ring);
@@ -485,6 +504,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate_updates", &accumulate_updates);
   m.def("set_fault", &set_fault);
   m.def("reset_rows", &reset_rows);
+  m.def("merge_row", &merge_row);
+  m.def("shift_of_row", &shift_of_row);
   m.def("advance", &advance, py::arg("ring"), py::arg("state"), py::arg("every"), py::arg("block"),
         py::arg("grid") = 1);
   m.def("configure", &configure, py::arg("order") = 0, py::arg("seed") = 0,
