@@ -60,6 +60,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import xml.etree.ElementTree as ET
 
 import torch
@@ -163,8 +164,11 @@ class Runner:
         out = os.path.join(self.args.outdir, f"{name}.stage.json")
         if os.path.exists(out):
             os.remove(out)
+        # The child is told when it will be stopped (wall clock), so it can leave out extras.
+        deadline = time.time() + self.limit(name) - 10
         cmd = [sys.executable, os.path.abspath(__file__), self.args.outdir, "--stage", name,
-               "--device", self.args.device] + (["--quick"] if self.args.quick else [])
+               "--device", self.args.device, "--stage-deadline", f"{deadline:.0f}"] + (
+                   ["--quick"] if self.args.quick else [])
         rc, tail = self.run(cmd, f"{name}.log", name, echo=name != "build_info")
         if not os.path.exists(out):
             why = "timed out" if rc is None else f"exited with code {rc} before writing its result"
@@ -799,6 +803,10 @@ def compiled_stage(args) -> dict:
     shape = gpt2_shape(args.device, args.quick)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
     rounds, steps_per_round = (3, 4) if cuda else (2, 2)
+
+    def left() -> float:
+        return math.inf if args.stage_deadline is None else args.stage_deadline - time.time()
+
     clock = __import__("bench_overhead").timer(device)
     runs, compile_s, first = {}, {}, {}
     for name, kw in COMPILED_CONFIGS:
@@ -806,7 +814,7 @@ def compiled_stage(args) -> dict:
         mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
         model.compile()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        cfg = type("Cfg", (), {"after_step": staticmethod(mon.step if mon else (lambda: None))})
+        cfg = types.SimpleNamespace(after_step=mon.step if mon else (lambda: None))
         t0 = time.perf_counter()
         train_step(autocast, loss_fn, opt, cfg)  # traces and compiles
         if cuda:
@@ -825,6 +833,9 @@ def compiled_stage(args) -> dict:
             if r >= 1:
                 times[name].extend(samples)
                 by_round[name].append(statistics.median(samples))
+        if r >= 1 and left() < 60:  # three compiles of a 12-layer model can take most of the step
+            log(f"  {left():.0f} s left: stopping after {r} measured rounds")
+            break
     base = by_round["no telemetry"]
     rows = []
     for name in runs:
@@ -849,8 +860,13 @@ def compiled_stage(args) -> dict:
             mon.detach()
     import bench_fused_forms
 
-    details = {"generated_code": dump_fused_code(device, args.outdir),
-               "forms": bench_fused_forms.measure_forms(args.device, 2**26 if cuda else 2**14, calls=10, rounds=3)}
+    details = {}
+    # Extras, while time is left (each a few compiles of small graphs).
+    extras = (("generated_code", 30, lambda: dump_fused_code(device, args.outdir)),
+              ("forms", 45, lambda: bench_fused_forms.measure_forms(args.device, 2**26 if cuda else 2**14,
+                                                                    calls=10, rounds=3)))
+    for key, need, fn in extras:
+        details[key] = fn() if left() > need else {"skipped": f"{left():.0f} s left in the step"}
     details.update({"model": desc, "shape": shape, "autocast": "bfloat16" if cuda else None, "rounds": rounds,
                "steps_per_round": steps_per_round, "rows": rows, "metrics": len(op.names),
                "same_names": sorted(op.names) == sorted(fused.names), "fused_vs_op_mismatches": mismatches[:20]})
@@ -1013,7 +1029,7 @@ def summary_md(report: dict) -> str:
                 "| config | median ms | overhead | first step (compile) s |", "|---|---:|---:|---:|"]
         out += [f"| {r['config']} | {r['median_ms']:.1f} | {r['overhead_pct']:+.1f}% | {r['compile_s']} |"
                 for r in c["rows"]]
-        if c.get("forms"):
+        if isinstance(c.get("forms"), list):
             out += ["", "Statistics as graph reductions after one elementwise producer (µs per call; added: over "
                         "the producer alone; / op: over what the accumulate op adds):", "",
                     "| form | µs | added µs | added / op |", "|---|---:|---:|---:|"]
@@ -1049,6 +1065,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: exercise the code paths on a machine without a GPU")
     p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)  # a child's step
+    p.add_argument("--stage-deadline", type=float, default=None, help=argparse.SUPPRESS)  # its stop, epoch s
     args = p.parse_args(argv)
     args.outdir = os.path.abspath(args.outdir)
     os.makedirs(args.outdir, exist_ok=True)

@@ -80,6 +80,20 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert {"build_info.log", "kernel.log", "overhead.log", "compiled.log"} <= set(os.listdir(tmp_path))
 
 
+def test_a_stage_short_of_time_leaves_out_its_extras(tmp_path):
+    # The parent tells each child when it will be stopped; the compiled step then
+    # keeps its table and leaves out the generated-code dump and the forms.
+    import time
+
+    out = run_gpu_check(tmp_path, "--stage", "compiled", "--device", "cpu", "--quick",
+                        "--stage-deadline", str(time.time() + 5))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rec = json.loads((tmp_path / "compiled.stage.json").read_text())
+    d = rec["details"]
+    assert rec["ok"] and d["rows"] and d["fused_vs_op_mismatches"] == []
+    assert "skipped" in d["forms"] and "skipped" in d["generated_code"]
+
+
 def test_no_gpu_for_device_cuda_exits_2_with_the_reason(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
