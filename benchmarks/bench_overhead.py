@@ -335,6 +335,35 @@ def measure(workload, device, rounds, steps_per_round, warm_rounds, only=None):
     return rows, extra
 
 
+def interleaved(steps: dict, clock, rounds: int, steps_per_round: int, warm_rounds: int, stop=None):
+    """Time each named step function ``steps_per_round`` times per round, the
+    first of each round not kept, in a new random order every round with a
+    collected heap before each, over ``warm_rounds`` + ``rounds`` rounds;
+    ``stop(measured_rounds)`` after a measured round may end the run early.
+    Returns (times, by_round): per name every kept sample, and each measured
+    round's median (seconds)."""
+    times = {name: [] for name in steps}
+    by_round = {name: [] for name in steps}
+    order = random.Random(0)
+    for r in range(rounds + warm_rounds):
+        for name in order.sample(list(steps), len(steps)):
+            gc.collect()
+            samples = [clock(steps[name]) for _ in range(steps_per_round)][1:]
+            if r >= warm_rounds:
+                times[name].extend(samples)
+                by_round[name].append(statistics.median(samples))
+        if r >= warm_rounds and stop is not None and stop(r - warm_rounds + 1):
+            break
+    return times, by_round
+
+
+def paired_row(name: str, times: dict, by_round: dict, base: str = "no telemetry") -> dict:
+    """A configuration's median step and its overhead over ``base``, paired by round."""
+    ratio = statistics.median(x / b for x, b in zip(by_round[name], by_round[base]))
+    return {"config": name, "median_ms": statistics.median(times[name]) * 1e3, "ratio": ratio,
+            "overhead_pct": 100 * (ratio - 1), "samples": len(times[name])}
+
+
 COMPILED_CONFIGS = (
     ("no telemetry", None),
     ("op histogram=None", {"histogram": None}),
@@ -357,31 +386,21 @@ def measure_compiled(workload, device, rounds, steps_per_round, warm_rounds):
         mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
         model.compile()
         runs[name] = (model, loss_fn, torch.optim.SGD(model.parameters(), lr=1e-3), mon)
-    clock = timer(device)
-    by_round = {name: [] for name in runs}
-    times = {name: [] for name in runs}
-    order = random.Random(0)
-    for r in range(rounds + warm_rounds):
-        for name in order.sample(list(runs), len(runs)):
-            model, loss_fn, opt, mon = runs[name]
-            gc.collect()
 
-            def step():
-                loss_fn().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if mon is not None:
-                    mon.step()
+    def train_step(loss_fn, opt, mon):
+        def step():
+            loss_fn().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if mon is not None:
+                mon.step()
+        return step
 
-            samples = [clock(step) for _ in range(steps_per_round)][1:]
-            if r >= warm_rounds:
-                times[name].extend(samples)
-                by_round[name].append(statistics.median(samples))
+    steps = {name: train_step(loss_fn, opt, mon) for name, (_, loss_fn, opt, mon) in runs.items()}
+    times, by_round = interleaved(steps, timer(device), rounds, steps_per_round, warm_rounds)
     rows = []
-    for name, (model, loss_fn, opt, mon) in runs.items():
-        ratio = statistics.median(x / b for x, b in zip(by_round[name], by_round["no telemetry"]))
-        row = {"config": name, "median_ms": statistics.median(times[name]) * 1e3, "ratio": ratio,
-               "overhead_pct": 100 * (ratio - 1), "samples": len(times[name])}
+    for name, (_, _, _, mon) in runs.items():
+        row = paired_row(name, times, by_round)
         if mon is not None:
             h = mon.history()
             row["captured_bytes"] = int(sum(h["count"][-1][~np.isnan(h["count"][-1])]) * 4)

@@ -807,8 +807,9 @@ def compiled_stage(args) -> dict:
     def left() -> float:
         return math.inf if args.stage_deadline is None else args.stage_deadline - time.time()
 
-    clock = __import__("bench_overhead").timer(device)
-    runs, compile_s, first = {}, {}, {}
+    import bench_overhead
+
+    runs, compile_s = {}, {}
     for name, kw in COMPILED_CONFIGS:
         model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
         mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
@@ -822,27 +823,17 @@ def compiled_stage(args) -> dict:
         compile_s[name] = round(time.perf_counter() - t0, 1)
         runs[name] = (loss_fn, opt, cfg, mon)
         log(f"  {name}: first step (compile) {compile_s[name]} s")
-    times = {name: [] for name in runs}
-    by_round = {name: [] for name in runs}
-    order = random.Random(0)
-    for r in range(rounds + 1):
-        for name in order.sample(list(runs), len(runs)):
-            loss_fn, opt, cfg, mon = runs[name]
-            gc.collect()
-            samples = [clock(lambda: train_step(autocast, loss_fn, opt, cfg)) for _ in range(steps_per_round)][1:]
-            if r >= 1:
-                times[name].extend(samples)
-                by_round[name].append(statistics.median(samples))
-        if r >= 1 and left() < 60:  # three compiles of a 12-layer model can take most of the step
-            log(f"  {left():.0f} s left: stopping after {r} measured rounds")
-            break
-    base = by_round["no telemetry"]
-    rows = []
-    for name in runs:
-        ratio = statistics.median(x / b for x, b in zip(by_round[name], base))
-        rows.append({"config": name, "median_ms": statistics.median(times[name]) * 1e3, "ratio": ratio,
-                     "overhead_pct": 100 * (ratio - 1), "samples": len(times[name]),
-                     "compile_s": compile_s[name]})
+    def stop(measured: int) -> bool:  # three compiles of a 12-layer model can take most of the step
+        if left() >= 60:
+            return False
+        log(f"  {left():.0f} s left: stopping after {measured} measured rounds")
+        return True
+
+    steps = {name: (lambda loss_fn=loss_fn, opt=opt, cfg=cfg: train_step(autocast, loss_fn, opt, cfg))
+             for name, (loss_fn, opt, cfg, _) in runs.items()}
+    times, by_round = bench_overhead.interleaved(steps, bench_overhead.timer(device), rounds, steps_per_round, 1,
+                                                 stop)
+    rows = [{**bench_overhead.paired_row(name, times, by_round), "compile_s": compile_s[name]} for name in runs]
     hist = {name: runs[name][3].history() for name in runs if runs[name][3] is not None}
     op, fused = hist["op histogram=None"], hist["fused=True histogram=None"]
     mismatches = []

@@ -139,21 +139,43 @@ RingRef ring_now(GradSink& s, int64_t rid) {
   return s.rings[ring_of(rid)];
 }
 
-void write_logged(GradSink& s, int64_t rid, const at::Tensor& grad) {
-  if (!s.active.load(std::memory_order_relaxed) || !grad.defined()) return;
+// One write into the ring `rid` names (read now: it may have grown since a
+// hook was registered), logged for the step's execution order. A failure is
+// kept for Python rather than raised: telemetry must never take the run down.
+template <typename Write>
+void write_logged_by(GradSink& s, int64_t rid, Write write) {
+  if (!s.active.load(std::memory_order_relaxed)) return;
   RingRef ref = ring_now(s, rid);
   try {
-    TORCH_CHECK(grad.layout() == c10::kStrided, "layout ", grad.layout(), " is not supported");
-    TORCH_CHECK(!grad.is_nested(), "nested tensors are not supported");
-    TORCH_CHECK(!grad.is_quantized(), "quantized tensors are not supported");
-    accumulate_into(s, ref, row_of(rid), grad);
-  } catch (const std::exception& e) {  // telemetry must never take the run down
-    // This gradient is not recorded; the row stays for later ones.
+    write(ref);
+  } catch (const std::exception& e) {
+    // This write is not recorded; the row stays for later ones.
     std::lock_guard<std::mutex> lock(s.mu);
     s.errors.push_back({rid, false, message_of(e)});
     return;
   }
   log_write(s, rid);
+}
+
+void write_logged(GradSink& s, int64_t rid, const at::Tensor& grad) {
+  if (!grad.defined()) return;
+  write_logged_by(s, rid, [&](RingRef& ref) {
+    TORCH_CHECK(grad.layout() == c10::kStrided, "layout ", grad.layout(), " is not supported");
+    TORCH_CHECK(!grad.is_nested(), "nested tensors are not supported");
+    TORCH_CHECK(!grad.is_quantized(), "quantized tensors are not supported");
+    accumulate_into(s, ref, row_of(rid), grad);
+  });
+}
+
+// The live sink `sink` names, checked to hold the ring of `rid` (an error
+// naming `op` if not); null where the Monitor is gone. What the ops compiled
+// code calls (record, merge_partials) write through.
+std::shared_ptr<GradSink> sink_with_ring(int64_t sink, int64_t rid, const char* op) {
+  auto s = sink_of(sink);
+  if (!s) return nullptr;
+  std::lock_guard<std::mutex> lock(s->mu);
+  TORCH_CHECK(has_ring(*s, rid), op, ": no ring ", ring_of(rid), " in sink ", sink);
+  return s;
 }
 
 // The record op (CPU and CUDA kernel; a no-op Meta kernel in ops.cpp): x
@@ -162,41 +184,21 @@ void write_logged(GradSink& s, int64_t rid, const at::Tensor& grad) {
 // graph holds two ints, never the ring, so no snapshot of the ring is saved
 // for backward and nothing is written back over later writes.
 void record_kernel(const at::Tensor& x, int64_t sink, int64_t rid) {
-  auto s = sink_of(sink);
-  if (!s) return;  // the Monitor is gone
-  {
-    std::lock_guard<std::mutex> lock(s->mu);
-    TORCH_CHECK(has_ring(*s, rid), "hookcap.record: no ring ", ring_of(rid), " in sink ", sink);
-  }
-  write_logged(*s, rid, x);
+  if (auto s = sink_with_ring(sink, rid, "hookcap.record")) write_logged(*s, rid, x);
 }
 
 using MergeRowFn = void(const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t);
 
 // The merge_partials op (Monitor(fused=True) in compiled code): the partials
 // the graph computed for one tensor into the row named by rid of sink `sink`,
-// through merge_row on the partials' device, the ring read now, the write
-// logged, as record does for a tensor.
+// through merge_row on the partials' device, as record writes a tensor.
 void merge_partials_kernel(const at::Tensor& partials, int64_t sink, int64_t rid) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookcap::merge_row", "")
                        .typed<MergeRowFn>();
-  auto s = sink_of(sink);
-  if (!s) return;  // the Monitor is gone
-  {
-    std::lock_guard<std::mutex> lock(s->mu);
-    TORCH_CHECK(has_ring(*s, rid), "hookcap.merge_partials: no ring ", ring_of(rid), " in sink ", sink);
+  if (auto s = sink_with_ring(sink, rid, "hookcap.merge_partials")) {
+    write_logged_by(*s, rid, [&](RingRef& ref) { op.call(partials, ref.ring, ref.state, row_of(rid)); });
   }
-  if (!s->active.load(std::memory_order_relaxed)) return;
-  RingRef ref = ring_now(*s, rid);
-  try {
-    op.call(partials, ref.ring, ref.state, row_of(rid));
-  } catch (const std::exception& e) {  // telemetry must never take the run down
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->errors.push_back({rid, false, message_of(e)});
-    return;
-  }
-  log_write(*s, rid);
 }
 
 using ShiftOfRowFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);

@@ -136,9 +136,7 @@ void merge_row_meta(const at::Tensor& partials, at::Tensor& ring, const at::Tens
 }
 
 void merge_partials_meta(const at::Tensor& partials, int64_t sink, int64_t rid) {
-  TORCH_CHECK(partials.scalar_type() == at::kDouble && partials.dim() == 1,
-              "hookcap.merge_partials: partials must be a float64 vector, got ", partials.scalar_type(),
-              " with shape ", partials.sym_sizes());
+  check_partials(partials, "hookcap.merge_partials");
 }
 
 at::Tensor shift_of_row_meta(const at::Tensor& ring, const at::Tensor& state, int64_t row) {

@@ -122,14 +122,15 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
         raise ValueError(f"update_snapshot: expected True or False, got {update_snapshot!r}")
     if not isinstance(fused, bool):
         raise ValueError(f"fused: expected True or False, got {fused!r}")
-    if fused and (histogram is not None or moments == 4):
+    fused_applies = histogram is None and moments == 2
+    if fused and not fused_applies:
         warnings.warn("hookcap: fused=True applies with histogram=None and moments=2 only; this Monitor's "
                       "captures are recorded by the accumulate op's single pass", stacklevel=3)
     hist_args = _ops.hist_args(histogram, check_moments(moments))
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
                   module_filter(modules), hist_args, width, update_snapshot, moments,
-                  fused and histogram is None and moments == 2)
+                  fused and fused_applies)
 
 
 def check_moments(moments) -> int:

@@ -67,18 +67,13 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tens
     n = f.numel()
     if n == 0:
         return _empty_partials(f.device)
-    if rows and f.dim() >= 2:
-        def total(t, op):
-            return op(op(t, -1), None)
-    else:
-        def total(t, op):
-            return op(t, None)
+    by_rows = rows and f.dim() >= 2
+
+    def total(t, op):  # op: torch.sum, torch.amin or torch.amax, over all of t
+        return op(op(t, dim=-1)) if by_rows else op(t)
 
     def count(m):
-        return total(m.to(torch.int64), lambda t, d: t.sum() if d is None else t.sum(d)).double()
-
-    def ssum(t):
-        return total(t, lambda t, d: t.sum() if d is None else t.sum(d))
+        return total(m.to(torch.int64), torch.sum).double()
 
     fin = torch.isfinite(f)
     d = torch.where(fin, f.double() - k, 0.0)
@@ -91,10 +86,10 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tens
         _layout.P_ZEROS: count(f == 0),
         _layout.P_FINITE: count(fin),
         _layout.P_SHIFT: k,
-        _layout.P_S1: ssum(d),
-        _layout.P_S2: ssum(d * d),
-        _layout.P_MIN: total(torch.where(fin, f, inf), lambda t, d: t.amin() if d is None else t.amin(d)).double(),
-        _layout.P_MAX: total(torch.where(fin, f, -inf), lambda t, d: t.amax() if d is None else t.amax(d)).double(),
+        _layout.P_S1: total(d, torch.sum),
+        _layout.P_S2: total(d * d, torch.sum),
+        _layout.P_MIN: total(torch.where(fin, f, inf), torch.amin).double(),
+        _layout.P_MAX: total(torch.where(fin, f, -inf), torch.amax).double(),
     }
     return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
 

@@ -197,15 +197,8 @@ static void merge_row_cpu(const at::Tensor& partials, at::Tensor& ring, const at
 static at::Tensor shift_of_row_cpu(const at::Tensor& ring, const at::Tensor& state, int64_t row_index) {
   check_shift_of_row(ring, state, row_index);
   at::Tensor out = at::empty({}, ring.options().dtype(at::kDouble));
-  const int64_t* st = state.data_ptr<int64_t>();
-  const int64_t slots = ring.size(0), slot = st[kStateSlot];
-  double k = 0.0;
-  if (slot >= 0 && slot < slots) {
-    const int64_t stride = ring.size(1) * ring.size(2);
-    const int64_t* row = ring.const_data_ptr<int64_t>() + row_index * ring.size(2);
-    k = row_center(row + slot * stride, slots > 1 ? row + ((slot + slots - 1) % slots) * stride : nullptr);
-  }
-  *out.data_ptr<double>() = k;
+  *out.data_ptr<double>() = ring_row_center(ring.const_data_ptr<int64_t>(), state.data_ptr<int64_t>()[kStateSlot],
+                                             ring.size(0), ring.size(1), ring.size(2), row_index);
   return out;
 }
 

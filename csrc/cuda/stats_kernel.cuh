@@ -1243,18 +1243,11 @@ __global__ void merge_row_kernel(int64_t* ring, const int64_t* state, const doub
   row_merge_partials<DeviceAtomics>(ring + (slot * rows + row) * width, partials);
 }
 
-// The shift fused partials are summed about (stats_math.h row_center), into *out.
+// The shift fused partials are summed about (stats_math.h ring_row_center), into *out.
 __global__ void shift_of_row_kernel(const int64_t* ring, const int64_t* state, double* out, int64_t slots,
                                     int64_t rows, int64_t width, int64_t row) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  const int64_t slot = state[kStateSlot];
-  double k = 0.0;
-  if (slot >= 0 && slot < slots) {
-    const int64_t stride = rows * width;
-    const int64_t* r = ring + row * width;
-    k = row_center(r + slot * stride, slots > 1 ? r + ((slot + slots - 1) % slots) * stride : nullptr);
-  }
-  *out = k;
+  *out = ring_row_center(ring, state[kStateSlot], slots, rows, width, row);
 }
 
 // Reset rows [begin, end) of the slot the state points at (for its step):

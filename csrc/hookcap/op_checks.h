@@ -59,15 +59,20 @@ inline void check_time_mark(const at::Tensor& ring, const at::Tensor& state, int
 }
 
 // merge_row: one tensor's fused partials (stats_math.h PartialCol) into a row.
+// One tensor's fused partials (stats_math.h PartialCol): a contiguous
+// float64 vector of kPartials values. `op` names the op in the message.
+inline void check_partials(const at::Tensor& partials, const char* op) {
+  TORCH_CHECK(partials.scalar_type() == at::kDouble && partials.dim() == 1 && partials.is_contiguous(),
+              op, ": partials must be a contiguous float64 vector, got ", partials.scalar_type(),
+              " with shape ", partials.sym_sizes());
+  TORCH_SYM_CHECK(partials.sym_size(0).sym_eq(static_cast<int64_t>(kPartials)), op, ": partials must have ",
+                  static_cast<int64_t>(kPartials), " values, got shape ", partials.sym_sizes());
+}
+
 inline void check_merge_row(const at::Tensor& partials, const at::Tensor& ring, const at::Tensor& state,
                             int64_t row) {
   check_ring_state(ring, state);
-  TORCH_CHECK(partials.scalar_type() == at::kDouble && partials.dim() == 1 && partials.is_contiguous(),
-              "hookcap.merge_row: partials must be a contiguous float64 vector, got ",
-              partials.scalar_type(), " with shape ", partials.sym_sizes());
-  TORCH_SYM_CHECK(partials.sym_size(0).sym_eq(static_cast<int64_t>(kPartials)),
-                  "hookcap.merge_row: partials must have ", static_cast<int64_t>(kPartials),
-                  " values, got shape ", partials.sym_sizes());
+  check_partials(partials, "hookcap.merge_row");
   TORCH_CHECK(partials.device() == ring.device(), "hookcap.merge_row: partials are on ",
               partials.device(), " but the ring is on ", ring.device());
   TORCH_CHECK(row >= 0, "hookcap.merge_row: row must be >= 0, got ", row);

@@ -817,6 +817,17 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE double row_center(const int64_t* row, const in
   return (m < kInf && m > -kInf) ? m : 0.0;
 }
 
+// row_center of `row` of a ring [slots, rows, width] in `slot` (the state's;
+// its previous slot, cyclically, is the last recorded step's); 0 for a slot
+// out of range (a corrupt state), as the stats kernels skip it.
+C10_HOST_DEVICE C10_ALWAYS_INLINE double ring_row_center(const int64_t* ring, int64_t slot, int64_t slots,
+                                                         int64_t rows, int64_t width, int64_t row) {
+  if (slot < 0 || slot >= slots) return 0.0;
+  const int64_t stride = rows * width;
+  const int64_t* r = ring + row * width;
+  return row_center(r + slot * stride, slots > 1 ? r + ((slot + slots - 1) % slots) * stride : nullptr);
+}
+
 // One tensor's fused partials into a ring row, as the accumulate op would
 // merge the same tensor: count and call, class counts, and the finite
 // values' moments taken to the row's shift (set by this write if unset).
