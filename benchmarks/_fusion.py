@@ -118,3 +118,106 @@ def reduce_only_bytes(codes, min_elements: int = 1) -> int:
                 if n.reduce_only and n.elements >= min_elements:
                     total += n.elements * sum(sizes.get(p, 4) for p in n.loads)
     return total
+
+
+# -- Triton ----------------------------------------------------------------------
+#
+# The Triton source Inductor would launch on a GPU, generated on the CPU: with
+# ``cpu_backend = "triton"`` Inductor schedules and fuses with the same Triton
+# scheduler it uses for CUDA (fusion by element count), and writes the same
+# kernel source; only device properties (SM count, hence split sizes) differ.
+# The kernels are not compiled or run (no GPU, no Triton CPU backend here):
+# launches are no-ops, so the values computed are garbage, which codegen of
+# the next graph (the backward) does not read.
+
+_TRITON_ITEMSIZE = {"fp32": 4, "fp64": 8, "fp16": 2, "bf16": 2, "i64": 8, "i32": 4, "i1": 1, "i8": 1, "u8": 1}
+
+
+@dataclass
+class TritonKernel:
+    """One generated Triton kernel. ``elements``: xnumel times r0_numel
+    (-1 when dynamic); ``loads``: pointers read at a looped index and their
+    element bytes; ``big_stores``: pointers written inside the reduction loop
+    or by a pointwise kernel (model-sized outputs); ``reductions``: reduction
+    calls."""
+
+    source: str
+    elements: int
+    loads: dict
+    big_stores: set
+    reductions: int
+
+    @property
+    def reduce_only(self) -> bool:
+        """Reads data and writes only reduction results."""
+        return self.reductions > 0 and not self.big_stores
+
+
+def triton_kernel(source: str) -> TritonKernel:
+    body = source[source.index("@triton.jit"):]
+    xn = re.search(r"\bxnumel = (\d+)", body)
+    rn = re.search(r"\br0_numel = (\d+)", body)
+    elements = int(xn.group(1)) * (int(rn.group(1)) if rn else 1) if xn else -1
+    sig = dict(re.findall(r"'(\w+_ptr\d+)': '\*(\w+)'", source))
+    loads = {p: _TRITON_ITEMSIZE.get(sig.get(p, ""), 4)
+             for p, idx in re.findall(r"tl\.load\((\w+_ptr\d+) \+ \(([^)]*)\)", body) if re.search(r"[xr]\w*\d", idx)}
+    reductions = len(re.findall(r"\btl\.sum\(|triton_helpers\.(?:min2|max2|prod)\(|\btl\.reduce\(", body))
+    big = set()
+    for p, idx in re.findall(r"tl\.store\((\w+_ptr\d+) \+ \(([^)]*)\)", body):
+        if re.search(r"\br0_\d+\b|\br\d+\b", idx) or (reductions == 0 and re.search(r"\bx\d+\b", idx)):
+            big.add(p)
+    return TritonKernel(source, elements, loads, big, reductions)
+
+
+def triton_reduce_only_bytes(kernels, min_elements: int = 1) -> int:
+    """Bytes that reduce-only Triton kernels of at least ``min_elements``
+    iterations load (as :func:`reduce_only_bytes` for C++)."""
+    return sum(k.elements * sum(k.loads.values()) for k in kernels
+               if k.reduce_only and k.elements >= min_elements)
+
+
+class triton_codegen:
+    """Context: Inductor compiles CPU code with its Triton scheduler and
+    records every kernel's source (``.sources``) without compiling or running
+    it. For inspecting what a GPU would run; values computed inside are
+    garbage. Restores every setting it changed on exit."""
+
+    def __enter__(self):
+        import torch
+        import torch._inductor.config as icfg
+        import torch.utils._triton as ut
+        from torch._inductor.codegen import triton as tr
+        from torch._inductor.runtime import triton_heuristics as th
+
+        self.sources = []
+        sources = self.sources
+        codegen = tr.TritonKernel.codegen_kernel
+
+        def record(kernel, *args, **kwargs):
+            src = codegen(kernel, *args, **kwargs)
+            sources.append(src)
+            return src
+
+        self._undo = [
+            (icfg, "cpu_backend", "triton"), (icfg, "compile_threads", 1), (icfg, "fx_graph_cache", False),
+            (ut, "triton_hash_with_backend", lambda: "codegen-only"), (ut, "triton_backend", lambda: None),
+            (tr.TritonKernel, "codegen_kernel", record),
+            (th.CachingAutotuner, "precompile", lambda self, *a, **k: None),
+            (th.CachingAutotuner, "run", lambda self, *a, **k: None),
+        ]
+        self._undo = [(obj, name, getattr(obj, name), new) for obj, name, new in self._undo]
+        for obj, name, _, new in self._undo:
+            setattr(obj, name, new)
+        torch._dynamo.reset()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        for obj, name, old, _ in reversed(self._undo):
+            setattr(obj, name, old)
+        torch._dynamo.reset()
+        return False
+
+    def kernels(self) -> list[TritonKernel]:
+        return [triton_kernel(s) for s in self.sources]

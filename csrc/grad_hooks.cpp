@@ -187,17 +187,17 @@ void record_kernel(const at::Tensor& x, int64_t sink, int64_t rid) {
   if (auto s = sink_with_ring(sink, rid, "hookcap.record")) write_logged(*s, rid, x);
 }
 
-using MergeRowFn = void(const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t);
+using MergeRowFn = void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t);
 
 // The merge_partials op (Monitor(fused=True) in compiled code): the partials
 // the graph computed for one tensor into the row named by rid of sink `sink`,
 // through merge_row on the partials' device, as record writes a tensor.
-void merge_partials_kernel(const at::Tensor& partials, int64_t sink, int64_t rid) {
+void merge_partials_kernel(const at::Tensor& partials, const at::Tensor& shift, int64_t sink, int64_t rid) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookcap::merge_row", "")
                        .typed<MergeRowFn>();
   if (auto s = sink_with_ring(sink, rid, "hookcap.merge_partials")) {
-    write_logged_by(*s, rid, [&](RingRef& ref) { op.call(partials, ref.ring, ref.state, row_of(rid)); });
+    write_logged_by(*s, rid, [&](RingRef& ref) { op.call(partials, shift, ref.ring, ref.state, row_of(rid)); });
   }
 }
 

@@ -95,7 +95,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 6;
+constexpr int64_t kAbiVersion = 7;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.
@@ -131,12 +131,13 @@ void record_meta(const at::Tensor& x, int64_t sink, int64_t rid) {
               x.scalar_type());
 }
 
-void merge_row_meta(const at::Tensor& partials, at::Tensor& ring, const at::Tensor& state, int64_t row) {
-  check_merge_row(partials, ring, state, row);
+void merge_row_meta(const at::Tensor& partials, const at::Tensor& shift, at::Tensor& ring, const at::Tensor& state,
+                    int64_t row) {
+  check_merge_row(partials, shift, ring, state, row);
 }
 
-void merge_partials_meta(const at::Tensor& partials, int64_t sink, int64_t rid) {
-  check_partials(partials, "hookcap.merge_partials");
+void merge_partials_meta(const at::Tensor& partials, const at::Tensor& shift, int64_t sink, int64_t rid) {
+  check_partials(partials, shift, "hookcap.merge_partials");
 }
 
 at::Tensor shift_of_row_meta(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
@@ -165,8 +166,7 @@ std::vector<int64_t> layout() {
           kFwdNs,      kFwdOpen, kFwdEnds, kBwdNs, kBwdOpen, kBwdEnds,
           kBigN,       kBigShift, kBigS1, kBigS2, kSmallN, kSmallShift, kSmallS1, kSmallS2,
           kWideScale,  kN4,      kS3,    kS4,    kMoments4Flag,
-          kPCount,     kPNan,    kPPosInf, kPNegInf, kPZeros, kPFinite, kPShift, kPS1, kPS2, kPMin, kPMax,
-          kPartials};
+          kPNan,       kPPosInf, kPNegInf, kPZeros, kPFinite, kPS1, kPS2, kPMin, kPMax, kPartials};
 }
 
 }  // namespace
@@ -199,11 +199,12 @@ TORCH_LIBRARY(hookcap, m) {
   // graphs keep it in order): x into the row `rid` of gradient sink `sink`.
   m.def("record(Tensor x, int sink, int rid) -> ()");
   // Monitor(fused=True): one tensor's statistics, computed by the compiled
-  // graph as a float64 vector (stats_math.h PartialCol), into a ring row as
-  // accumulate would merge that tensor; merge_partials names the row by sink
-  // and row id as record does (effectful, registered from Python).
-  m.def("merge_row(Tensor partials, Tensor(a!) ring, Tensor state, int row) -> ()");
-  m.def("merge_partials(Tensor partials, int sink, int rid) -> ()");
+  // graph as float64 [PartialCol, blocks] about `shift` (stats_math.h), into
+  // a ring row as accumulate would merge that tensor; merge_partials names
+  // the row by sink and row id as record does (effectful, registered from
+  // Python).
+  m.def("merge_row(Tensor partials, Tensor shift, Tensor(a!) ring, Tensor state, int row) -> ()");
+  m.def("merge_partials(Tensor partials, Tensor shift, int sink, int rid) -> ()");
   // The shift fused partials are summed about (stats_math.h row_center), as
   // a new float64 0-dim tensor on the ring's device; fused_shift: of the row
   // named by sink and row id, on like's device (0 where there is none).

@@ -20,11 +20,21 @@ half types are widened to float32 as they are read):
   the loop that produces it;
 - the finite values' min and max (exact).
 
+Each is computed per block of the tensor (:func:`blocks`), giving a float64
+[PARTIALS, blocks] matrix that the merge combines: Triton then needs one
+reduction kernel for all of them, fused into the model's, instead of a
+second small kernel per statistic to finish each whole-tensor reduction
+(about eleven launches per capture). Inductor's C++ backend (the CPU) fuses a
+reduction only into a loop of its own shape, so there a flat tensor is one
+block.
+
 Other tensors (float64, float8, ``moments=4``, a histogram) are recorded by
 the accumulate op as without ``fused=True``: see :func:`fusable`.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -55,47 +65,77 @@ def row_wise(kind: str, mtype: str) -> bool:
     return kind in ("output", "grad_input") and "Norm" in mtype
 
 
+MAX_BLOCKS = 1024
+MIN_BLOCKS = 64
+
+
+def blocks(n) -> int:
+    """How many equal blocks :func:`partials` splits ``n`` values into: the
+    largest divisor of ``n`` up to ``MAX_BLOCKS`` (enough blocks to occupy a
+    GPU, few enough columns for the merge), where one of at least
+    ``MIN_BLOCKS`` exists or ``n`` fits; else 1 (one whole-tensor reduction,
+    which the compiler splits itself). Also 1 for a size only known at run
+    time (dynamic shapes)."""
+    if not isinstance(n, int):
+        return 1
+    if n <= MAX_BLOCKS:
+        return max(n, 1)
+    for d in range(MAX_BLOCKS, MIN_BLOCKS - 1, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
+def _triton(device: torch.device) -> bool:
+    """Whether Inductor compiles code on ``device`` with Triton (which fuses
+    loops of equal element count, whatever their shape)."""
+    if device.type != "cpu":
+        return True
+    cfg = sys.modules.get("torch._inductor.config")
+    return cfg is not None and cfg.cpu_backend == "triton"
+
+
 def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tensor:
-    """float64 [PARTIALS]: ``x``'s statistics about the shift ``k`` (float64
-    0-dim) in ``hookcap._layout.P_*`` order, as plain tensor ops (traced into
-    the graph). ``rows``: each reduction runs over the last dimension first,
-    then over the rest (the loop shape of kernels that compute a tensor row by
-    row, e.g. LayerNorm's, so the compiler can fuse the statistics into them).
-    ``x`` is not modified and no gradient flows through the result."""
+    """float64 [PARTIALS, blocks]: ``x``'s statistics about the shift ``k``
+    (float64 0-dim) per block of ``x`` (rows in ``hookcap._layout.P_*``
+    order), as plain tensor ops traced into the graph. The blocks are
+    :func:`blocks` equal runs of ``x`` in row-major order (one under
+    Inductor's C++ backend), or with ``rows`` its rows (the last dimension: the loop shape of kernels that compute a
+    tensor row by row, e.g. LayerNorm's, so the compiler can fuse the
+    statistics into them). ``x`` is not modified and no gradient flows
+    through the result."""
     x = x.detach()
     f = x if x.dtype == torch.float32 else x.float()
     n = f.numel()
     if n == 0:
         return _empty_partials(f.device)
-    by_rows = rows and f.dim() >= 2
-
-    def total(t, op):  # op: torch.sum, torch.amin or torch.amax, over all of t
-        return op(op(t, dim=-1)) if by_rows else op(t)
+    if rows and f.dim() >= 2:
+        v = f.reshape(-1, f.shape[-1])
+    else:
+        v = f.reshape(blocks(n) if _triton(f.device) else 1, -1)
 
     def count(m):
-        return total(m.to(torch.int64), torch.sum).double()
+        return m.to(torch.int64).sum(-1).double()
 
-    fin = torch.isfinite(f)
-    d = torch.where(fin, f.double() - k, 0.0)
+    fin = torch.isfinite(v)
+    d = torch.where(fin, v.double() - k, 0.0)
     inf = float("inf")
     cols = {
-        _layout.P_COUNT: torch.full((), n, dtype=torch.float64, device=f.device),
-        _layout.P_NAN: count(torch.isnan(f)),
-        _layout.P_POSINF: count(f == inf),
-        _layout.P_NEGINF: count(f == -inf),
-        _layout.P_ZEROS: count(f == 0),
+        _layout.P_NAN: count(torch.isnan(v)),
+        _layout.P_POSINF: count(v == inf),
+        _layout.P_NEGINF: count(v == -inf),
+        _layout.P_ZEROS: count(v == 0),
         _layout.P_FINITE: count(fin),
-        _layout.P_SHIFT: k,
-        _layout.P_S1: total(d, torch.sum),
-        _layout.P_S2: total(d * d, torch.sum),
-        _layout.P_MIN: total(torch.where(fin, f, inf), torch.amin).double(),
-        _layout.P_MAX: total(torch.where(fin, f, -inf), torch.amax).double(),
+        _layout.P_S1: d.sum(-1),
+        _layout.P_S2: (d * d).sum(-1),
+        _layout.P_MIN: torch.where(fin, v, inf).amin(-1).double(),
+        _layout.P_MAX: torch.where(fin, v, -inf).amax(-1).double(),
     }
     return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
 
 
 def _empty_partials(device) -> torch.Tensor:
-    p = torch.zeros(_layout.PARTIALS, dtype=torch.float64, device=device)
+    p = torch.zeros(_layout.PARTIALS, 1, dtype=torch.float64, device=device)
     p[_layout.P_MIN] = float("inf")
     p[_layout.P_MAX] = float("-inf")
     return p
@@ -104,4 +144,4 @@ def _empty_partials(device) -> torch.Tensor:
 def merge(x: torch.Tensor, sink: int, rid: int, rows: bool = False) -> None:
     """Traced: ``x``'s partials into row ``rid`` of sink ``sink``."""
     k = _SHIFT(torch.empty(0, device=x.device), sink, rid)
-    _MERGE(partials(x, k, rows), sink, rid)
+    _MERGE(partials(x, k, rows), k, sink, rid)

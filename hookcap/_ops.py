@@ -77,20 +77,23 @@ def record(x: torch.Tensor, sink: int, rid: int) -> None:
     _ops.record(x, sink, rid)
 
 
-def merge_row(partials: torch.Tensor, ring: torch.Tensor, state: torch.Tensor, row: int) -> None:
-    """Merge one tensor's fused partials (float64 [PARTIALS] on the ring's
-    device, ``hookcap._layout.P_*`` order: counts, the finite values' sums
-    about ``P_SHIFT`` and extrema) into ``ring[state.slot, row]``, as
-    :func:`accumulate` would merge that tensor. Nothing happens when
-    ``state[1] == 0``. No host sync (one thread on CUDA)."""
-    _ops.merge_row(partials, ring, state, row)
+def merge_row(partials: torch.Tensor, shift: torch.Tensor, ring: torch.Tensor, state: torch.Tensor,
+              row: int) -> None:
+    """Merge one tensor's fused partials into ``ring[state.slot, row]``, as
+    :func:`accumulate` would merge that tensor. ``partials``: contiguous
+    float64 [PARTIALS, blocks] on the ring's device, one column per block of
+    the tensor, rows in ``hookcap._layout.P_*`` order (NaN/+Inf/-Inf/zero/
+    finite counts, the finite values' sum and sum of squares about ``shift``,
+    their min and max); ``shift``: float64 0-dim. Nothing happens when
+    ``state[1] == 0``. No host sync (one block on CUDA)."""
+    _ops.merge_row(partials, shift, ring, state, row)
 
 
-def merge_partials(partials: torch.Tensor, sink: int, rid: int) -> None:
+def merge_partials(partials: torch.Tensor, shift: torch.Tensor, sink: int, rid: int) -> None:
     """:func:`merge_row` into the row ``rid`` of a Monitor's sink ``sink``,
     read when it runs, the write logged (as :func:`record` does for a
     tensor). What code compiled with ``Monitor(fused=True)`` calls; effectful."""
-    _ops.merge_partials(partials, sink, rid)
+    _ops.merge_partials(partials, shift, sink, rid)
 
 
 def shift_of_row(ring: torch.Tensor, state: torch.Tensor, row: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from conftest import abs_sum, assert_moments, assert_stats_match, assert_wide_match, draw
 
 import hookcap
+import hookcap._fused
 from hookcap import Histogram, _layout, _ops
 from hookcap.histogram import NO_HIST_ARGS
 
@@ -913,15 +915,18 @@ def test_reset_rows_matches_cpu(emu, begin, end, grid, block):
 
 
 def test_fused_merge_and_shift_kernels_match_cpu(emu):
-    """fused=True's CUDA kernels (one thread: the partials merged into a row,
-    the shift read from the ring) write and read what the CPU ops do, across
-    rebased writes, non-finite values, a disabled state and slot changes."""
+    """fused=True's CUDA kernels (one block combining the partials' columns
+    and merging them into a row; one thread reading the shift from the ring)
+    write and read what the CPU ops do, bit for bit, across rebased writes,
+    non-finite values, one to thousands of columns, a disabled state and slot
+    changes."""
     from hookcap._fused import partials
 
     g = torch.Generator().manual_seed(5)
     xs = [torch.randn(700, generator=g) * 3 + 1e3, torch.tensor([float("nan"), 2.0, float("-inf"), 0.0]),
           (torch.randn(64, 9, generator=g) * 1e-20).to(torch.bfloat16), torch.empty(0),
-          torch.randn(33, generator=g).to(torch.float16) - 7]
+          torch.randn(33, generator=g).to(torch.float16) - 7, torch.randn(3000, 7, generator=g),
+          torch.randn(1031, generator=g)]
     ring = torch.zeros((3, 3, _layout.HEADER), dtype=torch.int64)
     ring[:, :, _layout.STEP_TAG] = -(1 << 62)
     st = torch.tensor([0, 1, 0])
@@ -932,9 +937,10 @@ def test_fused_merge_and_shift_kernels_match_cpu(emu):
             row = i % 3
             k_emu, k_cpu = emu.shift_of_row(ring, st, row), OPS.shift_of_row(cpu, st, row)
             assert torch.equal(k_emu, k_cpu), (step, i)
-            p = partials(x, k_cpu)
-            emu.merge_row(p, ring, st, row)
-            OPS.merge_row(p, cpu, st, row)
+            with mock.patch.object(hookcap._fused, "_triton", lambda device: True):  # Triton's blocks
+                p = partials(x, k_cpu, rows=i == 5)  # 3000 columns: one per row
+            emu.merge_row(p, k_cpu, ring, st, row)
+            OPS.merge_row(p, k_cpu, cpu, st, row)
             assert torch.equal(ring, cpu), (step, i)
         st_emu = st.clone()
         emu.advance(ring, st_emu, 2, 32, 1)

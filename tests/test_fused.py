@@ -7,6 +7,7 @@ loops (benchmarks/_fusion.py reads it)."""
 import gc
 import sys
 import warnings
+from unittest import mock
 from pathlib import Path
 
 import numpy as np
@@ -52,8 +53,13 @@ def row_stats(ring, state, row):
     return {k: d[k][row] for k in hookcap.STAT_NAMES}
 
 
-def merge(x, ring, state, row):
-    _ops.merge_row(partials(x, _ops.shift_of_row(ring, state, row)), ring, state, row)
+def merge(x, ring, state, row, form="flat"):
+    """``form``: "flat" (one block on the CPU), "blocks" (the blocks Triton
+    gets) or "rows"."""
+    k = _ops.shift_of_row(ring, state, row)
+    with mock.patch.object(hookcap._fused, "_triton", lambda device: form == "blocks"):
+        p = partials(x, k, form == "rows")
+    _ops.merge_row(p, k, ring, state, row)
 
 
 def values(x):
@@ -79,10 +85,10 @@ def tensors(draw):
     return x
 
 
-@given(tensors())
-def test_merged_partials_equal_the_float64_reference_and_the_op(x):
+@given(tensors(), st.sampled_from(["flat", "blocks", "rows"]))
+def test_merged_partials_equal_the_float64_reference_and_the_op(x, form):
     ring, state = new_ring()
-    merge(x, ring, state, 0)
+    merge(x, ring, state, 0, form)
     _ops.accumulate(x, ring, state, 1, None)
     got, op = row_stats(ring, state, 0), row_stats(ring, state, 1)
     assert_stats_match(got, stats_from_values(values(x), None), rtol_sum=1e-12, rtol_std=1e-9,
@@ -147,19 +153,32 @@ def test_disabled_state_merges_nothing():
 
 def test_opcheck():
     ring, state = new_ring()
-    p = partials(torch.randn(7, 3), torch.zeros((), dtype=torch.float64))
-    torch.library.opcheck(torch.ops.hookcap.merge_row.default, (p, ring, state, 1))
+    k = torch.zeros((), dtype=torch.float64)
+    p = partials(torch.randn(7, 3), k)
+    torch.library.opcheck(torch.ops.hookcap.merge_row.default, (p, k, ring, state, 1))
     torch.library.opcheck(torch.ops.hookcap.shift_of_row.default, (ring, state, 1))
 
 
 def test_bad_partials_are_refused():
     ring, state = new_ring()
-    with pytest.raises(RuntimeError, match="float64"):
-        _ops.merge_row(torch.zeros(_layout.PARTIALS), ring, state, 0)
-    with pytest.raises(RuntimeError, match="values"):
-        _ops.merge_row(torch.zeros(3, dtype=torch.float64), ring, state, 0)
+    k = torch.zeros((), dtype=torch.float64)
+    good = torch.zeros(_layout.PARTIALS, 2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float64 matrix"):
+        _ops.merge_row(good.float(), k, ring, state, 0)
+    with pytest.raises(RuntimeError, match="float64 matrix"):
+        _ops.merge_row(torch.zeros(_layout.PARTIALS, dtype=torch.float64), k, ring, state, 0)
+    with pytest.raises(RuntimeError, match="rows"):
+        _ops.merge_row(torch.zeros(3, 2, dtype=torch.float64), k, ring, state, 0)
+    with pytest.raises(RuntimeError, match="a column"):
+        _ops.merge_row(torch.zeros(_layout.PARTIALS, 0, dtype=torch.float64), k, ring, state, 0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        _ops.merge_row(torch.zeros(2, _layout.PARTIALS, dtype=torch.float64).t(), k, ring, state, 0)
+    with pytest.raises(RuntimeError, match="shift"):
+        _ops.merge_row(good, k.float(), ring, state, 0)
+    with pytest.raises(RuntimeError, match="shift"):
+        _ops.merge_row(good, torch.zeros(1, dtype=torch.float64), ring, state, 0)
     with pytest.raises(RuntimeError, match="out of range"):
-        _ops.merge_row(torch.zeros(_layout.PARTIALS, dtype=torch.float64), ring, state, 5)
+        _ops.merge_row(good, k, ring, state, 5)
 
 
 def test_cpu_tensors_keep_the_op_unless_asked(monkeypatch):
@@ -265,8 +284,8 @@ def test_a_gone_monitor_gets_no_merge_and_a_zero_shift():
     mon.detach()
     del mon
     gc.collect()
-    p = partials(torch.ones(3), torch.zeros((), dtype=torch.float64))
-    torch.ops.hookcap.merge_partials(p, sink, 0)  # what a stale graph runs: nothing happens
+    k = torch.zeros((), dtype=torch.float64)
+    torch.ops.hookcap.merge_partials(partials(torch.ones(3), k), k, sink, 0)  # a stale graph's: nothing happens
     assert torch.ops.hookcap.fused_shift(torch.empty(0), sink, 0).item() == 0.0
 
 
@@ -318,3 +337,37 @@ def test_the_fusion_check_sees_a_statistic_that_is_not_fused():
     assert extra == 256 * 128 * 4  # the Linear's float32 output, read once more
     op = generated_code(Block(), x, modules=["l"], capture="output")
     assert _fusion.reduce_only_bytes(op, min_elements=257) == 0  # the op's read is outside Inductor's code
+
+
+def triton_kernels(**kw):
+    """The Triton kernels of one training step of a compiled Block (with a
+    fused=True Monitor when ``kw`` names its captures), as Inductor's Triton
+    scheduler writes them for a GPU; generated on the CPU, not run."""
+    pytest.importorskip("triton")
+    with _fusion.triton_codegen() as tc:
+        torch.manual_seed(0)
+        model = Block()
+        mon = Monitor(model, histogram=None, fused=True, **kw).attach() if kw else None
+        model.compile()
+        model(torch.randn(256, 64)).pow(2).sum().backward()
+        if mon is not None:
+            mon.detach()
+    return tc.kernels()
+
+
+def test_triton_computes_the_statistics_in_the_model_kernels():
+    """Under Triton the statistics of GELU's input (a matmul result), GELU's
+    and LayerNorm's outputs and the gradients their backward produces ride in
+    the model's kernels: no kernel more than the unwatched model, none that
+    reads a captured tensor again (a split reduction's second stage per
+    statistic would be a kernel each). A Linear output whose only consumer is
+    LayerNorm's row reduction cannot join it: found read once more, exactly."""
+    base = triton_kernels()
+    fused = triton_kernels(modules=["l", "g", "ln"], capture=("output", "grad_input"))
+    assert any("isnan" in k.source for k in fused)
+    assert len(fused) == len(base)
+    assert _fusion.triton_reduce_only_bytes(fused, 257) == _fusion.triton_reduce_only_bytes(base, 257)
+    planted = triton_kernels(modules=["l2"], capture="output")
+    assert len(planted) == len(base) + 1
+    assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
+            == 256 * 64 * 4)

@@ -84,9 +84,10 @@ def test_opcheck_record_and_its_effect():
 
     torch.library.opcheck(torch.ops.hookcap.fused_shift.default, (torch.empty(0), rec.fast.id, rid))
     k = torch.ops.hookcap.fused_shift(torch.empty(0), rec.fast.id, rid)
-    torch.library.opcheck(torch.ops.hookcap.merge_partials.default, (partials(torch.randn(2, 3), k), rec.fast.id, rid))
+    torch.library.opcheck(torch.ops.hookcap.merge_partials.default,
+                          (partials(torch.randn(2, 3), k), k, rec.fast.id, rid))
     with pytest.raises(RuntimeError, match="no ring"):
-        torch.ops.hookcap.merge_partials(partials(torch.randn(2), k), rec.fast.id, 5 << 32)
+        torch.ops.hookcap.merge_partials(partials(torch.randn(2), k), k, rec.fast.id, 5 << 32)
     mon.detach()
 
 

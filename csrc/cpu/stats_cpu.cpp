@@ -184,14 +184,16 @@ static void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::T
   accumulate_tensor_cpu(x_in, row, h);
 }
 
-static void merge_row_cpu(const at::Tensor& partials, at::Tensor& ring, const at::Tensor& state,
-                          int64_t row_index) {
-  check_merge_row(partials, ring, state, row_index);
+static void merge_row_cpu(const at::Tensor& partials, const at::Tensor& shift, at::Tensor& ring,
+                          const at::Tensor& state, int64_t row_index) {
+  check_merge_row(partials, shift, ring, state, row_index);
   const int64_t* st = state.data_ptr<int64_t>();
   if (st[kStateEnabled] == 0) return;
   const int64_t slot = state_slot(ring, st);
+  double lanes[kMergeLanes][kPartials];
+  partials_combine_host(partials.const_data_ptr<double>(), partials.size(1), lanes);
   row_merge_partials<HostAtomics>(ring.data_ptr<int64_t>() + (slot * ring.size(1) + row_index) * ring.size(2),
-                                  partials.const_data_ptr<double>());
+                                  lanes[0], *shift.const_data_ptr<double>());
 }
 
 static at::Tensor shift_of_row_cpu(const at::Tensor& ring, const at::Tensor& state, int64_t row_index) {

@@ -1232,15 +1232,31 @@ __global__ void advance_state_kernel(int64_t* state, int64_t slots, int64_t ever
   state[kStateSlot] = next.slot;
 }
 
-// Monitor(fused=True): one thread merges the partials a compiled graph
-// computed (no pass over the tensor; stream-ordered after the graph's kernels).
-__global__ void merge_row_kernel(int64_t* ring, const int64_t* state, const double* partials,
-                                 int64_t slots, int64_t rows, int64_t width, int64_t row) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  if (state[kStateEnabled] == 0) return;
+// Monitor(fused=True): one block combines the [kPartials, blocks] partials a
+// compiled graph computed, in partials_combine_host's order (each thread a
+// lane: its strided columns, then a tree in shared memory), and its first
+// thread merges them into the row (no pass over the tensor; stream-ordered
+// after the graph's kernels).
+constexpr int kMergeThreads = kMergeLanes;
+
+__global__ void merge_row_kernel(int64_t* ring, const int64_t* state, const double* partials, int64_t blocks,
+                                 const double* shift, int64_t slots, int64_t rows, int64_t width, int64_t row) {
+  __shared__ double s_acc[kMergeThreads][kPartials];
+  if (blockIdx.x != 0) return;
+  const int t = threadIdx.x;
+  double acc[kPartials];
+  partials_init(acc);
+  for (int64_t b = t; b < blocks; b += blockDim.x) partials_add(acc, partials, blocks, b);
+  for (int c = 0; c < kPartials; ++c) s_acc[t][c] = acc[c];
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (t < half) partials_add(s_acc[t], s_acc[t + half], 1, 0);
+    __syncthreads();
+  }
+  if (t != 0 || state[kStateEnabled] == 0) return;
   const int64_t slot = state[kStateSlot];
   if (slot < 0 || slot >= slots) return;  // same guard as the stats kernels
-  row_merge_partials<DeviceAtomics>(ring + (slot * rows + row) * width, partials);
+  row_merge_partials<DeviceAtomics>(ring + (slot * rows + row) * width, s_acc[0], *shift);
 }
 
 // The shift fused partials are summed about (stats_math.h ring_row_center), into *out.

@@ -459,14 +459,15 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   seal_ring_write(ring.device().index(), stream);
 }
 
-void merge_row_cuda(const at::Tensor& partials, at::Tensor& ring, const at::Tensor& state, int64_t row) {
-  check_merge_row(partials, ring, state, row);
+void merge_row_cuda(const at::Tensor& partials, const at::Tensor& shift, at::Tensor& ring, const at::Tensor& state,
+                    int64_t row) {
+  check_merge_row(partials, shift, ring, state, row);
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
   note_capture(stream, ring.data_ptr());
-  launch("hookcap.merge_row", &kernels::merge_row_kernel, dim3(1), dim3(1), stream, ring.data_ptr<int64_t>(),
-         state.const_data_ptr<int64_t>(), partials.const_data_ptr<double>(), ring.size(0), ring.size(1),
-         ring.size(2), row);
+  launch("hookcap.merge_row", &kernels::merge_row_kernel, dim3(1), dim3(kernels::kMergeThreads), stream,
+         ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), partials.const_data_ptr<double>(),
+         partials.size(1), shift.const_data_ptr<double>(), ring.size(0), ring.size(1), ring.size(2), row);
   seal_ring_write(ring.device().index(), stream);
 }
 

@@ -58,21 +58,28 @@ inline void check_time_mark(const at::Tensor& ring, const at::Tensor& state, int
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
-// merge_row: one tensor's fused partials (stats_math.h PartialCol) into a row.
 // One tensor's fused partials (stats_math.h PartialCol): a contiguous
-// float64 vector of kPartials values. `op` names the op in the message.
-inline void check_partials(const at::Tensor& partials, const char* op) {
-  TORCH_CHECK(partials.scalar_type() == at::kDouble && partials.dim() == 1 && partials.is_contiguous(),
-              op, ": partials must be a contiguous float64 vector, got ", partials.scalar_type(),
+// float64 matrix [kPartials, blocks >= 1], and the shift its sums are about
+// (float64, one value, on the partials' device). `op` names the op.
+inline void check_partials(const at::Tensor& partials, const at::Tensor& shift, const char* op) {
+  TORCH_CHECK(partials.scalar_type() == at::kDouble && partials.dim() == 2 && partials.is_contiguous(),
+              op, ": partials must be a contiguous float64 matrix, got ", partials.scalar_type(),
               " with shape ", partials.sym_sizes());
   TORCH_SYM_CHECK(partials.sym_size(0).sym_eq(static_cast<int64_t>(kPartials)), op, ": partials must have ",
-                  static_cast<int64_t>(kPartials), " values, got shape ", partials.sym_sizes());
+                  static_cast<int64_t>(kPartials), " rows, got shape ", partials.sym_sizes());
+  TORCH_SYM_CHECK(partials.sym_size(1).sym_gt(0), op, ": partials must have a column, got shape ",
+                  partials.sym_sizes());
+  TORCH_CHECK(shift.scalar_type() == at::kDouble && shift.dim() == 0, op,
+              ": shift must be a float64 0-dim tensor, got ", shift.scalar_type(), " with shape ", shift.sym_sizes());
+  TORCH_CHECK(shift.device() == partials.device(), op, ": shift is on ", shift.device(), " but the partials on ",
+              partials.device());
 }
 
-inline void check_merge_row(const at::Tensor& partials, const at::Tensor& ring, const at::Tensor& state,
-                            int64_t row) {
+// merge_row: one tensor's fused partials into a row.
+inline void check_merge_row(const at::Tensor& partials, const at::Tensor& shift, const at::Tensor& ring,
+                            const at::Tensor& state, int64_t row) {
   check_ring_state(ring, state);
-  check_partials(partials, "hookcap.merge_row");
+  check_partials(partials, shift, "hookcap.merge_row");
   TORCH_CHECK(partials.device() == ring.device(), "hookcap.merge_row: partials are on ",
               partials.device(), " but the ring is on ", ring.device());
   TORCH_CHECK(row >= 0, "hookcap.merge_row: row must be >= 0, got ", row);

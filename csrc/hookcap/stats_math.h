@@ -778,24 +778,57 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge(int64_t* row, const Acc& a) {
 }
 
 // Fused partials (Monitor(fused=True) under torch.compile): the statistics
-// of one tensor computed by the compiled graph's own reductions, as a float64
-// vector in this order. Sums are over finite values about kPShift (the
-// row_center the graph read); min/max over finite values (+inf/-inf when
-// none). Counts are exact integers below 2**53.
+// of one tensor computed by the compiled graph's own reductions, as a
+// contiguous float64 matrix [kPartials, blocks]: column b holds block b's
+// values in this order (the graph splits the tensor into blocks itself, so
+// the compiler needs no second reduction kernel per statistic; the merge
+// combines the columns). Sums are over finite values about the shift the
+// graph read (row_center); min/max over finite values (+inf/-inf when
+// none). Counts are exact integers below 2**53; the element count is their
+// sum.
 enum PartialCol : int64_t {
-  kPCount = 0,  // numel
-  kPNan = 1,
-  kPPosInf = 2,
-  kPNegInf = 3,
-  kPZeros = 4,
-  kPFinite = 5,
-  kPShift = 6,
-  kPS1 = 7,     // sum over finite of (x - kPShift)
-  kPS2 = 8,     // sum over finite of (x - kPShift)^2
-  kPMin = 9,
-  kPMax = 10,
-  kPartials = 11,
+  kPNan = 0,
+  kPPosInf = 1,
+  kPNegInf = 2,
+  kPZeros = 3,
+  kPFinite = 4,
+  kPS1 = 5,     // sum over finite of (x - shift)
+  kPS2 = 6,     // sum over finite of (x - shift)^2
+  kPMin = 7,
+  kPMax = 8,
+  kPartials = 9,
 };
+
+// An empty combination of partial columns.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void partials_init(double* acc) {
+  for (int64_t c = 0; c < kPMin; ++c) acc[c] = 0.0;
+  acc[kPMin] = kInf;
+  acc[kPMax] = -kInf;
+}
+
+// Column `b` of a [kPartials, blocks] matrix `p` (or a combined column:
+// blocks 1, b 0) into `acc`: counts and sums add, extrema combine.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void partials_add(double* acc, const double* p, int64_t blocks, int64_t b) {
+  for (int64_t c = 0; c < kPMin; ++c) acc[c] += p[c * blocks + b];
+  const double mn = p[kPMin * blocks + b], mx = p[kPMax * blocks + b];
+  if (mn < acc[kPMin]) acc[kPMin] = mn;
+  if (mx > acc[kPMax]) acc[kPMax] = mx;
+}
+
+// The order the columns of fused partials are combined in, on every device
+// (so a row is the same bit for bit): lane t of kMergeLanes adds columns t,
+// t + kMergeLanes, ...; then lanes pair up in a tree (t += t + half). CUDA's
+// merge_row_kernel runs the lanes as threads; this is the host's loop.
+constexpr int kMergeLanes = 128;
+
+inline void partials_combine_host(const double* p, int64_t blocks, double (*lanes)[kPartials]) {
+  for (int t = 0; t < kMergeLanes; ++t) {
+    partials_init(lanes[t]);
+    for (int64_t b = t; b < blocks; b += kMergeLanes) partials_add(lanes[t], p, blocks, b);
+  }
+  for (int half = kMergeLanes / 2; half > 0; half /= 2)
+    for (int t = 0; t < half; ++t) partials_add(lanes[t], lanes[t + half], 1, 0);
+}
 
 // The shift a compiled graph sums a tensor's values about (fused partials):
 // the row's shift in this slot where an earlier write set one (no rebase),
@@ -828,16 +861,15 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE double ring_row_center(const int64_t* ring, in
   return row_center(r + slot * stride, slots > 1 ? r + ((slot + slots - 1) % slots) * stride : nullptr);
 }
 
-// One tensor's fused partials into a ring row, as the accumulate op would
-// merge the same tensor: count and call, class counts, and the finite
-// values' moments taken to the row's shift (set by this write if unset).
+// One tensor's fused partials, combined (partials_add), into a ring row as
+// the accumulate op would merge the same tensor: count and call, class
+// counts, and the finite values' moments about `k` (the shift the graph
+// summed about) taken to the row's shift (set by this write if unset).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
 template <typename Atomics>
-C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge_partials(int64_t* row, const double* p) {
-  Atomics::add_i64(row + kCount, static_cast<int64_t>(p[kPCount]));
-  Atomics::add_i64(row + kCalls, 1);
+C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge_partials(int64_t* row, const double* p, double k) {
   Acc a;
   acc_init(a);
   a.nnan = static_cast<int64_t>(p[kPNan]);
@@ -845,8 +877,10 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void row_merge_partials(int64_t* row, const do
   a.nninf = static_cast<int64_t>(p[kPNegInf]);
   a.nzero = static_cast<int64_t>(p[kPZeros]);
   a.nfin = static_cast<int64_t>(p[kPFinite]);
+  Atomics::add_i64(row + kCount, a.nnan + a.npinf + a.nninf + a.nfin);
+  Atomics::add_i64(row + kCalls, 1);
   if (a.nfin > 0) {
-    const double k = p[kPShift], m = p[kPFinite];
+    const double m = p[kPFinite];
     const int64_t old = Atomics::cas_i64(row + kShift, kShiftUnset, dbits(k));
     double s1 = p[kPS1], s2 = p[kPS2];
     moments_to_raw(s1, s2, m, k, a.sum, a.sumsq);

@@ -173,13 +173,15 @@ void reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_
                           ring.size(1), ring.size(2), begin, end, g, b);
 }
 
-// fused=True's two kernels (merge_row_kernel, shift_of_row_kernel), one thread each.
-void merge_row(const at::Tensor& partials, at::Tensor& ring, const at::Tensor& state, int64_t row) {
-  check_merge_row(partials, ring, state, row);
+// fused=True's two kernels (merge_row_kernel: one block; shift_of_row_kernel: one thread).
+void merge_row(const at::Tensor& partials, const at::Tensor& shift, at::Tensor& ring, const at::Tensor& state,
+               int64_t row) {
+  check_merge_row(partials, shift, ring, state, row);
   check_cpu(ring);
   py::gil_scoped_release nogil;
   hookcap_emu::merge_row(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), partials.const_data_ptr<double>(),
-                         ring.size(0), ring.size(1), ring.size(2), row);
+                         partials.size(1), shift.const_data_ptr<double>(), ring.size(0), ring.size(1), ring.size(2),
+                         row);
 }
 
 at::Tensor shift_of_row(const at::Tensor& ring, const at::Tensor& state, int64_t row) {

@@ -52,10 +52,10 @@ inline void advance(int64_t* ring, int64_t* state, int64_t slots, int64_t rows, 
   emu::launch(hookcap::kernels::advance_state_kernel, dim3(1), dim3(1), 0, state, slots, every);
 }
 
-inline void merge_row(int64_t* ring, const int64_t* state, const double* partials, int64_t slots, int64_t rows,
-                      int64_t width, int64_t row) {
-  emu::launch(hookcap::kernels::merge_row_kernel, dim3(1), dim3(1), 0, ring, state, partials, slots, rows, width,
-              row);
+inline void merge_row(int64_t* ring, const int64_t* state, const double* partials, int64_t blocks,
+                      const double* shift, int64_t slots, int64_t rows, int64_t width, int64_t row) {
+  emu::launch(hookcap::kernels::merge_row_kernel, dim3(1), dim3(hookcap::kernels::kMergeThreads), 0, ring, state,
+              partials, blocks, shift, slots, rows, width, row);
 }
 
 inline void shift_of_row(const int64_t* ring, const int64_t* state, double* out, int64_t slots, int64_t rows,
