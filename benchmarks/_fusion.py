@@ -177,31 +177,21 @@ def triton_reduce_only_bytes(kernels, min_elements: int = 1) -> int:
 
 
 class triton_codegen:
-    """Context: Inductor compiles CPU code with its Triton scheduler and
-    records every kernel's source (``.sources``) without compiling or running
-    it. For inspecting what a GPU would run; values computed inside are
-    garbage. Restores every setting it changed on exit."""
+    """Context: Inductor compiles CPU code with its Triton scheduler, writing
+    the Triton kernels a GPU would run, without compiling or running them.
+    :meth:`run` runs a step and keeps the generated modules; values computed
+    inside are garbage. Restores every setting it changed on exit."""
 
     def __enter__(self):
         import torch
         import torch._inductor.config as icfg
         import torch.utils._triton as ut
-        from torch._inductor.codegen import triton as tr
         from torch._inductor.runtime import triton_heuristics as th
 
-        self.sources = []
-        sources = self.sources
-        codegen = tr.TritonKernel.codegen_kernel
-
-        def record(kernel, *args, **kwargs):
-            src = codegen(kernel, *args, **kwargs)
-            sources.append(src)
-            return src
-
+        self.codes = []
         self._undo = [
             (icfg, "cpu_backend", "triton"), (icfg, "compile_threads", 1), (icfg, "fx_graph_cache", False),
             (ut, "triton_hash_with_backend", lambda: "codegen-only"), (ut, "triton_backend", lambda: None),
-            (tr.TritonKernel, "codegen_kernel", record),
             (th.CachingAutotuner, "precompile", lambda self, *a, **k: None),
             (th.CachingAutotuner, "run", lambda self, *a, **k: None),
         ]
@@ -210,6 +200,14 @@ class triton_codegen:
             setattr(obj, name, new)
         torch._dynamo.reset()
         return self
+
+    def run(self, fn):
+        """Call ``fn`` (one step), keeping the modules Inductor generates."""
+        from torch._inductor.utils import run_and_get_code
+
+        result, codes = run_and_get_code(fn)
+        self.codes.extend(codes)
+        return result
 
     def __exit__(self, *exc):
         import torch
@@ -220,4 +218,16 @@ class triton_codegen:
         return False
 
     def kernels(self) -> list[TritonKernel]:
-        return [triton_kernel(s) for s in self.sources]
+        return triton_launches(self.codes)
+
+
+def triton_launches(codes) -> list[TritonKernel]:
+    """Every Triton kernel launch, in order, of the modules Inductor generated
+    for a GPU (``run_and_get_code``'s strings): a kernel launched twice is
+    listed twice."""
+    out = []
+    for code in codes:
+        defs = {name: triton_kernel(src) for name, src in
+                re.findall(r"^(\w+) = async_compile\.triton\('\w+', '''(.*?)'''", code, re.M | re.S)}
+        out.extend(defs[name] for name in re.findall(r"^\s*(\w+)\.run\(", code, re.M) if name in defs)
+    return out

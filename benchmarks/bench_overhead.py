@@ -25,6 +25,10 @@ the op because it measures faster, as this shows). It also prints the bytes per 
 beyond the model's own kernels: for the op, the captured tensors' bytes (it
 reads each once); for fused=True, what Inductor's loop nests that only reduce
 read beyond those of the unwatched model (benchmarks/_fusion.py; CPU code).
+On the CPU it also counts, for no telemetry and fused=True, the Triton kernels
+Inductor's Triton scheduler would launch per step on a GPU and what the
+reduce-only ones read beyond the unwatched model's (generated on the CPU, not
+run: _fusion.triton_codegen).
 
 Usage:
   python benchmarks/bench_overhead.py [--workloads gpt2,cnn] [--rounds 16] [--threads 2]
@@ -408,6 +412,7 @@ def measure_compiled(workload, device, rounds, steps_per_round, warm_rounds):
         rows.append(row)
     extra = {"model": getattr(runs["no telemetry"][1], "model_name", workload)}
     if device.type == "cpu":
+        extra["triton"] = triton_kernels_per_step(workload)
         extra["telemetry_read_bytes"] = telemetry_read_bytes(workload, device)
         for row in rows:
             if row["config"].startswith("op"):
@@ -436,6 +441,30 @@ def telemetry_read_bytes(workload, device) -> int:
         return reduce_only_bytes(codes)
 
     return code({"histogram": None, "fused": True}) - code(None)
+
+
+def triton_kernels_per_step(workload) -> dict:
+    """Triton kernel launches of one training step (forward and backward)
+    as Inductor's Triton scheduler writes them for a GPU, generated on the CPU
+    and not run: their number with no telemetry and with fused=True, and the
+    bytes fused=True's reduce-only kernels read beyond the unwatched model's
+    (`_fusion.triton_codegen`)."""
+    from _fusion import triton_codegen, triton_reduce_only_bytes
+
+    out = {}
+    for name, kw in (("none", None), ("fused", {"histogram": None, "fused": True})):
+        with triton_codegen() as tc:
+            model, loss_fn = WORKLOADS[workload](torch.device("cpu"))
+            mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
+            model.compile()
+            tc.run(lambda: loss_fn().backward())
+            if mon is not None:
+                mon.detach()
+        kernels = tc.kernels()
+        out[f"kernels_{name}"] = len(kernels)
+        out[f"reduce_only_bytes_{name}"] = triton_reduce_only_bytes(kernels, 4097)
+    out["telemetry_read_bytes"] = out["reduce_only_bytes_fused"] - out["reduce_only_bytes_none"]
+    return out
 
 
 def compiled_table(rows, title):
@@ -590,6 +619,11 @@ def main(argv=None):
             rows, extra = measure_compiled(w, device, args.rounds, args.steps_per_round, args.warm_rounds)
             result["workloads"][w] = {"rows": rows, **extra}
             print(compiled_table(rows, f"\n## {w} ({extra['model']}), compiled"))
+            if "triton" in extra:
+                t = extra["triton"]
+                print(f"Triton (generated, not run): launches/step {t['kernels_none']} unwatched, "
+                      f"{t['kernels_fused']} fused=True; fused reduce-only reads "
+                      f"{t['telemetry_read_bytes'] / 1e6:.2f} MB/step")
         if args.json:
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
             with open(args.json, "w") as f:

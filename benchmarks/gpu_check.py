@@ -874,24 +874,35 @@ def dump_fused_code(device, outdir: str) -> dict:
     import hookcap
     from torch._inductor.utils import run_and_get_code
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768),
-                                torch.nn.LayerNorm(768)).to(device)
-    x = torch.randn(2048, 768, device=device)
-    mon = hookcap.Monitor(model, capture=("output", "grad_input"), histogram=None, fused=True).attach()
-    fn = torch.compile(model)
-    try:
-        _, codes = run_and_get_code(lambda: fn(x).pow(2).sum().backward())
-    finally:
-        mon.detach()
+    from _fusion import triton_launches, triton_reduce_only_bytes
+
+    def step_code(watch: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768),
+                                    torch.nn.LayerNorm(768)).to(device)
+        x = torch.randn(2048, 768, device=device)
+        mon = None
+        if watch:
+            mon = hookcap.Monitor(model, capture=("output", "grad_input"), histogram=None, fused=True).attach()
+        fn = torch.compile(model)
+        try:
+            return run_and_get_code(lambda: fn(x).pow(2).sum().backward())[1]
+        finally:
+            if mon is not None:
+                mon.detach()
+
+    codes, plain = step_code(True), step_code(False)
     path = os.path.join(outdir, "fused_code.txt")
     with open(path, "w") as f:
         for i, code in enumerate(codes):
             f.write(f"# ===== module {i} =====\n{code}\n")
     text = "\n".join(codes)
+    kernels, base = triton_launches(codes), triton_launches(plain)
     return {"file": "fused_code.txt", "modules": len(codes),
-            "triton_kernels": len(set(re.findall(r"def (triton_\w+)\(", text))),
+            "triton_launches": len(kernels), "triton_launches_unwatched": len(base),
+            # reads of kernels that only reduce, beyond the unwatched step's (0: all fused)
+            "reduce_only_extra_bytes": triton_reduce_only_bytes(kernels, 4097) - triton_reduce_only_bytes(base, 4097),
             "cpp_kernels": len(set(re.findall(r"^(cpp_fused_\w+) = ", text, re.M))),
             "merge_partials_calls": text.count("hookcap.merge_partials")}
 
@@ -1026,6 +1037,12 @@ def summary_md(report: dict) -> str:
                     "| form | µs | added µs | added / op |", "|---|---:|---:|---:|"]
             out += [f"| {r['form']} | {r['us']:.1f} | {r['added_us']:.1f} | {r['added_vs_op']:.2f} |"
                     for r in c["forms"]]
+        g = c.get("generated_code")
+        if isinstance(g, dict) and "triton_launches" in g:
+            out += ["", f"Linear -> GELU -> Linear -> LayerNorm, one training step: {g['triton_launches']} Triton "
+                        f"launches with fused=True ({g['triton_launches_unwatched']} unwatched), reduce-only kernels reading "
+                        f"{g['reduce_only_extra_bytes']} bytes more, {g['merge_partials_calls']} merges "
+                        f"(code: {g['file']})."]
     errors = [s for s in steps if not s["ok"]]
     if errors:
         out += ["", "## Errors"]

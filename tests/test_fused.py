@@ -340,7 +340,7 @@ def test_the_fusion_check_sees_a_statistic_that_is_not_fused():
 
 
 def triton_kernels(**kw):
-    """The Triton kernels of one training step of a compiled Block (with a
+    """The Triton kernel launches of one training step of a compiled Block (with a
     fused=True Monitor when ``kw`` names its captures), as Inductor's Triton
     scheduler writes them for a GPU; generated on the CPU, not run."""
     pytest.importorskip("triton")
@@ -349,7 +349,7 @@ def triton_kernels(**kw):
         model = Block()
         mon = Monitor(model, histogram=None, fused=True, **kw).attach() if kw else None
         model.compile()
-        model(torch.randn(256, 64)).pow(2).sum().backward()
+        tc.run(lambda: model(torch.randn(256, 64)).pow(2).sum().backward())
         if mon is not None:
             mon.detach()
     return tc.kernels()
@@ -358,7 +358,7 @@ def triton_kernels(**kw):
 def test_triton_computes_the_statistics_in_the_model_kernels():
     """Under Triton the statistics of GELU's input (a matmul result), GELU's
     and LayerNorm's outputs and the gradients their backward produces ride in
-    the model's kernels: no kernel more than the unwatched model, none that
+    the model's kernels: no launch more than the unwatched model, none that
     reads a captured tensor again (a split reduction's second stage per
     statistic would be a kernel each). A Linear output whose only consumer is
     LayerNorm's row reduction cannot join it: found read once more, exactly."""
