@@ -59,10 +59,13 @@ def fusable(config, t: torch.Tensor) -> bool:
 def row_wise(kind: str, mtype: str) -> bool:
     """Whether the statistics of a ``kind`` capture of a module of class
     ``mtype`` are reduced row by row (see :func:`partials`): the outputs and
-    input gradients of normalisation layers (LayerNorm, RMSNorm, ...), whose
-    kernels compute row by row (the compiler fuses a reduction only into a
-    loop of the same shape: a flat one for elementwise producers)."""
-    return kind in ("output", "grad_input") and "Norm" in mtype
+    input gradients of layers that normalise over the last dimension (class
+    names containing ``LayerNorm`` or ``RMSNorm``), whose kernels compute row
+    by row (the compiler fuses a reduction only into a loop of the same
+    shape). Not BatchNorm, GroupNorm or InstanceNorm: their kernels reduce
+    over other dimensions, and their many short rows would only make the
+    partials large."""
+    return kind in ("output", "grad_input") and ("LayerNorm" in mtype or "RMSNorm" in mtype)
 
 
 MAX_BLOCKS = 1024
@@ -99,8 +102,9 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tens
     """float64 [PARTIALS, blocks]: ``x``'s statistics about the shift ``k``
     (float64 0-dim) per block of ``x`` (rows in ``hookcap._layout.P_*``
     order), as plain tensor ops traced into the graph. The blocks are
-    :func:`blocks` equal runs of ``x`` in row-major order (one under
-    Inductor's C++ backend), or with ``rows`` its rows (the last dimension: the loop shape of kernels that compute a
+    :func:`blocks` equal runs of ``x`` in row-major order (one block under
+    Inductor's C++ backend), or with ``rows`` its
+    rows (the last dimension: the loop shape of kernels that compute a
     tensor row by row, e.g. LayerNorm's, so the compiler can fuse the
     statistics into them). ``x`` is not modified and no gradient flows
     through the result."""
@@ -109,13 +113,21 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tens
     n = f.numel()
     if n == 0:
         return _empty_partials(f.device)
+    # In a compiled graph a reshape is indexing: a strided tensor is not copied
+    # for it under Triton; Inductor's C++ backend fuses the whole-tensor
+    # reductions of the tensor as it is best.
     if rows and f.dim() >= 2:
-        v = f.reshape(-1, f.shape[-1])
+        v, whole = f.reshape(-1, f.shape[-1]), False
+    elif _triton(f.device):
+        v, whole = f.reshape(blocks(n), -1), False
     else:
-        v = f.reshape(blocks(n) if _triton(f.device) else 1, -1)
+        v, whole = f, True
+
+    def red(t, op):
+        return op(t).reshape(1) if whole else op(t, dim=-1)
 
     def count(m):
-        return m.to(torch.int64).sum(-1).double()
+        return red(m.to(torch.int64), torch.sum).double()
 
     fin = torch.isfinite(v)
     d = torch.where(fin, v.double() - k, 0.0)
@@ -126,10 +138,10 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tens
         _layout.P_NEGINF: count(v == -inf),
         _layout.P_ZEROS: count(v == 0),
         _layout.P_FINITE: count(fin),
-        _layout.P_S1: d.sum(-1),
-        _layout.P_S2: (d * d).sum(-1),
-        _layout.P_MIN: torch.where(fin, v, inf).amin(-1).double(),
-        _layout.P_MAX: torch.where(fin, v, -inf).amax(-1).double(),
+        _layout.P_S1: red(d, torch.sum),
+        _layout.P_S2: red(d * d, torch.sum),
+        _layout.P_MIN: red(torch.where(fin, v, inf), torch.amin).double(),
+        _layout.P_MAX: red(torch.where(fin, v, -inf), torch.amax).double(),
     }
     return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
 

@@ -309,6 +309,13 @@ class Hooks:
     def _register_module_hooks(self, name: str, mod: nn.Module) -> None:
         mtype = type(mod).__name__
         capture = self.config.capture
+        if self.config.timing:
+            # The end mark before hookcap's other forward hooks and the start
+            # mark after its pre-hooks: the stats work stays out of the time.
+            # (Registration order, not prepend=True: dynamo in torch 2.11
+            # builds guards on a prepended hook that fail.)
+            timing_pre, timing_post = self._phased(self.timing.hooks, name)
+            self._add(mod.register_forward_hook(timing_post))
         if "input" in capture:
             self._add(mod.register_forward_pre_hook(self._phased(self._input_hook, name, mtype), with_kwargs=True))
         if "output" in capture or "grad_output" in capture:
@@ -318,11 +325,7 @@ class Hooks:
             self._add(mod.register_forward_pre_hook(pre, with_kwargs=True))
             self._add(mod.register_forward_hook(post))
         if self.config.timing:
-            # The start mark last among the pre-hooks and the end mark first
-            # among the forward hooks: the stats work stays out of the time.
-            pre, post = self._phased(self.timing.hooks, name)
-            self._add(mod.register_forward_pre_hook(pre, with_kwargs=True))
-            self._add(mod.register_forward_hook(post, prepend=True))
+            self._add(mod.register_forward_pre_hook(timing_pre, with_kwargs=True))
 
     def _phased(self, factory, name: str, *args):
         """``factory(name, *args)``'s hook, or (pre, post) pair, split by the
