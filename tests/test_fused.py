@@ -98,6 +98,17 @@ def test_merged_partials_equal_the_float64_reference_and_the_op(x, form):
     assert ring[0, 0, _layout.CALLS] == ring[0, 1, _layout.CALLS] == 1
 
 
+def test_blocks_divide_the_tensor_and_stay_in_range():
+    blocks = hookcap._fused.blocks
+    assert blocks(1) == 1 and blocks(1000) == 1000 and blocks(1024) == 1024
+    assert blocks(8 * 1024 * 768) == 1024 and blocks(3 * 5 * 7 * 11 * 13) == 1001
+    assert blocks(1031 * 3) == 1  # 3 x a prime above 1,024: no divisor in [64, 1024]
+    assert blocks(64 * 4099) == 64
+    for n in (1025, 4096 * 3, 10**6 + 6, 999_983 * 2):
+        b = blocks(n)
+        assert n % b == 0 and (b == 1 or hookcap._fused.MIN_BLOCKS <= b <= hookcap._fused.MAX_BLOCKS)
+
+
 def test_several_writes_into_a_row_rebase_onto_its_shift():
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(500, generator=g) + 1e3, torch.randn(300, generator=g) * 5 - 2e3,
@@ -225,11 +236,13 @@ def compiled_steps(model, xs, **kw):
     return mon.history(), counters["stats"]["unique_graphs"] - start
 
 
-def test_fused_equals_the_op_on_the_same_compiled_values():
+@pytest.mark.parametrize("batches", [(32, 32, 32), (32, 24, 40)], ids=["static", "dynamic"])
+def test_fused_equals_the_op_on_the_same_compiled_values(batches):
+    # (32, 24, 40): dynamo recompiles with a symbolic batch size at the second step
     torch.manual_seed(0)
     model = Block()
     g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(32, 64, generator=g) for _ in range(3)]
+    xs = [torch.randn(b, 64, generator=g) for b in batches]
     capture = ("output", "grad_output", "grad_input")
     op, graphs_op = compiled_steps(model, xs, capture=capture)
     torch._dynamo.reset()
