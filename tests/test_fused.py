@@ -167,6 +167,10 @@ def test_opcheck():
     k = torch.zeros((), dtype=torch.float64)
     p = partials(torch.randn(7, 3), k)
     torch.library.opcheck(torch.ops.hookcap.merge_row.default, (p, k, ring, state, 1))
+    with mock.patch.object(hookcap._fused, "_triton", lambda device: True):
+        blocked = partials(torch.randn(64, 40), k)  # Triton's form: 640 blocks of 4
+    assert blocked.shape == (_layout.PARTIALS, 640)
+    torch.library.opcheck(torch.ops.hookcap.merge_row.default, (blocked, k, ring, state, 0))
     torch.library.opcheck(torch.ops.hookcap.shift_of_row.default, (ring, state, 1))
 
 
