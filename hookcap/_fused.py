@@ -4,7 +4,7 @@ Inside a compiled region, a captured tensor's statistics are written as
 ordinary tensor reductions (:func:`partials`), so the compiler may compute
 them in the kernels that already produce or consume the tensor instead of a
 separate pass; one small effectful op (``hookcap::merge_partials``) then merges
-the resulting float64 vector into the tensor's ring row exactly as the
+the resulting float64 partials (a column per block) into the tensor's ring row as the
 accumulate op merges a tensor (``stats_math.h`` ``row_merge_partials``).
 
 What the graph computes, per tensor ``x`` (float32, bfloat16 or float16; the
