@@ -132,10 +132,12 @@ def from_histogram(counts, spec: Histogram, q, lo_clip=None, hi_clip=None) -> Qu
         with np.errstate(invalid="ignore"):
             return np.where(between, (1 - frac) * u + frac * v, u)
     value, lower, upper = mix(e0, e1), mix(lo0, lo1), mix(hi0, hi1)
-    # numpy's interpolation rounds too: a few ulps of slack where it mixes.
+    # numpy's interpolation rounds too: a few ulps of slack where it mixes, of
+    # the larger end (values of opposite signs cancel: the result's own ulp
+    # can be far smaller than the rounding of the terms).
     with np.errstate(invalid="ignore"):
-        lower = np.where(between, lower - 4 * np.spacing(np.abs(lower)), lower)
-        upper = np.where(between, upper + 4 * np.spacing(np.abs(upper)), upper)
+        lower = np.where(between, lower - 4 * np.spacing(np.maximum(np.abs(lo0), np.abs(lo1))), lower)
+        upper = np.where(between, upper + 4 * np.spacing(np.maximum(np.abs(hi0), np.abs(hi1))), upper)
     value = np.clip(value, lower, upper)
     empty = (n == 0)[:, None]
     value, lower, upper = (np.where(empty, np.nan, v) for v in (value, lower, upper))
