@@ -368,10 +368,11 @@ def paired_row(name: str, times: dict, by_round: dict, base: str = "no telemetry
             "overhead_pct": 100 * (ratio - 1), "samples": len(times[name])}
 
 
+FUSED = {"histogram": None, "fused": True}
 COMPILED_CONFIGS = (
     ("no telemetry", None),
     ("op histogram=None", {"histogram": None}),
-    ("fused=True histogram=None", {"histogram": None, "fused": True}),
+    ("fused=True histogram=None", FUSED),
     ("op log2 hist", {}),
 )
 
@@ -422,25 +423,28 @@ def measure_compiled(workload, device, rounds, steps_per_round, warm_rounds):
     return rows, extra
 
 
+def step_code(workload, device, kw) -> list:
+    """Inductor's modules for one training step of a fresh compile of
+    ``workload``, watched by a Monitor with ``kw`` (None: unwatched)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    model, loss_fn = WORKLOADS[workload](device)
+    mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
+    model.compile()
+    _, codes = run_and_get_code(lambda: loss_fn().backward())
+    if mon is not None:
+        mon.detach()
+    return codes
+
+
 def telemetry_read_bytes(workload, device) -> int:
     """Bytes per step that Inductor's reduce-only loop nests read with a
     fused=True Monitor beyond those of the unwatched model (one step of a
     fresh compile each; CPU C++ code)."""
-    from torch._inductor.utils import run_and_get_code
-
     from _fusion import reduce_only_bytes
 
-    def code(kw):
-        torch._dynamo.reset()
-        model, loss_fn = WORKLOADS[workload](device)
-        mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
-        model.compile()
-        _, codes = run_and_get_code(lambda: loss_fn().backward())
-        if mon is not None:
-            mon.detach()
-        return reduce_only_bytes(codes)
-
-    return code({"histogram": None, "fused": True}) - code(None)
+    return reduce_only_bytes(step_code(workload, device, FUSED)) - reduce_only_bytes(step_code(workload, device, None))
 
 
 def triton_kernels_per_step(workload) -> dict:
@@ -449,20 +453,14 @@ def triton_kernels_per_step(workload) -> dict:
     and not run: their number with no telemetry and with fused=True, and the
     bytes fused=True's reduce-only kernels read beyond the unwatched model's
     (`_fusion.triton_codegen`)."""
-    from _fusion import triton_codegen, triton_reduce_only_bytes
+    from _fusion import triton_codegen, triton_launches, triton_reduce_only_bytes
 
     out = {}
-    for name, kw in (("none", None), ("fused", {"histogram": None, "fused": True})):
-        with triton_codegen() as tc:
-            model, loss_fn = WORKLOADS[workload](torch.device("cpu"))
-            mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
-            model.compile()
-            tc.run(lambda: loss_fn().backward())
-            if mon is not None:
-                mon.detach()
-        kernels = tc.kernels()
-        out[f"kernels_{name}"] = len(kernels)
-        out[f"reduce_only_bytes_{name}"] = triton_reduce_only_bytes(kernels, 4097)
+    for name, kw in (("none", None), ("fused", FUSED)):
+        with triton_codegen():
+            launches = triton_launches(step_code(workload, torch.device("cpu"), kw))
+        out[f"launches_{name}"] = len(launches)
+        out[f"reduce_only_bytes_{name}"] = triton_reduce_only_bytes(launches, 4097)
     out["telemetry_read_bytes"] = out["reduce_only_bytes_fused"] - out["reduce_only_bytes_none"]
     return out
 
@@ -621,8 +619,8 @@ def main(argv=None):
             print(compiled_table(rows, f"\n## {w} ({extra['model']}), compiled"))
             if "triton" in extra:
                 t = extra["triton"]
-                print(f"Triton (generated, not run): launches/step {t['kernels_none']} unwatched, "
-                      f"{t['kernels_fused']} fused=True; fused reduce-only reads "
+                print(f"Triton (generated, not run): launches/step {t['launches_none']} unwatched, "
+                      f"{t['launches_fused']} fused=True; fused reduce-only reads "
                       f"{t['telemetry_read_bytes'] / 1e6:.2f} MB/step")
         if args.json:
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

@@ -4,8 +4,9 @@ Inside a compiled region, a captured tensor's statistics are written as
 ordinary tensor reductions (:func:`partials`), so the compiler may compute
 them in the kernels that already produce or consume the tensor instead of a
 separate pass; one small effectful op (``hookcap::merge_partials``) then merges
-the resulting float64 partials (a column per block) into the tensor's ring row as the
-accumulate op merges a tensor (``stats_math.h`` ``row_merge_partials``).
+the resulting float64 partials (a column per block) into the tensor's ring
+row as the accumulate op merges a tensor (``stats_math.h``
+``row_merge_partials``).
 
 What the graph computes, per tensor ``x`` (float32, bfloat16 or float16; the
 half types are widened to float32 as they are read):
@@ -103,19 +104,18 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tens
     (float64 0-dim) per block of ``x`` (rows in ``hookcap._layout.P_*``
     order), as plain tensor ops traced into the graph. The blocks are
     :func:`blocks` equal runs of ``x`` in row-major order (one block under
-    Inductor's C++ backend), or with ``rows`` its
-    rows (the last dimension: the loop shape of kernels that compute a
-    tensor row by row, e.g. LayerNorm's, so the compiler can fuse the
-    statistics into them). ``x`` is not modified and no gradient flows
-    through the result."""
+    Inductor's C++ backend), or with ``rows`` its rows (the last dimension:
+    the loop shape of kernels that compute a tensor row by row, e.g.
+    LayerNorm's, so the compiler can fuse the statistics into them). ``x`` is
+    not modified and no gradient flows through the result."""
     x = x.detach()
     f = x if x.dtype == torch.float32 else x.float()
     n = f.numel()
     if n == 0:
         return _empty_partials(f.device)
-    # In a compiled graph a reshape is indexing: a strided tensor is not copied
-    # for it under Triton; Inductor's C++ backend fuses the whole-tensor
-    # reductions of the tensor as it is best.
+    # In a compiled graph a reshape is only indexing under Triton, even of a
+    # strided tensor; under C++ the whole-tensor reductions of the tensor as
+    # it is fuse best (reshape(1, -1) measured slower).
     if rows and f.dim() >= 2:
         v, whole = f.reshape(-1, f.shape[-1]), False
     elif _triton(f.device):

@@ -1,10 +1,12 @@
 import os
+from unittest import mock
 
 import numpy as np
 import torch
 from hypothesis import HealthCheck, settings
 
 import hookcap
+import hookcap._fused
 
 
 settings.register_profile(
@@ -219,3 +221,10 @@ def assert_fused_matches_op(op, fused):
         abs_sum = np.sqrt(op["count"][:, a]) * np.nan_to_num(op["l2norm"][:, a])
         diff = np.abs(np.nan_to_num(fused["sum"][:, b]) - np.nan_to_num(op["sum"][:, a]))
         np.testing.assert_array_less(diff, 1e-6 * abs_sum + 1e-30, err_msg=name)
+
+
+def triton_partials(x, k, rows=False):
+    """``hookcap._fused.partials`` in the form it takes under Triton (the
+    blocked one), computed on the CPU."""
+    with mock.patch.object(hookcap._fused, "_triton", lambda device: True):
+        return hookcap._fused.partials(x, k, rows)

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -21,10 +20,9 @@ import torch
 import torch.utils.cpp_extension as cpp_ext
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import abs_sum, assert_moments, assert_stats_match, assert_wide_match, draw
+from conftest import abs_sum, assert_moments, assert_stats_match, assert_wide_match, draw, triton_partials
 
 import hookcap
-import hookcap._fused
 from hookcap import Histogram, _layout, _ops
 from hookcap.histogram import NO_HIST_ARGS
 
@@ -920,8 +918,6 @@ def test_fused_merge_and_shift_kernels_match_cpu(emu):
     write and read what the CPU ops do, bit for bit, across rebased writes,
     non-finite values, one to thousands of columns, a disabled state and slot
     changes."""
-    from hookcap._fused import partials
-
     g = torch.Generator().manual_seed(5)
     xs = [torch.randn(700, generator=g) * 3 + 1e3, torch.tensor([float("nan"), 2.0, float("-inf"), 0.0]),
           (torch.randn(64, 9, generator=g) * 1e-20).to(torch.bfloat16), torch.empty(0),
@@ -937,8 +933,7 @@ def test_fused_merge_and_shift_kernels_match_cpu(emu):
             row = i % 3
             k_emu, k_cpu = emu.shift_of_row(ring, st, row), OPS.shift_of_row(cpu, st, row)
             assert torch.equal(k_emu, k_cpu), (step, i)
-            with mock.patch.object(hookcap._fused, "_triton", lambda device: True):  # Triton's blocks
-                p = partials(x, k_cpu, rows=i == 5)  # 3000 columns: one per row
+            p = triton_partials(x, k_cpu, rows=i == 5)  # 3000 columns: one per row
             emu.merge_row(p, k_cpu, ring, st, row)
             OPS.merge_row(p, k_cpu, cpu, st, row)
             assert torch.equal(ring, cpu), (step, i)

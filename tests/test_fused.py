@@ -7,7 +7,6 @@ loops (benchmarks/_fusion.py reads it)."""
 import gc
 import sys
 import warnings
-from unittest import mock
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from torch._dynamo.utils import counters
 
 import hookcap
 import hookcap._fused
-from conftest import assert_fused_matches_op, assert_stats_match
+from conftest import assert_fused_matches_op, assert_stats_match, triton_partials
 from hookcap import Monitor, _layout, _ops
 from hookcap._fused import partials
 from hookcap.reference import stats_from_values
@@ -57,8 +56,7 @@ def merge(x, ring, state, row, form="flat"):
     """``form``: "flat" (one block on the CPU), "blocks" (the blocks Triton
     gets) or "rows"."""
     k = _ops.shift_of_row(ring, state, row)
-    with mock.patch.object(hookcap._fused, "_triton", lambda device: form == "blocks"):
-        p = partials(x, k, form == "rows")
+    p = triton_partials(x, k) if form == "blocks" else partials(x, k, form == "rows")
     _ops.merge_row(p, k, ring, state, row)
 
 
@@ -167,8 +165,7 @@ def test_opcheck():
     k = torch.zeros((), dtype=torch.float64)
     p = partials(torch.randn(7, 3), k)
     torch.library.opcheck(torch.ops.hookcap.merge_row.default, (p, k, ring, state, 1))
-    with mock.patch.object(hookcap._fused, "_triton", lambda device: True):
-        blocked = partials(torch.randn(64, 40), k)  # Triton's form: 640 blocks of 4
+    blocked = triton_partials(torch.randn(64, 40), k)  # 640 blocks of 4
     assert blocked.shape == (_layout.PARTIALS, 640)
     torch.library.opcheck(torch.ops.hookcap.merge_row.default, (blocked, k, ring, state, 0))
     torch.library.opcheck(torch.ops.hookcap.shift_of_row.default, (ring, state, 1))

@@ -1244,12 +1244,9 @@ __global__ void merge_row_kernel(int64_t* ring, const int64_t* state, const doub
   __shared__ double s_acc[kMergeThreads][kPartials];
   if (blockIdx.x != 0) return;
   const int t = threadIdx.x;
-  double acc[kPartials];
-  partials_init(acc);
-  for (int64_t b = t; b < blocks; b += blockDim.x) partials_add(acc, partials, blocks, b);
-  for (int c = 0; c < kPartials; ++c) s_acc[t][c] = acc[c];
+  partials_lane(s_acc[t], partials, blocks, t);
   __syncthreads();
-  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+  for (int half = kMergeThreads / 2; half > 0; half /= 2) {
     if (t < half) partials_add(s_acc[t], s_acc[t + half], 1, 0);
     __syncthreads();
   }

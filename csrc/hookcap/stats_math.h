@@ -817,15 +817,18 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void partials_add(double* acc, const double* p
 
 // The order the columns of fused partials are combined in, on every device
 // (so a row is the same bit for bit): lane t of kMergeLanes adds columns t,
-// t + kMergeLanes, ...; then lanes pair up in a tree (t += t + half). CUDA's
-// merge_row_kernel runs the lanes as threads; this is the host's loop.
+// t + kMergeLanes, ... (partials_lane); then, for half = kMergeLanes / 2, ...,
+// 1, lane t < half adds lane t + half. CUDA's merge_row_kernel runs the lanes
+// as threads; partials_combine_host is the host's loop.
 constexpr int kMergeLanes = 128;
 
+C10_HOST_DEVICE C10_ALWAYS_INLINE void partials_lane(double* acc, const double* p, int64_t blocks, int lane) {
+  partials_init(acc);
+  for (int64_t b = lane; b < blocks; b += kMergeLanes) partials_add(acc, p, blocks, b);
+}
+
 inline void partials_combine_host(const double* p, int64_t blocks, double (*lanes)[kPartials]) {
-  for (int t = 0; t < kMergeLanes; ++t) {
-    partials_init(lanes[t]);
-    for (int64_t b = t; b < blocks; b += kMergeLanes) partials_add(lanes[t], p, blocks, b);
-  }
+  for (int t = 0; t < kMergeLanes; ++t) partials_lane(lanes[t], p, blocks, t);
   for (int half = kMergeLanes / 2; half > 0; half /= 2)
     for (int t = 0; t < half; ++t) partials_add(lanes[t], lanes[t + half], 1, 0);
 }
