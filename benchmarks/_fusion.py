@@ -138,13 +138,13 @@ class TritonKernel:
     """One generated Triton kernel. ``elements``: xnumel times r0_numel
     (-1 when dynamic); ``loads``: pointers read at a looped index and their
     element bytes; ``big_stores``: pointers written inside the reduction loop
-    or by a pointwise kernel (model-sized outputs); ``reductions``: reduction
-    calls."""
+    or by a pointwise kernel (model-sized outputs) and their element bytes;
+    ``reductions``: reduction calls."""
 
     source: str
     elements: int
     loads: dict
-    big_stores: set
+    big_stores: dict
     reductions: int
 
     @property
@@ -152,20 +152,29 @@ class TritonKernel:
         """Reads data and writes only reduction results."""
         return self.reductions > 0 and not self.big_stores
 
+    @property
+    def traffic(self) -> int:
+        """Bytes the kernel moves: its iterations times the element bytes of
+        every pointer it reads or writes at a looped index (a broadcast
+        operand counts in full: an upper bound, the same in every step
+        compared)."""
+        return max(self.elements, 0) * (sum(self.loads.values()) + sum(self.big_stores.values()))
+
 
 def triton_kernel(source: str) -> TritonKernel:
     body = source[source.index("@triton.jit"):]
     xn = re.search(r"\bxnumel = (\d+)", body)
     rn = re.search(r"\br0_numel = (\d+)", body)
-    elements = int(xn.group(1)) * (int(rn.group(1)) if rn else 1) if xn else -1
+    reduces = re.search(r"\br0_numel\b", body) is not None
+    elements = int(xn.group(1)) * (int(rn.group(1)) if rn else 1) if xn and (rn or not reduces) else -1
     sig = dict(re.findall(r"'(\w+_ptr\d+)': '\*(\w+)'", source))
     loads = {p: _TRITON_ITEMSIZE.get(sig.get(p, ""), 4)
              for p, idx in re.findall(r"tl\.load\((\w+_ptr\d+) \+ \(([^)]*)\)", body) if re.search(r"[xr]\w*\d", idx)}
     reductions = len(re.findall(r"\btl\.sum\(|triton_helpers\.(?:min2|max2|prod)\(|\btl\.reduce\(", body))
-    big = set()
+    big = {}
     for p, idx in re.findall(r"tl\.store\((\w+_ptr\d+) \+ \(([^)]*)\)", body):
         if re.search(r"\br0_\d+\b|\br\d+\b", idx) or (reductions == 0 and re.search(r"\bx\d+\b", idx)):
-            big.add(p)
+            big[p] = _TRITON_ITEMSIZE.get(sig.get(p, ""), 4)
     return TritonKernel(source, elements, loads, big, reductions)
 
 
@@ -174,6 +183,13 @@ def triton_reduce_only_bytes(kernels, min_elements: int = 1) -> int:
     iterations load (as :func:`reduce_only_bytes` for C++)."""
     return sum(k.elements * sum(k.loads.values()) for k in kernels
                if k.reduce_only and k.elements >= min_elements)
+
+
+def triton_traffic_bytes(kernels) -> int:
+    """Bytes all ``kernels`` move (:attr:`TritonKernel.traffic`): compared
+    between a watched and an unwatched step, what telemetry adds to memory
+    traffic in the model's kernels and its own, extra stores included."""
+    return sum(k.traffic for k in kernels)
 
 
 class triton_codegen:
@@ -194,6 +210,9 @@ class triton_codegen:
             (ut, "triton_hash_with_backend", lambda: "codegen-only"), (ut, "triton_backend", lambda: None),
             (th.CachingAutotuner, "precompile", lambda self, *a, **k: None),
             (th.CachingAutotuner, "run", lambda self, *a, **k: None),
+            # oneDNN (CPU only) makes Inductor lay out every convolution's
+            # tensors channels-last; off, the layout follows CUDA's rules.
+            (torch.backends.mkldnn, "enabled", False),
         ]
         self._undo = [(obj, name, getattr(obj, name), new) for obj, name, new in self._undo]
         for obj, name, _, new in self._undo:

@@ -238,7 +238,7 @@ def write_all(hooks, name: str, kind: str, obj, mtype: str) -> None:
         if rid < 0:
             continue
         if RECORD_IS_EFFECTFUL and _fused.fusable(rec.config, t):
-            _fused.merge(t, rec.fast.id, rid, _fused.row_wise(kind, mtype))
+            _fused.merge(t, rec.fast.id, rid, _fused.row_wise(kind, mtype), strided=True)
         elif RECORD_IS_EFFECTFUL:
             _RECORD(t, rec.fast.id, rid)
         else:

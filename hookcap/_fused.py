@@ -99,7 +99,7 @@ def _triton(device: torch.device) -> bool:
     return cfg is not None and cfg.cpu_backend == "triton"
 
 
-def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tensor:
+def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool = False) -> torch.Tensor:
     """float64 [PARTIALS, blocks]: ``x``'s statistics about the shift ``k``
     (float64 0-dim) per block of ``x`` (rows in ``hookcap._layout.P_*``
     order), as plain tensor ops traced into the graph. The blocks are
@@ -119,7 +119,7 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tens
     if rows and f.dim() >= 2:
         v, whole = f.reshape(-1, f.shape[-1]), False
     elif _triton(f.device):
-        v, whole = f.reshape(blocks(n), -1), False
+        v, whole = (_memory_order(f) if strided else f).reshape(blocks(n), -1), False
     else:
         v, whole = f, True
 
@@ -146,6 +146,25 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False) -> torch.Tens
     return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
 
 
+def _memory_order(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its dimensions permuted into memory order (outermost
+    first; a view) where ``x`` is dense but not contiguous (e.g.
+    channels-last), so that its blocks are runs of memory, as the loops of
+    the kernels that write or read it run; else ``x``. Contiguous tensors
+    return first: their strides are not compared, which under dynamic shapes
+    would specialise sizes."""
+    if x.is_contiguous():
+        return x
+    sizes, strides = tuple(x.shape), x.stride()
+    order = sorted(range(x.dim()), key=lambda d: -strides[d])
+    expect = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expect:
+            return x
+        expect *= sizes[d]
+    return x.permute(order)
+
+
 def _empty_partials(device) -> torch.Tensor:
     p = torch.zeros(_layout.PARTIALS, 1, dtype=torch.float64, device=device)
     p[_layout.P_MIN] = float("inf")
@@ -153,7 +172,8 @@ def _empty_partials(device) -> torch.Tensor:
     return p
 
 
-def merge(x: torch.Tensor, sink: int, rid: int, rows: bool = False) -> None:
-    """Traced: ``x``'s partials into row ``rid`` of sink ``sink``."""
+def merge(x: torch.Tensor, sink: int, rid: int, rows: bool = False, strided: bool = False) -> None:
+    """Traced: ``x``'s partials into row ``rid`` of sink ``sink``
+    (``rows``, ``strided``: see :func:`partials`)."""
     k = _SHIFT(torch.empty(0, device=x.device), sink, rid)
-    _MERGE(partials(x, k, rows), k, sink, rid)
+    _MERGE(partials(x, k, rows, strided), k, sink, rid)

@@ -223,8 +223,8 @@ def assert_fused_matches_op(op, fused):
         np.testing.assert_array_less(diff, 1e-6 * abs_sum + 1e-30, err_msg=name)
 
 
-def triton_partials(x, k, rows=False):
+def triton_partials(x, k, rows=False, strided=False):
     """``hookcap._fused.partials`` in the form it takes under Triton (the
     blocked one), computed on the CPU."""
     with mock.patch.object(hookcap._fused, "_triton", lambda device: True):
-        return hookcap._fused.partials(x, k, rows)
+        return hookcap._fused.partials(x, k, rows, strided)

@@ -54,9 +54,13 @@ def row_stats(ring, state, row):
 
 def merge(x, ring, state, row, form="flat"):
     """``form``: "flat" (one block on the CPU), "blocks" (the blocks Triton
-    gets) or "rows"."""
+    gets), "memory" (Triton's blocks in memory order: forward captures) or
+    "rows"."""
     k = _ops.shift_of_row(ring, state, row)
-    p = triton_partials(x, k) if form == "blocks" else partials(x, k, form == "rows")
+    if form in ("blocks", "memory"):
+        p = triton_partials(x, k, strided=form == "memory")
+    else:
+        p = partials(x, k, form == "rows")
     _ops.merge_row(p, k, ring, state, row)
 
 
@@ -78,12 +82,15 @@ def tensors(draw):
         x[at] = torch.tensor([SPECIAL[int(i)] for i in torch.randint(len(SPECIAL), (k,), generator=g)],
                              dtype=torch.float64)
     x = x.to(dtype)
-    if draw(st.booleans()) and n >= 6:
-        x = x[: n - n % 6].reshape(-1, 3).t()  # a transposed, non-contiguous view
+    layout = draw(st.sampled_from(["contiguous", "transposed", "channels_last"]))
+    if layout == "transposed" and n >= 6:
+        x = x[: n - n % 6].reshape(-1, 3).t()  # a non-contiguous view
+    elif layout == "channels_last" and n >= 24:
+        x = x[: n - n % 24].reshape(-1, 2, 3, 4).contiguous(memory_format=torch.channels_last)
     return x
 
 
-@given(tensors(), st.sampled_from(["flat", "blocks", "rows"]))
+@given(tensors(), st.sampled_from(["flat", "blocks", "memory", "rows"]))
 def test_merged_partials_equal_the_float64_reference_and_the_op(x, form):
     ring, state = new_ring()
     merge(x, ring, state, 0, form)
@@ -94,6 +101,22 @@ def test_merged_partials_equal_the_float64_reference_and_the_op(x, form):
     for k in ("count", "nan", "posinf", "neginf", "zeros", "finite", "min", "max", "absmax"):
         assert got[k] == op[k] or (np.isnan(got[k]) and np.isnan(op[k])), k
     assert ring[0, 0, _layout.CALLS] == ring[0, 1, _layout.CALLS] == 1
+
+
+def test_memory_order_is_a_contiguous_view_of_dense_tensors_only():
+    order = hookcap._fused._memory_order
+    x = torch.randn(4, 6, 5, 3)
+    cl = x.contiguous(memory_format=torch.channels_last)
+    v = order(cl)
+    assert v.is_contiguous() and v.data_ptr() == cl.data_ptr() and v.shape == (4, 5, 3, 6)
+    assert torch.equal(v, x.permute(0, 2, 3, 1))
+    assert order(x) is x
+    t = x.reshape(24, 15).t()
+    assert torch.equal(order(t), x.reshape(24, 15)) and order(t).is_contiguous()
+    for other in (x[:, ::2], x[:1].expand(3, 6, 5, 3), x.reshape(-1)[::2]):  # not dense: as it is
+        assert order(other) is other
+    ones = torch.randn(5, 1, 3).transpose(0, 1)  # a size-1 dimension's stride is free
+    assert order(ones).is_contiguous()
 
 
 def test_blocks_divide_the_tensor_and_stay_in_range():
@@ -385,3 +408,48 @@ def test_triton_computes_the_statistics_in_the_model_kernels():
     assert len(planted) == len(base) + 1
     assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
             == 256 * 64 * 4)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 16, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        self.act = nn.ReLU()
+        self.out = nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        return self.out(self.act(self.bn(self.conv(x))))
+
+
+def conv_triton_kernels(**kw):
+    """Triton launches of one training step of a compiled channels-last
+    ConvBlock (generated on the CPU, not run)."""
+    pytest.importorskip("triton")
+    with _fusion.triton_codegen() as tc:
+        torch.manual_seed(0)
+        model = ConvBlock().to(memory_format=torch.channels_last)
+        x = torch.randn(8, 8, 16, 16).contiguous(memory_format=torch.channels_last)
+        mon = Monitor(model, histogram=None, fused=True, **kw).attach() if kw else None
+        model.compile()
+        tc.run(lambda: model(x).pow(2).sum().backward())
+        if mon is not None:
+            mon.detach()
+    return tc.kernels()
+
+
+def test_triton_blocks_follow_a_channels_last_layout(monkeypatch):
+    """A channels-last BatchNorm/ReLU output is split into blocks in memory
+    order, the order of the kernel that computes it: its statistics join that
+    kernel. In the tensor's logical (NCHW) order the blocks would read it
+    strided, which no model loop does: one kernel more."""
+    base = conv_triton_kernels()
+    fused = conv_triton_kernels(modules=["bn", "act"], capture="output")
+    assert any("isnan" in k.source for k in fused)
+    assert len(fused) == len(base)
+    assert _fusion.triton_traffic_bytes(fused) == _fusion.triton_traffic_bytes(base)
+    monkeypatch.setattr(hookcap._fused, "_memory_order", lambda x: x)
+    planted = conv_triton_kernels(modules=["bn", "act"], capture="output")
+    assert len(planted) == len(base) + 2
+    assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
+            == 2 * 8 * 16 * 16 * 16 * 4)  # both outputs read once more
