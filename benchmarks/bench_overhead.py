@@ -104,10 +104,14 @@ WORKLOADS = {"gpt2": gpt2_workload, "cnn": cnn_workload}
 def compiled_workload(workload, device):
     """``workload`` as the compiled benchmarks build it: GPT-2 without its
     key/value cache (training never reads it, and the cache object its
-    blocks return breaks graphs under module hooks, watched by hookcap or
-    any other tool: docs/compile-and-distributed.md)."""
+    blocks return breaks graphs under module hooks:
+    docs/compile-and-distributed.md) and with its loss named (unnamed,
+    transformers logs a warning inside forward that dynamo cannot trace: a
+    graph break between the logits and the loss, watched or not)."""
     if workload == "gpt2":
-        return gpt2_workload(device, use_cache=False)
+        model, loss_fn = gpt2_workload(device, use_cache=False)
+        model.loss_type = "ForCausalLM"
+        return model, loss_fn
     return WORKLOADS[workload](device)
 
 # -- telemetry configurations ----------------------------------------------------
