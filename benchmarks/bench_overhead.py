@@ -464,13 +464,14 @@ def telemetry_read_bytes(workload, device) -> int:
 def triton_kernels_per_step(workload) -> dict:
     """Triton kernel launches of one training step (forward and backward)
     as Inductor's Triton scheduler writes them for a GPU, generated on the CPU
-    and not run: their number with no telemetry and with fused=True, and the
-    bytes fused=True's reduce-only kernels read beyond the unwatched model's
-    (`_fusion.triton_codegen`)."""
+    and not run (`_fusion.triton_codegen`), with no telemetry, fused=True and
+    the op (histogram=None): their number, the bytes their reduce-only
+    kernels read, and the bytes all of them move. The op's own reads (the
+    captured bytes) are not Triton kernels and not counted here."""
     from _fusion import triton_codegen, triton_launches, triton_reduce_only_bytes, triton_traffic_bytes
 
     out = {}
-    for name, kw in (("none", None), ("fused", FUSED)):
+    for name, kw in (("none", None), ("fused", FUSED), ("op", {"histogram": None})):
         with triton_codegen():
             launches = triton_launches(step_code(workload, torch.device("cpu"), kw))
         out[f"launches_{name}"] = len(launches)
@@ -479,6 +480,7 @@ def triton_kernels_per_step(workload) -> dict:
         out[f"unsized_launches_{name}"] = sum(k.elements < 0 for k in launches)  # counted as 0 bytes
     out["telemetry_read_bytes"] = out["reduce_only_bytes_fused"] - out["reduce_only_bytes_none"]
     out["telemetry_traffic_bytes"] = out["traffic_bytes_fused"] - out["traffic_bytes_none"]
+    out["op_traffic_bytes"] = out["traffic_bytes_op"] - out["traffic_bytes_none"]
     return out
 
 
@@ -639,7 +641,8 @@ def main(argv=None):
                 print(f"Triton (generated, not run): launches/step {t['launches_none']} unwatched, "
                       f"{t['launches_fused']} fused=True; fused reduce-only reads "
                       f"{t['telemetry_read_bytes'] / 1e6:.2f} MB/step, all kernels' traffic "
-                      f"{t['telemetry_traffic_bytes'] / 1e6:+.2f} MB/step")
+                      f"{t['telemetry_traffic_bytes'] / 1e6:+.2f} MB/step (op: {t['op_traffic_bytes'] / 1e6:+.2f} MB/step "
+                      f"in Triton kernels, plus its own reads)")
         if args.json:
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
             with open(args.json, "w") as f:
