@@ -411,25 +411,26 @@ def test_triton_computes_the_statistics_in_the_model_kernels():
 
 
 class ConvBlock(nn.Module):
-    def __init__(self):
+    def __init__(self, channels=16):
         super().__init__()
-        self.conv = nn.Conv2d(8, 16, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(16)
+        self.conv = nn.Conv2d(8, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
         self.act = nn.ReLU()
-        self.out = nn.Conv2d(16, 4, 1)
+        self.out = nn.Conv2d(channels, 4, 1)
 
     def forward(self, x):
         return self.out(self.act(self.bn(self.conv(x))))
 
 
-def conv_triton_kernels(**kw):
-    """Triton launches of one training step of a compiled channels-last
-    ConvBlock (generated on the CPU, not run)."""
+def conv_triton_kernels(channels=16, channels_last=True, **kw):
+    """Triton launches of one training step of a compiled ConvBlock
+    (generated on the CPU, not run)."""
     pytest.importorskip("triton")
     with _fusion.triton_codegen() as tc:
         torch.manual_seed(0)
-        model = ConvBlock().to(memory_format=torch.channels_last)
-        x = torch.randn(8, 8, 16, 16).contiguous(memory_format=torch.channels_last)
+        model, x = ConvBlock(channels), torch.randn(8, 8, 16, 16)
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
         mon = Monitor(model, histogram=None, fused=True, **kw).attach() if kw else None
         model.compile()
         tc.run(lambda: model(x).pow(2).sum().backward())
@@ -442,7 +443,7 @@ def test_triton_blocks_follow_a_channels_last_layout(monkeypatch):
     """A channels-last BatchNorm/ReLU output is split into blocks in memory
     order, the order of the kernel that computes it: its statistics join that
     kernel. In the tensor's logical (NCHW) order the blocks would read it
-    strided, which no model loop does: one kernel more."""
+    strided, which no model loop does: one kernel more each."""
     base = conv_triton_kernels()
     fused = conv_triton_kernels(modules=["bn", "act"], capture="output")
     assert any("isnan" in k.source for k in fused)
@@ -453,3 +454,15 @@ def test_triton_blocks_follow_a_channels_last_layout(monkeypatch):
     assert len(planted) == len(base) + 2
     assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
             == 2 * 8 * 16 * 16 * 16 * 4)  # both outputs read once more
+
+
+def test_a_layout_inductor_picks_after_tracing_does_not_fuse():
+    """As docs/compile-and-distributed.md says: with 128 channels Inductor
+    makes an NCHW model's convolution tensors channels-last after the hooks
+    were traced, so the blocks do not run in memory order and each capture
+    costs a kernel (values unaffected); the same model made channels-last by
+    its user fuses."""
+    assert len(conv_triton_kernels(128, False, modules=["bn", "act"], capture="output")) == (
+        len(conv_triton_kernels(128, False)) + 2)
+    assert len(conv_triton_kernels(128, True, modules=["bn", "act"], capture="output")) == (
+        len(conv_triton_kernels(128, True)))
