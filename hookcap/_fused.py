@@ -25,9 +25,10 @@ Each is computed per block of the tensor (:func:`blocks`), giving a float64
 [PARTIALS, blocks] matrix that the merge combines: Triton then needs one
 reduction kernel for all of them, fused into the model's, instead of a
 second small kernel per statistic to finish each whole-tensor reduction
-(about eleven launches per capture). Inductor's C++ backend (the CPU) fuses a
-reduction only into a loop of its own shape, so there a flat tensor is one
-block.
+(about eleven launches per capture). The blocks of a captured output run in
+its memory order (channels-last included), the order of the loops that write
+it. Inductor's C++ backend (the CPU) fuses a reduction only into a loop of
+its own shape, so there a flat tensor is one block.
 
 Other tensors (float64, float8, ``moments=4``, a histogram) are recorded by
 the accumulate op as without ``fused=True``: see :func:`fusable`.
@@ -103,8 +104,10 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
     """float64 [PARTIALS, blocks]: ``x``'s statistics about the shift ``k``
     (float64 0-dim) per block of ``x`` (rows in ``hookcap._layout.P_*``
     order), as plain tensor ops traced into the graph. The blocks are
-    :func:`blocks` equal runs of ``x`` in row-major order (one block under
-    Inductor's C++ backend), or with ``rows`` its rows (the last dimension:
+    :func:`blocks` equal runs of ``x`` in row-major order, or with
+    ``strided`` in memory order (:func:`_memory_order`; it reads the strides,
+    which dynamo cannot do for a gradient inside a hook), one block under
+    Inductor's C++ backend; or with ``rows`` its rows (the last dimension:
     the loop shape of kernels that compute a tensor row by row, e.g.
     LayerNorm's, so the compiler can fuse the statistics into them). ``x`` is
     not modified and no gradient flows through the result."""
