@@ -39,6 +39,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import _layout
 
@@ -79,16 +80,23 @@ def blocks(n) -> int:
     largest divisor of ``n`` up to ``MAX_BLOCKS`` (enough blocks to occupy a
     GPU, few enough columns for the merge), where one of at least
     ``MIN_BLOCKS`` exists or ``n`` fits; else 1 (one whole-tensor reduction,
-    which the compiler splits itself). Also 1 for a size only known at run
-    time (dynamic shapes)."""
-    if not isinstance(n, int):
-        return 1
-    if n <= MAX_BLOCKS:
+    which the compiler splits itself). 0 where the answer depends on a size
+    known only at run time (dynamic shapes): deciding it would guard the
+    graph on that size, a recompile whenever it changes."""
+    if _known(n <= MAX_BLOCKS):
         return max(n, 1)
     for d in range(MAX_BLOCKS, MIN_BLOCKS - 1, -1):
-        if n % d == 0:
+        if _known(n % d == 0):
             return d
+        if not _known(n % d != 0):
+            return 0
     return 1
+
+
+def _known(cond) -> bool:
+    """Whether ``cond`` holds for every size the graph can run with: a plain
+    bool, or a symbolic one (dynamic shapes) provable without a guard."""
+    return statically_known_true(cond)
 
 
 def _triton(device: torch.device) -> bool:
@@ -122,7 +130,10 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
     if rows and f.dim() >= 2:
         v, whole = f.reshape(-1, f.shape[-1]), False
     elif _triton(f.device):
-        v, whole = (_memory_order(f) if strided else f).reshape(blocks(n), -1), False
+        g, b = (_memory_order(f) if strided else f), blocks(n)
+        if b == 0:  # a run-time size: rows (of memory order), whose count needs no guard
+            b = -1 if g.dim() >= 2 else 1
+        v, whole = g.reshape(b, g.shape[-1] if b == -1 else -1), False
     else:
         v, whole = f, True
 
@@ -153,18 +164,23 @@ def _memory_order(x: torch.Tensor) -> torch.Tensor:
     """``x`` with its dimensions permuted into memory order (outermost
     first; a view) where ``x`` is dense but not contiguous (e.g.
     channels-last), so that its blocks are runs of memory, as the loops of
-    the kernels that write or read it run; else ``x``. Contiguous tensors
-    return first: their strides are not compared, which under dynamic shapes
-    would specialise sizes."""
+    the kernels that write or read it run; else ``x``. Strides are compared
+    only where no guard is needed (:func:`_known`): under dynamic shapes an
+    order that depends on a run-time size is not taken."""
     if x.is_contiguous():
         return x
     sizes, strides = tuple(x.shape), x.stride()
-    order = sorted(range(x.dim()), key=lambda d: -strides[d])
+    order = list(range(x.dim()))
+    for i in range(1, len(order)):  # by decreasing stride
+        j = i
+        while j > 0 and _known(strides[order[j]] > strides[order[j - 1]]):
+            order[j - 1], order[j] = order[j], order[j - 1]
+            j -= 1
     expect = 1
     for d in reversed(order):
-        if sizes[d] != 1 and strides[d] != expect:
+        if not (_known(sizes[d] == 1) or _known(strides[d] == expect)):
             return x
-        expect *= sizes[d]
+        expect = expect * sizes[d]
     return x.permute(order)
 
 

@@ -466,3 +466,50 @@ def test_a_layout_inductor_picks_after_tracing_does_not_fuse():
         len(conv_triton_kernels(128, False)) + 2)
     assert len(conv_triton_kernels(128, True, modules=["bn", "act"], capture="output")) == (
         len(conv_triton_kernels(128, True)))
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_triton_partials_of_a_dynamic_size_need_no_guard(channels_last):
+    """Under Triton, compiled with dynamic shapes: blocks that depend on the
+    batch size would guard the graph on it (a recompile at every new batch
+    size); the statistics are reduced by rows of memory order instead, and
+    one graph serves every batch size, as for the unwatched model."""
+    pytest.importorskip("triton")
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = ConvBlock()
+    shape = lambda b: (b, 8, 16, 16)  # noqa: E731
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    mon = Monitor(model, histogram=None, fused=True, capture=("output", "grad_output")).attach()
+    with _fusion.triton_codegen():
+        counters.clear()
+        fn = torch.compile(model, dynamic=True)
+        for b in (4, 6, 9):
+            x = torch.randn(shape(b))
+            fn(x.contiguous(memory_format=torch.channels_last) if channels_last else x).sum().backward()
+        graphs = counters["stats"]["unique_graphs"]
+    mon.detach()
+    assert graphs == 1
+
+
+def test_triton_rows_of_a_dynamic_size_ride_in_the_model_kernels():
+    """Compiled with dynamic shapes, the rows that replace the blocks still
+    join the model's kernels: Block's captures cost no launch."""
+    pytest.importorskip("triton")
+
+    def launches(**kw):
+        with _fusion.triton_codegen() as tc:
+            torch.manual_seed(0)
+            model = Block()
+            mon = Monitor(model, histogram=None, fused=True, **kw).attach() if kw else None
+            fn = torch.compile(model, dynamic=True)
+            tc.run(lambda: fn(torch.randn(256, 64)).pow(2).sum().backward())
+            if mon is not None:
+                mon.detach()
+        return tc.kernels()
+
+    fused = launches(modules=["l", "g", "ln"], capture=("output", "grad_input"))
+    assert any("isnan" in k.source for k in fused)
+    assert len(fused) == len(launches())
