@@ -115,7 +115,9 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
     :func:`blocks` equal runs of ``x`` in row-major order, or with
     ``strided`` in memory order (:func:`_memory_order`; it reads the strides,
     which dynamo cannot do for a gradient inside a hook), one block under
-    Inductor's C++ backend; or with ``rows`` its rows (the last dimension:
+    Inductor's C++ backend; where the number of blocks depends on a run-time
+    size, the runs over its last two dimensions (the last one for a matrix)
+    in the same order; or with ``rows`` its rows (the last dimension:
     the loop shape of kernels that compute a tensor row by row, e.g.
     LayerNorm's, so the compiler can fuse the statistics into them). ``x`` is
     not modified and no gradient flows through the result."""
@@ -131,9 +133,12 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
         v, whole = f.reshape(-1, f.shape[-1]), False
     elif _triton(f.device):
         g, b = (_memory_order(f) if strided else f), blocks(n)
-        if b == 0:  # a run-time size: rows (of memory order), whose count needs no guard
-            b = -1 if g.dim() >= 2 else 1
-        v, whole = g.reshape(b, g.shape[-1] if b == -1 else -1), False
+        if b == 0:  # a run-time size: rows of memory order, whose count needs no guard
+            row = g.shape[-1] if g.dim() < 3 else g.shape[-2] * g.shape[-1]  # a plane for images
+            v = g.reshape(-1, row) if g.dim() >= 2 else g.reshape(1, -1)
+        else:
+            v = g.reshape(b, -1)
+        whole = False
     else:
         v, whole = f, True
 

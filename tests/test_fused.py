@@ -502,22 +502,27 @@ def test_triton_partials_of_a_dynamic_size_need_no_guard(channels_last):
     assert graphs == 1
 
 
-def test_triton_rows_of_a_dynamic_size_ride_in_the_model_kernels():
-    """Compiled with dynamic shapes, the rows that replace the blocks still
-    join the model's kernels: Block's captures cost no launch."""
+@pytest.mark.parametrize("case", ["block", "conv"])
+def test_triton_rows_of_a_dynamic_size_ride_in_the_model_kernels(case):
+    """Compiled with dynamic shapes, the runs that replace the blocks (a
+    matrix's rows, an image's planes) still join the model's kernels: the
+    captures cost no launch."""
     pytest.importorskip("triton")
+    make, shape = (Block, (256, 64)) if case == "block" else (ConvBlock, (8, 8, 16, 16))
+    grads = ("output", "grad_input") if DYNAMIC_GRADS else "output"
+    modules = ["l", "g", "ln"] if case == "block" else ["bn", "act"]
 
     def launches(**kw):
         with _fusion.triton_codegen() as tc:
             torch.manual_seed(0)
-            model = Block()
+            model = make()
             mon = Monitor(model, histogram=None, fused=True, **kw).attach() if kw else None
             fn = torch.compile(model, dynamic=True)
-            tc.run(lambda: fn(torch.randn(256, 64)).pow(2).sum().backward() if DYNAMIC_GRADS else fn(torch.randn(256, 64)))
+            tc.run(lambda: fn(torch.randn(shape)).pow(2).sum().backward() if DYNAMIC_GRADS else fn(torch.randn(shape)))
             if mon is not None:
                 mon.detach()
         return tc.kernels()
 
-    fused = launches(modules=["l", "g", "ln"], capture=("output", "grad_input") if DYNAMIC_GRADS else "output")
+    fused = launches(modules=modules, capture=grads if case == "block" else "output")
     assert any("isnan" in k.source for k in fused)
     assert len(fused) == len(launches())
