@@ -1047,7 +1047,7 @@ def summary_md(report: dict) -> str:
             out += ["", f"Linear -> GELU -> Linear -> LayerNorm, one training step: {g['triton_launches']} Triton "
                         f"launches with fused=True ({g['triton_launches_unwatched']} unwatched), reduce-only kernels reading "
                         f"{g['reduce_only_extra_bytes']} bytes more, all Triton kernels moving "
-                        f"{g.get('extra_traffic_bytes', 'n/a')} bytes more, {g['merge_partials_calls']} merges "
+                        f"{g['extra_traffic_bytes']} bytes more, {g['merge_partials_calls']} merges "
                         f"(code: {g['file']})."]
     errors = [s for s in steps if not s["ok"]]
     if errors:

@@ -376,17 +376,26 @@ def test_the_fusion_check_sees_a_statistic_that_is_not_fused():
     assert _fusion.reduce_only_bytes(op, min_elements=257) == 0  # the op's read is outside Inductor's code
 
 
-def triton_kernels(**kw):
-    """The Triton kernel launches of one training step of a compiled Block (with a
+def triton_kernels(make=Block, shape=(256, 64), channels_last=False, dynamic=False, backward=True, **kw):
+    """The Triton kernel launches of one training step (forward only without
+    ``backward``) of a compiled ``make()`` on a ``shape`` input (with a
     fused=True Monitor when ``kw`` names its captures), as Inductor's Triton
     scheduler writes them for a GPU; generated on the CPU, not run."""
     pytest.importorskip("triton")
     with _fusion.triton_codegen() as tc:
         torch.manual_seed(0)
-        model = Block()
+        model, x = make(), torch.randn(shape)
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
         mon = Monitor(model, histogram=None, fused=True, **kw).attach() if kw else None
-        model.compile()
-        tc.run(lambda: model(torch.randn(256, 64)).pow(2).sum().backward())
+        model.compile(dynamic=True if dynamic else None)
+
+        def step():
+            y = model(x)
+            if backward:
+                y.pow(2).sum().backward()
+
+        tc.run(step)
         if mon is not None:
             mon.detach()
     return tc.kernels()
@@ -423,20 +432,8 @@ class ConvBlock(nn.Module):
 
 
 def conv_triton_kernels(channels=16, channels_last=True, **kw):
-    """Triton launches of one training step of a compiled ConvBlock
-    (generated on the CPU, not run)."""
-    pytest.importorskip("triton")
-    with _fusion.triton_codegen() as tc:
-        torch.manual_seed(0)
-        model, x = ConvBlock(channels), torch.randn(8, 8, 16, 16)
-        if channels_last:
-            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-        mon = Monitor(model, histogram=None, fused=True, **kw).attach() if kw else None
-        model.compile()
-        tc.run(lambda: model(x).pow(2).sum().backward())
-        if mon is not None:
-            mon.detach()
-    return tc.kernels()
+    """:func:`triton_kernels` of a ConvBlock on 8×8×16×16 images."""
+    return triton_kernels(lambda: ConvBlock(channels), (8, 8, 16, 16), channels_last, **kw)
 
 
 def test_triton_blocks_follow_a_channels_last_layout(monkeypatch):
@@ -513,15 +510,7 @@ def test_triton_rows_of_a_dynamic_size_ride_in_the_model_kernels(case):
     modules = ["l", "g", "ln"] if case == "block" else ["bn", "act"]
 
     def launches(**kw):
-        with _fusion.triton_codegen() as tc:
-            torch.manual_seed(0)
-            model = make()
-            mon = Monitor(model, histogram=None, fused=True, **kw).attach() if kw else None
-            fn = torch.compile(model, dynamic=True)
-            tc.run(lambda: fn(torch.randn(shape)).pow(2).sum().backward() if DYNAMIC_GRADS else fn(torch.randn(shape)))
-            if mon is not None:
-                mon.detach()
-        return tc.kernels()
+        return triton_kernels(make, shape, dynamic=True, backward=DYNAMIC_GRADS, **kw)
 
     fused = launches(modules=modules, capture=grads if case == "block" else "output")
     assert any("isnan" in k.source for k in fused)
