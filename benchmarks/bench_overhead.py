@@ -439,12 +439,14 @@ def measure_compiled(workload, device, rounds, steps_per_round, warm_rounds):
 
 def step_code(workload, device, kw) -> list:
     """Inductor's modules for one training step of a fresh compile of
-    ``workload``, watched by a Monitor with ``kw`` (None: unwatched)."""
+    ``workload``, watched by a Monitor with ``kw`` (None: unwatched). Only
+    the code is kept; no detector runs (under ``_fusion.triton_codegen`` the
+    values are garbage)."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     model, loss_fn = compiled_workload(workload, device)
-    mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
+    mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), detectors=[], **kw).attach()
     model.compile()
     _, codes = run_and_get_code(lambda: loss_fn().backward())
     if mon is not None:

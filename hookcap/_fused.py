@@ -11,7 +11,8 @@ row as the accumulate op merges a tensor (``stats_math.h``
 What the graph computes, per tensor ``x`` (float32, bfloat16 or float16; the
 half types are widened to float32 as they are read):
 
-- counts of NaN, +Inf, -Inf, zeros and finite values (int64 sums: exact);
+- counts of +Inf, -Inf, zeros and finite values (integer sums: exact;
+  int32 where a block has fewer than 2**31 values) and of NaN (the rest);
 - the finite values' sum and sum of squares about a shift ``K``, in float64
   (no float32 overflow or underflow is possible for these inputs, and the
   error is the compiler's summation order only: see docs). ``K`` comes from
@@ -45,9 +46,10 @@ from . import _layout
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Devices whose tensors take the fused path (process-global). Not the CPU:
-# there Inductor's C++ reductions cost about ten times the op's vectorised
-# pass over the same data (docs/performance.md), and a re-read mostly hits
-# the cache. Tests and benchmarks add "cpu" to inspect and time the path.
+# there Inductor's C++ reductions cost about 2.6 times the op's vectorised
+# pass over the same data (float64 sums widened lane by lane;
+# docs/performance.md), and a re-read mostly hits the cache. Tests and
+# benchmarks add "cpu" to inspect and time the path.
 DEVICE_TYPES = {"cuda"}
 _MERGE = torch.ops.hookcap.merge_partials.default
 _SHIFT = torch.ops.hookcap.fused_shift.default
@@ -142,21 +144,30 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
     else:
         v, whole = f, True
 
-    def red(t, op):
-        return op(t).reshape(1) if whole else op(t, dim=-1)
+    def red(t, op, **kw):
+        return op(t, **kw).reshape(1) if whole else op(t, dim=-1, **kw)
+
+    # Counts in int32 where a block cannot reach 2**31 values (int64 costs
+    # twice the lanes on the CPU and is emulated on GPUs).
+    size = n if whole else v.shape[-1]
+    ctype = torch.int32 if _known(size < 2**31) else torch.int64
 
     def count(m):
-        return red(m.to(torch.int64), torch.sum).double()
+        return red(m, torch.sum, dtype=ctype)
 
-    fin = torch.isfinite(v)
+    # abs(v) < inf: finite (false for NaN and both infinities); NaN counted
+    # as what is left (torch.isnan and torch.isfinite compile to a scalar
+    # loop in Inductor's C++ code: several times the cost of the rest).
+    fin = v.abs() < float("inf")
     d = torch.where(fin, v.double() - k, 0.0)
     inf = float("inf")
+    finite, posinf, neginf = count(fin), count(v == inf), count(v == -inf)
     cols = {
-        _layout.P_NAN: count(torch.isnan(v)),
-        _layout.P_POSINF: count(v == inf),
-        _layout.P_NEGINF: count(v == -inf),
-        _layout.P_ZEROS: count(v == 0),
-        _layout.P_FINITE: count(fin),
+        _layout.P_NAN: (size - finite - posinf - neginf).double(),
+        _layout.P_POSINF: posinf.double(),
+        _layout.P_NEGINF: neginf.double(),
+        _layout.P_ZEROS: count(v == 0).double(),
+        _layout.P_FINITE: finite.double(),
         _layout.P_S1: red(d, torch.sum),
         _layout.P_S2: red(d * d, torch.sum),
         _layout.P_MIN: red(torch.where(fin, v, inf), torch.amin).double(),
