@@ -194,11 +194,23 @@ def triton_traffic_bytes(kernels) -> int:
 
 class triton_codegen:
     """Context: Inductor compiles CPU code with its Triton scheduler, writing
-    the Triton kernels a GPU would run, without compiling or running them.
-    :meth:`run` runs a step and keeps the generated modules; values computed
-    inside are garbage. Restores every setting it changed on exit."""
+    the Triton kernels a GPU would run. By default they are not compiled or
+    run: :meth:`run` runs a step and keeps the generated modules, and values
+    computed inside are garbage. With ``interpret=True`` Triton's interpreter
+    runs them on the CPU (NumPy, one program instance at a time: slow, for
+    small models), so the values are those of the GPU's kernels up to
+    summation order; the process must have been started with
+    ``TRITON_INTERPRET=1`` (Triton reads it as it defines its own functions),
+    and ``libdevice`` calls run as ``triton.language.math``'s (the interpreter
+    has no external library; enough for erf, exp, rsqrt and the like).
+    Restores every setting it changed on exit."""
+
+    def __init__(self, interpret: bool = False):
+        self.interpret = interpret
 
     def __enter__(self):
+        import os
+
         import torch
         import torch._inductor.config as icfg
         import torch.utils._triton as ut
@@ -209,11 +221,20 @@ class triton_codegen:
             (icfg, "cpu_backend", "triton"), (icfg, "compile_threads", 1), (icfg, "fx_graph_cache", False),
             (ut, "triton_hash_with_backend", lambda: "codegen-only"), (ut, "triton_backend", lambda: None),
             (th.CachingAutotuner, "precompile", lambda self, *a, **k: None),
-            (th.CachingAutotuner, "run", lambda self, *a, **k: None),
             # oneDNN (CPU only) makes Inductor lay out every convolution's
             # tensors channels-last; off, the layout follows CUDA's rules.
             (torch.backends.mkldnn, "enabled", False),
         ]
+        if self.interpret:
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError("triton_codegen(interpret=True) needs TRITON_INTERPRET=1 set before "
+                                   "the process imports triton")
+            import triton.language as tl
+            from torch._inductor.runtime import triton_helpers
+
+            self._undo.append((triton_helpers, "libdevice", tl.math))
+        else:
+            self._undo.append((th.CachingAutotuner, "run", lambda self, *a, **k: None))
         self._undo = [(obj, name, getattr(obj, name), new) for obj, name, new in self._undo]
         for obj, name, _, new in self._undo:
             setattr(obj, name, new)

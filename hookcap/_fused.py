@@ -124,7 +124,7 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
     LayerNorm's, so the compiler can fuse the statistics into them). ``x`` is
     not modified and no gradient flows through the result."""
     x = x.detach()
-    f = x if x.dtype == torch.float32 else x.float()
+    f = x if x.dtype == torch.float32 else _stored_float(x)
     n = f.numel()
     if n == 0:
         return _empty_partials(f.device)
@@ -174,6 +174,26 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
         _layout.P_MAX: red(torch.where(fin, v, -inf), torch.amax).double(),
     }
     return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
+
+
+def _stored_float(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (bfloat16 or float16) widened to float32 from its stored bits.
+
+    A compiled kernel keeps a half-precision intermediate in float32 and
+    rounds it only as it stores it, so statistics fused into that kernel
+    would see values the tensor does not hold (other extrema; for float16,
+    finite values where the tensor holds infinities). ``x.float()`` reads the
+    unrounded value, and a bitcast back to ``x.dtype`` is folded away by the
+    compiler; a bitcast to int16 needs the rounded bits, decoded here with
+    integer operations (magnitude, then sign: no shift into the sign bit)."""
+    b = x.view(torch.int16).to(torch.int32)
+    if x.dtype == torch.bfloat16:
+        mag = ((b & 0x7FFF) << 16).view(torch.float32)
+    else:  # float16: sign 1, exponent 5 (bias 15), mantissa 10 bits
+        e, m = (b >> 10) & 0x1F, b & 0x3FF
+        normal = ((torch.where(e == 31, 255, e + 112) << 23) | (m << 13)).view(torch.float32)
+        mag = torch.where(e == 0, m.float() * 2.0**-24, normal)  # zero and subnormals: m * 2**-24
+    return torch.where(b < 0, -mag, mag)
 
 
 def _memory_order(x: torch.Tensor) -> torch.Tensor:

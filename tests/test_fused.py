@@ -521,3 +521,4 @@ def test_triton_rows_of_a_dynamic_size_ride_in_the_model_kernels(case):
     fused = launches(modules=modules, capture=grads if case == "block" else "output")
     assert any(has_statistics(k.source) for k in fused)
     assert len(fused) == len(launches())
+

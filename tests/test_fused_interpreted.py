@@ -1,0 +1,149 @@
+"""Monitor(fused=True) with the Triton kernels a GPU would run, executed on
+the CPU by Triton's interpreter (``_fusion.triton_codegen(interpret=True)``):
+the statistics computed inside Inductor's Triton kernels equal the accumulate
+op's on the same compiled values. The interpreter must be switched on before
+Triton is imported, so each test runs in a process of its own started with
+``TRITON_INTERPRET=1`` by :func:`test_in_the_interpreter`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hookcap._fused
+from conftest import assert_fused_matches_op
+from test_fused import DYNAMIC_GRADS, Block, ConvBlock, compiled_steps
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _fusion  # noqa: E402
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not INTERPRETING, reason="run by test_in_the_interpreter, with TRITON_INTERPRET=1")
+CASES = ("test_block_with_nonfinite_values", "test_block_with_a_dynamic_batch_size",
+         "test_channels_last_conv_block", "test_half_precision_statistics_are_of_the_stored_values[bf16]",
+         "test_half_precision_statistics_are_of_the_stored_values[fp16]")
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the runner itself")
+@pytest.mark.parametrize("case", CASES)
+def test_in_the_interpreter(case):
+    """Runs ``case`` in a fresh process with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve()
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "-W", "ignore::UserWarning", f"{here}::{case}"],
+                       cwd=here.parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and " skipped" not in r.stdout, r.stdout[-2000:]
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
+    with _fusion.triton_codegen(interpret=True):
+        yield
+
+
+def op_and_fused(model, xs, **kw):
+    """The op's and fused=True's histories of the same compiled steps, and
+    the number of graphs each compiled."""
+    torch._dynamo.reset()
+    op, graphs_op = compiled_steps(model, xs, **kw)
+    torch._dynamo.reset()
+    fused, graphs_fused = compiled_steps(model, xs, fused=True, **kw)
+    return op, fused, graphs_op, graphs_fused
+
+
+def block_inputs(batches, dtype=torch.float32, scale=1.0):
+    g = torch.Generator().manual_seed(1)
+    xs = [(torch.randn(b, 64, generator=g) * scale).to(dtype) for b in batches]
+    return xs
+
+
+@interpreted
+def test_block_with_nonfinite_values(interpreter):
+    """Linear -> GELU -> Linear -> LayerNorm, outputs and both gradients, a
+    NaN and an Inf in the inputs: the blocks and LayerNorm's rows, computed in
+    the model's kernels, give the op's counts and extrema exactly."""
+    torch.manual_seed(0)
+    xs = block_inputs((16, 16, 16))
+    xs[1][3, 5] = float("nan")
+    xs[2][0, 0] = float("inf")
+    op, fused, *_ = op_and_fused(Block(), xs, capture=("output", "grad_output", "grad_input"))
+    assert fused["nan"].sum() > 0 and fused["posinf"].sum() + fused["neginf"].sum() > 0
+    assert_fused_matches_op(op, fused)
+
+
+@interpreted
+def test_block_with_a_dynamic_batch_size(interpreter):
+    """Batch sizes 16, 12, 20: the second compiles with a symbolic size (runs
+    of rows instead of blocks); one graph more than static, as for the op."""
+    torch.manual_seed(0)
+    capture = ("output", "grad_output", "grad_input") if DYNAMIC_GRADS else "output"
+    op, fused, graphs_op, graphs_fused = op_and_fused(Block(), block_inputs((16, 12, 20)), capture=capture)
+    assert graphs_fused == graphs_op
+    assert_fused_matches_op(op, fused)
+
+
+@interpreted
+def test_channels_last_conv_block(interpreter):
+    """BatchNorm and ReLU outputs of a channels-last conv block are split in
+    memory order; their output gradients in logical order."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = ConvBlock(8).to(memory_format=torch.channels_last)
+    xs = [torch.randn(2, 8, 8, 8, generator=g).contiguous(memory_format=torch.channels_last) for _ in range(2)]
+    op, fused, *_ = op_and_fused(model, xs, modules=["bn", "act"], capture=("output", "grad_output"))
+    assert_fused_matches_op(op, fused)
+
+
+class Amplified(torch.nn.Module):
+    """Linear -> relu(x) * 1000 -> LayerNorm: the product is computed in
+    float32 inside a kernel and rounded as it is stored; in float16 the
+    larger ones overflow to infinity there."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.Linear(64, 64)
+        self.amp = Amplify()
+        self.ln = torch.nn.LayerNorm(64)
+
+    def forward(self, x):
+        return self.ln(self.amp(self.l(x)))
+
+
+class Amplify(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * 1000.0
+
+
+# bfloat16 inputs keep clear of subnormals, which Triton's interpreter
+# converts wrongly (it also truncates where a GPU rounds to nearest, in
+# stores and explicit conversions alike, so the stored tensor and the
+# statistics still see the same values).
+@pytest.mark.parametrize("dtype,scale", [(torch.bfloat16, 1.0), (torch.float16, 100.0)], ids=["bf16", "fp16"])
+@interpreted
+def test_half_precision_statistics_are_of_the_stored_values(dtype, scale, monkeypatch, interpreter):
+    """Inductor computes half-precision values in float32 and rounds them as
+    it stores them: the statistics fused into those kernels are of the stored
+    (rounded) tensor, float16 overflow to infinity included. Planted: widening
+    with ``x.float()`` reads the unrounded float32 values, and the statistics
+    differ from the op's."""
+    torch.manual_seed(0)
+    model = Amplified().to(dtype)
+    xs = block_inputs((16, 16), dtype, scale)
+    capture = ("output", "grad_output", "grad_input")
+    op, fused, *_ = op_and_fused(model, xs, modules=["amp", "ln"], capture=capture)
+    if dtype == torch.float16:
+        assert fused["posinf"][:, fused.column("amp/output")].sum() > 0
+    assert_fused_matches_op(op, fused)
+    monkeypatch.setattr(hookcap._fused, "_stored_float", lambda x: x.float())
+    torch._dynamo.reset()
+    planted, _ = compiled_steps(model, xs, modules=["amp", "ln"], capture=capture, fused=True)
+    with pytest.raises(AssertionError):
+        assert_fused_matches_op(op, planted)
