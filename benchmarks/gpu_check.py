@@ -581,6 +581,35 @@ def is_sync_error(e: RuntimeError) -> bool:
     return "synchroniz" in str(e)  # "called a synchronizing CUDA operation"
 
 
+def fused_vs_op(op, fused) -> tuple[list, list]:
+    """Differences between the first steps of two separately compiled runs,
+    the op's and fused=True's: (mismatches, rounding). Counts and extrema must
+    be equal, l2norm and std within 1e-5. A bfloat16/float16 metric may differ
+    by one rounding instead (extrema by one unit in the last place, zeros by
+    1 %, l2norm and std by two units relative): Inductor elides the rounding
+    between fused half-precision operations, so two graphs (or a tensor
+    computed twice in one) can hold differently rounded values
+    (docs/compile-and-distributed.md); those go to ``rounding``, not failures."""
+    mismatches, rounding = [], []
+    for m in op.names:
+        a, b = op.column(m), fused.column(m)
+        dtype = str(op.meta(m).get("dtype", ""))
+        ulp = {"torch.bfloat16": 2.0**-7, "torch.float16": 2.0**-10}.get(dtype)
+        for stat in ("count", "nan", "inf", "zeros", "min", "max", "l2norm", "std"):
+            x, y = float(op[stat][0, a]), float(fused[stat][0, b])
+            if x == y or (math.isnan(x) and math.isnan(y)):
+                continue
+            if stat in ("l2norm", "std") and abs(x - y) <= 1e-5 * abs(x) + 1e-30:
+                continue
+            line = f"{m} {stat} ({dtype}): op {x!r}, fused {y!r}"
+            close = ulp is not None and math.isfinite(x) and math.isfinite(y) and (
+                (stat in ("min", "max") and abs(x - y) <= ulp * max(abs(x), abs(y)))
+                or (stat == "zeros" and abs(x - y) <= 0.01 * max(x, y))
+                or (stat in ("l2norm", "std") and abs(x - y) <= 2 * ulp * abs(x)))
+            (rounding if close else mismatches).append(line)
+    return mismatches, rounding
+
+
 def forward_backward(autocast, loss_fn) -> None:
     with autocast:
         loss = loss_fn()
@@ -839,16 +868,7 @@ def compiled_stage(args) -> dict:
     rows = [{**bench_overhead.paired_row(name, times, by_round), "compile_s": compile_s[name]} for name in runs]
     hist = {name: runs[name][3].history() for name in runs if runs[name][3] is not None}
     op, fused = hist["op histogram=None"], hist["fused=True histogram=None"]
-    mismatches = []
-    for m in op.names:
-        a, b = op.column(m), fused.column(m)
-        for stat in ("count", "nan", "inf", "zeros", "min", "max"):
-            if not (op[stat][0, a] == fused[stat][0, b] or (math.isnan(op[stat][0, a]) and math.isnan(fused[stat][0, b]))):
-                mismatches.append(f"{m} {stat}: op {op[stat][0, a]!r}, fused {fused[stat][0, b]!r}")
-        for stat in ("l2norm", "std"):
-            x, y = op[stat][0, a], fused[stat][0, b]
-            if not abs(x - y) <= 1e-5 * abs(x) + 1e-30:
-                mismatches.append(f"{m} {stat}: op {x!r}, fused {y!r}")
+    mismatches, rounding = fused_vs_op(op, fused)
     for _, _, _, mon in runs.values():
         if mon is not None:
             mon.detach()
@@ -863,7 +883,8 @@ def compiled_stage(args) -> dict:
         details[key] = fn() if left() > need else {"skipped": f"{left():.0f} s left in the step"}
     details.update({"model": desc, "shape": shape, "autocast": "bfloat16" if cuda else None, "rounds": rounds,
                "steps_per_round": steps_per_round, "rows": rows, "metrics": len(op.names),
-               "same_names": sorted(op.names) == sorted(fused.names), "fused_vs_op_mismatches": mismatches[:20]})
+               "same_names": sorted(op.names) == sorted(fused.names), "fused_vs_op_mismatches": mismatches[:20],
+               "fused_vs_op_half_precision_rounding": rounding[:20], "half_precision_rounding_count": len(rounding)})
     if mismatches or not details["same_names"]:
         raise StepFailed(f"fused=True differs from the op on the first step: {len(mismatches)} mismatches", details)
     return details
@@ -1032,7 +1053,8 @@ def summary_md(report: dict) -> str:
                 f"{sh['n_layer']} layers, n_embd {sh['n_embd']}, B={sh['batch']}, T={sh['seq']}, autocast "
                 f"{c['autocast']}; one compiled instance per configuration; {c['rounds']} rounds x "
                 f"{c['steps_per_round']} steps; {c['metrics']} metrics; fused vs op on the first step: "
-                f"{len(c['fused_vs_op_mismatches'])} mismatches.", "",
+                f"{len(c['fused_vs_op_mismatches'])} mismatches, "
+                f"{c.get('half_precision_rounding_count', 0)} half-precision differences within one rounding.", "",
                 "| config | median ms | overhead | first step (compile) s |", "|---|---:|---:|---:|"]
         out += [f"| {r['config']} | {r['median_ms']:.1f} | {r['overhead_pct']:+.1f}% | {r['compile_s']} |"
                 for r in c["rows"]]

@@ -248,6 +248,32 @@ class Block(nn.Module):
         return self.ln(self.l2(self.g(self.l(x))))
 
 
+class Amplified(nn.Module):
+    """Linear -> relu(x) * 1000 -> LayerNorm: the product is computed in
+    float32 inside a kernel and rounded as it is stored; in float16 the
+    larger ones overflow to infinity there."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(64, 64)
+        self.amp = Amplify()
+        self.ln = nn.LayerNorm(64)
+
+    def forward(self, x):
+        return self.ln(self.amp(self.l(x)))
+
+
+class Amplify(nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * 1000.0
+
+
+def block_inputs(batches, dtype=torch.float32, scale=1.0):
+    """Inputs of 64 features, one batch of each size in ``batches``."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(b, 64, generator=g) * scale).to(dtype) for b in batches]
+
+
 def compiled_steps(model, xs, **kw):
     mon = Monitor(model, histogram=None, **kw).attach()
     fn = torch.compile(model)
@@ -522,3 +548,31 @@ def test_triton_rows_of_a_dynamic_size_ride_in_the_model_kernels(case):
     assert any(has_statistics(k.source) for k in fused)
     assert len(fused) == len(launches())
 
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.bfloat16, 1.0), (torch.float16, 100.0)], ids=["bf16", "fp16"])
+def test_half_precision_statistics_with_emulated_casts_equal_the_ops(dtype, scale):
+    """The op and fused=True on one compiled model (two Monitors: the same
+    values). Inductor elides the rounding between fused half-precision
+    operations unless ``emulate_precision_casts`` is set, so a tensor computed
+    twice from differently rounded intermediates (the stored one and the one
+    the statistics join) can differ by one rounding; with the casts kept, the
+    statistics are exact (float16 overflow to infinity included)."""
+    import torch._inductor.config as icfg
+
+    torch.manual_seed(0)
+    model = Amplified().to(dtype)
+    kw = dict(histogram=None, modules=["amp", "ln"], capture=("output", "grad_output", "grad_input"), detectors=[])
+    op, fused = Monitor(model, **kw).attach(), Monitor(model, fused=True, **kw).attach()
+    fn = torch.compile(model)
+    with icfg.patch(emulate_precision_casts=True):
+        for x in block_inputs((16, 16), dtype, scale):
+            fn(x).pow(2).sum().backward()
+            op.step()
+            fused.step()
+    op.detach()
+    fused.detach()
+    a, b = op.history(), fused.history()
+    if dtype == torch.float16:
+        assert b["posinf"][:, b.column("amp/output")].sum() > 0
+    assert_fused_matches_op(a, b)

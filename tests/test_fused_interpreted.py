@@ -15,7 +15,7 @@ import torch
 
 import hookcap._fused
 from conftest import assert_fused_matches_op
-from test_fused import DYNAMIC_GRADS, Block, ConvBlock, compiled_steps
+from test_fused import DYNAMIC_GRADS, Amplified, Block, ConvBlock, block_inputs, compiled_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _fusion  # noqa: E402
@@ -59,12 +59,6 @@ def op_and_fused(model, xs, **kw):
     return op, fused, graphs_op, graphs_fused
 
 
-def block_inputs(batches, dtype=torch.float32, scale=1.0):
-    g = torch.Generator().manual_seed(1)
-    xs = [(torch.randn(b, 64, generator=g) * scale).to(dtype) for b in batches]
-    return xs
-
-
 @interpreted
 def test_block_with_nonfinite_values(interpreter):
     """Linear -> GELU -> Linear -> LayerNorm, outputs and both gradients, a
@@ -100,26 +94,6 @@ def test_channels_last_conv_block(interpreter):
     xs = [torch.randn(2, 8, 8, 8, generator=g).contiguous(memory_format=torch.channels_last) for _ in range(2)]
     op, fused, *_ = op_and_fused(model, xs, modules=["bn", "act"], capture=("output", "grad_output"))
     assert_fused_matches_op(op, fused)
-
-
-class Amplified(torch.nn.Module):
-    """Linear -> relu(x) * 1000 -> LayerNorm: the product is computed in
-    float32 inside a kernel and rounded as it is stored; in float16 the
-    larger ones overflow to infinity there."""
-
-    def __init__(self):
-        super().__init__()
-        self.l = torch.nn.Linear(64, 64)
-        self.amp = Amplify()
-        self.ln = torch.nn.LayerNorm(64)
-
-    def forward(self, x):
-        return self.ln(self.amp(self.l(x)))
-
-
-class Amplify(torch.nn.Module):
-    def forward(self, x):
-        return torch.relu(x) * 1000.0
 
 
 # bfloat16 inputs keep clear of subnormals, which Triton's interpreter

@@ -148,3 +148,31 @@ def test_builtin_gpt2_matches_transformers_with_the_same_weights():
         got = ours(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert _gpt2.lm_loss(got, x).item() == pytest.approx(hf(x, labels=x).loss.item(), abs=1e-5)
+
+
+def test_fused_vs_op_tells_a_rounding_from_a_mismatch():
+    """gpu_check's comparison of the op's and fused=True's first steps: a
+    half-precision metric whose extrema differ by one unit in the last place
+    is a rounding (separately compiled graphs round half-precision
+    intermediates differently); the same in float32, or a NaN count, fails."""
+    import numpy as np
+
+    class H:  # the part of hookcap.History the comparison reads
+        def __init__(self, dtypes, stats):
+            self.names, self._dtypes, self._stats = list(dtypes), dtypes, stats
+
+        def column(self, name):
+            return self.names.index(name)
+
+        def meta(self, name):
+            return {"dtype": self._dtypes[name]}
+
+        def __getitem__(self, stat):
+            return np.array([[self._stats[n].get(stat, 1.0) for n in self.names]])
+
+    dtypes = {"a": "torch.bfloat16", "b": "torch.float32", "c": "torch.bfloat16"}
+    op = H(dtypes, {"a": {"min": -0.34375}, "b": {"min": -0.34375}, "c": {"nan": 0.0}})
+    fused = H(dtypes, {"a": {"min": -0.34375 + 2**-10}, "b": {"min": -0.34375 + 2**-24}, "c": {"nan": 1.0}})
+    mismatches, rounding = gpu_check.fused_vs_op(op, fused)
+    assert [r.split()[0] for r in rounding] == ["a"]
+    assert sorted(m.split()[:2] for m in mismatches) == [["b", "min"], ["c", "nan"]]
