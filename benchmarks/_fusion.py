@@ -201,8 +201,8 @@ class triton_codegen:
     small models), so the values are those of the GPU's kernels up to
     summation order; the process must have been started with
     ``TRITON_INTERPRET=1`` (Triton reads it as it defines its own functions),
-    and ``libdevice`` calls run as ``triton.language.math``'s (the interpreter
-    has no external library; enough for erf, exp, rsqrt and the like).
+    and ``libdevice`` calls run as :func:`_interpreted_libdevice`'s (the
+    interpreter has no external library).
     Restores every setting it changed on exit."""
 
     def __init__(self, interpret: bool = False):
@@ -229,10 +229,9 @@ class triton_codegen:
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise RuntimeError("triton_codegen(interpret=True) needs TRITON_INTERPRET=1 set before "
                                    "the process imports triton")
-            import triton.language as tl
             from torch._inductor.runtime import triton_helpers
 
-            self._undo.append((triton_helpers, "libdevice", tl.math))
+            self._undo.append((triton_helpers, "libdevice", _interpreted_libdevice()))
         else:
             self._undo.append((th.CachingAutotuner, "run", lambda self, *a, **k: None))
         self._undo = [(obj, name, getattr(obj, name), new) for obj, name, new in self._undo]
@@ -259,6 +258,31 @@ class triton_codegen:
 
     def kernels(self) -> list[TritonKernel]:
         return triton_launches(self.codes)
+
+
+def _interpreted_libdevice():
+    """What Inductor's kernels call as ``libdevice`` under Triton's
+    interpreter: ``triton.language.math`` (erf, exp, rsqrt, ...), plus tanh
+    (GPT-2's GELU) written with exp. Defined when called: ``triton.jit`` makes
+    an interpreted function only once TRITON_INTERPRET is set."""
+    import triton
+    import triton.language as tl
+
+    globals()["tl"] = tl  # the interpreter looks for triton.language in a kernel's globals
+
+    @triton.jit
+    def tanh(x):
+        e = tl.math.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    class Libdevice:
+        def __getattr__(self, name):
+            return getattr(tl.math, name)
+
+    lib = Libdevice()
+    lib.tanh = tanh
+    return lib
 
 
 def triton_launches(codes) -> list[TritonKernel]:

@@ -24,7 +24,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(not INTERPRETING, reason="run by test_in_the_interpreter, with TRITON_INTERPRET=1")
 CASES = ("test_block_with_nonfinite_values", "test_block_with_a_dynamic_batch_size",
          "test_channels_last_conv_block", "test_half_precision_statistics_are_of_the_stored_values[bf16]",
-         "test_half_precision_statistics_are_of_the_stored_values[fp16]")
+         "test_half_precision_statistics_are_of_the_stored_values[fp16]", "test_hf_gpt2")
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the runner itself")
@@ -150,3 +150,30 @@ def test_half_precision_statistics_are_of_the_stored_values(dtype, scale, monkey
     planted, _ = compiled_steps(model, xs, modules=["amp", "ln"], capture=capture, fused=True)
     with pytest.raises(AssertionError):
         assert_fused_matches_op(op, planted)
+
+
+@interpreted
+def test_hf_gpt2(interpreter):
+    """transformers' GPT-2 (one layer, no dropout, one graph each way), every
+    default module's output and output gradient; the op and fused=True on the
+    same compiled model (two Monitors: the same values)."""
+    transformers = pytest.importorskip("transformers")
+    from hookcap import Monitor
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=97, n_positions=32, use_cache=False,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"
+    x = torch.randint(97, (2, 16), generator=torch.Generator().manual_seed(0))
+    kw = dict(histogram=None, capture=("output", "grad_output"), detectors=[])
+    op, fused = Monitor(model, **kw).attach(), Monitor(model, fused=True, **kw).attach()
+    model.compile()
+    model(x, labels=x).loss.backward()
+    op.step()
+    fused.step()
+    op.detach()
+    fused.detach()
+    assert len(op.history().names) > 25
+    assert_fused_matches_op(op.history(), fused.history())
