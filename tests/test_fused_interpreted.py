@@ -154,9 +154,10 @@ def test_half_precision_statistics_are_of_the_stored_values(dtype, scale, monkey
 
 @interpreted
 def test_hf_gpt2(interpreter):
-    """transformers' GPT-2 (one layer, no dropout, one graph each way), every
-    default module's output and output gradient; the op and fused=True on the
-    same compiled model (two Monitors: the same values)."""
+    """transformers' GPT-2 (one layer, no dropout, one graph each way) under
+    bfloat16 autocast as gpu_check trains it (bfloat16 and float32 tensors),
+    every default module's output and output gradient; the op and fused=True
+    on the same compiled model (two Monitors: the same values)."""
     transformers = pytest.importorskip("transformers")
     from hookcap import Monitor
 
@@ -166,14 +167,17 @@ def test_hf_gpt2(interpreter):
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"
-    x = torch.randint(97, (2, 16), generator=torch.Generator().manual_seed(0))
+    x = torch.randint(97, (2, 8), generator=torch.Generator().manual_seed(0))
     kw = dict(histogram=None, capture=("output", "grad_output"), detectors=[])
     op, fused = Monitor(model, **kw).attach(), Monitor(model, fused=True, **kw).attach()
     model.compile()
-    model(x, labels=x).loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, labels=x).loss
+    loss.backward()
     op.step()
     fused.step()
     op.detach()
     fused.detach()
-    assert len(op.history().names) > 25
-    assert_fused_matches_op(op.history(), fused.history())
+    h = op.history()
+    assert len(h.names) > 25 and {str(h.meta(n)["dtype"]) for n in h.names} == {"torch.bfloat16", "torch.float32"}
+    assert_fused_matches_op(h, fused.history())

@@ -152,9 +152,10 @@ def test_builtin_gpt2_matches_transformers_with_the_same_weights():
 
 def test_fused_vs_op_tells_a_rounding_from_a_mismatch():
     """gpu_check's comparison of the op's and fused=True's first steps: a
-    half-precision metric whose extrema differ by one unit in the last place
-    is a rounding (separately compiled graphs round half-precision
-    intermediates differently); the same in float32, or a NaN count, fails."""
+    half-precision metric whose extremum is the next value of its dtype is a
+    rounding (separately compiled graphs round half-precision intermediates
+    differently); the same in float32, a NaN count, or an extremum the dtype
+    cannot hold (statistics of unrounded values) fails."""
     import numpy as np
 
     class H:  # the part of hookcap.History the comparison reads
@@ -170,9 +171,11 @@ def test_fused_vs_op_tells_a_rounding_from_a_mismatch():
         def __getitem__(self, stat):
             return np.array([[self._stats[n].get(stat, 1.0) for n in self.names]])
 
-    dtypes = {"a": "torch.bfloat16", "b": "torch.float32", "c": "torch.bfloat16"}
-    op = H(dtypes, {"a": {"min": -0.34375}, "b": {"min": -0.34375}, "c": {"nan": 0.0}})
-    fused = H(dtypes, {"a": {"min": -0.34375 + 2**-10}, "b": {"min": -0.34375 + 2**-24}, "c": {"nan": 1.0}})
+    dtypes = {"a": "torch.bfloat16", "b": "torch.float32", "c": "torch.bfloat16", "d": "torch.bfloat16"}
+    op = H(dtypes, {"a": {"min": -0.34375}, "b": {"min": -0.34375}, "c": {"nan": 0.0}, "d": {"max": 0.34375}})
+    # a: the next bfloat16 (ulp 2**-9 at 0.34); d: not a bfloat16 (an unrounded value)
+    fused = H(dtypes, {"a": {"min": -0.34375 + 2**-9}, "b": {"min": -0.34375 + 2**-24}, "c": {"nan": 1.0},
+                       "d": {"max": 0.34375 + 2**-10}})
     mismatches, rounding = gpu_check.fused_vs_op(op, fused)
     assert [r.split()[0] for r in rounding] == ["a"]
-    assert sorted(m.split()[:2] for m in mismatches) == [["b", "min"], ["c", "nan"]]
+    assert sorted(m.split()[:2] for m in mismatches) == [["b", "min"], ["c", "nan"], ["d", "max"]]
