@@ -8,6 +8,7 @@ op. Medians of 40 calls, 5 interleaved rounds; "added" is over the producer alon
 
   fused=True      the form hookcap uses (hookcap._fused.partials: float64 sums, int32 counts,
                   finite-only extrema; 9 values)
+  isnan int64     the same statistics with torch.isnan / torch.isfinite and int64 counts
   float32         the same in float32 (counts exact only below 2**24 values)
   lean float32    zeros count, sum, sum of squares, min, max: no NaN/Inf handling (not exact
                   with non-finite values; a lower bound for any exact form)
@@ -59,6 +60,19 @@ def float32(x, k):
                            torch.where(fin, y, -float("inf")).amax()])
 
 
+def isnan_int64(x, k):
+    y = producer(x)
+    fin = torch.isfinite(y)
+    d = torch.where(fin, y.double() - k, 0.0)
+
+    def c(m):
+        return m.to(torch.int64).sum().double()
+
+    return y, torch.stack([c(torch.isnan(y)), c(y == float("inf")), c(y == -float("inf")), c(y == 0), c(fin),
+                           d.sum(), (d * d).sum(), torch.where(fin, y, float("inf")).amin().double(),
+                           torch.where(fin, y, -float("inf")).amax().double()])
+
+
 def lean(x, k):
     y = producer(x)
     d = y - k.float()
@@ -87,8 +101,8 @@ def measure_forms(device: str = "cpu", n: int = N, calls: int = 40, rounds: int 
     dev = torch.device(device)
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(dev)
     k = torch.zeros((), dtype=torch.float64, device=dev)
-    forms = {"producer": lambda x, k: producer(x), "fused=True": fused, "float32": float32,
-             "lean float32": lean, "hist scatter": hist_scatter}
+    forms = {"producer": lambda x, k: producer(x), "fused=True": fused, "isnan int64": isnan_int64,
+             "float32": float32, "lean float32": lean, "hist scatter": hist_scatter}
     if dev.type == "cpu":
         forms["hist one-hot"] = hist_onehot  # 64 compares per value: minutes at GPU sizes
     fns = {name: torch.compile(f) for name, f in forms.items()}

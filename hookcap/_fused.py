@@ -46,7 +46,7 @@ from . import _layout
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Devices whose tensors take the fused path (process-global). Not the CPU:
-# there Inductor's C++ reductions cost about 2.6 times the op's vectorised
+# there Inductor's C++ reductions cost about 2.5 times the op's vectorised
 # pass over the same data (float64 sums widened lane by lane;
 # docs/performance.md), and a re-read mostly hits the cache. Tests and
 # benchmarks add "cpu" to inspect and time the path.
