@@ -531,20 +531,21 @@ def test_triton_partials_of_a_dynamic_size_need_no_guard(channels_last):
     assert graphs == 1
 
 
-@pytest.mark.parametrize("case", ["block", "conv"])
+@pytest.mark.parametrize("case", ["block", "block3d", "conv"])
 def test_triton_rows_of_a_dynamic_size_ride_in_the_model_kernels(case):
     """Compiled with dynamic shapes, the runs that replace the blocks (a
-    matrix's rows, an image's planes) still join the model's kernels: the
-    captures cost no launch."""
+    matrix's rows, a sequence batch's planes, an image's planes) still join
+    the model's kernels: the captures cost no launch."""
     pytest.importorskip("triton")
-    make, shape = (Block, (256, 64)) if case == "block" else (ConvBlock, (8, 8, 16, 16))
+    make, shape = {"block": (Block, (256, 64)), "block3d": (Block, (8, 32, 64)),
+                   "conv": (ConvBlock, (8, 8, 16, 16))}[case]
     grads = ("output", "grad_input") if DYNAMIC_GRADS else "output"
-    modules = ["l", "g", "ln"] if case == "block" else ["bn", "act"]
+    modules = ["bn", "act"] if case == "conv" else ["l", "g", "ln"]
 
     def launches(**kw):
         return triton_kernels(make, shape, dynamic=True, backward=DYNAMIC_GRADS, **kw)
 
-    fused = launches(modules=modules, capture=grads if case == "block" else "output")
+    fused = launches(modules=modules, capture="output" if case == "conv" else grads)
     assert any(has_statistics(k.source) for k in fused)
     assert len(fused) == len(launches())
 
