@@ -119,6 +119,22 @@ def test_memory_order_is_a_contiguous_view_of_dense_tensors_only():
     assert order(ones).is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stored_bits_widen_every_half_precision_value_exactly(dtype):
+    """hookcap._fused._stored_float on all 65,536 bit patterns, eager and
+    compiled: the float32 value of each (signed zeros, subnormals,
+    infinities; NaN stays NaN)."""
+    from hookcap._fused import _stored_float
+
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    want = x.float()
+    for got in (_stored_float(x), torch.compile(_stored_float)(x)):
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got[~nan], want[~nan])
+        assert torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))
+
+
 def test_blocks_divide_the_tensor_and_stay_in_range():
     blocks = hookcap._fused.blocks
     assert blocks(1) == 1 and blocks(1000) == 1000 and blocks(1024) == 1024

@@ -13,6 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+try:  # a kernel's globals must hold triton.language for the interpreter
+    import triton
+    import triton.language as tl
+except ImportError:  # the tests skip
+    triton = tl = None
+
 import hookcap._fused
 from conftest import assert_fused_matches_op
 from test_fused import DYNAMIC_GRADS, Amplified, Block, ConvBlock, block_inputs, compiled_steps
@@ -50,8 +56,6 @@ def interpreter_cannot_run() -> str | None:
     """Why Triton's interpreter cannot run Inductor's looped reductions in
     this environment (None: it can). Triton 3.6's interpreter turns a loop
     bound into a one-element array that NumPy 2 refuses to convert to an int."""
-    import triton
-    import triton.language as tl
 
     @triton.jit
     def looped_sum(x_ptr, n, BLOCK: tl.constexpr):
