@@ -593,11 +593,11 @@ def fused_vs_op(op, fused) -> tuple[list, list]:
     An extremum the dtype cannot represent is a mismatch: statistics of values
     the tensor cannot hold (read before rounding)."""
     mismatches, rounding = [], []
-    halves = {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
+    halves = {str(t): t for t in (torch.bfloat16, torch.float16)}
     for m in op.names:
         a, b = op.column(m), fused.column(m)
         dtype = str(op.meta(m).get("dtype", ""))
-        ulp = {"torch.bfloat16": 2.0**-7, "torch.float16": 2.0**-10}.get(dtype)
+        ulp = torch.finfo(halves[dtype]).eps if dtype in halves else None
         for stat in ("count", "nan", "inf", "zeros", "min", "max", "l2norm", "std"):
             x, y = float(op[stat][0, a]), float(fused[stat][0, b])
             if x == y or (math.isnan(x) and math.isnan(y)):

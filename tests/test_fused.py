@@ -264,6 +264,11 @@ class Block(nn.Module):
         return self.ln(self.l2(self.g(self.l(x))))
 
 
+class Amplify(nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * 1000.0
+
+
 class Amplified(nn.Module):
     """Linear -> relu(x) * 1000 -> LayerNorm: the product is computed in
     float32 inside a kernel and rounded as it is stored; in float16 the
@@ -277,11 +282,6 @@ class Amplified(nn.Module):
 
     def forward(self, x):
         return self.ln(self.amp(self.l(x)))
-
-
-class Amplify(nn.Module):
-    def forward(self, x):
-        return torch.relu(x) * 1000.0
 
 
 def block_inputs(batches, dtype=torch.float32, scale=1.0):
@@ -302,17 +302,37 @@ def compiled_steps(model, xs, **kw):
     return mon.history(), counters["stats"]["unique_graphs"] - start
 
 
+def op_and_fused(model, xs, **kw):
+    """The op's and fused=True's histories of the same compiled steps, each
+    in a fresh compile, and the number of graphs each compiled."""
+    torch._dynamo.reset()
+    op, graphs_op = compiled_steps(model, xs, **kw)
+    torch._dynamo.reset()
+    fused, graphs_fused = compiled_steps(model, xs, fused=True, **kw)
+    return op, fused, graphs_op, graphs_fused
+
+
+def op_and_fused_in_one_run(model, steps, **kw):
+    """The op's and fused=True's histories of the same compiled values: two
+    Monitors on ``model`` through ``steps`` (callables, one training step
+    each), both stepped after each."""
+    kw = dict(histogram=None, detectors=[], **kw)
+    op, fused = Monitor(model, **kw).attach(), Monitor(model, fused=True, **kw).attach()
+    for step in steps:
+        step()
+        op.step()
+        fused.step()
+    op.detach()
+    fused.detach()
+    return op.history(), fused.history()
+
+
 @pytest.mark.parametrize("batches", [(32, 32, 32), (32, 24, 40)], ids=["static", "dynamic"])
 def test_fused_equals_the_op_on_the_same_compiled_values(batches):
     # (32, 24, 40): dynamo recompiles with a symbolic batch size at the second step
     torch.manual_seed(0)
-    model = Block()
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(b, 64, generator=g) for b in batches]
     capture = ("output", "grad_output", "grad_input")
-    op, graphs_op = compiled_steps(model, xs, capture=capture)
-    torch._dynamo.reset()
-    fused, graphs_fused = compiled_steps(model, xs, capture=capture, fused=True)
+    op, fused, graphs_op, graphs_fused = op_and_fused(Block(), block_inputs(batches), capture=capture)
     assert graphs_fused == graphs_op
     assert len(op.names) == 11  # no grad_input of the first layer
     assert_fused_matches_op(op, fused)
@@ -566,7 +586,6 @@ def test_triton_rows_of_a_dynamic_size_ride_in_the_model_kernels(case):
     assert len(fused) == len(launches())
 
 
-
 @pytest.mark.parametrize("dtype,scale", [(torch.bfloat16, 1.0), (torch.float16, 100.0)], ids=["bf16", "fp16"])
 def test_half_precision_statistics_with_emulated_casts_equal_the_ops(dtype, scale):
     """The op and fused=True on one compiled model (two Monitors: the same
@@ -579,17 +598,11 @@ def test_half_precision_statistics_with_emulated_casts_equal_the_ops(dtype, scal
 
     torch.manual_seed(0)
     model = Amplified().to(dtype)
-    kw = dict(histogram=None, modules=["amp", "ln"], capture=("output", "grad_output", "grad_input"), detectors=[])
-    op, fused = Monitor(model, **kw).attach(), Monitor(model, fused=True, **kw).attach()
     fn = torch.compile(model)
+    steps = [lambda x=x: fn(x).pow(2).sum().backward() for x in block_inputs((16, 16), dtype, scale)]
     with icfg.patch(emulate_precision_casts=True):
-        for x in block_inputs((16, 16), dtype, scale):
-            fn(x).pow(2).sum().backward()
-            op.step()
-            fused.step()
-    op.detach()
-    fused.detach()
-    a, b = op.history(), fused.history()
+        a, b = op_and_fused_in_one_run(model, steps, modules=["amp", "ln"],
+                                       capture=("output", "grad_output", "grad_input"))
     if dtype == torch.float16:
         assert b["posinf"][:, b.column("amp/output")].sum() > 0
     assert_fused_matches_op(a, b)

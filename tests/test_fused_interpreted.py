@@ -21,7 +21,8 @@ except ImportError:  # the tests skip
 
 import hookcap._fused
 from conftest import assert_fused_matches_op
-from test_fused import DYNAMIC_GRADS, Amplified, Block, ConvBlock, block_inputs, compiled_steps
+from test_fused import (DYNAMIC_GRADS, Amplified, Block, ConvBlock, block_inputs, compiled_steps, op_and_fused,
+                        op_and_fused_in_one_run)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _fusion  # noqa: E402
@@ -80,16 +81,6 @@ def interpreter(monkeypatch):
     monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
     with _fusion.triton_codegen(interpret=True):
         yield
-
-
-def op_and_fused(model, xs, **kw):
-    """The op's and fused=True's histories of the same compiled steps, and
-    the number of graphs each compiled."""
-    torch._dynamo.reset()
-    op, graphs_op = compiled_steps(model, xs, **kw)
-    torch._dynamo.reset()
-    fused, graphs_fused = compiled_steps(model, xs, fused=True, **kw)
-    return op, fused, graphs_op, graphs_fused
 
 
 @interpreted
@@ -163,8 +154,6 @@ def test_hf_gpt2(interpreter):
     every default module's output and output gradient; the op and fused=True
     on the same compiled model (two Monitors: the same values)."""
     transformers = pytest.importorskip("transformers")
-    from hookcap import Monitor
-
     transformers.logging.set_verbosity_error()
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=97, n_positions=32, use_cache=False,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -172,16 +161,13 @@ def test_hf_gpt2(interpreter):
     model = transformers.GPT2LMHeadModel(cfg)
     model.loss_type = "ForCausalLM"
     x = torch.randint(97, (2, 8), generator=torch.Generator().manual_seed(0))
-    kw = dict(histogram=None, capture=("output", "grad_output"), detectors=[])
-    op, fused = Monitor(model, **kw).attach(), Monitor(model, fused=True, **kw).attach()
     model.compile()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(x, labels=x).loss
-    loss.backward()
-    op.step()
-    fused.step()
-    op.detach()
-    fused.detach()
-    h = op.history()
-    assert len(h.names) > 25 and {str(h.meta(n)["dtype"]) for n in h.names} == {"torch.bfloat16", "torch.float32"}
-    assert_fused_matches_op(h, fused.history())
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, labels=x).loss
+        loss.backward()
+
+    op, fused = op_and_fused_in_one_run(model, [step], capture=("output", "grad_output"))
+    assert len(op.names) > 25 and {str(op.meta(n)["dtype"]) for n in op.names} == {"torch.bfloat16", "torch.float32"}
+    assert_fused_matches_op(op, fused)
