@@ -125,7 +125,8 @@ def reduce_only_bytes(codes, min_elements: int = 1) -> int:
 # The Triton source Inductor would launch on a GPU, generated on the CPU: with
 # ``cpu_backend = "triton"`` Inductor schedules and fuses with the same Triton
 # scheduler it uses for CUDA (fusion by element count), and writes the same
-# kernel source; only device properties (SM count, hence split sizes) differ.
+# kernel source; only device properties (SM count, hence split sizes) differ,
+# and the lowering of ``cat``, installed here as a GPU's (_gpu_cat_lowering).
 # The kernels are not compiled or run (no GPU, no Triton CPU backend here):
 # launches are no-ops, so the values computed are garbage, which codegen of
 # the next graph (the backward) does not read.
@@ -148,6 +149,11 @@ class TritonKernel:
     reductions: int
 
     @property
+    def name(self) -> str:
+        m = re.search(r"def (\w+)\(", self.source)
+        return m.group(1) if m else ""
+
+    @property
     def reduce_only(self) -> bool:
         """Reads data and writes only reduction results."""
         return self.reductions > 0 and not self.big_stores
@@ -164,16 +170,19 @@ class TritonKernel:
 def triton_kernel(source: str) -> TritonKernel:
     body = source[source.index("@triton.jit"):]
     xn = re.search(r"\bxnumel = (\d+)", body)
+    yn = re.search(r"\bynumel = (\d+)", body)  # a pointwise kernel tiled in two dimensions
     rn = re.search(r"\br0_numel = (\d+)", body)
     reduces = re.search(r"\br0_numel\b", body) is not None
-    elements = int(xn.group(1)) * (int(rn.group(1)) if rn else 1) if xn and (rn or not reduces) else -1
+    tiled = yn is not None or re.search(r"\bynumel\b", body) is None
+    elements = (int(xn.group(1)) * (int(yn.group(1)) if yn else 1) * (int(rn.group(1)) if rn else 1)
+                if xn and tiled and (rn or not reduces) else -1)
     sig = dict(re.findall(r"'(\w+_ptr\d+)': '\*(\w+)'", source))
     loads = {p: _TRITON_ITEMSIZE.get(sig.get(p, ""), 4)
-             for p, idx in re.findall(r"tl\.load\((\w+_ptr\d+) \+ \(([^)]*)\)", body) if re.search(r"[xr]\w*\d", idx)}
+             for p, idx in re.findall(r"tl\.load\((\w+_ptr\d+) \+ \(([^)]*)\)", body) if re.search(r"[xyr]\w*\d", idx)}
     reductions = len(re.findall(r"\btl\.sum\(|triton_helpers\.(?:min2|max2|prod)\(|\btl\.reduce\(", body))
     big = {}
     for p, idx in re.findall(r"tl\.store\((\w+_ptr\d+) \+ \(([^)]*)\)", body):
-        if re.search(r"\br0_\d+\b|\br\d+\b", idx) or (reductions == 0 and re.search(r"\bx\d+\b", idx)):
+        if re.search(r"\br0_\d+\b|\br\d+\b", idx) or (reductions == 0 and re.search(r"\b[xy]\d+\b", idx)):
             big[p] = _TRITON_ITEMSIZE.get(sig.get(p, ""), 4)
     return TritonKernel(source, elements, loads, big, reductions)
 
@@ -214,6 +223,7 @@ class triton_codegen:
         import torch
         import torch._inductor.config as icfg
         import torch.utils._triton as ut
+        from torch._inductor.lowering import lowerings
         from torch._inductor.runtime import triton_heuristics as th
 
         self.codes = []
@@ -225,6 +235,7 @@ class triton_codegen:
             # tensors channels-last; off, the layout follows CUDA's rules.
             (torch.backends.mkldnn, "enabled", False),
         ]
+        self._lowerings = _gpu_cat_lowering()  # concatenation as on a GPU
         if self.interpret:
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise RuntimeError("triton_codegen(interpret=True) needs TRITON_INTERPRET=1 set before "
@@ -237,6 +248,8 @@ class triton_codegen:
         self._undo = [(obj, name, getattr(obj, name), new) for obj, name, new in self._undo]
         for obj, name, _, new in self._undo:
             setattr(obj, name, new)
+        self._lowerings_undo = {op: lowerings[op] for op in self._lowerings} if self._lowerings else {}
+        lowerings.update(self._lowerings or {})
         torch._dynamo.reset()
         return self
 
@@ -250,14 +263,45 @@ class triton_codegen:
 
     def __exit__(self, *exc):
         import torch
+        from torch._inductor.lowering import lowerings
 
         for obj, name, old, _ in reversed(self._undo):
             setattr(obj, name, old)
+        lowerings.update(self._lowerings_undo)
         torch._dynamo.reset()
         return False
 
     def kernels(self) -> list[TritonKernel]:
         return triton_launches(self.codes)
+
+
+def _gpu_cat_lowering() -> dict | None:
+    """Inductor's lowering of ``aten.cat`` as it decides on a GPU, to install
+    in its lowering table: {op: lowering}. For CPU tensors Inductor always
+    concatenates into one buffer (a kernel per input writing its slice); on a
+    GPU it may compute the result as one pointwise kernel, which changes what
+    a statistic of the result can fuse with (e.g. the gradient of GPT-2's
+    ``c_attn``, the concatenation of the query, key and value gradients).
+    The same source with its CPU test answered for a GPU. None where this
+    torch's source does not have the test (left as it is)."""
+    import inspect
+
+    import torch
+    import torch._inductor.lowering as lowering
+
+    cpu_test = 'cpu_device = inputs[0].get_device().type == "cpu"'
+    try:
+        src = inspect.getsource(lowering.cat)
+    except (OSError, TypeError):
+        return None
+    if src.count(cpu_test) != 1 or not src.startswith("@register_lowering(aten.cat)\n"):
+        return None
+    namespace = dict(vars(lowering))
+    exec(src.removeprefix("@register_lowering(aten.cat)\n").replace(cpu_test, "cpu_device = False"), namespace)
+    aten = torch.ops.aten
+    table: dict = {}
+    lowering.register_lowering(aten.cat, lowering_dict=table)(namespace["cat"])
+    return {op: table[aten.cat] for op in (aten.cat, aten.cat.default)}
 
 
 def _interpreted_libdevice():

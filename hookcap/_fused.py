@@ -22,14 +22,14 @@ half types are widened to float32 as they are read):
   the loop that produces it;
 - the finite values' min and max (exact).
 
-Each is computed per block of the tensor (:func:`blocks`), giving a float64
-[PARTIALS, blocks] matrix that the merge combines: Triton then needs one
-reduction kernel for all of them, fused into the model's, instead of a
-second small kernel per statistic to finish each whole-tensor reduction
-(about eleven launches per capture). The blocks of a captured output run in
-its memory order (channels-last included), the order of the loops that write
-it. Inductor's C++ backend (the CPU) fuses a reduction only into a loop of
-its own shape, so there a flat tensor is one block.
+Each is computed per block of the tensor (its rows, else :func:`blocks`),
+giving a float64 [PARTIALS, blocks] matrix that the merge combines: Triton
+then needs one reduction kernel for all of them, fused into the model's,
+instead of a second small kernel per statistic to finish each whole-tensor
+reduction (about eleven launches per capture). The blocks of a captured
+output run in its memory order (channels-last included), the order of the
+loops that write it. Inductor's C++ backend (the CPU) fuses a reduction only
+into a loop of its own shape, so there a flat tensor is one block.
 
 Other tensors (float64, float8, ``moments=4``, a histogram) are recorded by
 the accumulate op as without ``fused=True``: see :func:`fusable`.
@@ -113,16 +113,18 @@ def _triton(device: torch.device) -> bool:
 def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool = False) -> torch.Tensor:
     """float64 [PARTIALS, blocks]: ``x``'s statistics about the shift ``k``
     (float64 0-dim) per block of ``x`` (rows in ``hookcap._layout.P_*``
-    order), as plain tensor ops traced into the graph. The blocks are
-    :func:`blocks` equal runs of ``x`` in row-major order, or with
-    ``strided`` in memory order (:func:`_memory_order`; it reads the strides,
-    which dynamo cannot do for a gradient inside a hook), one block under
-    Inductor's C++ backend; where the number of blocks depends on a run-time
-    size, the runs over its last two dimensions (the last one for a matrix)
-    in the same order; or with ``rows`` its rows (the last dimension:
-    the loop shape of kernels that compute a tensor row by row, e.g.
-    LayerNorm's, so the compiler can fuse the statistics into them). ``x`` is
-    not modified and no gradient flows through the result."""
+    order), as plain tensor ops traced into the graph. The blocks are the
+    rows of ``x`` (its last dimension) where there are ``MIN_BLOCKS`` to
+    ``MAX_BLOCKS`` of them, else :func:`blocks` equal runs of ``x``, in
+    row-major order, or with ``strided`` in memory order
+    (:func:`_memory_order`; it reads the strides, which dynamo cannot do for
+    a gradient inside a hook); one block under Inductor's C++ backend; where
+    the number of blocks depends on a run-time size, the runs over its last
+    two dimensions (the last one for a matrix) in the same order; or with
+    ``rows`` its rows whatever their number (the loop shape of kernels that
+    compute a tensor row by row, e.g. LayerNorm's, so the compiler can fuse
+    the statistics into them). ``x`` is not modified and no gradient flows
+    through the result."""
     x = x.detach()
     f = x if x.dtype == torch.float32 else _stored_float(x)
     n = f.numel()
@@ -135,7 +137,9 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
         v, whole = f.reshape(-1, f.shape[-1]), False
     elif _triton(f.device):
         g, b = (_memory_order(f) if strided else f), blocks(n)
-        if b == 0:  # a run-time size: rows of memory order, whose count needs no guard
+        if g.dim() >= 2 and _known(MIN_BLOCKS * g.shape[-1] <= n) and _known(n <= MAX_BLOCKS * g.shape[-1]):
+            v = g  # the blocks are its rows: see below
+        elif b == 0:  # a run-time size: rows of memory order, whose count needs no guard
             row = g.shape[-1] if g.dim() < 3 else g.shape[-2] * g.shape[-1]  # a plane for images
             v = g.reshape(-1, row) if g.dim() >= 2 else g.reshape(1, -1)
         else:
@@ -144,8 +148,13 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
     else:
         v, whole = f, True
 
+    # Rows are reduced in the tensor's own shape, not reshaped to a matrix:
+    # the compiler joins two loops over the same data only where they index
+    # it alike, and a matrix view of a tensor computed from permuted inputs
+    # (e.g. the concatenated query, key and value gradients of attention)
+    # indexes it differently from the kernel that computes it.
     def red(t, op, **kw):
-        return op(t, **kw).reshape(1) if whole else op(t, dim=-1, **kw)
+        return op(t, **kw).reshape(1) if whole else op(t, dim=-1, **kw).reshape(-1)
 
     # Counts in int32 where a block cannot reach 2**31 values (int64 costs
     # twice the lanes on the CPU and is emulated on GPUs).

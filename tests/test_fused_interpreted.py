@@ -21,8 +21,8 @@ except ImportError:  # the tests skip
 
 import hookcap._fused
 from conftest import assert_fused_matches_op
-from test_fused import (DYNAMIC_GRADS, Amplified, Block, ConvBlock, block_inputs, compiled_steps, op_and_fused,
-                        op_and_fused_in_one_run)
+from test_fused import Amplified, Block, block_inputs, compiled_steps, op_and_fused, op_and_fused_in_one_run
+from test_fused_triton import DYNAMIC_GRADS, ConvBlock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _fusion  # noqa: E402

@@ -1,0 +1,222 @@
+"""Monitor(fused=True) under Inductor's Triton scheduler, whose kernels a
+GPU would run, generated on the CPU (benchmarks/_fusion.py): the statistics
+must ride in the kernels that compute or consume each captured tensor (no
+launch and no read beyond the unwatched model's), in memory order, under
+dynamic shapes without a guard. Values: test_fused.py (and
+test_fused_interpreted.py, which runs these kernels)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookcap._fused
+from hookcap import Monitor
+from test_fused import Block, has_statistics
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _fusion  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(monkeypatch):
+    # The fused path on CPU tensors (hookcap uses the op there by default).
+    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def triton_kernels(make=Block, shape=(256, 64), channels_last=False, dynamic=False, backward=True, **kw):
+    """The Triton kernel launches of one training step (forward only without
+    ``backward``) of a compiled ``make()`` on a ``shape`` input (with a
+    fused=True Monitor when ``kw`` names its captures), as Inductor's Triton
+    scheduler writes them for a GPU; generated on the CPU, not run."""
+    pytest.importorskip("triton")
+    with _fusion.triton_codegen() as tc:
+        torch.manual_seed(0)
+        model, x = make(), torch.randn(shape)
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+        mon = Monitor(model, histogram=None, fused=True, detectors=[], **kw).attach() if kw else None  # garbage values
+        model.compile(dynamic=True if dynamic else None)
+
+        def step():
+            y = model(x)
+            if backward:
+                y.pow(2).sum().backward()
+
+        tc.run(step)
+        if mon is not None:
+            mon.detach()
+    return tc.kernels()
+
+
+def test_triton_computes_the_statistics_in_the_model_kernels(monkeypatch):
+    """Under Triton the statistics of GELU's input (a matmul result), GELU's
+    and LayerNorm's outputs and the gradients their backward produces ride in
+    the model's kernels: no launch more than the unwatched model, none that
+    reads a captured tensor again (a split reduction's second stage per
+    statistic would be a kernel each). A Linear output whose only consumer is
+    LayerNorm's row reduction joins it by rows, LayerNorm's loop; in blocks
+    of another length (planted: too many rows for a block each) it cannot, and
+    is found read once more, exactly."""
+    base = triton_kernels()
+    fused = triton_kernels(modules=["l", "g", "l2", "ln"], capture=("output", "grad_input"))
+    assert any(has_statistics(k.source) for k in fused)
+    assert len(fused) == len(base)
+    assert _fusion.triton_reduce_only_bytes(fused, 257) == _fusion.triton_reduce_only_bytes(base, 257)
+    monkeypatch.setattr(hookcap._fused, "MAX_BLOCKS", 128)
+    planted = triton_kernels(modules=["l2"], capture="output")
+    assert len(planted) == len(base) + 1
+    assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
+            == 256 * 64 * 4)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, channels=16):
+        super().__init__()
+        self.conv = nn.Conv2d(8, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.act = nn.ReLU()
+        self.out = nn.Conv2d(channels, 4, 1)
+
+    def forward(self, x):
+        return self.out(self.act(self.bn(self.conv(x))))
+
+
+def conv_triton_kernels(channels=16, channels_last=True, **kw):
+    """:func:`triton_kernels` of a ConvBlock on 8×8×16×16 images."""
+    return triton_kernels(lambda: ConvBlock(channels), (8, 8, 16, 16), channels_last, **kw)
+
+
+def test_triton_blocks_follow_a_channels_last_layout(monkeypatch):
+    """A channels-last BatchNorm/ReLU output is split into blocks in memory
+    order, the order of the kernel that computes it: its statistics join that
+    kernel. In the tensor's logical (NCHW) order the blocks would read it
+    strided, which no model loop does: one kernel more each."""
+    base = conv_triton_kernels()
+    fused = conv_triton_kernels(modules=["bn", "act"], capture="output")
+    assert any(has_statistics(k.source) for k in fused)
+    assert len(fused) == len(base)
+    assert _fusion.triton_traffic_bytes(fused) == _fusion.triton_traffic_bytes(base)
+    monkeypatch.setattr(hookcap._fused, "_memory_order", lambda x: x)
+    planted = conv_triton_kernels(modules=["bn", "act"], capture="output")
+    assert len(planted) == len(base) + 2
+    assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
+            == 2 * 8 * 16 * 16 * 16 * 4)  # both outputs read once more
+
+
+def test_a_layout_inductor_picks_after_tracing_does_not_fuse():
+    """As docs/compile-and-distributed.md says: with 128 channels Inductor
+    makes an NCHW model's convolution tensors channels-last after the hooks
+    were traced, so the blocks do not run in memory order and each capture
+    costs a kernel (values unaffected); the same model made channels-last by
+    its user fuses."""
+    assert len(conv_triton_kernels(128, False, modules=["bn", "act"], capture="output")) == (
+        len(conv_triton_kernels(128, False)) + 2)
+    assert len(conv_triton_kernels(128, True, modules=["bn", "act"], capture="output")) == (
+        len(conv_triton_kernels(128, True)))
+
+
+# Dynamo in torch 2.11 cannot compile gradient hooks in a graph with dynamic
+# shapes (docs/compile-and-distributed.md): there these tests capture outputs only.
+DYNAMIC_GRADS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_triton_partials_of_a_dynamic_size_need_no_guard(channels_last):
+    """Under Triton, compiled with dynamic shapes: blocks that depend on the
+    batch size would guard the graph on it (a recompile at every new batch
+    size); the statistics are reduced by rows of memory order instead, and
+    one graph serves every batch size, as for the unwatched model."""
+    pytest.importorskip("triton")
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = ConvBlock()
+    shape = lambda b: (b, 8, 16, 16)  # noqa: E731
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    capture = ("output", "grad_output") if DYNAMIC_GRADS else "output"
+    mon = Monitor(model, histogram=None, fused=True, capture=capture).attach()
+    with _fusion.triton_codegen():
+        counters.clear()
+        fn = torch.compile(model, dynamic=True)
+        for b in (4, 6, 9):
+            x = torch.randn(shape(b))
+            y = fn(x.contiguous(memory_format=torch.channels_last) if channels_last else x)
+            if DYNAMIC_GRADS:
+                y.sum().backward()
+        graphs = counters["stats"]["unique_graphs"]
+    mon.detach()
+    assert graphs == 1
+
+
+@pytest.mark.parametrize("case", ["block", "block3d", "conv"])
+def test_triton_rows_of_a_dynamic_size_ride_in_the_model_kernels(case):
+    """Compiled with dynamic shapes, the runs that replace the blocks (a
+    matrix's rows, a sequence batch's planes, an image's planes) still join
+    the model's kernels: the captures cost no launch."""
+    pytest.importorskip("triton")
+    make, shape = {"block": (Block, (256, 64)), "block3d": (Block, (8, 32, 64)),
+                   "conv": (ConvBlock, (8, 8, 16, 16))}[case]
+    grads = ("output", "grad_input") if DYNAMIC_GRADS else "output"
+    modules = ["bn", "act"] if case == "conv" else ["l", "g", "ln"]
+
+    def launches(**kw):
+        return triton_kernels(make, shape, dynamic=True, backward=DYNAMIC_GRADS, **kw)
+
+    fused = launches(modules=modules, capture="output" if case == "conv" else grads)
+    assert any(has_statistics(k.source) for k in fused)
+    assert len(fused) == len(launches())
+
+
+class Merge(nn.Module):
+    """Concatenates per-head (B, H, T, D) tensors into (B, T, 3·H·D)."""
+
+    def forward(self, q, k, v):
+        return torch.cat([t.transpose(1, 2).flatten(2) for t in (q, k, v)], dim=-1)
+
+
+class Heads(nn.Module):
+    """Query, key and value heads as attention's matmuls leave them (the key
+    transposed in memory), merged by a concatenation and projected: the
+    pattern in which attention's query/key/value gradients become the
+    gradient of its input projection (GPT-2's ``c_attn``)."""
+
+    def __init__(self, heads=4, dim=16):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.w = nn.Parameter(torch.randn(3, heads, dim, dim) / dim**0.5)
+        self.merge = Merge()
+        self.out = nn.Linear(3 * heads * dim, 8)
+
+    def forward(self, x):  # (B, T, H*D)
+        h = x.unflatten(-1, (self.heads, self.dim)).transpose(1, 2)  # (B, H, T, D)
+        q, v = h @ self.w[0], h @ self.w[2]
+        k = (self.w[1].transpose(-1, -2) @ h.transpose(-1, -2)).transpose(-1, -2)  # stored (B, H, D, T)
+        return self.out(self.merge(q, k, v))
+
+
+def test_a_concatenation_of_permuted_tensors_joins_the_kernel_that_computes_it(monkeypatch):
+    """On a GPU Inductor computes the concatenation as one pointwise kernel
+    (the codegen installs that rule; on CPU tensors it would write one kernel
+    per input). Its statistics are reduced by the tensor's own rows, indexed
+    as that kernel indexes its inputs, so they join it: no launch and no read
+    more than the unwatched model. Blocks of a reshaped matrix (planted: too
+    many rows for a block each) index the permuted inputs differently, and the
+    compiler computes the concatenation a second time in a kernel of its own."""
+    make, shape = Heads, (8, 32, 64)
+    base = triton_kernels(make, shape)
+    assert [k.reductions for k in base if "_cat_" in k.name] == [0]  # one pointwise kernel
+    fused = triton_kernels(make, shape, modules=["merge"], capture="output")
+    assert [has_statistics(k.source) for k in fused if "_cat_" in k.name] == [True]
+    assert len(fused) == len(base)
+    assert _fusion.triton_reduce_only_bytes(fused, 257) == _fusion.triton_reduce_only_bytes(base, 257)
+    monkeypatch.setattr(hookcap._fused, "MAX_BLOCKS", 128)
+    planted = triton_kernels(make, shape, modules=["merge"], capture="output")
+    assert len(planted) == len(base) + 1
+    assert _fusion.triton_reduce_only_bytes(planted, 257) > _fusion.triton_reduce_only_bytes(base, 257)
