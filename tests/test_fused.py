@@ -146,6 +146,22 @@ def test_blocks_divide_the_tensor_and_stay_in_range():
         assert n % b == 0 and (b == 1 or hookcap._fused.MIN_BLOCKS <= b <= hookcap._fused.MAX_BLOCKS)
 
 
+def test_rows_are_blocks_where_enough_and_not_too_many_or_long():
+    from hookcap._fused import MAX_BLOCKS, MIN_BLOCKS, MIN_ROW, _rows_are_blocks, blocks
+
+    def rows(*shape):
+        x = torch.empty(shape)
+        return _rows_are_blocks(x, blocks(x.numel()))
+
+    assert rows(8, 128, 16)  # 1,024 rows
+    assert rows(MIN_BLOCKS, 1)
+    assert not rows(MIN_BLOCKS - 1, 4096)
+    assert not rows(MAX_BLOCKS + 1, MIN_ROW - 1)
+    assert rows(8, 1024, MIN_ROW)  # 8,192 rows, long enough
+    assert not rows(4096)
+    assert not _rows_are_blocks(torch.empty(8, 1024, MIN_ROW), 0)  # a run-time size
+
+
 def test_several_writes_into_a_row_rebase_onto_its_shift():
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(500, generator=g) + 1e3, torch.randn(300, generator=g) * 5 - 2e3,

@@ -201,22 +201,28 @@ class Heads(nn.Module):
         return self.out(self.merge(q, k, v))
 
 
-def test_a_concatenation_of_permuted_tensors_joins_the_kernel_that_computes_it(monkeypatch):
+@pytest.mark.parametrize("case", ["few_rows", "long_rows"])
+def test_a_concatenation_of_permuted_tensors_joins_the_kernel_that_computes_it(monkeypatch, case):
     """On a GPU Inductor computes the concatenation as one pointwise kernel
     (the codegen installs that rule; on CPU tensors it would write one kernel
     per input). Its statistics are reduced by the tensor's own rows, indexed
     as that kernel indexes its inputs, so they join it: no launch and no read
-    more than the unwatched model. Blocks of a reshaped matrix (planted: too
-    many rows for a block each) index the permuted inputs differently, and the
-    compiler computes the concatenation a second time in a kernel of its own."""
-    make, shape = Heads, (8, 32, 64)
+    more than the unwatched model. Blocks of a reshaped matrix (planted: rows
+    too many or too short to be blocks) index the permuted inputs differently, and the
+    compiler computes the concatenation a second time in a kernel of its own.
+    Rows: 256 of 192 values (at most ``MAX_BLOCKS``), or 2,048 of 768 (each
+    at least ``MIN_ROW`` long)."""
+    make, shape, planted_setting = {
+        "few_rows": (Heads, (8, 32, 64), ("MAX_BLOCKS", 128)),
+        "long_rows": (lambda: Heads(4, 64), (8, 256, 256), ("MIN_ROW", 1024)),
+    }[case]
     base = triton_kernels(make, shape)
     assert [k.reductions for k in base if "_cat_" in k.name] == [0]  # one pointwise kernel
     fused = triton_kernels(make, shape, modules=["merge"], capture="output")
     assert [has_statistics(k.source) for k in fused if "_cat_" in k.name] == [True]
     assert len(fused) == len(base)
     assert _fusion.triton_reduce_only_bytes(fused, 257) == _fusion.triton_reduce_only_bytes(base, 257)
-    monkeypatch.setattr(hookcap._fused, "MAX_BLOCKS", 128)
+    monkeypatch.setattr(hookcap._fused, *planted_setting)
     planted = triton_kernels(make, shape, modules=["merge"], capture="output")
     assert len(planted) == len(base) + 1
     assert _fusion.triton_reduce_only_bytes(planted, 257) > _fusion.triton_reduce_only_bytes(base, 257)
