@@ -33,8 +33,8 @@ run: _fusion.triton_codegen).
 Usage:
   python benchmarks/bench_overhead.py [--workloads gpt2,cnn] [--rounds 16] [--threads 2]
                                       [--steps-per-round 6] [--configs every=10,hookcap]
-                                      [--device cpu|cuda] [--compile]
-                                      [--json benchmarks/results/overhead.json]
+                                      [--device cpu|cuda] [--compile [--triton-only]]
+                                      [--gpt2-tokens 128] [--json benchmarks/results/overhead.json]
 """
 
 from __future__ import annotations
@@ -59,16 +59,20 @@ from bench_kernel import machine_info
 # -- workloads -----------------------------------------------------------------
 
 
+GPT2_TOKENS = 128  # sequence length (--gpt2-tokens)
+
+
 def gpt2_workload(device, use_cache=True):
     import transformers
 
     transformers.logging.set_verbosity_error()
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=256,
-                                  bos_token_id=0, eos_token_id=0, use_cache=use_cache)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048,
+                                  n_positions=max(256, GPT2_TOKENS), bos_token_id=0, eos_token_id=0,
+                                  use_cache=use_cache)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).to(device)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(2048, (8, 128), generator=g).to(device)
+    x = torch.randint(2048, (8, GPT2_TOKENS), generator=g).to(device)
 
     def loss_fn():
         return model(x, labels=x).loss
@@ -486,6 +490,25 @@ def triton_kernels_per_step(workload) -> dict:
     return out
 
 
+def triton_only(workload) -> dict:
+    """--triton-only: :func:`triton_kernels_per_step` of ``workload`` and the
+    bytes the op reads per step (its captured tensors', from one eager step
+    with the op), without timing anything."""
+    import hookcap._fused
+
+    hookcap._fused.DEVICE_TYPES.add("cpu")
+    out = triton_kernels_per_step(workload)
+    torch._dynamo.reset()
+    model, loss_fn = compiled_workload(workload, torch.device("cpu"))
+    mon = hookcap.Monitor(model, capture=("output", "grad_output"), histogram=None, detectors=[]).attach()
+    loss_fn().backward()
+    mon.step()
+    h = mon.history()
+    out["captured_bytes"] = int(sum(h["count"][-1][~np.isnan(h["count"][-1])]) * 4)
+    mon.detach()
+    return out
+
+
 def compiled_table(rows, title):
     lines = [title, f"{'config':28s} {'median ms':>10s} {'ratio':>7s} {'overhead':>9s} {'telemetry reads/step':>21s}",
              "-" * 80]
@@ -610,6 +633,7 @@ def table(rows, title):
 
 
 def main(argv=None):
+    global GPT2_TOKENS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="gpt2,cnn")
     p.add_argument("--rounds", type=int, default=16)
@@ -620,6 +644,9 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--compile", action="store_true",
                    help="compiled models: no telemetry, the op, fused=True (see the module docstring)")
+    p.add_argument("--triton-only", action="store_true",
+                   help="with --compile on the CPU: only the Triton counts and the op's captured bytes, no timing")
+    p.add_argument("--gpt2-tokens", type=int, default=GPT2_TOKENS, help="GPT-2 sequence length (batch 8)")
     p.add_argument("--configs", default=None,
                    help="comma-separated substrings: measure only the configurations whose name "
                         "contains one (the baseline always runs), e.g. 'every=10'")
@@ -632,7 +659,20 @@ def main(argv=None):
     result = {"machine": {"cpu": cpu, "threads": args.threads, "torch": torch.__version__,
                           "device": str(device), "build": hookcap.build_info()}, "workloads": {}}
     print(f"# {cpu}, {args.threads} threads, torch {torch.__version__}, device {device}")
-    if args.compile:
+    GPT2_TOKENS = result["gpt2_tokens"] = args.gpt2_tokens
+    if args.compile and args.triton_only:
+        for w in args.workloads.split(","):
+            result["workloads"][w] = t = triton_only(w)
+            print(f"{w}: Triton (generated, not run) launches/step {t['launches_none']} unwatched, "
+                  f"{t['launches_fused']} fused=True; fused reduce-only reads {t['telemetry_read_bytes'] / 1e6:.2f} MB/step "
+                  f"= {100 * t['telemetry_read_bytes'] / t['captured_bytes']:.1f} % of the op's "
+                  f"{t['captured_bytes'] / 1e6:.1f} MB")
+        if args.json:
+            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
+            print(f"\nwrote {args.json}")
+    elif args.compile:
         result["compiled"] = True
         for w in args.workloads.split(","):
             rows, extra = measure_compiled(w, device, args.rounds, args.steps_per_round, args.warm_rounds)
