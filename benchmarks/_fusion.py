@@ -329,6 +329,18 @@ def _interpreted_libdevice():
     return lib
 
 
+def merge_partials_bytes(codes) -> int:
+    """Bytes of the partials that ``hookcap::merge_partials`` calls read in
+    ``codes`` (the fused kernels write them): PARTIALS float64 values per
+    block, from each call's ``(PARTIALS, blocks)`` argument; a call whose
+    shape is not written literally counts as 0."""
+    total = 0
+    for code in codes:
+        for rows, cols in re.findall(r"merge_partials\.default\(reinterpret_tensor\(\w+, \((\d+), (\d+)\)", code):
+            total += int(rows) * int(cols) * 8
+    return total
+
+
 def triton_launches(codes) -> list[TritonKernel]:
     """Every Triton kernel launch, in order, of the modules Inductor generated
     for a GPU (``run_and_get_code``'s strings): a kernel launched twice is

@@ -474,17 +474,22 @@ def triton_kernels_per_step(workload) -> dict:
     the op (histogram=None): their number, the bytes their reduce-only
     kernels read, and the bytes all of them move. The op's own reads (the
     captured bytes) are not Triton kernels and not counted here."""
-    from _fusion import triton_codegen, triton_launches, triton_reduce_only_bytes, triton_traffic_bytes
+    from _fusion import (merge_partials_bytes, triton_codegen, triton_launches, triton_reduce_only_bytes,
+                         triton_traffic_bytes)
 
     out = {}
     for name, kw in (("none", None), ("fused", FUSED), ("op", {"histogram": None})):
         with triton_codegen():
-            launches = triton_launches(step_code(workload, torch.device("cpu"), kw))
+            codes = step_code(workload, torch.device("cpu"), kw)
+        launches = triton_launches(codes)
+        if kw is FUSED:
+            out["partials_bytes"] = merge_partials_bytes(codes)
         out[f"launches_{name}"] = len(launches)
         out[f"reduce_only_bytes_{name}"] = triton_reduce_only_bytes(launches, 4097)
         out[f"traffic_bytes_{name}"] = triton_traffic_bytes(launches)
         out[f"unsized_launches_{name}"] = sum(k.elements < 0 for k in launches)  # counted as 0 bytes
     out["telemetry_read_bytes"] = out["reduce_only_bytes_fused"] - out["reduce_only_bytes_none"]
+    out["telemetry_and_partials_read_bytes"] = out["telemetry_read_bytes"] + out["partials_bytes"]
     out["telemetry_traffic_bytes"] = out["traffic_bytes_fused"] - out["traffic_bytes_none"]
     out["op_traffic_bytes"] = out["traffic_bytes_op"] - out["traffic_bytes_none"]
     return out
@@ -666,13 +671,16 @@ def main(argv=None):
             print(f"{w}: Triton (generated, not run) launches/step {t['launches_none']} unwatched, "
                   f"{t['launches_fused']} fused=True; fused reduce-only reads {t['telemetry_read_bytes'] / 1e6:.2f} MB/step "
                   f"= {100 * t['telemetry_read_bytes'] / t['captured_bytes']:.1f} % of the op's "
-                  f"{t['captured_bytes'] / 1e6:.1f} MB")
+                  f"{t['captured_bytes'] / 1e6:.1f} MB; with the partials the merge reads "
+                  f"({t['partials_bytes'] / 1e6:.2f} MB) {t['telemetry_and_partials_read_bytes'] / 1e6:.2f} MB "
+                  f"= {100 * t['telemetry_and_partials_read_bytes'] / t['captured_bytes']:.1f} %")
         if args.json:
             os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2)
             print(f"\nwrote {args.json}")
-    elif args.compile:
+        return
+    if args.compile:
         result["compiled"] = True
         for w in args.workloads.split(","):
             rows, extra = measure_compiled(w, device, args.rounds, args.steps_per_round, args.warm_rounds)
@@ -682,7 +690,8 @@ def main(argv=None):
                 t = extra["triton"]
                 print(f"Triton (generated, not run): launches/step {t['launches_none']} unwatched, "
                       f"{t['launches_fused']} fused=True; fused reduce-only reads "
-                      f"{t['telemetry_read_bytes'] / 1e6:.2f} MB/step, all kernels' traffic "
+                      f"{t['telemetry_read_bytes'] / 1e6:.2f} MB/step, the merge reads {t['partials_bytes'] / 1e6:.2f} MB "
+                      f"of partials, all kernels' traffic "
                       f"{t['telemetry_traffic_bytes'] / 1e6:+.2f} MB/step (op: {t['op_traffic_bytes'] / 1e6:+.2f} MB/step "
                       f"in Triton kernels, plus its own reads)")
         if args.json:
