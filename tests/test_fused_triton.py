@@ -226,3 +226,22 @@ def test_a_concatenation_of_permuted_tensors_joins_the_kernel_that_computes_it(m
     planted = triton_kernels(make, shape, modules=["merge"], capture="output")
     assert len(planted) == len(base) + 1
     assert _fusion.triton_reduce_only_bytes(planted, 257) > _fusion.triton_reduce_only_bytes(base, 257)
+
+
+def test_the_partials_the_merge_reads_and_tiled_kernels_are_counted():
+    """What the benchmark counts: the partials of three captures of a 256-row
+    Block (a block per row: PARTIALS float64 each), and the elements of a
+    pointwise kernel tiled in two dimensions (ynumel × xnumel)."""
+    with _fusion.triton_codegen() as tc:
+        model = Block()
+        mon = Monitor(model, histogram=None, fused=True, detectors=[], modules=["l", "g", "ln"],
+                      capture="output").attach()
+        model.compile()
+        tc.run(lambda: model(torch.randn(256, 64)))
+        mon.detach()
+    assert _fusion.merge_partials_bytes(tc.codes) == 3 * hookcap._layout.PARTIALS * 256 * 8
+    tiled = ("'in_ptr0': '*fp32', 'out_ptr0': '*fp32'\n@triton.jit\ndef k(in_ptr0, out_ptr0, ynumel, xnumel):\n"
+             "    ynumel = 8\n    xnumel = 16\n    tmp0 = tl.load(in_ptr0 + (y0 + 8*x1), xmask)\n"
+             "    tl.store(out_ptr0 + (x1 + 16*y0), tmp0, xmask)\n")
+    k = _fusion.triton_kernel(tiled)
+    assert (k.elements, k.loads, k.big_stores) == (128, {"in_ptr0": 4}, {"out_ptr0": 4})
