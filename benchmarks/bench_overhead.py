@@ -637,6 +637,15 @@ def table(rows, title):
     return "\n".join(lines)
 
 
+def write_json(path, result):
+    """``result`` to ``path`` (if given), its folder made if missing."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {path}")
+
+
 def main(argv=None):
     global GPT2_TOKENS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -674,11 +683,7 @@ def main(argv=None):
                   f"{t['captured_bytes'] / 1e6:.1f} MB; with the partials the merge reads "
                   f"({t['partials_bytes'] / 1e6:.2f} MB) {t['telemetry_and_partials_read_bytes'] / 1e6:.2f} MB "
                   f"= {100 * t['telemetry_and_partials_read_bytes'] / t['captured_bytes']:.1f} %")
-        if args.json:
-            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-            print(f"\nwrote {args.json}")
+        write_json(args.json, result)
         return
     if args.compile:
         result["compiled"] = True
@@ -694,11 +699,7 @@ def main(argv=None):
                       f"of partials, all kernels' traffic "
                       f"{t['telemetry_traffic_bytes'] / 1e6:+.2f} MB/step (op: {t['op_traffic_bytes'] / 1e6:+.2f} MB/step "
                       f"in Triton kernels, plus its own reads)")
-        if args.json:
-            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-            print(f"\nwrote {args.json}")
+        write_json(args.json, result)
         return
     for w in args.workloads.split(","):
         rows, extra = measure(w, device, args.rounds, args.steps_per_round, args.warm_rounds,
@@ -714,11 +715,7 @@ def main(argv=None):
     print("  hook  = hook call to return (added minus a no-op forward hook)")
     for k, v in hooks.items():
         print(f"{k:30s} {v:6.2f} µs")
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\nwrote {args.json}")
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

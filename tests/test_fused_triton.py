@@ -14,19 +14,10 @@ import torch.nn as nn
 
 import hookcap._fused
 from hookcap import Monitor
-from test_fused import Block, has_statistics
+from test_fused import Block, fresh_dynamo, has_statistics  # noqa: F401 (fresh_dynamo: autouse here too)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _fusion  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo(monkeypatch):
-    # The fused path on CPU tensors (hookcap uses the op there by default).
-    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def triton_kernels(make=Block, shape=(256, 64), channels_last=False, dynamic=False, backward=True, **kw):
