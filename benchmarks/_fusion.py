@@ -248,8 +248,8 @@ class triton_codegen:
         self._undo = [(obj, name, getattr(obj, name), new) for obj, name, new in self._undo]
         for obj, name, _, new in self._undo:
             setattr(obj, name, new)
-        self._lowerings_undo = {op: lowerings[op] for op in self._lowerings} if self._lowerings else {}
-        lowerings.update(self._lowerings or {})
+        self._lowerings_undo = {op: lowerings[op] for op in self._lowerings}
+        lowerings.update(self._lowerings)
         torch._dynamo.reset()
         return self
 
@@ -275,14 +275,14 @@ class triton_codegen:
         return triton_launches(self.codes)
 
 
-def _gpu_cat_lowering() -> dict | None:
+def _gpu_cat_lowering() -> dict:
     """Inductor's lowering of ``aten.cat`` as it decides on a GPU, to install
     in its lowering table: {op: lowering}. For CPU tensors Inductor always
     concatenates into one buffer (a kernel per input writing its slice); on a
     GPU it may compute the result as one pointwise kernel, which changes what
     a statistic of the result can fuse with (e.g. the gradient of GPT-2's
     ``c_attn``, the concatenation of the query, key and value gradients).
-    The same source with its CPU test answered for a GPU. None where this
+    The same source with its CPU test answered for a GPU. Empty where this
     torch's source does not have the test (left as it is)."""
     import inspect
 
@@ -293,9 +293,9 @@ def _gpu_cat_lowering() -> dict | None:
     try:
         src = inspect.getsource(lowering.cat)
     except (OSError, TypeError):
-        return None
+        return {}
     if src.count(cpu_test) != 1 or not src.startswith("@register_lowering(aten.cat)\n"):
-        return None
+        return {}
     namespace = dict(vars(lowering))
     exec(src.removeprefix("@register_lowering(aten.cat)\n").replace(cpu_test, "cpu_device = False"), namespace)
     aten = torch.ops.aten

@@ -425,8 +425,7 @@ def measure_compiled(workload, device, rounds, steps_per_round, warm_rounds):
     for name, (_, _, _, mon) in runs.items():
         row = paired_row(name, times, by_round)
         if mon is not None:
-            h = mon.history()
-            row["captured_bytes"] = int(sum(h["count"][-1][~np.isnan(h["count"][-1])]) * 4)
+            row["captured_bytes"] = captured_bytes(mon.history())
             mon.detach()
         rows.append(row)
     extra = {"model": getattr(runs["no telemetry"][1], "model_name", workload)}
@@ -474,9 +473,11 @@ def triton_kernels_per_step(workload) -> dict:
     the op (histogram=None): their number, the bytes their reduce-only
     kernels read, and the bytes all of them move. The op's own reads (the
     captured bytes) are not Triton kernels and not counted here."""
+    import hookcap._fused
     from _fusion import (merge_partials_bytes, triton_codegen, triton_launches, triton_reduce_only_bytes,
                          triton_traffic_bytes)
 
+    hookcap._fused.DEVICE_TYPES.add("cpu")  # generated on the CPU: the fused path for its tensors
     out = {}
     for name, kw in (("none", None), ("fused", FUSED), ("op", {"histogram": None})):
         with triton_codegen():
@@ -499,19 +500,21 @@ def triton_only(workload) -> dict:
     """--triton-only: :func:`triton_kernels_per_step` of ``workload`` and the
     bytes the op reads per step (its captured tensors', from one eager step
     with the op), without timing anything."""
-    import hookcap._fused
-
-    hookcap._fused.DEVICE_TYPES.add("cpu")
     out = triton_kernels_per_step(workload)
     torch._dynamo.reset()
     model, loss_fn = compiled_workload(workload, torch.device("cpu"))
     mon = hookcap.Monitor(model, capture=("output", "grad_output"), histogram=None, detectors=[]).attach()
     loss_fn().backward()
     mon.step()
-    h = mon.history()
-    out["captured_bytes"] = int(sum(h["count"][-1][~np.isnan(h["count"][-1])]) * 4)
+    out["captured_bytes"] = captured_bytes(mon.history())
     mon.detach()
     return out
+
+
+def captured_bytes(h) -> int:
+    """Bytes of float32 values a Monitor's last recorded step captured (what
+    the op reads once): its columns' counts, times 4."""
+    return int(sum(h["count"][-1][~np.isnan(h["count"][-1])]) * 4)
 
 
 def compiled_table(rows, title):

@@ -130,9 +130,10 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
     (float64 0-dim) per block of ``x`` (rows in ``hookcap._layout.P_*``
     order), as plain tensor ops traced into the graph. The blocks are the
     rows of ``x`` (its last dimension) where :func:`_rows_are_blocks`, else
-    :func:`blocks` equal runs of ``x``, in row-major order, or with ``strided`` in memory order
-    (:func:`_memory_order`; it reads the strides, which dynamo cannot do for
-    a gradient inside a hook); one block under Inductor's C++ backend; where
+    :func:`blocks` equal runs of ``x``, in row-major order, or with
+    ``strided`` in memory order (:func:`_memory_order`; it reads the strides,
+    which dynamo cannot do for a gradient inside a hook); one block under
+    Inductor's C++ backend; where
     the number of blocks depends on a run-time size, the runs over its last
     two dimensions (the last one for a matrix) in the same order; or with
     ``rows`` its rows whatever their number (the loop shape of kernels that

@@ -25,6 +25,12 @@ def triton_kernels(make=Block, shape=(256, 64), channels_last=False, dynamic=Fal
     ``backward``) of a compiled ``make()`` on a ``shape`` input (with a
     fused=True Monitor when ``kw`` names its captures), as Inductor's Triton
     scheduler writes them for a GPU; generated on the CPU, not run."""
+    return triton_step(make, shape, channels_last, dynamic, backward, **kw).kernels()
+
+
+def triton_step(make=Block, shape=(256, 64), channels_last=False, dynamic=False, backward=True, **kw):
+    """:func:`triton_kernels`' step: the ``_fusion.triton_codegen`` that
+    generated it (its ``codes``, its ``kernels()``)."""
     pytest.importorskip("triton")
     with _fusion.triton_codegen() as tc:
         torch.manual_seed(0)
@@ -42,7 +48,7 @@ def triton_kernels(make=Block, shape=(256, 64), channels_last=False, dynamic=Fal
         tc.run(step)
         if mon is not None:
             mon.detach()
-    return tc.kernels()
+    return tc
 
 
 def test_triton_computes_the_statistics_in_the_model_kernels(monkeypatch):
@@ -223,14 +229,8 @@ def test_the_partials_the_merge_reads_and_tiled_kernels_are_counted():
     """What the benchmark counts: the partials of three captures of a 256-row
     Block (a block per row: PARTIALS float64 each), and the elements of a
     pointwise kernel tiled in two dimensions (ynumel × xnumel)."""
-    with _fusion.triton_codegen() as tc:
-        model = Block()
-        mon = Monitor(model, histogram=None, fused=True, detectors=[], modules=["l", "g", "ln"],
-                      capture="output").attach()
-        model.compile()
-        tc.run(lambda: model(torch.randn(256, 64)))
-        mon.detach()
-    assert _fusion.merge_partials_bytes(tc.codes) == 3 * hookcap._layout.PARTIALS * 256 * 8
+    codes = triton_step(backward=False, modules=["l", "g", "ln"], capture="output").codes
+    assert _fusion.merge_partials_bytes(codes) == 3 * hookcap._layout.PARTIALS * 256 * 8
     tiled = ("'in_ptr0': '*fp32', 'out_ptr0': '*fp32'\n@triton.jit\ndef k(in_ptr0, out_ptr0, ynumel, xnumel):\n"
              "    ynumel = 8\n    xnumel = 16\n    tmp0 = tl.load(in_ptr0 + (y0 + 8*x1), xmask)\n"
              "    tl.store(out_ptr0 + (x1 + 16*y0), tmp0, xmask)\n")
