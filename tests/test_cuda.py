@@ -386,35 +386,47 @@ def test_monitor_with_compile(dev, fused, monkeypatch):
 
 @pytest.mark.parametrize("dev", DEVICES)
 def test_fused_compiled_statistics_match_the_op_without_a_sync(dev, monkeypatch):
-    # Monitor(fused=True): the statistics as reductions in Inductor's kernels
-    # (Triton on CUDA; C++ on the CPU, switched on for the test), against a
-    # twin recorded by the op; the steady-state step syncs nothing.
+    # Monitor(fused=True) (statistics as reductions in Inductor's kernels: Triton
+    # on CUDA, C++ on the CPU, switched on for the test) and a Monitor recording
+    # by the op, both on one model in one compile, so both see the same values
+    # (two compiles need not: on a GPU their kernels, and so the rounding of the
+    # model's own gradients, can differ). The steady-state step syncs nothing,
+    # and the model's values stay those of an unwatched compile up to rounding.
     import hookcap._fused
 
     monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
-    torch._dynamo.reset()
-    hists = {}
-    for kw in ({}, {"fused": True}):
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(128, 64, generator=g).to(dev) for _ in range(4)]
+    xs[2][0, 0] = float("nan")  # NaN flows through every later tensor of that step
+    w = torch.randn(128, 64, generator=g).to(dev)  # a loss whose gradient does not cancel
+    kw = dict(capture=("output", "grad_output", "grad_input"), histogram=None, detectors=[])
+    values = {}
+    for watched in (False, True):
+        torch._dynamo.reset()
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64),
                                     torch.nn.LayerNorm(64)).to(dev)
-        g = torch.Generator().manual_seed(1)
-        xs = [torch.randn(128, 64, generator=g).to(dev) for _ in range(4)]
-        xs[2][0, 0] = float("nan")  # NaN flows through every later tensor of that step
-        mon = hookcap.Monitor(model, capture=("output", "grad_output", "grad_input"), histogram=None,
-                              **kw).attach()
+        mons = [hookcap.Monitor(model, **kw).attach(), hookcap.Monitor(model, fused=True, **kw).attach()] \
+            if watched else []
         cm = torch.compile(model)
+        values[watched] = []
         for i, x in enumerate(xs):
             with no_sync(dev) if i == 3 else contextlib.nullcontext():
-                cm(x).pow(2).sum().backward()
+                y = cm(x)
+                (y * w).sum().backward()
+                values[watched].append([y.detach().clone()] + [p.grad.detach().clone() for p in model.parameters()])
                 model.zero_grad(set_to_none=True)
-                mon.step()
-        mon.detach()
-        hists[bool(kw)] = mon.history()
-        torch._dynamo.reset()
-    op, fused = hists[False], hists[True]
+                for mon in mons:
+                    mon.step()
+        for mon in mons:
+            mon.detach()
+    torch._dynamo.reset()
+    op, fused = (mon.history() for mon in mons)
     assert list(op.steps) == [0, 1, 2, 3] and op["nan"][2].sum() > 0
     assert_fused_matches_op(op, fused)
+    for i in (0, 1, 3):  # step 2 is NaN throughout
+        for a, b in zip(values[True][i], values[False][i]):
+            assert float((a - b).norm() / b.norm()) < 1e-4
 
 
 @pytest.mark.parametrize("dev", DEVICES)

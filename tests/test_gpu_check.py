@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import _gpt2  # noqa: E402
 import gpu_check  # noqa: E402
 
-STEPS = ["environment", "build", "tests", "kernel", "overhead", "compiled"]
+STEPS = ["environment", "build", "tests", "compiled", "kernel", "overhead"]
 
 
 def run_gpu_check(outdir, *args):
