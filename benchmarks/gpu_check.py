@@ -15,7 +15,8 @@ a failing step does not stop the later ones:
                configuration: no telemetry, the accumulate op (histogram=None) and
                Monitor(fused=True, histogram=None) (statistics as reductions in Inductor's
                Triton kernels), interleaved round by round; compile seconds per instance; the
-               fused and op rows of the first step compared; the forms of
+               fused and op rows of the first step compared; each configuration's device time
+               per step by kernel (benchmarks/_profile_steps.py); the forms of
                benchmarks/bench_fused_forms.py on 2**26 values (the statistics and a log2
                histogram as Triton reductions vs the op); Inductor's code of a fused step in
                OUTDIR/fused_code.txt (OUTDIR/compiled.log).
@@ -876,6 +877,9 @@ def compiled_stage(args) -> dict:
     times, by_round = bench_overhead.interleaved(steps, bench_overhead.timer(device), rounds, steps_per_round, 1,
                                                  stop)
     rows = [{**bench_overhead.paired_row(name, times, by_round), "compile_s": compile_s[name]} for name in runs]
+    import _profile_steps  # 3 steps per configuration, the Monitors still attached
+
+    profile = _profile_steps.profile_steps(steps, device) if left() > 15 else {"skipped": f"{left():.0f} s left"}
     hist = {name: runs[name][3].history() for name in runs if runs[name][3] is not None}
     op, fused = hist["op histogram=None"], hist["fused=True histogram=None"]
     mismatches, rounding = fused_vs_op(op, fused)
@@ -884,7 +888,7 @@ def compiled_stage(args) -> dict:
             mon.detach()
     import bench_fused_forms
 
-    details = {}
+    details = {"profile": profile}
     # Extras, while time is left (each a few compiles of small graphs).
     extras = (("generated_code", 30, lambda: dump_fused_code(device, args.outdir)),
               ("forms", 45, lambda: bench_fused_forms.measure_forms(args.device, 2**26 if cuda else 2**14,
@@ -1068,6 +1072,11 @@ def summary_md(report: dict) -> str:
                 "| config | median ms | overhead | first step (compile) s |", "|---|---:|---:|---:|"]
         out += [f"| {r['config']} | {r['median_ms']:.1f} | {r['overhead_pct']:+.1f}% | {r['compile_s']} |"
                 for r in c["rows"]]
+        if isinstance(c.get("profile"), dict) and "skipped" not in c["profile"]:
+            import _profile_steps
+
+            out += ["", "Device time per step by kernel category (torch.profiler, 2 steps; ms, launches in "
+                        "brackets):", ""] + _profile_steps.summary_lines(c["profile"])
         if isinstance(c.get("forms"), list):
             out += ["", "Statistics as graph reductions after one elementwise producer (µs per call; added: over "
                         "the producer alone; / op: over what the accumulate op adds):", "",

@@ -68,6 +68,12 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert [r["config"] for r in compiled["rows"]] == [c for c, _ in gpu_check.COMPILED_CONFIGS]
     assert all(r["median_ms"] > 0 and r["compile_s"] > 0 for r in compiled["rows"])
     assert compiled["metrics"] > 0 and compiled["same_names"] and compiled["fused_vs_op_mismatches"] == []
+    # Each configuration profiled with its Monitor still attached: hookcap's ops run
+    # for every capture with the op, more with fused=True (shift, merge), never unwatched.
+    prof = compiled["profile"]
+    assert list(prof) == [c for c, _ in gpu_check.COMPILED_CONFIGS] and all(p["ms_per_step"] > 0 for p in prof.values())
+    calls = [p["by_category"].get("hookcap", {}).get("calls", 0) for p in prof.values()]
+    assert calls[0] == 0 and compiled["metrics"] <= calls[1] < calls[2]
     forms = {r["form"] for r in compiled["forms"]}
     assert {"producer", "fused=True", "hist scatter", "op histogram=None", "op log2"} <= forms
     code = compiled["generated_code"]  # kept for reading offline (Triton on a GPU)
@@ -76,6 +82,7 @@ def test_cpu_quick_run_records_every_step(tmp_path):
 
     summary = (tmp_path / "summary.md").read_text()
     assert gpu_check.KERNEL_HEADER in summary and "## Overhead" in summary and "## Compiled" in summary
+    assert "Device time per step by kernel category" in summary
     assert summary.strip() in out.stdout
     assert {"build_info.log", "kernel.log", "overhead.log", "compiled.log"} <= set(os.listdir(tmp_path))
 
