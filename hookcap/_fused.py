@@ -12,9 +12,7 @@ What the graph computes, per tensor ``x`` (float32, bfloat16 or float16; the
 half types are widened to float32 as they are read):
 
 - counts of +Inf, -Inf, zeros and finite values (integer sums: exact;
-  int32 where a block has fewer than 2**31 values; packed into one int64
-  sum under Triton where it has fewer than 2**16: :func:`_counts`) and of
-  NaN (the rest);
+  int32 where a block has fewer than 2**31 values) and of NaN (the rest);
 - the finite values' sum and sum of squares about a shift ``K``, in float64
   (no float32 overflow or underflow is possible for these inputs, and the
   error is the compiler's summation order only: see docs). ``K`` comes from
@@ -173,20 +171,26 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
     def red(t, op, **kw):
         return op(t, **kw).reshape(1) if whole else op(t, dim=-1, **kw).reshape(-1)
 
+    # Counts in int32 where a block cannot reach 2**31 values (int64 costs
+    # twice the lanes on the CPU and is emulated on GPUs).
+    size = n if whole else v.shape[-1]
+    ctype = torch.int32 if _known(size < 2**31) else torch.int64
+
+    def count(m):
+        return red(m, torch.sum, dtype=ctype)
+
     # abs(v) < inf: finite (false for NaN and both infinities); NaN counted
     # as what is left (torch.isnan and torch.isfinite compile to a scalar
     # loop in Inductor's C++ code: several times the cost of the rest).
     fin = v.abs() < float("inf")
     d = torch.where(fin, v.double() - k, 0.0)
     inf = float("inf")
-    size = n if whole else v.shape[-1]
-    packed = not whole and _triton(f.device)
-    finite, posinf, neginf, zeros = _counts(red, fin, v == inf, v == -inf, v == 0, size=size, packed=packed)
+    finite, posinf, neginf = count(fin), count(v == inf), count(v == -inf)
     cols = {
         _layout.P_NAN: (size - finite - posinf - neginf).double(),
         _layout.P_POSINF: posinf.double(),
         _layout.P_NEGINF: neginf.double(),
-        _layout.P_ZEROS: zeros.double(),
+        _layout.P_ZEROS: count(v == 0).double(),
         _layout.P_FINITE: finite.double(),
         _layout.P_S1: red(d, torch.sum),
         _layout.P_S2: red(d * d, torch.sum),
@@ -194,29 +198,6 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
         _layout.P_MAX: red(torch.where(fin, v, -inf), torch.amax).double(),
     }
     return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
-
-
-# Bits per count where four counts share one int64 sum (PACK_BITS * 4 = 64).
-PACK_BITS = 16
-
-
-def _counts(red, *masks, size, packed: bool):
-    """The sums of the boolean ``masks`` over each block of ``size`` values
-    (``red`` reduces a block). Packed (Triton's blocks, shorter than
-    2**PACK_BITS values, a size known when compiled): one int64 sum of the
-    masks shifted into fields of PACK_BITS bits, as exact as four sums (no
-    field can carry into the next; two's complement wraps the top field's
-    sign bit back), and one accumulator where a kernel joined by the
-    statistics keeps four per value it holds: its registers limit how many
-    threads a GPU runs at once. Else int32 sums where a block cannot reach
-    2**31 values (int64 costs twice the lanes on the CPU), int64 beyond."""
-    if packed and _known(size < 2**PACK_BITS):
-        code = sum(m.to(torch.int64) << (PACK_BITS * i) for i, m in enumerate(masks))
-        total = red(code, torch.sum)
-        field = (1 << PACK_BITS) - 1
-        return [(total >> (PACK_BITS * i)) & field for i in range(len(masks))]
-    ctype = torch.int32 if _known(size < 2**31) else torch.int64
-    return [red(m, torch.sum, dtype=ctype) for m in masks]
 
 
 def _stored_float(x: torch.Tensor) -> torch.Tensor:

@@ -103,38 +103,6 @@ def test_merged_partials_equal_the_float64_reference_and_the_op(x, form):
     assert ring[0, 0, _layout.CALLS] == ring[0, 1, _layout.CALLS] == 1
 
 
-@pytest.mark.parametrize("row", [2**16 - 1, 2**16], ids=["packed", "separate"])
-def test_packed_counts_are_exact_up_to_their_field_width(row):
-    """Triton's rows shorter than 2**16 values count finite values, +Inf, -Inf
-    and zeros in one int64 sum of 16-bit fields; a row of only zeros fills
-    the top field (its sign bit). Longer rows count in four sums. Planted: a
-    field one bit narrower carries a full row's count into the next."""
-    k = torch.tensor(0.0, dtype=torch.float64)
-    x = torch.zeros(4, row)
-    x[1] = float("inf")
-    x[2, : row // 2] = -float("inf")
-    x[2, row // 2 :] = float("nan")
-    x[3, :7] = 1.5
-    want = {_layout.P_FINITE: [row, 0, 0, row], _layout.P_POSINF: [0, row, 0, 0],
-            _layout.P_NEGINF: [0, 0, row // 2, 0], _layout.P_ZEROS: [row, 0, 0, row - 7],
-            _layout.P_NAN: [0, 0, row - row // 2, 0]}
-    p = triton_partials(x, k, rows=True)
-    assert p.shape == (_layout.PARTIALS, 4)
-    assert {i: p[i].tolist() for i in want} == want
-    if row < 2**16:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(hookcap._fused, "PACK_BITS", 15)
-            mp.setattr(hookcap._fused, "_counts", _narrow_counts)
-            assert {i: triton_partials(x, k, rows=True)[i].tolist() for i in want} != want
-
-
-def _narrow_counts(red, *masks, size, packed):
-    """hookcap._fused._counts packing into PACK_BITS-wide fields whatever the size."""
-    bits = hookcap._fused.PACK_BITS
-    total = red(sum(m.to(torch.int64) << (bits * i) for i, m in enumerate(masks)), torch.sum)
-    return [(total >> (bits * i)) & ((1 << bits) - 1) for i in range(len(masks))]
-
-
 def test_memory_order_is_a_contiguous_view_of_dense_tensors_only():
     order = hookcap._fused._memory_order
     x = torch.randn(4, 6, 5, 3)
