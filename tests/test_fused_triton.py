@@ -236,3 +236,38 @@ def test_the_partials_the_merge_reads_and_tiled_kernels_are_counted():
              "    tl.store(out_ptr0 + (x1 + 16*y0), tmp0, xmask)\n")
     k = _fusion.triton_kernel(tiled)
     assert (k.elements, k.loads, k.big_stores) == (128, {"in_ptr0": 4}, {"out_ptr0": 4})
+
+
+def test_registers_of_the_kernels_the_statistics_join(monkeypatch):
+    """benchmarks/triton_registers.py on a Linear -> GELU step (64 rows of
+    2,048: looped row reductions), each kernel compiled for sm_90 on the CPU
+    (Triton, its bundled ptxas): the statistics joined into the GELU kernels
+    raise their registers several fold, so an SM holds a quarter of the
+    warps (64 -> 16) by registers."""
+    pytest.importorskip("triton")
+    import triton_registers
+
+    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
+
+    def make():
+        return nn.Sequential(nn.Linear(64, 2048), nn.GELU())
+
+    def rows(**kw):
+        got = triton_registers.kernel_rows(triton_kernels(make, shape=(64, 64), **kw))
+        assert got and all(r["regs"] > 0 and r["spill_bytes"] >= 0 for r in got)
+        return {r["kernel"]: r for r in got}
+
+    plain, fused = rows(), rows(capture=("output", "grad_output"))
+    gelu = [r for name, r in plain.items() if "gelu" in name]
+    joined = [r for name, r in fused.items() if "gelu" in name]
+    assert len(gelu) == len(joined) == 2 and all(r["reductions"] == 0 for r in gelu)
+    assert all(r["reductions"] >= 8 for r in joined)  # the statistics of two captures each
+    assert max(r["regs"] for r in gelu) * 3 < min(r["regs"] for r in joined)
+    assert min(r["warps_per_sm"] for r in gelu) == 64 and max(r["warps_per_sm"] for r in joined) <= 16
+
+
+def test_warps_an_sm_holds_by_registers():
+    import triton_registers
+
+    w = triton_registers.warps_per_sm
+    assert [w(32, 8), w(138, 8), w(95, 8), w(80, 1), w(24, 1), w(255, 16)] == [64, 8, 16, 25, 32, 0]
