@@ -238,7 +238,7 @@ def test_the_partials_the_merge_reads_and_tiled_kernels_are_counted():
     assert (k.elements, k.loads, k.big_stores) == (128, {"in_ptr0": 4}, {"out_ptr0": 4})
 
 
-def test_registers_of_the_kernels_the_statistics_join(monkeypatch):
+def test_registers_of_the_kernels_the_statistics_join():
     """benchmarks/triton_registers.py on a Linear -> GELU step (64 rows of
     2,048: looped row reductions), each kernel compiled for sm_90 on the CPU
     (Triton, its bundled ptxas): the statistics joined into the GELU kernels
@@ -246,8 +246,6 @@ def test_registers_of_the_kernels_the_statistics_join(monkeypatch):
     warps (64 -> 16) by registers."""
     pytest.importorskip("triton")
     import triton_registers
-
-    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
 
     def make():
         return nn.Sequential(nn.Linear(64, 2048), nn.GELU())
