@@ -87,12 +87,12 @@ def bins(y):
 def hist_scatter(x, k):
     y = producer(x)
     b = bins(y).reshape(-1).to(torch.int64)
-    return y, torch.zeros(NB, dtype=torch.int64).scatter_add(0, b, torch.ones_like(b))
+    return y, torch.zeros(NB, dtype=torch.int64, device=y.device).scatter_add(0, b, torch.ones_like(b))
 
 
 def hist_onehot(x, k):
     y = producer(x)
-    return y, (bins(y).reshape(-1, 1) == torch.arange(NB)).sum(0)
+    return y, (bins(y).reshape(-1, 1) == torch.arange(NB, device=y.device)).sum(0)
 
 
 def measure_forms(device: str = "cpu", n: int = N, calls: int = 40, rounds: int = 5) -> list:

@@ -879,7 +879,12 @@ def compiled_stage(args) -> dict:
     rows = [{**bench_overhead.paired_row(name, times, by_round), "compile_s": compile_s[name]} for name in runs]
     import _profile_steps  # 3 steps per configuration, the Monitors still attached
 
+    for r in rows:  # in the log at once: a later part that fails or runs out of time keeps these
+        log(f"  {r['config']}: {r['median_ms']:.1f} ms per step, {r['overhead_pct']:+.1f}%")
     profile = _profile_steps.profile_steps(steps, device) if left() > 15 else {"skipped": f"{left():.0f} s left"}
+    if "skipped" not in profile:
+        for line in _profile_steps.summary_lines(profile):
+            log("  " + line)
     hist = {name: runs[name][3].history() for name in runs if runs[name][3] is not None}
     op, fused = hist["op histogram=None"], hist["fused=True histogram=None"]
     mismatches, rounding = fused_vs_op(op, fused)
@@ -894,13 +899,23 @@ def compiled_stage(args) -> dict:
               ("forms", 45, lambda: bench_fused_forms.measure_forms(args.device, 2**26 if cuda else 2**14,
                                                                     calls=10, rounds=3)))
     for key, need, fn in extras:
-        details[key] = fn() if left() > need else {"skipped": f"{left():.0f} s left in the step"}
+        if left() <= need:
+            details[key] = {"skipped": f"{left():.0f} s left in the step"}
+            continue
+        try:  # an extra that fails is reported with the step's results, not instead of them
+            details[key] = fn()
+        except Exception:
+            details[key] = {"error": traceback.format_exc()[-3000:]}
+            log(f"  {key} failed:\n{details[key]['error'][-800:]}")
     details.update({"model": desc, "shape": shape, "autocast": "bfloat16" if cuda else None, "rounds": rounds,
                "steps_per_round": steps_per_round, "rows": rows, "metrics": len(op.names),
                "same_names": sorted(op.names) == sorted(fused.names), "fused_vs_op_mismatches": mismatches[:20],
                "fused_vs_op_half_precision_rounding": rounding[:20], "half_precision_rounding_count": len(rounding)})
     if mismatches or not details["same_names"]:
         raise StepFailed(f"fused=True differs from the op on the first step: {len(mismatches)} mismatches", details)
+    failed = [key for key, _, _ in extras if "error" in details[key]]
+    if failed:
+        raise StepFailed(f"{', '.join(failed)} failed (the timings above are kept)", details)
     return details
 
 

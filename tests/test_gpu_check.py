@@ -186,3 +186,15 @@ def test_fused_vs_op_tells_a_rounding_from_a_mismatch():
     mismatches, rounding = gpu_check.fused_vs_op(op, fused)
     assert [r.split()[0] for r in rounding] == ["a"]
     assert sorted(m.split()[:2] for m in mismatches) == [["b", "min"], ["c", "nan"], ["d", "max"]]
+
+
+def test_fused_forms_keep_their_counts_on_the_input_device():
+    """The histogram forms' count tensors follow the input's device ("meta" here
+    stands in for cuda: a count tensor made on the CPU fails to trace with it)."""
+    import bench_fused_forms
+
+    x = torch.randn(1000, device="meta")
+    k = torch.zeros((), dtype=torch.float64, device="meta")
+    for form in (bench_fused_forms.hist_scatter, bench_fused_forms.hist_onehot):
+        y, counts = form(x, k)
+        assert counts.device == x.device and counts.shape == (bench_fused_forms.NB,)
