@@ -329,30 +329,40 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   // flight, start-up amortised); small tensors use few blocks. Empty tensors
   // still launch one block so count/calls are recorded on the device (the
   // host never reads the enabled flag).
-  const int64_t want = (plan.visit + kThreads * kPerThread - 1) / (kThreads * kPerThread);
   const int device = x_in.device().index();
-  const int64_t blocks = std::max<int64_t>(1, std::min(want, max_blocks(device)));
+  auto blocks_for = [&](int64_t visit) {
+    const int64_t want = (visit + kThreads * kPerThread - 1) / (kThreads * kPerThread);
+    return std::max<int64_t>(1, std::min(want, max_blocks(device)));
+  };
+  const int64_t blocks = blocks_for(plan.visit);
   int64_t* scratch = tree_scratch(x_in.device(), stream, blocks);
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_accumulate_cuda", [&] {
         const scalar_t* p = x_in.const_data_ptr<scalar_t>();
         StridedDesc vec;
-        const ReadKind read =
-            kernels::accumulate_read(vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec), h);
-        const StridedDesc& desc = read == kReadVectors ? vec : plan.desc;
-        kernels::dispatch_accumulate<scalar_t>(
-            read, h, smem_budget(device), [&](auto kernel, const kernels::HistPlan& hp) {
-              allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, hp.smem + kernels::static_smem_extra(h));
-              for_each_read(plan, [&](int64_t offset, bool first) {
-                const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
-                                             row, ring.size(1), ring.size(2), ring.size(0),
-                                             first ? n : 0, first ? 1 : 0, plan.mult, scratch};
-                launch_smem("hookcap.accumulate", kernel, dim3(blocks), dim3(kThreads),
-                            static_cast<size_t>(hp.smem), stream, p + offset, plan.visit, desc,
-                            tgt, h, hp.lin);
+        RowTails tails;
+        const ReadKind read = kernels::accumulate_read(
+            vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec, &tails), h);
+        for_each_pass(plan, read, vec, tails, [&](ReadKind kind, const StridedDesc& desc, int64_t skip,
+                                                  int64_t visit, bool counts) {
+          const int64_t nblocks = counts ? blocks : blocks_for(visit);
+          kernels::dispatch_accumulate<scalar_t>(
+              kind, h, smem_budget(device), [&](auto kernel, const kernels::HistPlan& hp) {
+                allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device,
+                                   hp.smem + kernels::static_smem_extra(h));
+                for_each_read(plan, [&](int64_t offset, bool first) {
+                  const bool once = counts && first;  // the view's count and call, once
+                  const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
+                                               row, ring.size(1), ring.size(2), ring.size(0),
+                                               once ? n : 0, once ? 1 : 0, plan.mult,
+                                               nblocks >= 2 ? scratch : nullptr};
+                  launch_smem("hookcap.accumulate", kernel, dim3(nblocks), dim3(kThreads),
+                              static_cast<size_t>(hp.smem), stream, p + offset + skip, visit, desc, tgt, h,
+                              hp.lin);
+                });
               });
-            });
+        });
       });
   seal_ring_write(device, stream);
 }

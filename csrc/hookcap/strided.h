@@ -150,31 +150,67 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t vector_offset(const StridedDesc& d, in
 
 // How a kernel reads its elements: one contiguous run (16-byte vectors plus
 // a scalar head and tail), 16-byte vectors through a descriptor in vector
-// units (views whose innermost dimension is contiguous and whose rows are
-// whole aligned vectors: slices of rows, splits of a last dimension), or
-// element by element through the descriptor.
+// units (views whose innermost dimension is contiguous and whose rows start
+// 16-byte aligned: slices of rows, splits of a last dimension, padded rows),
+// or element by element through the descriptor.
 enum ReadKind : int { kReadFlat = 0, kReadVectors = 1, kReadElements = 2 };
+
+// What a kReadVectors walk leaves of rows that are not whole vectors (a row
+// length such as a vocabulary's 50,257 with the row stride padded): the last
+// sizes[1] (< one vector) elements of every row, read element by element
+// through `desc` from element `offset` of each read's start. visit 0: none.
+struct RowTails {
+  int64_t offset = 0;
+  int64_t visit = 0;
+  StridedDesc desc{};
+};
 
 // For a strided plan read from `base` (each read's start: base plus a
 // multiple of the outer strides), with elements of `elem_size` bytes: the
 // same walk in 16-byte vectors in `vec` when it is two dimensions (rows, and
-// the contiguous innermost one) and every row is whole vectors starting
-// 16-byte aligned (kReadVectors: the kernel's index is one division per
-// vector), else kReadElements (vec untouched).
-inline ReadKind vector_read(const DimPlan& p, int64_t elem_size, uintptr_t base, StridedDesc& vec) {
+// the contiguous innermost one), every row starts 16-byte aligned and holds
+// at least one whole vector (kReadVectors: the kernel's index is one division
+// per vector), else kReadElements (vec untouched). Rows that end in part of
+// a vector leave those elements to `tails` (with tails == nullptr such views
+// are read by element); tails->visit is 0 otherwise.
+inline ReadKind vector_read(const DimPlan& p, int64_t elem_size, uintptr_t base, StridedDesc& vec,
+                            RowTails* tails = nullptr) {
+  if (tails != nullptr) *tails = RowTails{};
   if (p.flat) return kReadFlat;
   const int64_t per = 16 / elem_size;
   const StridedDesc& d = p.desc;  // [0] rows, [1] the innermost dimension
-  if (d.ndim != 2 || base % 16 != 0 || d.strides[1] != 1 || d.sizes[1] % per != 0 || d.strides[0] % per != 0) {
+  if (d.ndim != 2 || base % 16 != 0 || d.strides[1] != 1 || d.strides[0] % per != 0 || d.sizes[1] < per ||
+      (d.sizes[1] % per != 0 && tails == nullptr)) {
     return kReadElements;
   }
   for (int64_t k = 0; k < p.nouter; ++k) {
     if (p.outer_strides[k] % per != 0) return kReadElements;
   }
+  const int64_t whole = d.sizes[1] / per, rest = d.sizes[1] % per;
   vec = d;
   vec.strides[0] = d.strides[0] / per;
-  set_divisor(vec, 1, d.sizes[1] / per);
+  set_divisor(vec, 1, whole);
+  if (rest != 0) {
+    tails->offset = whole * per;
+    tails->visit = d.sizes[0] * rest;
+    tails->desc = d;
+    set_divisor(tails->desc, 1, rest);
+  }
   return kReadVectors;
+}
+
+// The kernel passes over a view read as `read` (after any narrowing of
+// vector_read's choice): the plan's walk, counting the view once, then with
+// kReadVectors its rows' tails by element, if any.
+// f(kind, desc, skip (elements from each read's start), visit, counts).
+template <typename F>
+void for_each_pass(const DimPlan& p, ReadKind read, const StridedDesc& vec, const RowTails& tails, F&& f) {
+  if (read != kReadVectors) {
+    f(read, p.desc, int64_t{0}, p.visit, true);
+    return;
+  }
+  f(kReadVectors, vec, int64_t{0}, p.visit - tails.visit, true);
+  if (tails.visit > 0) f(kReadElements, tails.desc, tails.offset, tails.visit, false);
 }
 
 // f(storage offset, first) for each read of the plan: once at offset 0, or

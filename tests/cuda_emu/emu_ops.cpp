@@ -64,15 +64,20 @@ std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
       "hookcap_emu_accumulate", [&] {
         const scalar_t* p = x_in.const_data_ptr<scalar_t>();
         StridedDesc vec;
-        read = kernels::accumulate_read(vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec), h);
-        const StridedDesc& desc = read == kReadVectors ? vec : plan.desc;
+        RowTails tails;
+        read = kernels::accumulate_read(
+            vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec, &tails), h);
         py::gil_scoped_release nogil;
-        for_each_read(plan, [&](int64_t offset, bool first) {
-          const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
-                                       row, ring.size(1), ring.size(2), ring.size(0),
-                                       first ? n : 0, first ? 1 : 0, plan.mult, scratch};
-          hookcap_emu::accumulate<scalar_t>(p + offset, plan.visit, read, desc, tgt, h, g, b, smem_budget);
-          ++reads;
+        for_each_pass(plan, read, vec, tails, [&](ReadKind kind, const StridedDesc& desc, int64_t skip,
+                                                  int64_t visit, bool counts) {
+          for_each_read(plan, [&](int64_t offset, bool first) {
+            const bool once = counts && first;
+            const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
+                                         row, ring.size(1), ring.size(2), ring.size(0),
+                                         once ? n : 0, once ? 1 : 0, plan.mult, scratch};
+            hookcap_emu::accumulate<scalar_t>(p + offset + skip, visit, kind, desc, tgt, h, g, b, smem_budget);
+            ++reads;
+          });
         });
       });
   return {plan.flat, plan.mult, plan.flat ? 0 : plan.desc.ndim, reads, read == kReadVectors};
@@ -231,23 +236,28 @@ std::tuple<at::Tensor, bool, int64_t, int64_t, int64_t> plan_offsets(
 
 // For a view read from storage offset `base` (in elements of `elem_size`
 // bytes; storage 16-byte aligned): the launcher's read kind, and with
-// kReadVectors the storage offsets of the elements its vector walk reads
-// (vector_offset; each listed once per multiplicity), else none.
+// kReadVectors the storage offsets of the elements its vector walk and its
+// rows' tails read (vector_offset, strided_offset; each listed once per
+// multiplicity), else none.
 std::tuple<int64_t, at::Tensor> vector_offsets(std::vector<int64_t> sizes, std::vector<int64_t> strides,
                                                int64_t elem_size, int64_t base) {
   TORCH_CHECK(sizes.size() == strides.size() && sizes.size() <= kMaxTensorDims, "emu: bad view");
   TORCH_CHECK(elem_size == 1 || elem_size == 2 || elem_size == 4 || elem_size == 8, "emu: elem_size");
   const DimPlan p = plan_dims(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data());
   StridedDesc vec;
-  const ReadKind read = vector_read(p, elem_size, static_cast<uintptr_t>(base * elem_size), vec);
+  RowTails tails;
+  const ReadKind read = vector_read(p, elem_size, static_cast<uintptr_t>(base * elem_size), vec, &tails);
   std::vector<int64_t> out;
   if (read == kReadVectors) {
     const int64_t per = 16 / elem_size;
     for_each_read(p, [&](int64_t offset, bool) {
-      for (int64_t i = 0; i < p.visit / per; ++i) {
+      for (int64_t i = 0; i < (p.visit - tails.visit) / per; ++i) {
         for (int64_t k = 0; k < per; ++k) {
           for (int64_t r = 0; r < p.mult; ++r) out.push_back(base + offset + vector_offset(vec, i) * per + k);
         }
+      }
+      for (int64_t i = 0; i < tails.visit; ++i) {
+        for (int64_t r = 0; r < p.mult; ++r) out.push_back(base + offset + tails.offset + strided_offset(tails.desc, i));
       }
     });
   }
