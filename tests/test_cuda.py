@@ -124,9 +124,10 @@ def test_strided_and_misaligned(dev):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h", [Histogram.log2(), Histogram.linear(-2, 3, 11), None])
 def test_rows_of_whole_vectors(dev, dtype, h):
-    # Column slices and a split of a fused last dimension: read as 16-byte vectors on CUDA.
+    # Column slices and a split of a fused last dimension: read as 16-byte vectors on CUDA; rows that
+    # end in part of a vector (padded rows, as compiled code's logits) as vectors plus the rows' tails.
     x = specials(1000 * 96, dtype, 2).reshape(1000, 96)
-    for view in (x[:, 16:80], x.split(32, dim=1)[1], x[:, 1:65]):
+    for view in (x[:, 16:80], x.split(32, dim=1)[1], x[:, 1:65], x[:, :83], x[:, 16:95], x[:, :1]):
         g = x.to(dev).as_strided(view.size(), view.stride(), view.storage_offset())
         got, cpu = hookcap.tensor_stats(g, h), hookcap.tensor_stats(view, h)
         assert_stats_match(got, hookcap.reference.tensor_stats(view, h), abs_sum=abs_sum(view))

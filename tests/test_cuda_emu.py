@@ -652,7 +652,7 @@ def test_rows_of_whole_vectors_read_as_vectors(emu, dtype, h):
 ])
 def test_padded_rows_read_as_vectors_and_tails(emu, dtype, h):
     """Rows that end in part of a vector with the row stride padded to whole
-    vectors (compiled code's logits: 50,257 columns, stride 50,264): vectors,
+    vectors (compiled code's logits: 50,257 columns, stride 50,304): vectors,
     then one more pass over each row's last elements; equal to the CPU op,
     counted once, NaN/Inf and the histogram's edges in the tails included."""
     per = 16 // dtype.itemsize

@@ -40,7 +40,7 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert rows and all(r["gbps"] > 0 and r["us_per_call"] > 0 for r in rows)
     hists = {r["hist"] for r in rows if r["op"] == "hookcap"}
     assert hists == set(kernel["hist_kinds"]) and len(hists) == 9
-    assert {r["layout"] for r in rows} == {"contiguous", "transposed", "rows", "sliced"}
+    assert {r["layout"] for r in rows} == {"contiguous", "transposed", "rows", "sliced", "padded"}
     dtypes = {r["dtype"] for r in rows} | {s["dtype"] for s in kernel["skipped_points"]}
     assert dtypes == {"float32", "bfloat16", "float8_e4m3fn"}
     for r in rows:  # the copy of the same dtype and size (a view: of its contiguous size) is the yardstick
