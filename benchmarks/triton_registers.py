@@ -103,15 +103,16 @@ def kernel_rows(kernels) -> list[dict]:
     return rows
 
 
-def step_kernels(layers: int, tokens: int, kw) -> list:
-    """The Triton kernels of one GPT-2 training step, generated on the CPU."""
+def step_kernels(layers: int, tokens: int, kw, batch: int = 1) -> list:
+    """The Triton kernel launches of one GPT-2 training step (``batch``
+    sequences of ``tokens``), generated on the CPU."""
     import hookcap
     import hookcap._fused
     from _fusion import triton_codegen
     from gpu_check import gpt2_shape, gpt2_workload
 
     hookcap._fused.DEVICE_TYPES.add("cpu")
-    shape = {**gpt2_shape("cuda", False), "n_layer": layers, "batch": 1, "seq": tokens}
+    shape = {**gpt2_shape("cuda", False), "n_layer": layers, "batch": batch, "seq": tokens}
     torch.manual_seed(0)
     with triton_codegen() as tc:
         model, loss_fn, _ = gpt2_workload(shape, torch.device("cpu"), use_transformers=False)
