@@ -597,7 +597,7 @@ def test_strided_views_read_through_the_host_plan(emu):
     base = sample(90 * 70, torch.float32, 8).reshape(90, 70)
     base2 = sample(90 * 72, torch.float32, 11).reshape(90, 72)  # rows of 18 vectors
     cube = sample(6 * 7 * 8, torch.float32, 9).reshape(6, 7, 8)
-    views = [  # (view, flat, mult, walked dims, vectors)
+    views = [  # (view, flat, mult, walked dims, vectors[, launches: 1])
         (base.t()[3:, ::2], False, 1, 2, False),  # transposed, then sliced: walked as (rows, cols)
         (base[::3, 5:41], False, 1, 2, False),  # rows 210 elements apart: not whole vectors
         (base[:, 1], False, 1, 1, False),
@@ -612,13 +612,13 @@ def test_strided_views_read_through_the_host_plan(emu):
         (base2.split(24, dim=1)[1], False, 1, 2, True),  # the middle third (q, k, v of a fused output)
         (base2[:, 1:57], False, 1, 2, False),  # rows not 16-byte aligned
         (base[:, 8:64], False, 1, 2, False),  # the first row aligned, the others not (70 apart)
-        (base2[:, 8:62], False, 1, 2, False),  # rows not whole vectors
+        (base2[:, 8:62], False, 1, 2, True, 2),  # rows end in part of a vector: then their tails
         (base2.reshape(9, 10, 72)[:, :, :32][:, None].expand(9, 2, 10, 32), False, 2, 2, True),
     ]
-    for i, (v, flat, mult, ndim, vectors) in enumerate(views):
+    for i, (v, flat, mult, ndim, vectors, *reads) in enumerate(views):
         ring = new_ring(1, 1, LOG2)
         plan = emu_accumulate(emu, v, ring, torch.tensor([0, 1, 0]), 0, LOG2, 2 + i % 2, 64)
-        assert plan == (flat, mult, ndim, 1, vectors), f"view {i}: plan {plan}"
+        assert plan == (flat, mult, ndim, reads[0] if reads else 1, vectors), f"view {i}: plan {plan}"
         check(ring[0, 0].numpy(), v, LOG2, cpu_raw=run_cpu(v, LOG2))
     perm = base.t().contiguous().t()[:, :]  # dense, not contiguous: read flat
     assert emu_accumulate(emu, perm, new_ring(1, 1, LOG2), torch.tensor([0, 1, 0]), 0, LOG2, 2, 64)[0]
