@@ -743,7 +743,8 @@ def overhead_stage(args) -> dict:
         details["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     # Extras of their own: a failure here is recorded, never loses the rows above.
     for key, fn in (("read_floor", lambda: read_floor(model, cfgs, autocast, loss_fn, opt, clock, cuda)),
-                    ("pipelined", lambda: pipelined(model, cfgs, autocast, loss_fn, opt, clock, rounds=2))):
+                    ("pipelined", lambda: pipelined(model, cfgs, autocast, loss_fn, opt, clock, rounds=2)),
+                    ("profile", lambda: profile_configs(cfgs[:2], model, autocast, loss_fn, opt, device))):
         try:
             details[key] = fn()
         except Exception:
@@ -754,6 +755,25 @@ def overhead_stage(args) -> dict:
         first = "\n".join(next(iter(sync_errors.values())).strip().splitlines()[-15:])
         raise StepFailed(f"host sync under set_sync_debug_mode('error') in: {who}{hint}\n{first}", details)
     return details
+
+
+def profile_configs(cfgs, model, autocast, loss_fn, opt, device) -> dict:
+    """Device time per step by kernel (benchmarks/_profile_steps.py) of each
+    configuration, its Monitor attached: where every-step recording's time
+    goes beyond the read floor (e.g. a capture read by element)."""
+    import _profile_steps
+
+    out = {}
+    for c in cfgs:
+        c.attach(model)
+        try:
+            out.update(_profile_steps.profile_steps({c.name: lambda: train_step(autocast, loss_fn, opt, c)}, device,
+                                                    top=40))
+        finally:
+            c.detach()
+    for line in _profile_steps.summary_lines(out):
+        log("  " + line)
+    return out
 
 
 def device_copy_gbps(clock, nbytes: int = 2 << 30) -> float:
@@ -892,7 +912,8 @@ def compiled_stage(args) -> dict:
 
     for r in rows:  # in the log at once: a later part that fails or runs out of time keeps these
         log(f"  {r['config']}: {r['median_ms']:.1f} ms per step, {r['overhead_pct']:+.1f}%")
-    profile = _profile_steps.profile_steps(steps, device) if left() > 15 else {"skipped": f"{left():.0f} s left"}
+    profile = (_profile_steps.profile_steps(steps, device, top=60) if left() > 15  # top: which kernels grew
+               else {"skipped": f"{left():.0f} s left"})
     if "skipped" not in profile:
         for line in _profile_steps.summary_lines(profile):
             log("  " + line)
@@ -1083,7 +1104,12 @@ def summary_md(report: dict) -> str:
         if fl.get("floor_ms") is not None:
             out += ["", f"Read floor of every=1: {fl['captured_bytes'] / 1e9:.2f} GB captured per step "
                         f"({fl['metrics']} metrics) / copy {fl['copy_gbps']:.0f} GB/s = {fl['floor_ms']:.2f} ms."]
-        for key in ("pipelined", "read_floor"):
+        if isinstance(o.get("profile"), dict) and o["profile"] and "error" not in o["profile"]:
+            import _profile_steps
+
+            out += ["", "Device time per step by kernel category (torch.profiler, 2 steps; ms, launches in "
+                        "brackets):", ""] + _profile_steps.summary_lines(o["profile"])
+        for key in ("pipelined", "read_floor", "profile"):
             if "error" in o.get(key, {}):
                 out += ["", f"{key} failed:", "```", o[key]["error"].strip()[-800:], "```"]
     c = by_name.get("compiled", {})

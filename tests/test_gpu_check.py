@@ -63,6 +63,10 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert floor["modules_not_found"] == [] and floor["metrics"] > 0
     assert floor["captured_elements_by_hooks"] == floor["recorded_elements_last_step"] > 0
     assert floor["captured_bytes"] == 4 * floor["captured_elements_by_hooks"]  # float32 on the CPU
+    prof = overhead["profile"]  # hookcap's ops only with the Monitor attached, one or more per metric
+    assert list(prof) == ["no telemetry", "hookcap every=1 log2 hist"]
+    assert "hookcap" not in prof["no telemetry"]["by_category"]
+    assert prof["hookcap every=1 log2 hist"]["by_category"]["hookcap"]["calls"] >= floor["metrics"]
     assert steps["build"]["build_info"]["torch_version"] == torch.__version__
     compiled = steps["compiled"]  # the fused path exercised on the CPU, checked against the op
     assert [r["config"] for r in compiled["rows"]] == [c for c, _ in gpu_check.COMPILED_CONFIGS]
