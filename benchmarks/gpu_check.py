@@ -912,7 +912,7 @@ def compiled_stage(args) -> dict:
 
     for r in rows:  # in the log at once: a later part that fails or runs out of time keeps these
         log(f"  {r['config']}: {r['median_ms']:.1f} ms per step, {r['overhead_pct']:+.1f}%")
-    profile = (_profile_steps.profile_steps(steps, device, top=60) if left() > 15  # top: which kernels grew
+    profile = (_profile_steps.profile_steps(steps, device, top=500) if left() > 15  # all: which kernels grew
                else {"skipped": f"{left():.0f} s left"})
     if "skipped" not in profile:
         for line in _profile_steps.summary_lines(profile):
