@@ -824,9 +824,22 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void partials_add(double* acc, const double* p
 // memory); partials_combine_host is the host's loop.
 constexpr int kMergeLanes = 512;
 
+// A lane's columns are added one after another, in order; they are loaded
+// kLaneBatch at a time so that a GPU thread has that many columns' loads in
+// flight instead of one (the order of the additions, and so the bits, do not
+// change).
+constexpr int kLaneBatch = 4;
+
 C10_HOST_DEVICE C10_ALWAYS_INLINE void partials_lane(double* acc, const double* p, int64_t blocks, int lane) {
   partials_init(acc);
-  for (int64_t b = lane; b < blocks; b += kMergeLanes) partials_add(acc, p, blocks, b);
+  double cols[kLaneBatch][kPartials];
+  for (int64_t b0 = lane; b0 < blocks; b0 += int64_t{kLaneBatch} * kMergeLanes) {
+    int m = 0;
+    for (; m < kLaneBatch && b0 + int64_t{m} * kMergeLanes < blocks; ++m) {
+      for (int c = 0; c < kPartials; ++c) cols[m][c] = p[c * blocks + b0 + int64_t{m} * kMergeLanes];
+    }
+    for (int j = 0; j < m; ++j) partials_add(acc, cols[j], 1, 0);
+  }
 }
 
 inline void partials_combine_host(const double* p, int64_t blocks, double (*lanes)[kPartials]) {
