@@ -1240,8 +1240,9 @@ __global__ void advance_state_kernel(int64_t* state, int64_t slots, int64_t ever
 constexpr int kMergeThreads = kMergeLanes;
 static_assert(sizeof(double) * kMergeThreads * kPartials <= 48 * 1024, "merge_row_kernel's static shared memory");
 
-__global__ void __launch_bounds__(kMergeThreads) merge_row_kernel(int64_t* ring, const int64_t* state, const double* partials, int64_t blocks,
-                                 const double* shift, int64_t slots, int64_t rows, int64_t width, int64_t row) {
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_row_kernel(int64_t* ring, const int64_t* state, const double* partials, int64_t blocks,
+                     const double* shift, int64_t slots, int64_t rows, int64_t width, int64_t row) {
   __shared__ double s_acc[kMergeThreads][kPartials];
   if (blockIdx.x != 0) return;
   const int t = threadIdx.x;
