@@ -26,7 +26,8 @@ a failing step does not stop the later ones:
                against the CPU op and the float64 reference (OUTDIR/kernel.log).
   overhead     GPT-2 124M (B=8, T=1024, AdamW, bf16 autocast) training step: no telemetry vs
                hookcap every=1 and every=10, interleaved round by round; the steady-state steps
-               run under torch.cuda.set_sync_debug_mode("error") (OUTDIR/overhead.log).
+               run under torch.cuda.set_sync_debug_mode("error") (OUTDIR/overhead.log); then
+               no telemetry and every=1 profiled, device time per step by kernel.
                transformers' GPT2LMHeadModel if importable and sync-free on its own, else the
                same model built in benchmarks/_gpt2.py; the JSON says which ran.
 Then OUTDIR/gpu_check.json and OUTDIR/summary.md (also printed). Exit code 0 if every step
