@@ -343,7 +343,7 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
         StridedDesc vec;
         RowTails tails;
         const ReadKind read = kernels::accumulate_read(
-            vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec, &tails), h);
+            vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec, tails), h);
         for_each_pass(plan, read, vec, tails, [&](ReadKind kind, const StridedDesc& desc, int64_t skip,
                                                   int64_t visit, bool counts) {
           const int64_t nblocks = counts ? blocks : blocks_for(visit);

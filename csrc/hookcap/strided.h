@@ -171,16 +171,14 @@ struct RowTails {
 // the contiguous innermost one), every row starts 16-byte aligned and holds
 // at least one whole vector (kReadVectors: the kernel's index is one division
 // per vector), else kReadElements (vec untouched). Rows that end in part of
-// a vector leave those elements to `tails` (with tails == nullptr such views
-// are read by element); tails->visit is 0 otherwise.
+// a vector leave those elements to `tails`; tails.visit is 0 otherwise.
 inline ReadKind vector_read(const DimPlan& p, int64_t elem_size, uintptr_t base, StridedDesc& vec,
-                            RowTails* tails = nullptr) {
-  if (tails != nullptr) *tails = RowTails{};
+                            RowTails& tails) {
+  tails = RowTails{};
   if (p.flat) return kReadFlat;
   const int64_t per = 16 / elem_size;
   const StridedDesc& d = p.desc;  // [0] rows, [1] the innermost dimension
-  if (d.ndim != 2 || base % 16 != 0 || d.strides[1] != 1 || d.strides[0] % per != 0 || d.sizes[1] < per ||
-      (d.sizes[1] % per != 0 && tails == nullptr)) {
+  if (d.ndim != 2 || base % 16 != 0 || d.strides[1] != 1 || d.strides[0] % per != 0 || d.sizes[1] < per) {
     return kReadElements;
   }
   for (int64_t k = 0; k < p.nouter; ++k) {
@@ -191,10 +189,10 @@ inline ReadKind vector_read(const DimPlan& p, int64_t elem_size, uintptr_t base,
   vec.strides[0] = d.strides[0] / per;
   set_divisor(vec, 1, whole);
   if (rest != 0) {
-    tails->offset = whole * per;
-    tails->visit = d.sizes[0] * rest;
-    tails->desc = d;
-    set_divisor(tails->desc, 1, rest);
+    tails.offset = whole * per;
+    tails.visit = d.sizes[0] * rest;
+    tails.desc = d;
+    set_divisor(tails.desc, 1, rest);
   }
   return kReadVectors;
 }

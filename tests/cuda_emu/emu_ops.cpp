@@ -66,7 +66,7 @@ std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
         StridedDesc vec;
         RowTails tails;
         read = kernels::accumulate_read(
-            vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec, &tails), h);
+            vector_read(plan, sizeof(scalar_t), reinterpret_cast<uintptr_t>(p), vec, tails), h);
         py::gil_scoped_release nogil;
         for_each_pass(plan, read, vec, tails, [&](ReadKind kind, const StridedDesc& desc, int64_t skip,
                                                   int64_t visit, bool counts) {
@@ -246,7 +246,7 @@ std::tuple<int64_t, at::Tensor> vector_offsets(std::vector<int64_t> sizes, std::
   const DimPlan p = plan_dims(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data());
   StridedDesc vec;
   RowTails tails;
-  const ReadKind read = vector_read(p, elem_size, static_cast<uintptr_t>(base * elem_size), vec, &tails);
+  const ReadKind read = vector_read(p, elem_size, static_cast<uintptr_t>(base * elem_size), vec, tails);
   std::vector<int64_t> out;
   if (read == kReadVectors) {
     const int64_t per = 16 / elem_size;

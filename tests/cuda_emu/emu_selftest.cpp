@@ -268,8 +268,10 @@ void scenario_rows(const char* name, int64_t rows, int64_t cols, int64_t ld, con
   const hookcap::DimPlan plan = hookcap::plan_dims(2, sizes, strides);
   const T* p = x.data() + 8;
   hookcap::StridedDesc vec;
-  CHECK(hookcap::vector_read(plan, sizeof(T), reinterpret_cast<uintptr_t>(p), vec) == hookcap::kReadVectors,
-        "%s: not read as vectors", name);
+  hookcap::RowTails tails;
+  CHECK(hookcap::vector_read(plan, sizeof(T), reinterpret_cast<uintptr_t>(p), vec, tails) == hookcap::kReadVectors &&
+            tails.visit == 0,
+        "%s: not read as whole vectors", name);
   std::vector<double> all;
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t j = 0; j < cols; ++j) all.push_back(as_double(p[i * ld + j]));
