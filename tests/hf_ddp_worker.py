@@ -49,6 +49,8 @@ def main(out):
     if rank == 0:
         merged.save(os.path.join(out, "merged.npz"))
     torch.distributed.barrier()
+    # Left to interpreter exit, gloo's threads can be torn down mid-flight (SIGABRT).
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
