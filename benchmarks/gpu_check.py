@@ -884,20 +884,30 @@ def compiled_stage(args) -> dict:
 
     import bench_overhead
 
-    runs, compile_s = {}, {}
+    from unittest import mock
+
+    from torch._dynamo.utils import counters
+    from torch._inductor.graph import GraphLowering
+
+    runs, compile_s, compiles = {}, {}, {}
     for name, kw in COMPILED_CONFIGS:
         model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
         mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
         model.compile()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         cfg = types.SimpleNamespace(after_step=mon.step if mon else (lambda: None))
+        graphs0 = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        train_step(autocast, loss_fn, opt, cfg)  # traces and compiles
+        codes = []  # as run_and_get_code keeps them, without its reset of the configurations compiled before
+        with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+            train_step(autocast, loss_fn, opt, cfg)  # traces and compiles
         if cuda:
             torch.cuda.synchronize()
         compile_s[name] = round(time.perf_counter() - t0, 1)
+        compiles[name] = compiled_code(codes, counters["stats"]["unique_graphs"] - graphs0, name, args.outdir)
         runs[name] = (loss_fn, opt, cfg, mon)
-        log(f"  {name}: first step (compile) {compile_s[name]} s")
+        log(f"  {name}: first step (compile) {compile_s[name]} s, {compiles[name]}")
+    graphs_after_first_steps = counters["stats"]["unique_graphs"]
     def stop(measured: int) -> bool:  # three compiles of a 12-layer model can take most of the step
         if left() >= 60:
             return False
@@ -926,7 +936,9 @@ def compiled_stage(args) -> dict:
             mon.detach()
     import bench_fused_forms
 
-    details = {"profile": profile}
+    # Graphs compiled after each configuration's first step (recompiles), any configuration.
+    details = {"profile": profile, "compiles": compiles,
+               "graphs_compiled_after_first_steps": counters["stats"]["unique_graphs"] - graphs_after_first_steps}
     # Extras, while time is left (each a few compiles of small graphs).
     extras = (("generated_code", 30, lambda: dump_fused_code(device, args.outdir)),
               ("forms", 45, lambda: bench_fused_forms.measure_forms(args.device, 2**26 if cuda else 2**14,
@@ -950,6 +962,20 @@ def compiled_stage(args) -> dict:
     if failed:
         raise StepFailed(f"{', '.join(failed)} failed (the timings above are kept)", details)
     return details
+
+
+def compiled_code(codes: list, graphs: int, config: str, outdir: str) -> dict:
+    """What one configuration's first step compiled: its graphs and Triton
+    launches (counted in the generated code, to hold against the profile's
+    launches), the code itself written to OUTDIR/code_<config>.txt."""
+    from _fusion import triton_launches
+
+    path = os.path.join(outdir, "code_" + re.sub(r"\W+", "_", config).strip("_") + ".txt")
+    with open(path, "w") as f:
+        for i, code in enumerate(codes):
+            f.write(f"# ===== module {i} =====\n{code}\n")
+    return {"graphs": graphs, "modules": len(codes), "triton_launches": len(triton_launches(codes)),
+            "file": os.path.basename(path)}
 
 
 def dump_fused_code(device, outdir: str) -> dict:

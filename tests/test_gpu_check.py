@@ -78,6 +78,15 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert list(prof) == [c for c, _ in gpu_check.COMPILED_CONFIGS] and all(p["ms_per_step"] > 0 for p in prof.values())
     calls = [p["by_category"].get("hookcap", {}).get("calls", 0) for p in prof.values()]
     assert calls[0] == 0 and compiled["metrics"] <= calls[1] < calls[2]
+    # Each configuration's first step compiled its graphs (code kept for reading offline), and
+    # the timed steps compiled none: no recompiles, watched or not.
+    comp = compiled["compiles"]
+    assert list(comp) == [c for c, _ in gpu_check.COMPILED_CONFIGS]
+    assert all(c["graphs"] >= 1 and c["modules"] >= 2 for c in comp.values())  # forward and backward
+    assert compiled["graphs_compiled_after_first_steps"] == 0
+    fused_code = (tmp_path / comp["fused=True histogram=None"]["file"]).read_text()
+    assert "hookcap.merge_partials" in fused_code
+    assert "hookcap.merge_partials" not in (tmp_path / comp["no telemetry"]["file"]).read_text()
     forms = {r["form"] for r in compiled["forms"]}
     assert {"producer", "fused=True", "hist scatter", "op histogram=None", "op log2"} <= forms
     code = compiled["generated_code"]  # kept for reading offline (Triton on a GPU)
