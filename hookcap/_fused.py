@@ -125,6 +125,47 @@ def _triton(device: torch.device) -> bool:
     return cfg is not None and cfg.cpu_backend == "triton"
 
 
+def block_view(x: torch.Tensor, rows: bool = False, strided: bool = False):
+    """``(v, whole)``: ``x`` detached, as float32 (see :func:`_stored_float`),
+    viewed so that :func:`partials` reduces it over its last dimension (its
+    blocks), or, ``whole``, over all of it; ``(None, True)`` for an empty
+    tensor. Arguments as for :func:`partials`."""
+    x = x.detach()
+    f = x if x.dtype == torch.float32 else _stored_float(x)
+    n = f.numel()
+    if n == 0:
+        return None, True
+    # In a compiled graph a reshape is only indexing under Triton, even of a
+    # strided tensor; under C++ the whole-tensor reductions of the tensor as
+    # it is fuse best (reshape(1, -1) measured slower).
+    if rows and f.dim() >= 2:
+        return f.reshape(-1, f.shape[-1]), False
+    if not _triton(f.device):
+        return f, True
+    g, b = (_memory_order(f) if strided else f), blocks(n)
+    if _rows_are_blocks(g, b):
+        return g, False  # see reducer()
+    if b == 0:  # a run-time size: rows of memory order, whose count needs no guard
+        row = g.shape[-1] if g.dim() < 3 else g.shape[-2] * g.shape[-1]  # a plane for images
+        return (g.reshape(-1, row) if g.dim() >= 2 else g.reshape(1, -1)), False
+    return g.reshape(b, -1), False
+
+
+def reducer(whole: bool):
+    """``red(t, op, **kw)``: the reduction ``op`` (torch.sum, torch.amin, ...)
+    of a :func:`block_view` per block, as a 1-D tensor (one value when
+    ``whole``).
+
+    Rows are reduced in the tensor's own shape, not reshaped to a matrix:
+    the compiler joins two loops over the same data only where they index
+    it alike, and a matrix view of a tensor computed from permuted inputs
+    (e.g. the concatenated query, key and value gradients of attention)
+    indexes it differently from the kernel that computes it."""
+    def red(t, op, **kw):
+        return op(t, **kw).reshape(1) if whole else op(t, dim=-1, **kw).reshape(-1)
+    return red
+
+
 def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool = False) -> torch.Tensor:
     """float64 [PARTIALS, blocks]: ``x``'s statistics about the shift ``k``
     (float64 0-dim) per block of ``x`` (rows in ``hookcap._layout.P_*``
@@ -140,40 +181,14 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
     compute a tensor row by row, e.g. LayerNorm's, so the compiler can fuse
     the statistics into them). ``x`` is not modified and no gradient flows
     through the result."""
-    x = x.detach()
-    f = x if x.dtype == torch.float32 else _stored_float(x)
-    n = f.numel()
-    if n == 0:
-        return _empty_partials(f.device)
-    # In a compiled graph a reshape is only indexing under Triton, even of a
-    # strided tensor; under C++ the whole-tensor reductions of the tensor as
-    # it is fuse best (reshape(1, -1) measured slower).
-    if rows and f.dim() >= 2:
-        v, whole = f.reshape(-1, f.shape[-1]), False
-    elif _triton(f.device):
-        g, b = (_memory_order(f) if strided else f), blocks(n)
-        if _rows_are_blocks(g, b):
-            v = g  # see red() below
-        elif b == 0:  # a run-time size: rows of memory order, whose count needs no guard
-            row = g.shape[-1] if g.dim() < 3 else g.shape[-2] * g.shape[-1]  # a plane for images
-            v = g.reshape(-1, row) if g.dim() >= 2 else g.reshape(1, -1)
-        else:
-            v = g.reshape(b, -1)
-        whole = False
-    else:
-        v, whole = f, True
-
-    # Rows are reduced in the tensor's own shape, not reshaped to a matrix:
-    # the compiler joins two loops over the same data only where they index
-    # it alike, and a matrix view of a tensor computed from permuted inputs
-    # (e.g. the concatenated query, key and value gradients of attention)
-    # indexes it differently from the kernel that computes it.
-    def red(t, op, **kw):
-        return op(t, **kw).reshape(1) if whole else op(t, dim=-1, **kw).reshape(-1)
+    v, whole = block_view(x, rows, strided)
+    if v is None:
+        return _empty_partials(x.device)
+    red = reducer(whole)
+    size = v.numel() if whole else v.shape[-1]
 
     # Counts in int32 where a block cannot reach 2**31 values (int64 costs
     # twice the lanes on the CPU and is emulated on GPUs).
-    size = n if whole else v.shape[-1]
     ctype = torch.int32 if _known(size < 2**31) else torch.int64
 
     def count(m):

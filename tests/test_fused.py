@@ -480,3 +480,18 @@ def test_half_precision_statistics_with_emulated_casts_equal_the_ops(dtype, scal
     if dtype == torch.float16:
         assert b["posinf"][:, b.column("amp/output")].sum() > 0
     assert_fused_matches_op(a, b)
+
+
+@given(tensors(), st.booleans())
+def test_the_benchmarks_variant_forms_count_as_hookcap_does(x, rows):
+    # bench_fused_variants times other forms of the partials on a GPU: with
+    # packed counts they must be hookcap's partials exactly; with float32
+    # sums, the counts and extrema still are.
+    import bench_fused_variants as bv
+
+    k = torch.tensor(0.5, dtype=torch.float64)
+    want = partials(x, k, rows)
+    packed = bv.variant_partials(x, k, rows, packed_counts=True)
+    assert torch.equal(packed, want)
+    exact = [i for i in range(_layout.PARTIALS) if i not in (_layout.P_S1, _layout.P_S2)]
+    assert torch.equal(bv.variant_partials(x, k, rows, float_sums=True)[exact], want[exact])

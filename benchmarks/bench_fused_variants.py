@@ -1,0 +1,189 @@
+"""Where fused=True's time goes on a GPU: the compiled GPT-2 step with forms of the
+fused statistics side by side, each compiled once, timed interleaved in one process.
+
+  PYTHONPATH=. python benchmarks/bench_fused_variants.py [--device cuda] [--layers 2] [--json FILE]
+
+Configurations (outputs and output gradients of the default modules, histogram=None):
+- no telemetry; the op;
+- fused=True as hookcap computes it;
+- "packed counts": the four class counts (zeros, +Inf, -Inf, non-finite) as one int64 sum of
+  16-bit fields per block (exact for blocks under 65,536 values): one accumulator instead of four;
+- "float32 sums": the sums in float32 (inexact: a diagnostic of what float64 costs);
+- "no merge kernel": the partials computed and handed to a merge that finds no Monitor (no kernel):
+  the merge kernels' share.
+A variant replaces hookcap._fused.partials / merge only while its first step traces. Per
+configuration: the first step (compile), the median step and its overhead paired by round,
+Triton launches in the generated code, and device time by kernel category (torch.profiler).
+On the CPU (Inductor's C++ backend) the fused path is timed as well, only to exercise the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+import time
+import types
+from unittest import mock
+
+import torch
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+
+ABSENT_SINK = -7  # no Monitor has it: merge_partials launches nothing
+
+
+def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, float_sums=False):
+    """hookcap._fused.partials, with ``packed_counts`` the class counts as one
+    int64 sum of 16-bit fields (blocks under 65,536 values; else four int64
+    sums), with ``float_sums`` s1 and s2 summed in float32 (inexact)."""
+    from hookcap import _fused, _layout
+
+    v, whole = _fused.block_view(x, rows, strided)
+    if v is None:
+        return _fused._empty_partials(x.device)
+    size = v.numel() if whole else v.shape[-1]
+    red = _fused.reducer(whole)
+    inf, i64 = float("inf"), torch.int64
+    fin = v.abs() < inf
+    classes = (v == 0, v == inf, v == -inf, ~fin)
+    if packed_counts and _fused._known(size < 65536):
+        c = red(classes[0].to(i64) | (classes[1].to(i64) << 16) | (classes[2].to(i64) << 32)
+                | (classes[3].to(i64) << 48), torch.sum)
+        zeros, posinf, neginf, other = (c >> s & 0xFFFF for s in (0, 16, 32, 48))
+    else:
+        zeros, posinf, neginf, other = (red(m, torch.sum, dtype=i64) for m in classes)
+    d = torch.where(fin, v - k.float(), 0.0) if float_sums else torch.where(fin, v.double() - k, 0.0)
+    cols = {
+        _layout.P_NAN: (other - posinf - neginf).double(), _layout.P_POSINF: posinf.double(),
+        _layout.P_NEGINF: neginf.double(), _layout.P_ZEROS: zeros.double(),
+        _layout.P_FINITE: (size - other).double(), _layout.P_S1: red(d, torch.sum).double(),
+        _layout.P_S2: red(d * d, torch.sum).double(),
+        _layout.P_MIN: red(torch.where(fin, v, inf), torch.amin).double(),
+        _layout.P_MAX: red(torch.where(fin, v, -inf), torch.amax).double(),
+    }
+    return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
+
+
+def merge_to_no_monitor(x, sink, rid, rows=False, strided=False):
+    """hookcap._fused.merge, its partials merged into an absent sink."""
+    from hookcap import _fused
+
+    k = _fused._SHIFT(torch.empty(0, device=x.device), sink, rid)
+    _fused._MERGE(_fused.partials(x, k, rows, strided), k, ABSENT_SINK, rid)
+
+
+FUSED = {"histogram": None, "fused": True}
+CONFIGS = (  # name, Monitor kwargs (None: unwatched), {hookcap._fused attribute: replacement while tracing}
+    ("no telemetry", None, {}),
+    ("op histogram=None", {"histogram": None}, {}),
+    ("fused=True", FUSED, {}),
+    ("fused, packed counts", FUSED, {"partials": functools.partial(variant_partials, packed_counts=True)}),
+    ("fused, float32 sums", FUSED, {"partials": functools.partial(variant_partials, float_sums=True)}),
+    ("fused, no merge kernel", FUSED, {"merge": merge_to_no_monitor}),
+)
+
+
+@contextlib.contextmanager
+def traced_with(replace: dict):
+    import hookcap._fused
+
+    with contextlib.ExitStack() as stack:
+        for name, fn in replace.items():
+            stack.enter_context(mock.patch.object(hookcap._fused, name, fn))
+        yield
+
+
+def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int, deadline: float | None = None,
+            quick: bool = False) -> dict:
+    """Every configuration of CONFIGS on the compiled GPT-2 step; see the module docstring."""
+    import bench_overhead
+    import hookcap
+    import hookcap._fused
+    from _fusion import triton_launches
+    from _profile_steps import profile_steps
+    from gpu_check import gpt2_shape, gpt2_workload, train_step
+    from torch._dynamo.utils import counters
+    from torch._inductor.graph import GraphLowering
+
+    cuda = device.type == "cuda"
+    if not cuda:
+        hookcap._fused.DEVICE_TYPES.add(device.type)
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    shape = {**gpt2_shape(device.type, quick)}
+    shape["n_layer"] = min(shape["n_layer"], layers)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+    runs, rows = {}, {}
+    for name, kw, replace in CONFIGS:
+        model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
+        mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
+        model.compile()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        cfg = types.SimpleNamespace(after_step=mon.step if mon else (lambda: None))
+        codes = []
+        t0 = time.perf_counter()
+        with traced_with(replace), mock.patch.object(GraphLowering, "save_output_code", codes.append):
+            train_step(autocast, loss_fn, opt, cfg)
+        if cuda:
+            torch.cuda.synchronize()
+        rows[name] = {"config": name, "compile_s": round(time.perf_counter() - t0, 1),
+                      "triton_launches_in_code": len(triton_launches(codes))}
+        runs[name] = (loss_fn, opt, cfg, mon)
+        print(f"  {name}: first step {rows[name]['compile_s']} s", flush=True)
+    graphs = counters["stats"]["unique_graphs"]
+
+    def stop(measured: int) -> bool:
+        return deadline is not None and deadline - time.time() < 30
+
+    steps = {name: (lambda loss_fn=loss_fn, opt=opt, cfg=cfg: train_step(autocast, loss_fn, opt, cfg))
+             for name, (loss_fn, opt, cfg, _) in runs.items()}
+    times, by_round = bench_overhead.interleaved(steps, bench_overhead.timer(device), rounds, steps_per_round, 1, stop)
+    for name in runs:
+        rows[name].update(bench_overhead.paired_row(name, times, by_round))
+        print(f"  {name}: {rows[name]['median_ms']:.2f} ms, {rows[name]['overhead_pct']:+.1f} %", flush=True)
+    prof = profile_steps(steps, device, top=40) if deadline is None or deadline - time.time() > 20 else {}
+    for name, p in prof.items():
+        rows[name]["device_ms"] = {c: round(v["ms"], 3) for c, v in p["by_category"].items()}
+        rows[name]["launches"] = {c: v["calls"] for c, v in p["by_category"].items()}
+    hist = {name: runs[name][3].history() for name in runs if runs[name][3] is not None}
+    for _, _, _, mon in runs.values():
+        if mon is not None:
+            mon.detach()
+    return {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+            "model": desc, "shape": shape, "rounds": len(by_round["no telemetry"]),
+            "steps_per_round": steps_per_round, "rows": list(rows.values()), "profile": prof,
+            "graphs_compiled_after_first_steps": counters["stats"]["unique_graphs"] - graphs,
+            "histories": hist}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps-per-round", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=None, help="stop timing rounds this long after the start")
+    p.add_argument("--quick", action="store_true", help="the small CPU shape of gpu_check")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    deadline = None if args.seconds is None else time.time() + args.seconds
+    out = measure(torch.device(args.device), args.layers, args.rounds, args.steps_per_round, deadline, args.quick)
+    out.pop("histories")
+    print("| config | first step s | median ms | overhead | Triton launches (code) | device ms by category |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in out["rows"]:
+        cats = ", ".join(f"{c} {v:.2f} ({r['launches'][c]:.0f})" for c, v in r.get("device_ms", {}).items())
+        print(f"| {r['config']} | {r['compile_s']} | {r['median_ms']:.2f} | {r['overhead_pct']:+.1f} % | "
+              f"{r['triton_launches_in_code']} | {cats} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
