@@ -32,7 +32,9 @@ loops that write it. Inductor's C++ backend (the CPU) fuses a reduction only
 into a loop of its own shape, so there a flat tensor is one block.
 
 Other tensors (float64, float8, ``moments=4``, a histogram) are recorded by
-the accumulate op as without ``fused=True``: see :func:`fusable`.
+the accumulate op as without ``fused=True``: see :func:`fusable`; so are
+captures that only external kernels write and read, which a pass over the
+compiled graph hands back to it (:func:`hand_reduce_only_to_the_op`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import _layout
@@ -271,3 +274,187 @@ def merge(x: torch.Tensor, sink: int, rid: int, rows: bool = False, strided: boo
     (``rows``, ``strided``: see :func:`partials`)."""
     k = _SHIFT(torch.empty(0, device=x.device), sink, rid)
     _MERGE(partials(x, k, rows, strided), k, sink, rid)
+
+
+# ---------------------------------------------------------------------------
+# Captures whose statistics cannot join a model kernel go to the op.
+#
+# A captured tensor that an external kernel (a matmul, a convolution, an
+# attention kernel) writes and that only external kernels read (or that
+# leaves the graph) has no kernel of the model for its reductions to join:
+# they would run as a kernel of their own that only reduces, and its
+# partials would still need a merge. The accumulate op reads it once at
+# memory speed instead, so a pass over Inductor's post-grad graph hands such
+# a capture's merge to ``hookcap::record`` (what the op path records with),
+# and the partials, now unused, are dropped.
+# ---------------------------------------------------------------------------
+
+def _ops_named(*names):
+    """Every overload of the aten ops ``names`` this torch has."""
+    out = set()
+    for name in names:
+        op = getattr(torch.ops.aten, name, None)
+        if op is not None:
+            out.update(getattr(op, o) for o in op.overloads())
+    return out
+
+
+_EXTERNS = None
+_VIEWS = None
+
+
+def _op_sets():
+    global _EXTERNS, _VIEWS
+    if _EXTERNS is None:
+        _EXTERNS = _ops_named(
+            "mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_scaled_mm",
+            "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+            "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
+            "_efficient_attention_backward")
+        _VIEWS = _ops_named("view", "reshape", "_unsafe_view", "permute", "t", "transpose", "alias", "squeeze",
+                            "unsqueeze", "slice", "select", "split", "split_with_sizes", "unbind")
+    return _EXTERNS, _VIEWS
+
+
+def _is_view(n) -> bool:
+    """Whether node ``n`` only views its first input's memory (a split's
+    parts, taken by ``getitem``, included)."""
+    _, views = _op_sets()
+    if n.op != "call_function":
+        return False
+    if n.target is _getitem:
+        return _is_view(n.args[0])
+    return n.target in views
+
+
+def _partials_only(p):
+    """The nodes that only compute partials ``p`` (``p`` included): each of
+    their users is one of them or the merge."""
+    only = {p}
+    grew = True
+    while grew:
+        grew = False
+        for n in list(only):
+            for u in n.all_input_nodes:
+                if u not in only and u.op == "call_function" and u.users and all(v in only for v in u.users):
+                    only.add(u)
+                    grew = True
+    return only
+
+
+def _captured(only):
+    """The one tensor of more than one value the partials read (the captured
+    tensor), else None."""
+    found = []
+    for n in only:
+        for u in n.all_input_nodes:
+            if u in only or u in found:
+                continue
+            val = u.meta.get("val")
+            if isinstance(val, torch.Tensor) and not _known(val.numel() <= 1):
+                found.append(u)
+    return found[0] if len(found) == 1 else None
+
+
+def _reduce_only(x, only) -> bool:
+    """Whether nothing but external kernels writes and reads ``x``'s memory
+    (through views), apart from the partials ``only``."""
+    externs, _ = _op_sets()
+    src = x
+    while _is_view(src):
+        src = src.args[0]
+    made = src.op == "placeholder" or (src.op == "call_function" and (
+        src.target in externs or (src.target is _getitem and src.args[0].op == "call_function"
+                                  and src.args[0].target in externs)))
+    if not made:
+        return False
+    aliases, todo = set(), [src]
+    while todo:
+        n = todo.pop()
+        aliases.add(n)
+        todo.extend(u for u in n.users if _is_view(u) and u not in only)
+    for n in aliases:
+        for u in n.users:
+            if u in only or u in aliases or u.op == "output":
+                continue
+            if not (u.op == "call_function" and (u.target in externs or u.target is _WITH_EFFECTS)):
+                return False
+    return True
+
+
+def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:
+    """The pass: each ``merge_partials`` whose tensor :func:`_reduce_only`
+    becomes ``record`` of that tensor. Returns how many; dynamo's counters
+    keep the totals (``counters["hookcap"]``: ``reduce_only_to_op``, and
+    ``reduce_only_to_op_bytes``, the bytes the op then reads per run of
+    the graph, for sizes known when compiled)."""
+    from torch._dynamo.utils import counters
+
+    moved = 0
+    for m in list(graph.nodes):
+        if not (m.op == "call_function" and m.target is _WITH_EFFECTS and len(m.args) == 6 and m.args[1] is _MERGE):
+            continue
+        token, _, p, _k, sink, rid = m.args
+        only = _partials_only(p)
+        x = _captured(only)
+        if x is None or not _reduce_only(x, only):
+            continue
+        m.args = (token, _RECORD, x, sink, rid)
+        moved += 1
+        val = x.meta["val"]
+        counters["hookcap"]["reduce_only_to_op"] += 1
+        if isinstance(val.numel(), int):
+            counters["hookcap"]["reduce_only_to_op_bytes"] += val.numel() * val.element_size()
+    if moved:
+        graph.eliminate_dead_code()
+    return moved
+
+
+_getitem = __import__("operator").getitem
+_WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
+_RECORD = torch.ops.hookcap.record.default
+
+
+class _Pass(CustomGraphPass):
+    """Inductor's post-grad custom pass while a fused Monitor is attached:
+    the pass that was set before it (if any), then
+    :func:`hand_reduce_only_to_the_op`."""
+
+    def __init__(self, before):
+        self.before = before
+
+    def __call__(self, graph) -> None:
+        if self.before is not None:
+            self.before(graph)
+        hand_reduce_only_to_the_op(graph)
+
+    def uuid(self):
+        before = getattr(self.before, "uuid", lambda: repr(self.before))() if self.before is not None else None
+        return (get_hash_for_files((__file__,)).hex(), before)
+
+
+_pass_holders = 0
+
+
+def hold_pass() -> None:
+    """A fused Monitor attached: the pass is installed (once for all)."""
+    global _pass_holders
+    from torch._inductor import config as icfg
+
+    if _pass_holders == 0 and not isinstance(icfg.post_grad_custom_post_pass, _Pass):
+        icfg.post_grad_custom_post_pass = _Pass(icfg.post_grad_custom_post_pass)
+    _pass_holders += 1
+
+
+def release_pass() -> None:
+    """The last fused Monitor is gone: the pass set before returns (unless
+    the setting changed meanwhile)."""
+    global _pass_holders
+    from torch._inductor import config as icfg
+
+    _pass_holders -= 1
+    if _pass_holders == 0 and isinstance(icfg.post_grad_custom_post_pass, _Pass):
+        icfg.post_grad_custom_post_pass = icfg.post_grad_custom_post_pass.before

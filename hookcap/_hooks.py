@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import _compile, _portable
+from . import _compile, _fused, _portable
 from ._config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example_names, metric_name,
                       parametrization_internals)
 from ._follow import ModelWatch, watched_params
@@ -60,10 +60,14 @@ def _by_mode(train, ev):
 
 
 def _give_back_guard(guard: list) -> None:
-    """Release a hook set's hold on dynamo's hook guards, once."""
+    """Release a hook set's hold on dynamo's hook guards and on the fused
+    path's graph pass, once each."""
     if guard[0]:
         guard[0] = False
         _compile.release_hook_guards()
+    if guard[1]:
+        guard[1] = False
+        _fused.release_pass()
 
 
 class Hooks:
@@ -104,9 +108,9 @@ class Hooks:
         # watched parameters' gradient hooks.
         self.watch = ModelWatch()
         self._param_handles: list = []
-        # [held]: whether this set holds _compile.hold_hook_guards (while attached);
-        # a set dropped without remove() gives it back when collected.
-        self._guard = [False]
+        # [guards held, pass held]: whether this set holds _compile.hold_hook_guards and
+        # _fused.hold_pass (while attached); a set dropped without remove() gives them back when collected.
+        self._guard = [False, False]
         weakref.finalize(self, _give_back_guard, self._guard)
 
     # -- registration -------------------------------------------------------------
@@ -130,6 +134,9 @@ class Hooks:
         if self.handles and not self._guard[0]:
             _compile.hold_hook_guards()
             self._guard[0] = True
+        if self.handles and cfg.fused and not self._guard[1]:
+            _fused.hold_pass()
+            self._guard[1] = True
         self._bind_params()
         if not self.handles and not self._param_handles and not (self.params and {"param", "optim_state", "update", "adam_ratio"} & set(cfg.capture)):
             self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="

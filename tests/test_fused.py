@@ -495,3 +495,70 @@ def test_the_benchmarks_variant_forms_count_as_hookcap_does(x, rows):
     assert torch.equal(packed, want)
     exact = [i for i in range(_layout.PARTIALS) if i not in (_layout.P_S1, _layout.P_S2)]
     assert torch.equal(bv.variant_partials(x, k, rows, float_sums=True)[exact], want[exact])
+
+
+class Chain(nn.Module):
+    """Linear -> Linear -> GELU -> Linear: the first Linear's output is read
+    only by a matmul, the last one's leaves the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.g, self.c = nn.Linear(64, 128), nn.Linear(128, 96), nn.GELU(), nn.Linear(96, 32)
+
+    def forward(self, x):
+        return self.c(self.g(self.b(self.a(x))))
+
+
+def test_captures_only_external_kernels_touch_are_handed_to_the_op():
+    # a's output (matmul -> matmul) and c's (matmul -> out of the graph) have no
+    # model kernel to join: the op records them; b's and g's join GELU's kernel.
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    counters["hookcap"].clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        codes = generated_code(Chain(), x, capture="output", fused=True)
+    text = "\n".join(codes)
+    assert text.count("hookcap.record.default(") == 2 and text.count("hookcap.merge_partials.default(") == 2
+    assert counters["hookcap"]["reduce_only_to_op"] == 2
+    assert counters["hookcap"]["reduce_only_to_op_bytes"] == (256 * 128 + 256 * 32) * 4
+    assert _fusion.reduce_only_bytes(codes, min_elements=257) == 256 * 96 * 4  # b's: C++ fuses it nowhere
+    # The values: those of the op on the same compiled steps, the handed ones bit for bit.
+    xs = [torch.randn(256, 64) for _ in range(3)]
+    model = Chain()
+    fn = torch.compile(model)
+    op, fused = op_and_fused_in_one_run(model, [lambda x=x: fn(x).pow(2).sum().backward() for x in xs],
+                                        capture=("output", "grad_output"))
+    assert_fused_matches_op(op, fused)
+    for name in ("a/output", "c/output"):
+        for stat in ("sum", "sumsq", "l2norm", "std"):
+            np.testing.assert_array_equal(fused[stat][:, fused.column(name)], op[stat][:, op.column(name)])
+
+
+def test_the_pass_is_installed_while_a_fused_monitor_is_attached():
+    from torch._inductor import config as icfg
+
+    seen = []
+
+    class Mine(torch._inductor.custom_graph_pass.CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(len(graph.nodes))
+
+        def uuid(self):
+            return "mine"
+
+    mine = Mine()
+    with icfg.patch(post_grad_custom_post_pass=mine, fx_graph_cache=False):
+        model = Chain()
+        a = Monitor(model, capture="output", histogram=None, fused=True).attach()
+        b = Monitor(model, capture="output", histogram=None, fused=True).attach()
+        installed = icfg.post_grad_custom_post_pass
+        assert installed is not mine and installed.before is mine and installed.uuid()[1] == "mine"
+        torch.compile(model)(torch.randn(8, 64))
+        assert seen  # the user's pass still runs, before hookcap's
+        a.detach()
+        assert icfg.post_grad_custom_post_pass is installed
+        b.detach()
+        assert icfg.post_grad_custom_post_pass is mine
+        plain = Monitor(model, capture="output", histogram=None).attach()  # the op: no pass
+        assert icfg.post_grad_custom_post_pass is mine
+        plain.detach()
