@@ -39,6 +39,7 @@ compiled graph hands back to it (:func:`hand_reduce_only_to_the_op`).
 
 from __future__ import annotations
 
+import operator
 import sys
 
 import torch
@@ -413,7 +414,7 @@ def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:
     return moved
 
 
-_getitem = __import__("operator").getitem
+_getitem = operator.getitem
 _WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
 _RECORD = torch.ops.hookcap.record.default
 

@@ -562,3 +562,24 @@ def test_the_pass_is_installed_while_a_fused_monitor_is_attached():
         plain = Monitor(model, capture="output", histogram=None).attach()  # the op: no pass
         assert icfg.post_grad_custom_post_pass is mine
         plain.detach()
+
+
+class Split(nn.Module):
+    """A Linear's output split in two, each part read by a matmul only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.p, self.q = nn.Linear(64, 128), nn.Linear(64, 16), nn.Linear(64, 16)
+
+    def forward(self, x):
+        u, v = self.a(x).split(64, dim=-1)
+        return self.p(u) * self.q(v)
+
+
+def test_a_capture_read_through_a_split_by_matmuls_goes_to_the_op():
+    torch.manual_seed(0)
+    counters["hookcap"].clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        codes = generated_code(Split(), torch.randn(32, 64), modules=["a"], capture="output", fused=True)
+    assert counters["hookcap"]["reduce_only_to_op"] == 1
+    assert "hookcap.merge_partials.default(" not in "\n".join(codes)
