@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import sys
 import time
@@ -173,15 +172,15 @@ def main(argv=None) -> int:
     deadline = None if args.seconds is None else time.time() + args.seconds
     out = measure(torch.device(args.device), args.layers, args.rounds, args.steps_per_round, deadline, args.quick)
     out.pop("histories")
+    from bench_overhead import write_json
+
     print("| config | first step s | median ms | overhead | Triton launches (code) | device ms by category |")
     print("|---|---:|---:|---:|---:|---|")
     for r in out["rows"]:
         cats = ", ".join(f"{c} {v:.2f} ({r['launches'][c]:.0f})" for c, v in r.get("device_ms", {}).items())
         print(f"| {r['config']} | {r['compile_s']} | {r['median_ms']:.2f} | {r['overhead_pct']:+.1f} % | "
               f"{r['triton_launches_in_code']} | {cats} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -131,14 +130,40 @@ def step_kernels(layers: int, tokens: int, kw, batch: int = 1) -> list:
     return tc.kernels()
 
 
+def counts_only(args, configs, out) -> int:
+    from _fusion import triton_reduce_only_bytes, triton_traffic_bytes
+    from bench_overhead import write_json
+    from torch._dynamo.utils import counters
+
+    for name, kw in configs.items():
+        counters["hookcap"].clear()
+        ks = step_kernels(args.layers, args.tokens, kw)
+        c = out["configs"][name] = {
+            "launches": len(ks), "reduce_only_bytes": triton_reduce_only_bytes(ks, 4097),
+            "traffic_bytes": triton_traffic_bytes(ks), "handed_to_op": counters["hookcap"]["reduce_only_to_op"],
+            "handed_to_op_bytes": counters["hookcap"]["reduce_only_to_op_bytes"]}
+        print(f"== {name}: {c['launches']} launches, reduce-only kernels read {c['reduce_only_bytes'] / 1e6:.1f} MB, "
+              f"all move {c['traffic_bytes'] / 1e6:.1f} MB; captures handed to the op {c['handed_to_op']} "
+              f"({c['handed_to_op_bytes'] / 1e6:.1f} MB)", flush=True)
+    write_json(args.json, out)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--json", default=None)
+    p.add_argument("--counts-only", action="store_true",
+                   help="no registers: per configuration the Triton launches, the bytes reduce-only kernels read "
+                        "and all kernels move, and the captures fused=True hands to the op")
     args = p.parse_args(argv)
+    from bench_overhead import write_json
+
     configs = {"none": None, "op": {"histogram": None}, "fused": {"histogram": None, "fused": True}}
     out = {"layers": args.layers, "tokens": args.tokens, "configs": {}}
+    if args.counts_only:
+        return counts_only(args, configs, out)
     for name, kw in configs.items():
         rows = kernel_rows(step_kernels(args.layers, args.tokens, kw))
         weight = sum(max(r["elements"], 0) for r in rows) or 1
@@ -152,9 +177,7 @@ def main(argv=None) -> int:
         for r in sorted(rows, key=lambda r: -r["regs"])[:8]:
             print(f"   {r['kernel'][:64]:64s} red {r['reductions']:2d} regs {r['regs']:3d} spill {r['spill_bytes']} "
                   f"warps/SM {r['warps_per_sm']:2d} ({r['num_warps']} per block) elements {r['elements']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 
