@@ -420,11 +420,11 @@ _RECORD = torch.ops.hookcap.record.default
 
 
 class _Pass(CustomGraphPass):
-    """Inductor's post-grad custom pass while a fused Monitor is attached:
-    the pass that was set before it (if any), then
-    :func:`hand_reduce_only_to_the_op`."""
+    """:func:`hand_reduce_only_to_the_op` as Inductor's post-grad custom
+    pass, after ``before`` (a pass set before it, on a torch that takes only
+    one; None where it takes a list, which then holds both)."""
 
-    def __init__(self, before):
+    def __init__(self, before=None):
         self.before = before
 
     def __call__(self, graph) -> None:
@@ -437,25 +437,41 @@ class _Pass(CustomGraphPass):
         return (get_hash_for_files((__file__,)).hex(), before)
 
 
+# (installed setting, the setting before it) while some fused Monitor is attached.
+_installed = None
 _pass_holders = 0
 
 
 def hold_pass() -> None:
-    """A fused Monitor attached: the pass is installed (once for all)."""
-    global _pass_holders
+    """A fused Monitor attached: the pass is installed (once for all). Where
+    torch takes a list of passes, hookcap's is added after the user's; else
+    it wraps the user's pass (which then runs first)."""
+    global _pass_holders, _installed
     from torch._inductor import config as icfg
+    from torch._inductor import custom_graph_pass as cgp
 
-    if _pass_holders == 0 and not isinstance(icfg.post_grad_custom_post_pass, _Pass):
-        icfg.post_grad_custom_post_pass = _Pass(icfg.post_grad_custom_post_pass)
+    if _pass_holders == 0:
+        before = icfg.post_grad_custom_post_pass
+        if before is None:
+            new = _Pass()
+        elif hasattr(cgp, "get_custom_graph_passes"):  # a list of passes is taken
+            new = [*(before if isinstance(before, (list, tuple)) else [before]), _Pass()]
+        else:
+            new = _Pass(before)
+        icfg.post_grad_custom_post_pass = new
+        _installed = (new, before)
     _pass_holders += 1
 
 
 def release_pass() -> None:
     """The last fused Monitor is gone: the pass set before returns (unless
     the setting changed meanwhile)."""
-    global _pass_holders
+    global _pass_holders, _installed
     from torch._inductor import config as icfg
 
     _pass_holders -= 1
-    if _pass_holders == 0 and isinstance(icfg.post_grad_custom_post_pass, _Pass):
-        icfg.post_grad_custom_post_pass = icfg.post_grad_custom_post_pass.before
+    if _pass_holders == 0 and _installed is not None:
+        new, before = _installed
+        if icfg.post_grad_custom_post_pass is new:
+            icfg.post_grad_custom_post_pass = before
+        _installed = None
