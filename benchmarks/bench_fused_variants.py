@@ -25,7 +25,6 @@ import functools
 import os
 import sys
 import time
-import types
 from unittest import mock
 
 import torch
@@ -100,38 +99,20 @@ def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int
             quick: bool = False) -> dict:
     """Every configuration of CONFIGS on the compiled GPT-2 step; see the module docstring."""
     import bench_overhead
-    import hookcap
-    import hookcap._fused
     from _fusion import triton_launches
     from _profile_steps import profile_steps
-    from gpu_check import gpt2_shape, gpt2_workload, train_step
+    from gpu_check import compiled_gpt2_setup, first_compiled_step, train_step
     from torch._dynamo.utils import counters
-    from torch._inductor.graph import GraphLowering
 
     cuda = device.type == "cuda"
-    if not cuda:
-        hookcap._fused.DEVICE_TYPES.add(device.type)
-    torch._dynamo.config.skip_nnmodule_hook_guards = False
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    shape = {**gpt2_shape(device.type, quick)}
-    shape["n_layer"] = min(shape["n_layer"], layers)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+    shape, autocast = compiled_gpt2_setup(device, quick, layers)
     runs, rows = {}, {}
     for name, kw, replace in CONFIGS:
-        model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
-        mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
-        model.compile()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        cfg = types.SimpleNamespace(after_step=mon.step if mon else (lambda: None))
-        codes = []
-        t0 = time.perf_counter()
-        with traced_with(replace), mock.patch.object(GraphLowering, "save_output_code", codes.append):
-            train_step(autocast, loss_fn, opt, cfg)
-        if cuda:
-            torch.cuda.synchronize()
-        rows[name] = {"config": name, "compile_s": round(time.perf_counter() - t0, 1),
-                      "triton_launches_in_code": len(triton_launches(codes))}
-        runs[name] = (loss_fn, opt, cfg, mon)
+        first = first_compiled_step(shape, device, autocast, kw, traced_with(replace))
+        desc = first.desc
+        rows[name] = {"config": name, "compile_s": first.seconds,
+                      "triton_launches_in_code": len(triton_launches(first.codes))}
+        runs[name] = (first.loss_fn, first.opt, first.cfg, first.mon)
         print(f"  {name}: first step {rows[name]['compile_s']} s", flush=True)
     graphs = counters["stats"]["unique_graphs"]
 

@@ -863,49 +863,25 @@ def compiled_stage(args) -> dict:
     """GPT-2 compiled: one instance per configuration, each Monitor attached
     for the whole run (its own graphs), interleaved rounds; the fused rows
     of the first recorded step against the op's (same weights, same data)."""
-    import hookcap
-    import hookcap._fused
-
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    if not cuda:
-        hookcap._fused.DEVICE_TYPES.add("cpu")  # --device cpu: exercise the fused path's code here too
-    torch._dynamo.config.skip_nnmodule_hook_guards = False
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     # 4 of GPT-2-124M's 12 layers, full width: three compiles of all 12 did not fit the step on an
     # H200 (fused=True's alone took over 85 s; 56 s for 4 layers); every layer runs the same kernels.
-    shape = {**gpt2_shape(args.device, args.quick)}
-    shape["n_layer"] = min(shape["n_layer"], COMPILED_LAYERS)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+    shape, autocast = compiled_gpt2_setup(device, args.quick, COMPILED_LAYERS)
     rounds, steps_per_round = (3, 4) if cuda else (2, 2)
 
     def left() -> float:
         return math.inf if args.stage_deadline is None else args.stage_deadline - time.time()
 
     import bench_overhead
-
-    from unittest import mock
-
     from torch._dynamo.utils import counters
-    from torch._inductor.graph import GraphLowering
 
     runs, compile_s, compiles = {}, {}, {}
     for name, kw in COMPILED_CONFIGS:
-        model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
-        mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
-        model.compile()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        cfg = types.SimpleNamespace(after_step=mon.step if mon else (lambda: None))
-        graphs0 = counters["stats"]["unique_graphs"]
-        t0 = time.perf_counter()
-        codes = []  # as run_and_get_code keeps them, without its reset of the configurations compiled before
-        with mock.patch.object(GraphLowering, "save_output_code", codes.append):
-            train_step(autocast, loss_fn, opt, cfg)  # traces and compiles
-        if cuda:
-            torch.cuda.synchronize()
-        compile_s[name] = round(time.perf_counter() - t0, 1)
-        compiles[name] = compiled_code(codes, counters["stats"]["unique_graphs"] - graphs0, name, args.outdir)
-        runs[name] = (loss_fn, opt, cfg, mon)
+        first = first_compiled_step(shape, device, autocast, kw)
+        desc, compile_s[name] = first.desc, first.seconds
+        compiles[name] = compiled_code(first.codes, first.graphs, name, args.outdir)
+        runs[name] = (first.loss_fn, first.opt, first.cfg, first.mon)
         log(f"  {name}: first step (compile) {compile_s[name]} s, {compiles[name]}")
     graphs_after_first_steps = counters["stats"]["unique_graphs"]
     def stop(measured: int) -> bool:  # three compiles of a 12-layer model can take most of the step
@@ -964,6 +940,59 @@ def compiled_stage(args) -> dict:
     return details
 
 
+def compiled_gpt2_setup(device: torch.device, quick: bool, layers: int) -> tuple:
+    """(shape, autocast) of the compiled GPT-2 step (gpt2_shape, at most
+    ``layers`` layers; bf16 autocast on CUDA), dynamo set for several watched
+    instances of one class (each its own graphs), and on the CPU the fused
+    path's code exercised too."""
+    import hookcap._fused
+
+    if device.type != "cuda":
+        hookcap._fused.DEVICE_TYPES.add(device.type)
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    shape = {**gpt2_shape(device.type, quick)}
+    shape["n_layer"] = min(shape["n_layer"], layers)
+    return shape, torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def first_compiled_step(shape: dict, device: torch.device, autocast, kw, tracing=None):
+    """A fresh compiled GPT-2 instance (Monitor kwargs ``kw``, None:
+    unwatched) and its first training step, which traces and compiles (under
+    the context ``tracing`` if given). Returns a namespace: loss_fn, opt, cfg
+    (its step hook), mon, desc, seconds (the first step), codes (Inductor's
+    modules, as run_and_get_code keeps them, without its reset of the
+    instances compiled before) and graphs (compiled by that step)."""
+    import contextlib
+    from unittest import mock
+
+    import hookcap
+    from torch._dynamo.utils import counters
+    from torch._inductor.graph import GraphLowering
+
+    model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
+    mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
+    model.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cfg = types.SimpleNamespace(after_step=mon.step if mon else (lambda: None))
+    graphs0, codes = counters["stats"]["unique_graphs"], []
+    t0 = time.perf_counter()
+    with tracing or contextlib.nullcontext(), mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        train_step(autocast, loss_fn, opt, cfg)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return types.SimpleNamespace(loss_fn=loss_fn, opt=opt, cfg=cfg, mon=mon, desc=desc,
+                                 seconds=round(time.perf_counter() - t0, 1), codes=codes,
+                                 graphs=counters["stats"]["unique_graphs"] - graphs0)
+
+
+def write_codes(path: str, codes: list) -> None:
+    """Inductor's modules ``codes`` into one text file, each under a header."""
+    with open(path, "w") as f:
+        for i, code in enumerate(codes):
+            f.write(f"# ===== module {i} =====\n{code}\n")
+
+
 def compiled_code(codes: list, graphs: int, config: str, outdir: str) -> dict:
     """What one configuration's first step compiled: its graphs and Triton
     launches (counted in the generated code, to hold against the profile's
@@ -971,9 +1000,7 @@ def compiled_code(codes: list, graphs: int, config: str, outdir: str) -> dict:
     from _fusion import triton_launches
 
     path = os.path.join(outdir, "code_" + re.sub(r"\W+", "_", config).strip("_") + ".txt")
-    with open(path, "w") as f:
-        for i, code in enumerate(codes):
-            f.write(f"# ===== module {i} =====\n{code}\n")
+    write_codes(path, codes)
     return {"graphs": graphs, "modules": len(codes), "triton_launches": len(triton_launches(codes)),
             "file": os.path.basename(path)}
 
@@ -1006,9 +1033,7 @@ def dump_fused_code(device, outdir: str) -> dict:
 
     codes, plain = step_code(True), step_code(False)
     path = os.path.join(outdir, "fused_code.txt")
-    with open(path, "w") as f:
-        for i, code in enumerate(codes):
-            f.write(f"# ===== module {i} =====\n{code}\n")
+    write_codes(path, codes)
     text = "\n".join(codes)
     kernels, base = triton_launches(codes), triton_launches(plain)
     return {"file": "fused_code.txt", "modules": len(codes),

@@ -39,6 +39,7 @@ compiled graph hands back to it (:func:`hand_reduce_only_to_the_op`).
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 
@@ -300,24 +301,20 @@ def _ops_named(*names):
     return out
 
 
-_EXTERNS = None
-_VIEWS = None
-
-
+@functools.cache
 def _op_sets():
-    global _EXTERNS, _VIEWS
-    if _EXTERNS is None:
-        _EXTERNS = _ops_named(
+    """(external kernels, views): the aten overloads Inductor runs as
+    external kernels, and those that only view their first input."""
+    return (_ops_named(
             "mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_scaled_mm",
             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
             "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
-            "_efficient_attention_backward")
-        _VIEWS = _ops_named("view", "reshape", "_unsafe_view", "permute", "t", "transpose", "alias", "squeeze",
-                            "unsqueeze", "slice", "select", "split", "split_with_sizes", "unbind")
-    return _EXTERNS, _VIEWS
+            "_efficient_attention_backward"),
+            _ops_named("view", "reshape", "_unsafe_view", "permute", "t", "transpose", "alias", "squeeze",
+                       "unsqueeze", "slice", "select", "split", "split_with_sizes", "unbind"))
 
 
 def _is_view(n) -> bool:
