@@ -212,10 +212,15 @@ class triton_codegen:
     ``TRITON_INTERPRET=1`` (Triton reads it as it defines its own functions),
     and ``libdevice`` calls run as :func:`_interpreted_libdevice`'s (the
     interpreter has no external library).
-    Restores every setting it changed on exit."""
+    The CPU's device properties are those of a GPU with ``sms`` streaming
+    multiprocessors (132: an H100 or H200; 2,048 threads and 65,536
+    registers each): Inductor splits a reduction with few outputs into two
+    kernels by the SM count, so the CPU's (its cores) would write other
+    kernels than a GPU's. Restores every setting it changed on exit."""
 
-    def __init__(self, interpret: bool = False):
+    def __init__(self, interpret: bool = False, sms: int = 132):
         self.interpret = interpret
+        self.sms = sms
 
     def __enter__(self):
         import os
@@ -225,6 +230,7 @@ class triton_codegen:
         import torch.utils._triton as ut
         from torch._inductor.lowering import lowerings
         from torch._inductor.runtime import triton_heuristics as th
+        from torch._inductor.runtime.hints import DeviceProperties
 
         self.codes = []
         self._undo = [
@@ -234,6 +240,7 @@ class triton_codegen:
             # oneDNN (CPU only) makes Inductor lay out every convolution's
             # tensors channels-last; off, the layout follows CUDA's rules.
             (torch.backends.mkldnn, "enabled", False),
+            (DeviceProperties, "create", _gpu_properties(DeviceProperties.create, self.sms)),
         ]
         self._lowerings = _gpu_cat_lowering()  # concatenation as on a GPU
         if self.interpret:
@@ -245,7 +252,17 @@ class triton_codegen:
             self._undo.append((triton_helpers, "libdevice", _interpreted_libdevice()))
         else:
             self._undo.append((th.CachingAutotuner, "run", lambda self, *a, **k: None))
-        self._undo = [(obj, name, getattr(obj, name), new) for obj, name, new in self._undo]
+            # The Triton kernels do not run, so the values are garbage anyway:
+            # the extern matmuls that write into a buffer do not run either
+            # (on the CPU they are most of a large step's time).
+            from torch._inductor.select_algorithm import extern_kernels as ek
+
+            for name in ("mm", "addmm", "bmm", "baddbmm", "bias_addmm"):
+                if hasattr(ek, name):
+                    self._undo.append((ek, name, _skip_into_out(getattr(ek, name))))
+        # A class's own attribute as it is stored (a classmethod, not bound).
+        self._undo = [(obj, name, vars(obj)[name] if isinstance(obj, type) and name in vars(obj) else getattr(obj, name),
+                       new) for obj, name, new in self._undo]
         for obj, name, _, new in self._undo:
             setattr(obj, name, new)
         self._lowerings_undo = {op: lowerings[op] for op in self._lowerings}
@@ -273,6 +290,25 @@ class triton_codegen:
 
     def kernels(self) -> list[TritonKernel]:
         return triton_launches(self.codes)
+
+
+def _gpu_properties(create, sms: int):
+    """``DeviceProperties.create`` answering for a CPU device as for a GPU of
+    ``sms`` SMs (see :class:`triton_codegen`); other devices as ``create``."""
+    def gpu_like(device):
+        props = create(device)
+        if device.type != "cpu":
+            return props
+        return props._replace(multi_processor_count=sms, max_threads_per_multi_processor=2048,
+                              regs_per_multiprocessor=65536, warp_size=32)
+    return staticmethod(gpu_like)
+
+
+def _skip_into_out(fn):
+    """``fn`` (an extern kernel) as a no-op where it writes into ``out=``."""
+    def skipped(*args, out=None, **kwargs):
+        return out if out is not None else fn(*args, **kwargs)
+    return skipped
 
 
 def _gpu_cat_lowering() -> dict:

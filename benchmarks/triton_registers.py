@@ -137,7 +137,7 @@ def counts_only(args, configs, out) -> int:
 
     for name, kw in configs.items():
         counters["hookcap"].clear()
-        ks = step_kernels(args.layers, args.tokens, kw)
+        ks = step_kernels(args.layers, args.tokens, kw, args.batch)
         c = out["configs"][name] = {
             "launches": len(ks), "reduce_only_bytes": triton_reduce_only_bytes(ks, 4097),
             "traffic_bytes": triton_traffic_bytes(ks), "handed_to_op": counters["hookcap"]["reduce_only_to_op"],
@@ -153,6 +153,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1, help="sequences per step")
     p.add_argument("--json", default=None)
     p.add_argument("--counts-only", action="store_true",
                    help="no registers: per configuration the Triton launches, the bytes reduce-only kernels read "
@@ -161,11 +162,11 @@ def main(argv=None) -> int:
     from bench_overhead import write_json
 
     configs = {"none": None, "op": {"histogram": None}, "fused": {"histogram": None, "fused": True}}
-    out = {"layers": args.layers, "tokens": args.tokens, "configs": {}}
+    out = {"layers": args.layers, "tokens": args.tokens, "batch": args.batch, "configs": {}}
     if args.counts_only:
         return counts_only(args, configs, out)
     for name, kw in configs.items():
-        rows = kernel_rows(step_kernels(args.layers, args.tokens, kw))
+        rows = kernel_rows(step_kernels(args.layers, args.tokens, kw, args.batch))
         weight = sum(max(r["elements"], 0) for r in rows) or 1
         mean = sum(max(r["elements"], 0) * r["warps_per_sm"] for r in rows) / weight
         out["configs"][name] = {"kernels": rows, "mean_warps_per_sm": mean,
