@@ -1,6 +1,6 @@
 """Registers of the Triton kernels a GPU would run for a compiled GPT-2 step, without a GPU.
 
-  PYTHONPATH=. python benchmarks/triton_registers.py [--layers 4] [--tokens 1024] [--json FILE]
+  PYTHONPATH=. python benchmarks/triton_registers.py [--layers 4] [--tokens 1024] [--batch 1] [--json FILE]
 
 Inductor writes the step's Triton kernels on the CPU (`_fusion.triton_codegen`; GPT-2 of
 benchmarks/_gpt2.py at full width, bf16 autocast, outputs and output gradients of the default
