@@ -383,23 +383,74 @@ def _reduce_only(x, only) -> bool:
     return True
 
 
+def _channels_last_planes(graph: torch.fx.Graph) -> set:
+    """(N, H, W) of the 4-D tensors Inductor will lay out channels-last
+    although they were traced NCHW: its convolutions' inputs and outputs
+    (and the pointwise ops on them, which follow), where it decides to for
+    this graph (``GraphLowering.decide_layout_opt``, for training or
+    inference alike); else empty."""
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        gm = graph.owning_module
+        if gm is None or not any(GraphLowering.decide_layout_opt(gm, is_inference=i) for i in (False, True)):
+            return set()
+    except Exception:  # an Inductor without this decision: nothing is known
+        return set()
+    planes = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.convolution.default:
+            for v in (n.meta.get("val"), n.args[0].meta.get("val")):
+                key = _plane(v)
+                if key is not None:
+                    planes.add(key)
+    return planes
+
+
+def _plane(v):
+    """(N, H, W) of ``v``, a 4-D tensor of static size, else None."""
+    if not (isinstance(v, torch.Tensor) and v.dim() == 4):
+        return None
+    key = (v.shape[0], v.shape[2], v.shape[3])
+    return key if all(type(d) is int for d in key) else None
+
+
+def _relaid(x, planes) -> bool:
+    """Whether the captured ``x`` is NCHW as traced but on one of ``planes``
+    (:func:`_channels_last_planes`): its blocks, runs of NCHW order, would
+    not run in the memory order of the kernel that computes it, so its
+    statistics would be a kernel of their own, which a GPU's Inductor
+    splits into a second-stage kernel per statistic."""
+    val = x.meta.get("val")
+    key = _plane(val)
+    return (key is not None and key in planes and _known(val.shape[1] > 1)
+            and not val.is_contiguous(memory_format=torch.channels_last))
+
+
 def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:
-    """The pass: each ``merge_partials`` whose tensor :func:`_reduce_only`
-    becomes ``record`` of that tensor. Returns how many; dynamo's counters
-    keep the totals (``counters["hookcap"]``: ``reduce_only_to_op``, and
-    ``reduce_only_to_op_bytes``, the bytes the op then reads per run of
-    the graph, for sizes known when compiled)."""
+    """The pass: each ``merge_partials`` whose tensor :func:`_reduce_only`,
+    or is :func:`_relaid` channels-last after tracing, becomes ``record`` of
+    that tensor. Returns how many; dynamo's counters keep the totals
+    (``counters["hookcap"]``: ``reduce_only_to_op``, all handed over;
+    ``reduce_only_to_op_bytes``, the bytes the op then reads per run of the
+    graph, for sizes known when compiled; ``relaid_to_op``, those handed
+    over for their layout)."""
     from torch._dynamo.utils import counters
 
-    moved = 0
+    moved, planes = 0, None
     for m in list(graph.nodes):
         if not (m.op == "call_function" and m.target is _WITH_EFFECTS and len(m.args) == 6 and m.args[1] is _MERGE):
             continue
         token, _, p, _k, sink, rid = m.args
         only = _partials_only(p)
         x = _captured(only)
-        if x is None or not _reduce_only(x, only):
+        if x is None:
             continue
+        if not _reduce_only(x, only):
+            planes = _channels_last_planes(graph) if planes is None else planes
+            if not _relaid(x, planes):
+                continue
+            counters["hookcap"]["relaid_to_op"] += 1
         m.args = (token, _RECORD, x, sink, rid)
         moved += 1
         val = x.meta["val"]

@@ -534,6 +534,36 @@ def test_captures_only_external_kernels_touch_are_handed_to_the_op():
             np.testing.assert_array_equal(fused[stat][:, fused.column(name)], op[stat][:, op.column(name)])
 
 
+class WideConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 128, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(128)
+        self.act = nn.ReLU()
+        self.out = nn.Conv2d(128, 4, 1)
+
+    def forward(self, x):
+        return self.out(self.act(self.bn(self.conv(x))))
+
+
+def test_captures_inductor_lays_out_channels_last_after_tracing_go_to_the_op():
+    # Inductor makes this NCHW block's tensors channels-last (on the CPU with
+    # oneDNN always; on a GPU for wide convolutions: test_fused_triton.py):
+    # the BatchNorm and ReLU outputs go to the op, whose values they then are.
+    torch.manual_seed(0)
+    model, xs = WideConv(), [torch.randn(2, 8, 8, 8) for _ in range(2)]
+    fn = torch.compile(model)
+    counters["hookcap"].clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        op, fused = op_and_fused_in_one_run(model, [lambda x=x: fn(x).pow(2).sum().backward() for x in xs],
+                                            capture="output", modules=["bn", "act"])
+    assert counters["hookcap"]["relaid_to_op"] == 2
+    assert counters["hookcap"]["reduce_only_to_op_bytes"] == 2 * 2 * 128 * 8 * 8 * 4
+    for name in ("bn/output", "act/output"):
+        for stat in ("count", "zeros", "min", "max", "sum", "sumsq"):
+            np.testing.assert_array_equal(fused[stat][:, fused.column(name)], op[stat][:, op.column(name)])
+
+
 def test_the_pass_is_installed_while_a_fused_monitor_is_attached():
     from torch._inductor import config as icfg
 

@@ -106,20 +106,33 @@ def test_triton_blocks_follow_a_channels_last_layout(monkeypatch):
             == 2 * 8 * 16 * 16 * 16 * 4)  # both outputs read once more
 
 
-def test_a_layout_inductor_picks_after_tracing_does_not_fuse():
+def test_a_layout_inductor_picks_after_tracing_goes_to_the_op(monkeypatch):
     """As docs/compile-and-distributed.md says: with 128 channels Inductor
     makes an NCHW model's convolution tensors channels-last after the hooks
-    were traced, so the blocks do not run in memory order and each capture
-    is read once more by a kernel of its own (values unaffected), which on a
-    GPU of 132 SMs Inductor splits in two stages, the second a kernel per
-    statistic; the same model made channels-last by its user fuses."""
+    were traced, so the blocks would not run in memory order. The pass sees
+    that decision and hands those captures to the op: the unwatched block's
+    launches, the op reads each once. Planted (the decision not seen): each
+    is read once more by a kernel of its own, which on a GPU of 132 SMs
+    Inductor splits in two stages, the second a kernel per statistic. The
+    same model made channels-last by its user fuses."""
+    from torch._dynamo.utils import counters
+
     base = conv_triton_kernels(128, False)
+    captured = 2 * 8 * 128 * 16 * 16 * 4  # the BatchNorm and ReLU outputs
+    counters["hookcap"].clear()
     fused = conv_triton_kernels(128, False, modules=["bn", "act"], capture="output")
-    captured = 2 * 8 * 128 * 16 * 16 * 4
-    assert len(fused) > len(base) + 2  # the split: more than one kernel per capture
-    assert _fusion.triton_reduce_only_bytes(fused, 257) - _fusion.triton_reduce_only_bytes(base, 257) >= captured
+    assert len(fused) == len(base)
+    assert _fusion.triton_reduce_only_bytes(fused, 257) == _fusion.triton_reduce_only_bytes(base, 257)
+    assert counters["hookcap"]["relaid_to_op"] == counters["hookcap"]["reduce_only_to_op"] == 2
+    assert counters["hookcap"]["reduce_only_to_op_bytes"] == captured
+    counters["hookcap"].clear()
     assert len(conv_triton_kernels(128, True, modules=["bn", "act"], capture="output")) == (
         len(conv_triton_kernels(128, True)))
+    assert counters["hookcap"]["reduce_only_to_op"] == 0
+    monkeypatch.setattr(hookcap._fused, "_channels_last_planes", lambda graph: set())
+    planted = conv_triton_kernels(128, False, modules=["bn", "act"], capture="output")
+    assert len(planted) > len(base) + 2  # the split: more than one kernel per capture
+    assert _fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257) >= captured
 
 
 def test_codegen_answers_as_a_gpu():
