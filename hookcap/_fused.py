@@ -387,13 +387,17 @@ def _channels_last_planes(graph: torch.fx.Graph) -> set:
     """(N, H, W) of the 4-D tensors Inductor will lay out channels-last
     although they were traced NCHW: its convolutions' inputs and outputs
     (and the pointwise ops on them, which follow), where it decides to for
-    this graph (``GraphLowering.decide_layout_opt``, for training or
-    inference alike); else empty."""
+    this graph (``GraphLowering.decide_layout_opt``, which decides
+    differently for training and inference: AOT autograd's metadata says
+    which this graph is); else empty."""
     try:
+        from torch._guards import TracingContext
         from torch._inductor.graph import GraphLowering
 
-        gm = graph.owning_module
-        if gm is None or not any(GraphLowering.decide_layout_opt(gm, is_inference=i) for i in (False, True)):
+        ctx, gm = TracingContext.try_get(), graph.owning_module
+        meta = getattr(ctx, "fw_metadata", None)
+        inference = meta is not None and not getattr(meta, "is_train", True)
+        if gm is None or not GraphLowering.decide_layout_opt(gm, is_inference=inference):
             return set()
     except Exception:  # an Inductor without this decision: nothing is known
         return set()
@@ -427,9 +431,28 @@ def _relaid(x, planes) -> bool:
             and not val.is_contiguous(memory_format=torch.channels_last))
 
 
+def _read_out_of_order(x, only) -> bool:
+    """Whether the captured ``x`` is channels-last in the graph Inductor
+    compiles (e.g. a gradient, whose strides dynamo cannot read inside a
+    hook, of a channels-last model) while its partials ``only`` split it in
+    logical order (they permute nothing): the same cost as :func:`_relaid`."""
+    val = x.meta.get("val")
+    if _plane(val) is None or not _known(val.shape[1] > 1) or val.is_contiguous():
+        return False
+    if not val.is_contiguous(memory_format=torch.channels_last):
+        return False
+    return not any(n.op == "call_function" and n.target in _permutes() for n in only)
+
+
+@functools.cache
+def _permutes():
+    return _ops_named("permute")
+
+
 def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:
     """The pass: each ``merge_partials`` whose tensor :func:`_reduce_only`,
-    or is :func:`_relaid` channels-last after tracing, becomes ``record`` of
+    or is :func:`_relaid` channels-last after tracing or otherwise
+    :func:`_read_out_of_order`, becomes ``record`` of
     that tensor. Returns how many; dynamo's counters keep the totals
     (``counters["hookcap"]``: ``reduce_only_to_op``, all handed over;
     ``reduce_only_to_op_bytes``, the bytes the op then reads per run of the
@@ -448,7 +471,7 @@ def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:
             continue
         if not _reduce_only(x, only):
             planes = _channels_last_planes(graph) if planes is None else planes
-            if not _relaid(x, planes):
+            if not (_relaid(x, planes) or _read_out_of_order(x, only)):
                 continue
             counters["hookcap"]["relaid_to_op"] += 1
         m.args = (token, _RECORD, x, sink, rid)

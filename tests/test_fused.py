@@ -549,17 +549,18 @@ class WideConv(nn.Module):
 def test_captures_inductor_lays_out_channels_last_after_tracing_go_to_the_op():
     # Inductor makes this NCHW block's tensors channels-last (on the CPU with
     # oneDNN always; on a GPU for wide convolutions: test_fused_triton.py):
-    # the BatchNorm and ReLU outputs go to the op, whose values they then are.
+    # the BatchNorm and ReLU outputs and their gradients go to the op, whose
+    # values they then are.
     torch.manual_seed(0)
     model, xs = WideConv(), [torch.randn(2, 8, 8, 8) for _ in range(2)]
     fn = torch.compile(model)
     counters["hookcap"].clear()
     with torch._inductor.config.patch(fx_graph_cache=False):
         op, fused = op_and_fused_in_one_run(model, [lambda x=x: fn(x).pow(2).sum().backward() for x in xs],
-                                            capture="output", modules=["bn", "act"])
-    assert counters["hookcap"]["relaid_to_op"] == 2
-    assert counters["hookcap"]["reduce_only_to_op_bytes"] == 2 * 2 * 128 * 8 * 8 * 4
-    for name in ("bn/output", "act/output"):
+                                            capture=("output", "grad_output"), modules=["bn", "act"])
+    assert counters["hookcap"]["relaid_to_op"] == 4  # the outputs, and their gradients, channels-last too
+    assert counters["hookcap"]["reduce_only_to_op_bytes"] == 4 * 2 * 128 * 8 * 8 * 4
+    for name in ("bn/output", "act/output", "bn/grad_output", "act/grad_output"):
         for stat in ("count", "zeros", "min", "max", "sum", "sumsq"):
             np.testing.assert_array_equal(fused[stat][:, fused.column(name)], op[stat][:, op.column(name)])
 

@@ -93,13 +93,19 @@ def test_triton_blocks_follow_a_channels_last_layout(monkeypatch):
     """A channels-last BatchNorm/ReLU output is split into blocks in memory
     order, the order of the kernel that computes it: its statistics join that
     kernel. In the tensor's logical (NCHW) order the blocks would read it
-    strided, which no model loop does: one kernel more each."""
+    strided, which no model loop does: one kernel more each (the compile
+    would hand them to the op: planted with that off too)."""
+    from torch._dynamo.utils import counters
+
     base = conv_triton_kernels()
+    counters["hookcap"].clear()
     fused = conv_triton_kernels(modules=["bn", "act"], capture="output")
     assert any(has_statistics(k.source) for k in fused)
+    assert counters["hookcap"]["reduce_only_to_op"] == 0
     assert len(fused) == len(base)
     assert _fusion.triton_traffic_bytes(fused) == _fusion.triton_traffic_bytes(base)
     monkeypatch.setattr(hookcap._fused, "_memory_order", lambda x: x)
+    monkeypatch.setattr(hookcap._fused, "_read_out_of_order", lambda x, only: False)
     planted = conv_triton_kernels(modules=["bn", "act"], capture="output")
     assert len(planted) == len(base) + 2
     assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
@@ -133,6 +139,32 @@ def test_a_layout_inductor_picks_after_tracing_goes_to_the_op(monkeypatch):
     planted = conv_triton_kernels(128, False, modules=["bn", "act"], capture="output")
     assert len(planted) > len(base) + 2  # the split: more than one kernel per capture
     assert _fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257) >= captured
+
+
+@pytest.mark.parametrize("channels", [16, 128])
+def test_channels_last_gradients_go_to_the_op(monkeypatch, channels):
+    """Gradients are split in logical order (dynamo cannot read their
+    strides in a hook): those of a channels-last model, made so by its user
+    or by Inductor, go to the op, at most one launch more than unwatched
+    (128 channels with the statistics split per statistic: over ten). The gradients of
+    a model left NCHW fuse (16 channels: Inductor keeps NCHW)."""
+    from torch._dynamo.utils import counters
+
+    grads = 2 * 8 * channels * 16 * 16 * 4
+    for channels_last in (True, False):
+        base = conv_triton_kernels(channels, channels_last)
+        counters["hookcap"].clear()
+        fused = conv_triton_kernels(channels, channels_last, modules=["bn", "act"], capture=("output", "grad_output"))
+        handed = counters["hookcap"]["reduce_only_to_op_bytes"]
+        if channels_last or channels == 128:
+            assert len(base) <= len(fused) <= len(base) + 1
+            assert handed == (grads if channels_last else 2 * grads)  # NCHW 128: the outputs too
+        else:
+            assert len(fused) == len(base) and handed == 0
+    if channels == 128:  # planted: a kernel per statistic for each (16 channels: blocks too small to split)
+        monkeypatch.setattr(hookcap._fused, "_read_out_of_order", lambda x, only: False)
+        planted = conv_triton_kernels(channels, True, modules=["bn", "act"], capture=("output", "grad_output"))
+        assert len(planted) > len(conv_triton_kernels(channels, True)) + 2
 
 
 def test_codegen_answers_as_a_gpu():
