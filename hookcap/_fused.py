@@ -419,29 +419,25 @@ def _plane(v):
     return key if all(type(d) is int for d in key) else None
 
 
-def _relaid(x, planes) -> bool:
-    """Whether the captured ``x`` is NCHW as traced but on one of ``planes``
-    (:func:`_channels_last_planes`): its blocks, runs of NCHW order, would
-    not run in the memory order of the kernel that computes it, so its
-    statistics would be a kernel of their own, which a GPU's Inductor
-    splits into a second-stage kernel per statistic."""
+def _blocks_out_of_memory_order(x, only, planes) -> bool:
+    """Whether the blocks of the captured 4-D ``x``, runs of its logical
+    (NCHW) order (its partials ``only`` permute nothing), will not run in the
+    memory order of the kernels that compute it: ``x`` is channels-last in
+    the graph Inductor compiles (e.g. a gradient of a channels-last model,
+    whose strides dynamo cannot read inside a hook), or NCHW as traced but
+    on one of ``planes``, which Inductor lays out channels-last
+    (:func:`_channels_last_planes`). Its statistics would then be a kernel
+    of their own, which a GPU's Inductor splits into a second-stage kernel
+    per statistic."""
     val = x.meta.get("val")
     key = _plane(val)
-    return (key is not None and key in planes and _known(val.shape[1] > 1)
-            and not val.is_contiguous(memory_format=torch.channels_last))
-
-
-def _read_out_of_order(x, only) -> bool:
-    """Whether the captured ``x`` is channels-last in the graph Inductor
-    compiles (e.g. a gradient, whose strides dynamo cannot read inside a
-    hook, of a channels-last model) while its partials ``only`` split it in
-    logical order (they permute nothing): the same cost as :func:`_relaid`."""
-    val = x.meta.get("val")
-    if _plane(val) is None or not _known(val.shape[1] > 1) or val.is_contiguous():
+    if key is None or not _known(val.shape[1] > 1):
         return False
-    if not val.is_contiguous(memory_format=torch.channels_last):
+    if any(n.op == "call_function" and n.target in _permutes() for n in only):
         return False
-    return not any(n.op == "call_function" and n.target in _permutes() for n in only)
+    if val.is_contiguous(memory_format=torch.channels_last):
+        return not val.is_contiguous()
+    return key in planes
 
 
 @functools.cache
@@ -451,9 +447,8 @@ def _permutes():
 
 def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:
     """The pass: each ``merge_partials`` whose tensor :func:`_reduce_only`,
-    or is :func:`_relaid` channels-last after tracing or otherwise
-    :func:`_read_out_of_order`, becomes ``record`` of
-    that tensor. Returns how many; dynamo's counters keep the totals
+    or whose blocks are :func:`_blocks_out_of_memory_order`, becomes
+    ``record`` of that tensor. Returns how many; dynamo's counters keep the totals
     (``counters["hookcap"]``: ``reduce_only_to_op``, all handed over;
     ``reduce_only_to_op_bytes``, the bytes the op then reads per run of the
     graph, for sizes known when compiled; ``relaid_to_op``, those handed
@@ -471,7 +466,7 @@ def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:
             continue
         if not _reduce_only(x, only):
             planes = _channels_last_planes(graph) if planes is None else planes
-            if not (_relaid(x, planes) or _read_out_of_order(x, only)):
+            if not _blocks_out_of_memory_order(x, only, planes):
                 continue
             counters["hookcap"]["relaid_to_op"] += 1
         m.args = (token, _RECORD, x, sink, rid)

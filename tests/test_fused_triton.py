@@ -105,7 +105,7 @@ def test_triton_blocks_follow_a_channels_last_layout(monkeypatch):
     assert len(fused) == len(base)
     assert _fusion.triton_traffic_bytes(fused) == _fusion.triton_traffic_bytes(base)
     monkeypatch.setattr(hookcap._fused, "_memory_order", lambda x: x)
-    monkeypatch.setattr(hookcap._fused, "_read_out_of_order", lambda x, only: False)
+    monkeypatch.setattr(hookcap._fused, "_blocks_out_of_memory_order", lambda x, only, planes: False)
     planted = conv_triton_kernels(modules=["bn", "act"], capture="output")
     assert len(planted) == len(base) + 2
     assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
@@ -162,7 +162,7 @@ def test_channels_last_gradients_go_to_the_op(monkeypatch, channels):
         else:
             assert len(fused) == len(base) and handed == 0
     if channels == 128:  # planted: a kernel per statistic for each (16 channels: blocks too small to split)
-        monkeypatch.setattr(hookcap._fused, "_read_out_of_order", lambda x, only: False)
+        monkeypatch.setattr(hookcap._fused, "_blocks_out_of_memory_order", lambda x, only, planes: False)
         planted = conv_triton_kernels(channels, True, modules=["bn", "act"], capture=("output", "grad_output"))
         assert len(planted) > len(conv_triton_kernels(channels, True)) + 2
 
