@@ -359,7 +359,8 @@ def _captured(only):
 
 def _reduce_only(x, only) -> bool:
     """Whether nothing but external kernels writes and reads ``x``'s memory
-    (through views), apart from the partials ``only``."""
+    (through views), apart from the partials ``only`` and paddings to
+    another size (:func:`_pads_to_another_size`)."""
     externs, _ = _op_sets()
     src = x
     while _is_view(src):
@@ -378,9 +379,21 @@ def _reduce_only(x, only) -> bool:
         for u in n.users:
             if u in only or u in aliases or u.op == "output":
                 continue
-            if not (u.op == "call_function" and (u.target in externs or u.target is _WITH_EFFECTS)):
+            if not (u.op == "call_function" and (u.target in externs or u.target is _WITH_EFFECTS
+                                                 or _pads_to_another_size(u))):
                 return False
     return True
+
+
+def _pads_to_another_size(n) -> bool:
+    """Whether ``n`` pads (or crops) its input to another element count: its
+    kernel loops over the new shape, where no reduction of the input can
+    ride. Inductor pads the operands of a matmul of unaligned size this way
+    on a GPU (e.g. the gradient of GPT-2's logits, 50,257 wide)."""
+    if n.target not in _pads():
+        return False
+    a, b = n.args[0].meta.get("val"), n.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _known(a.numel() != b.numel())
 
 
 def _channels_last_planes(graph: torch.fx.Graph) -> set:
@@ -443,6 +456,11 @@ def _blocks_out_of_memory_order(x, only, planes) -> bool:
 @functools.cache
 def _permutes():
     return _ops_named("permute")
+
+
+@functools.cache
+def _pads():
+    return _ops_named("constant_pad_nd")
 
 
 def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:

@@ -619,3 +619,42 @@ def test_a_capture_read_through_a_split_by_matmuls_goes_to_the_op():
         codes = generated_code(Split(), torch.randn(32, 64), modules=["a"], capture="output", fused=True)
     assert counters["hookcap"]["reduce_only_to_op"] == 1
     assert "hookcap.merge_partials.default(" not in "\n".join(codes)
+
+
+class PaddedHead(nn.Module):
+    """A Linear of unaligned width whose output is padded before a matmul,
+    as Inductor pads a matmul's operands on a GPU (GPT-2's 50,257 logits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 121)
+        self.w = nn.Parameter(torch.randn(128, 16) / 11)
+
+    def forward(self, x):
+        return torch.nn.functional.pad(self.a(x), (0, 7)) @ self.w
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_capture_read_by_a_padding_to_a_matmul_goes_to_the_op(monkeypatch, planted):
+    # The padding's kernel loops over 128 columns, where no reduction of the
+    # 121-wide capture can ride: the statistics would be a kernel of their own.
+    if planted:  # the rule that sees it, off: the capture stays fused
+        monkeypatch.setattr(hookcap._fused, "_pads_to_another_size", lambda n: False)
+    torch.manual_seed(0)
+    counters["hookcap"].clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        codes = generated_code(PaddedHead(), torch.randn(32, 64), modules=["a"], capture="output", fused=True)
+    text = "\n".join(codes)
+    assert counters["hookcap"]["reduce_only_to_op"] == (0 if planted else 1)
+    assert ("hookcap.merge_partials.default(" in text) == planted
+    if planted:
+        return
+    assert counters["hookcap"]["reduce_only_to_op_bytes"] == 32 * 121 * 4
+    xs = [torch.randn(32, 64) for _ in range(2)]
+    model = PaddedHead()
+    fn = torch.compile(model)
+    op, fused = op_and_fused_in_one_run(model, [lambda x=x: fn(x).pow(2).sum().backward() for x in xs],
+                                        capture=("output", "grad_output"), modules=["a"])
+    assert_fused_matches_op(op, fused)  # the gradient, read by the bias's sum, stays fused
+    for stat in ("count", "zeros", "min", "max", "sum", "sumsq"):  # the output: the op's, bit for bit
+        np.testing.assert_array_equal(fused[stat][:, fused.column("a/output")], op[stat][:, op.column("a/output")])
