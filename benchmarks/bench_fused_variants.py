@@ -63,7 +63,7 @@ def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, fl
         _layout.P_MIN: red(torch.where(fin, v, inf), torch.amin).double(),
         _layout.P_MAX: red(torch.where(fin, v, -inf), torch.amax).double(),
     }
-    return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
+    return _fused.stack_partials([cols[i] for i in range(_layout.PARTIALS)])
 
 
 def merge_to_no_monitor(x, sink, rid, rows=False, strided=False):

@@ -158,8 +158,8 @@ def block_view(x: torch.Tensor, rows: bool = False, strided: bool = False):
 
 def reducer(whole: bool):
     """``red(t, op, **kw)``: the reduction ``op`` (torch.sum, torch.amin, ...)
-    of a :func:`block_view` per block, as a 1-D tensor (one value when
-    ``whole``).
+    of a :func:`block_view` per block, in the shape the reduction leaves
+    (its leading dimensions; 0-dim when ``whole``): see :func:`stack_partials`.
 
     Rows are reduced in the tensor's own shape, not reshaped to a matrix:
     the compiler joins two loops over the same data only where they index
@@ -167,8 +167,17 @@ def reducer(whole: bool):
     (e.g. the concatenated query, key and value gradients of attention)
     indexes it differently from the kernel that computes it."""
     def red(t, op, **kw):
-        return op(t, **kw).reshape(1) if whole else op(t, dim=-1, **kw).reshape(-1)
+        return op(t, **kw) if whole else op(t, dim=-1, **kw)
     return red
+
+
+def stack_partials(cols) -> torch.Tensor:
+    """The float64 [PARTIALS, blocks] matrix of the per-block columns
+    ``cols`` (each in the shape :func:`reducer` leaves). Stacked before they
+    are flattened: Inductor writes a reduction straight into its part of the
+    stacked buffer, but copies a view of one there (a copy kernel per column
+    and capture on a GPU)."""
+    return torch.stack(list(cols)).reshape(len(cols), -1)
 
 
 def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool = False) -> torch.Tensor:
@@ -217,7 +226,7 @@ def partials(x: torch.Tensor, k: torch.Tensor, rows: bool = False, strided: bool
         _layout.P_MIN: red(torch.where(fin, v, inf), torch.amin).double(),
         _layout.P_MAX: red(torch.where(fin, v, -inf), torch.amax).double(),
     }
-    return torch.stack([cols[i] for i in range(_layout.PARTIALS)])
+    return stack_partials([cols[i] for i in range(_layout.PARTIALS)])
 
 
 def _stored_float(x: torch.Tensor) -> torch.Tensor:
