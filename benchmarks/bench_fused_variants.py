@@ -10,10 +10,18 @@ Configurations (outputs and output gradients of the default modules, histogram=N
   16-bit fields per block (exact for blocks under 65,536 values): one accumulator instead of four;
 - "float32 sums": the sums in float32 (inexact: a diagnostic of what float64 costs);
 - "no merge kernel": the partials computed and handed to a merge that finds no Monitor (no kernel):
-  the merge kernels' share.
-A variant replaces hookcap._fused.partials / merge only while its first step traces. Per
+  the merge kernels' share;
+- "MLP rows in 1,024 blocks": rows wider than 2,304 values (GPT-2's MLP tensors, 3,072 wide) reduced
+  as 1,024 equal runs instead of their 8,192 rows: the same kernels (the GELU ones) with 8 times
+  fewer per-block reductions and partials;
+- "two statistics": only the finite count and the sum per block (the other partials constant,
+  wrong values): what any reduction inside the model's kernels costs.
+--configs picks them by name (separated by ";"); by default the ones not yet measured on a GPU
+beside no telemetry, the op and fused=True (the others were: benchmarks/results/fused_variants_h200.json).
+A variant replaces hookcap._fused functions only while its first step traces. Per
 configuration: the first step (compile), the median step and its overhead paired by round,
-Triton launches in the generated code, and device time by kernel category (torch.profiler).
+Triton launches in the generated code, and device time by kernel category and by kernel
+(torch.profiler). --seconds bounds the timed rounds, counted after the compiles.
 On the CPU (Inductor's C++ backend) the fused path is timed as well, only to exercise the code.
 """
 
@@ -32,12 +40,16 @@ import torch
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 
 ABSENT_SINK = -7  # no Monitor has it: merge_partials launches nothing
+_ROWS_ARE_BLOCKS = None  # hookcap._fused._rows_are_blocks as hookcap has it (set by measure)
 
 
-def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, float_sums=False):
+def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, float_sums=False,
+                     two_statistics=False):
     """hookcap._fused.partials, with ``packed_counts`` the class counts as one
     int64 sum of 16-bit fields (blocks under 65,536 values; else four int64
-    sums), with ``float_sums`` s1 and s2 summed in float32 (inexact)."""
+    sums), with ``float_sums`` s1 and s2 summed in float32 (inexact), with
+    ``two_statistics`` only the finite count and s1 (the other partials
+    constant: a cost floor, not values)."""
     from hookcap import _fused, _layout
 
     v, whole = _fused.block_view(x, rows, strided)
@@ -47,6 +59,14 @@ def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, fl
     red = _fused.reducer(whole)
     inf, i64 = float("inf"), torch.int64
     fin = v.abs() < inf
+    if two_statistics:
+        finite = red(fin, torch.sum, dtype=torch.int32).double()
+        s1 = red(torch.where(fin, v.double() - k, 0.0), torch.sum)
+        zero = torch.zeros_like(s1)
+        cols = [zero] * _layout.PARTIALS
+        cols[_layout.P_FINITE], cols[_layout.P_S1] = finite, s1
+        cols[_layout.P_MIN], cols[_layout.P_MAX] = zero + inf, zero - inf
+        return _fused.stack_partials(cols)
     classes = (v == 0, v == inf, v == -inf, ~fin)
     if packed_counts and _fused._known(size < 65536):
         c = red(classes[0].to(i64) | (classes[1].to(i64) << 16) | (classes[2].to(i64) << 32)
@@ -66,6 +86,13 @@ def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, fl
     return _fused.stack_partials([cols[i] for i in range(_layout.PARTIALS)])
 
 
+def wide_rows_in_blocks(x, b) -> bool:
+    """hookcap._fused._rows_are_blocks, except that rows wider than 2,304
+    values are not blocks: such a tensor is reduced as blocks(n) equal runs
+    (1,024 for GPT-2's [8, 1,024, 3,072] MLP tensors)."""
+    return False if x.dim() >= 2 and x.shape[-1] > 2304 else _ROWS_ARE_BLOCKS(x, b)
+
+
 def merge_to_no_monitor(x, sink, rid, rows=False, strided=False):
     """hookcap._fused.merge, its partials merged into an absent sink."""
     from hookcap import _fused
@@ -82,7 +109,11 @@ CONFIGS = (  # name, Monitor kwargs (None: unwatched), {hookcap._fused attribute
     ("fused, packed counts", FUSED, {"partials": functools.partial(variant_partials, packed_counts=True)}),
     ("fused, float32 sums", FUSED, {"partials": functools.partial(variant_partials, float_sums=True)}),
     ("fused, no merge kernel", FUSED, {"merge": merge_to_no_monitor}),
+    ("fused, MLP rows in 1,024 blocks", FUSED, {"_rows_are_blocks": wide_rows_in_blocks}),
+    ("fused, two statistics", FUSED, {"partials": functools.partial(variant_partials, two_statistics=True)}),
 )
+DEFAULT_CONFIGS = ("no telemetry", "op histogram=None", "fused=True", "fused, MLP rows in 1,024 blocks",
+                   "fused, two statistics")
 
 
 @contextlib.contextmanager
@@ -95,10 +126,14 @@ def traced_with(replace: dict):
         yield
 
 
-def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int, deadline: float | None = None,
-            quick: bool = False) -> dict:
-    """Every configuration of CONFIGS on the compiled GPT-2 step; see the module docstring."""
+def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int, seconds: float | None = None,
+            quick: bool = False, names=DEFAULT_CONFIGS) -> dict:
+    """The configurations of CONFIGS called ``names`` on the compiled GPT-2
+    step, timed rounds for at most ``seconds`` after the compiles; see the
+    module docstring."""
+    global _ROWS_ARE_BLOCKS
     import bench_overhead
+    import hookcap._fused
     from _fusion import triton_launches
     from _profile_steps import profile_steps
     from gpu_check import compiled_gpt2_setup, first_compiled_step, train_step
@@ -106,8 +141,12 @@ def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int
 
     cuda = device.type == "cuda"
     shape, autocast = compiled_gpt2_setup(device, quick, layers)
+    _ROWS_ARE_BLOCKS = hookcap._fused._rows_are_blocks
+    unknown = set(names) - {c[0] for c in CONFIGS}
+    if unknown:
+        raise SystemExit(f"unknown configurations {sorted(unknown)}; known: {[c[0] for c in CONFIGS]}")
     runs, rows = {}, {}
-    for name, kw, replace in CONFIGS:
+    for name, kw, replace in (c for c in CONFIGS if c[0] in names):
         first = first_compiled_step(shape, device, autocast, kw, traced_with(replace))
         desc = first.desc
         rows[name] = {"config": name, "compile_s": first.seconds,
@@ -115,6 +154,7 @@ def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int
         runs[name] = (first.loss_fn, first.opt, first.cfg, first.mon)
         print(f"  {name}: first step {rows[name]['compile_s']} s", flush=True)
     graphs = counters["stats"]["unique_graphs"]
+    deadline = None if seconds is None else time.time() + seconds
 
     def stop(measured: int) -> bool:
         return deadline is not None and deadline - time.time() < 30
@@ -146,12 +186,15 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps-per-round", type=int, default=5)
-    p.add_argument("--seconds", type=float, default=None, help="stop timing rounds this long after the start")
+    p.add_argument("--seconds", type=float, default=None, help="stop timing rounds this long after the compiles")
+    p.add_argument("--configs", default=";".join(DEFAULT_CONFIGS),
+                   help="names of CONFIGS separated by ';' (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="the small CPU shape of gpu_check")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    deadline = None if args.seconds is None else time.time() + args.seconds
-    out = measure(torch.device(args.device), args.layers, args.rounds, args.steps_per_round, deadline, args.quick)
+    names = [n.strip() for n in args.configs.split(";") if n.strip()]
+    out = measure(torch.device(args.device), args.layers, args.rounds, args.steps_per_round, args.seconds, args.quick,
+                  names)
     out.pop("histories")
     from bench_overhead import write_json
 

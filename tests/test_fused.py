@@ -495,6 +495,20 @@ def test_the_benchmarks_variant_forms_count_as_hookcap_does(x, rows):
     assert torch.equal(packed, want)
     exact = [i for i in range(_layout.PARTIALS) if i not in (_layout.P_S1, _layout.P_S2)]
     assert torch.equal(bv.variant_partials(x, k, rows, float_sums=True)[exact], want[exact])
+    two = bv.variant_partials(x, k, rows, two_statistics=True)  # the finite count and the sum, per block
+    assert two.shape == want.shape
+    assert torch.equal(two[[_layout.P_FINITE, _layout.P_S1]], want[[_layout.P_FINITE, _layout.P_S1]])
+
+
+def test_the_benchmarks_wide_rows_variant_changes_only_wide_rows():
+    import bench_fused_variants as bv
+
+    bv._ROWS_ARE_BLOCKS = hookcap._fused._rows_are_blocks
+    for shape, want in (((8, 64, 3072), False), ((8, 1024, 768), True), ((64, 2304), True)):
+        x = torch.empty(shape)
+        b = hookcap._fused.blocks(x.numel())
+        assert hookcap._fused._rows_are_blocks(x, b) is True
+        assert bv.wide_rows_in_blocks(x, b) is want
 
 
 class Chain(nn.Module):
