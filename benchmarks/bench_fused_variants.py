@@ -37,10 +37,12 @@ from unittest import mock
 
 import torch
 
+import hookcap._fused
+
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 
 ABSENT_SINK = -7  # no Monitor has it: merge_partials launches nothing
-_ROWS_ARE_BLOCKS = None  # hookcap._fused._rows_are_blocks as hookcap has it (set by measure)
+_ROWS_ARE_BLOCKS = hookcap._fused._rows_are_blocks  # as hookcap has it, unpatched
 
 
 def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, float_sums=False,
@@ -118,8 +120,6 @@ DEFAULT_CONFIGS = ("no telemetry", "op histogram=None", "fused=True", "fused, ML
 
 @contextlib.contextmanager
 def traced_with(replace: dict):
-    import hookcap._fused
-
     with contextlib.ExitStack() as stack:
         for name, fn in replace.items():
             stack.enter_context(mock.patch.object(hookcap._fused, name, fn))
@@ -131,9 +131,7 @@ def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int
     """The configurations of CONFIGS called ``names`` on the compiled GPT-2
     step, timed rounds for at most ``seconds`` after the compiles; see the
     module docstring."""
-    global _ROWS_ARE_BLOCKS
     import bench_overhead
-    import hookcap._fused
     from _fusion import triton_launches
     from _profile_steps import profile_steps
     from gpu_check import compiled_gpt2_setup, first_compiled_step, train_step
@@ -141,7 +139,6 @@ def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int
 
     cuda = device.type == "cuda"
     shape, autocast = compiled_gpt2_setup(device, quick, layers)
-    _ROWS_ARE_BLOCKS = hookcap._fused._rows_are_blocks
     unknown = set(names) - {c[0] for c in CONFIGS}
     if unknown:
         raise SystemExit(f"unknown configurations {sorted(unknown)}; known: {[c[0] for c in CONFIGS]}")

@@ -300,14 +300,15 @@ def merge(x: torch.Tensor, sink: int, rid: int, rows: bool = False, strided: boo
 # and the partials, now unused, are dropped.
 # ---------------------------------------------------------------------------
 
-def _ops_named(*names):
+@functools.cache
+def _ops_named(*names) -> frozenset:
     """Every overload of the aten ops ``names`` this torch has."""
     out = set()
     for name in names:
         op = getattr(torch.ops.aten, name, None)
         if op is not None:
             out.update(getattr(op, o) for o in op.overloads())
-    return out
+    return frozenset(out)
 
 
 @functools.cache
@@ -399,7 +400,7 @@ def _pads_to_another_size(n) -> bool:
     kernel loops over the new shape, where no reduction of the input can
     ride. Inductor pads the operands of a matmul of unaligned size this way
     on a GPU (e.g. the gradient of GPT-2's logits, 50,257 wide)."""
-    if n.target not in _pads():
+    if n.target not in _ops_named("constant_pad_nd"):
         return False
     a, b = n.args[0].meta.get("val"), n.meta.get("val")
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _known(a.numel() != b.numel())
@@ -455,21 +456,12 @@ def _blocks_out_of_memory_order(x, only, planes) -> bool:
     key = _plane(val)
     if key is None or not _known(val.shape[1] > 1):
         return False
-    if any(n.op == "call_function" and n.target in _permutes() for n in only):
+    if any(n.op == "call_function" and n.target in _ops_named("permute") for n in only):
         return False
     if val.is_contiguous(memory_format=torch.channels_last):
         return not val.is_contiguous()
     return key in planes
 
-
-@functools.cache
-def _permutes():
-    return _ops_named("permute")
-
-
-@functools.cache
-def _pads():
-    return _ops_named("constant_pad_nd")
 
 
 def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:

@@ -503,7 +503,6 @@ def test_the_benchmarks_variant_forms_count_as_hookcap_does(x, rows):
 def test_the_benchmarks_wide_rows_variant_changes_only_wide_rows():
     import bench_fused_variants as bv
 
-    bv._ROWS_ARE_BLOCKS = hookcap._fused._rows_are_blocks
     for shape, want in (((8, 64, 3072), False), ((8, 1024, 768), True), ((64, 2304), True)):
         x = torch.empty(shape)
         b = hookcap._fused.blocks(x.numel())
