@@ -238,14 +238,16 @@ def _stored_float(x: torch.Tensor) -> torch.Tensor:
     finite values where the tensor holds infinities). ``x.float()`` reads the
     unrounded value, and a bitcast back to ``x.dtype`` is folded away by the
     compiler; a bitcast to int16 needs the rounded bits, decoded here with
-    integer operations (magnitude, then sign: no shift into the sign bit)."""
+    integer operations. bfloat16's are float32's upper half: the
+    sign-extended bits times 2**16 (in int32 range, so no overflow and no
+    shift into the sign bit) are the float32 bits, one instruction."""
     b = x.view(torch.int16).to(torch.int32)
     if x.dtype == torch.bfloat16:
-        mag = ((b & 0x7FFF) << 16).view(torch.float32)
-    else:  # float16: sign 1, exponent 5 (bias 15), mantissa 10 bits
-        e, m = (b >> 10) & 0x1F, b & 0x3FF
-        normal = ((torch.where(e == 31, 255, e + 112) << 23) | (m << 13)).view(torch.float32)
-        mag = torch.where(e == 0, m.float() * 2.0**-24, normal)  # zero and subnormals: m * 2**-24
+        return (b * 65536).view(torch.float32)
+    # float16: sign 1, exponent 5 (bias 15), mantissa 10 bits
+    e, m = (b >> 10) & 0x1F, b & 0x3FF
+    normal = ((torch.where(e == 31, 255, e + 112) << 23) | (m << 13)).view(torch.float32)
+    mag = torch.where(e == 0, m.float() * 2.0**-24, normal)  # zero and subnormals: m * 2**-24
     return torch.where(b < 0, -mag, mag)
 
 
