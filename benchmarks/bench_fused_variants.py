@@ -15,7 +15,9 @@ Configurations (outputs and output gradients of the default modules, histogram=N
   as 1,024 equal runs instead of their 8,192 rows: the same kernels (the GELU ones) with 8 times
   fewer per-block reductions and partials;
 - "two statistics": only the finite count and the sum per block (the other partials constant,
-  wrong values): what any reduction inside the model's kernels costs.
+  wrong values): what two reductions inside the model's kernels cost;
+- "one float32 sum": only the float32 sum of the values per block (the rest constant, wrong
+  values): the least any statistic inside the model's kernels can cost.
 --configs picks them by name (separated by ";"); by default the ones not yet measured on a GPU
 beside no telemetry, the op and fused=True (the others were: benchmarks/results/fused_variants_h200.json).
 A variant replaces hookcap._fused functions only while its first step traces. Per
@@ -46,12 +48,13 @@ _ROWS_ARE_BLOCKS = hookcap._fused._rows_are_blocks  # as hookcap has it, unpatch
 
 
 def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, float_sums=False,
-                     two_statistics=False):
+                     two_statistics=False, one_sum=False):
     """hookcap._fused.partials, with ``packed_counts`` the class counts as one
     int64 sum of 16-bit fields (blocks under 65,536 values; else four int64
     sums), with ``float_sums`` s1 and s2 summed in float32 (inexact), with
     ``two_statistics`` only the finite count and s1 (the other partials
-    constant: a cost floor, not values)."""
+    constant: a cost, not values), with ``one_sum`` only the float32 sum of
+    the values (in s1; a cost floor, not values)."""
     from hookcap import _fused, _layout
 
     v, whole = _fused.block_view(x, rows, strided)
@@ -61,6 +64,12 @@ def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, fl
     red = _fused.reducer(whole)
     inf, i64 = float("inf"), torch.int64
     fin = v.abs() < inf
+    if one_sum:
+        s1 = red(v, torch.sum).double()
+        zero = torch.zeros_like(s1)
+        cols = [zero] * _layout.PARTIALS
+        cols[_layout.P_S1], cols[_layout.P_MIN], cols[_layout.P_MAX] = s1, zero + inf, zero - inf
+        return _fused.stack_partials(cols)
     if two_statistics:
         finite = red(fin, torch.sum, dtype=torch.int32).double()
         s1 = red(torch.where(fin, v.double() - k, 0.0), torch.sum)
@@ -113,9 +122,10 @@ CONFIGS = (  # name, Monitor kwargs (None: unwatched), {hookcap._fused attribute
     ("fused, no merge kernel", FUSED, {"merge": merge_to_no_monitor}),
     ("fused, MLP rows in 1,024 blocks", FUSED, {"_rows_are_blocks": wide_rows_in_blocks}),
     ("fused, two statistics", FUSED, {"partials": functools.partial(variant_partials, two_statistics=True)}),
+    ("fused, one float32 sum", FUSED, {"partials": functools.partial(variant_partials, one_sum=True)}),
 )
 DEFAULT_CONFIGS = ("no telemetry", "op histogram=None", "fused=True", "fused, MLP rows in 1,024 blocks",
-                   "fused, two statistics")
+                   "fused, two statistics", "fused, one float32 sum")
 
 
 @contextlib.contextmanager

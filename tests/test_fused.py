@@ -498,6 +498,13 @@ def test_the_benchmarks_variant_forms_count_as_hookcap_does(x, rows):
     two = bv.variant_partials(x, k, rows, two_statistics=True)  # the finite count and the sum, per block
     assert two.shape == want.shape
     assert torch.equal(two[[_layout.P_FINITE, _layout.P_S1]], want[[_layout.P_FINITE, _layout.P_S1]])
+    one = bv.variant_partials(x, k, rows, one_sum=True)  # the float32 sum of the values, per block
+    assert one.shape == want.shape
+    if x.numel() and torch.isfinite(x).all():
+        f = x.detach().double()
+        ref = f.reshape(-1, f.shape[-1]).sum(-1) if rows and x.dim() >= 2 else f.sum().reshape(1)
+        scale = f.abs().reshape(ref.shape[0], -1).sum(-1) + 1e-30
+        assert ((one[_layout.P_S1] - ref).abs() <= 1e-5 * scale).all()
 
 
 def test_the_benchmarks_wide_rows_variant_changes_only_wide_rows():

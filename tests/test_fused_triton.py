@@ -329,3 +329,48 @@ def test_warps_an_sm_holds_by_registers():
 
     w = triton_registers.warps_per_sm
     assert [w(32, 8), w(138, 8), w(95, 8), w(80, 1), w(24, 1), w(255, 16)] == [64, 8, 16, 25, 32, 0]
+
+
+def test_instructions_per_element_of_the_kernels_the_statistics_join():
+    """benchmarks/triton_issue.py on a Linear -> GELU step (64 rows of 2,048),
+    each kernel compiled for sm_90 on the CPU: the unwatched GELU kernels
+    issue a few dozen SASS instructions per element; with the statistics of
+    two captures joined they issue more than twice that, each capture's
+    statistics more than a bfloat16 element's second read costs on an H200
+    (about 14 instructions' issue time: 2 bytes at 4.8 TB/s)."""
+    pytest.importorskip("triton")
+    import triton_issue
+
+    def make():
+        return nn.Sequential(nn.Linear(64, 2048), nn.GELU())
+
+    def gelu(**kw):
+        rows = triton_issue.kernel_rows(triton_kernels(make, shape=(64, 64), **kw), 132, 1.98, 4.8)
+        got = {("bwd" if "backward" in r["kernel"] else "fwd"): r for r in rows if "gelu" in r["kernel"]}
+        assert len(got) == 2 and all(r["issue_us"] > 0 and r["bytes_us"] > 0 for r in got.values())
+        return got
+
+    plain, fused = gelu(), gelu(capture=("output", "grad_output"))
+    for d in ("fwd", "bwd"):
+        assert 10 < plain[d]["instructions_per_element"] < 80
+        per_capture = (fused[d]["instructions_per_element"] - plain[d]["instructions_per_element"]) / 2
+        assert per_capture > 14
+
+
+def test_instruction_count_reads_loops_and_programs():
+    """triton_issue's counting on made-up SASS and a made-up kernel: the
+    instructions between a backward branch and its target are the loop,
+    run once per block of the reduction; a forward branch is no loop."""
+    import triton_issue
+    from triton import Config
+
+    ins = [(0x00, "MOV R1, R2"), (0x10, "FADD R1, R1, R2"), (0x20, "FMUL R1, R1, R1"),
+           (0x30, "@P0 BRA 0x10"), (0x40, "@P1 BRA 0x60"), (0x50, "EXIT"), (0x60, "EXIT")]
+    assert triton_issue.loop_body(ins) == 3
+    assert triton_issue.loop_body([(a, t.replace("BRA 0x10", "BRA 0x40")) for a, t in ins]) == 0  # planted
+    src = "@triton.jit\ndef k(XBLOCK, R0_BLOCK):\n    xnumel = 64\n    r0_numel = 3000\n"
+    cfg = Config({"XBLOCK": 2, "R0_BLOCK": 1024}, num_warps=8)
+    # 32 programs x 8 warps x (3 iterations x 3 loop instructions + 4 others)
+    assert triton_issue.executed_warp_instructions(src, cfg, 3, 7) == 32 * 8 * (3 * 3 + 4)
+    pointwise = "@triton.jit\ndef k(XBLOCK):\n    xnumel = 4096\n"
+    assert triton_issue.executed_warp_instructions(pointwise, Config({"XBLOCK": 1024}, num_warps=4), 0, 20) == 4 * 4 * 20

@@ -1,0 +1,270 @@
+"""Instruction issue of the Triton kernels a GPU runs for a compiled step, counted without a GPU.
+
+  PYTHONPATH=. python benchmarks/triton_issue.py --code OUT/code_fused_True_histogram_None.txt [--profile OUT/gpu_check.json --config "fused=True histogram=None"] [--json FILE]
+  PYTHONPATH=. python benchmarks/triton_issue.py --forms [--json FILE]
+
+Each kernel of an Inductor code dump (the code_<config>.txt files gpu_check.py writes) is compiled
+for sm_90 with every config Inductor autotunes among (Triton, then its bundled cuobjdump), and its
+SASS instructions are counted: the loop over a reduction's blocks once per iteration, the rest once
+per program. The config that executes the fewest instructions stands for the kernel (autotuning picks
+by time, which needs a GPU). Per kernel it prints instructions per element (per lane: warp
+instructions x 32 / elements) and two floors for one launch: issue (warp instructions / (SMs x 4
+schedulers x clock)) and bytes (the bytes it moves, benchmarks/_fusion.py, / memory bandwidth). With
+--profile, the measured device time per kernel from that gpu_check run's profile of --config sits beside
+them, and their ratio to the larger floor.
+
+--forms compiles a Linear(768 -> 3,072) -> GELU step under bfloat16 autocast on the CPU
+(_fusion.triton_codegen) with no telemetry, and with fused=True in hookcap's form and in the
+diagnostic forms of bench_fused_variants.py, and prints the GELU kernels' instructions per element:
+what each form of the statistics adds per element and captured tensor.
+
+Defaults are an H200's (132 SMs, 1.98 GHz, 4.8 TB/s); --sms, --ghz and --tbps change them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+
+GELU_WIDTH, GELU_ROWS, GELU_IN = 3072, 2048, 768
+
+
+def split_code_dump(path: str) -> list[str]:
+    """The Inductor modules of a code dump written by gpu_check.write_codes."""
+    with open(path) as f:
+        return [m for m in re.split(r"^# ===== module \d+ =====\n", f.read(), flags=re.M) if m.strip()]
+
+
+def sass(fn, meta, cfg, tmp: str) -> tuple[list, int]:
+    """(SASS instructions as (address, text), registers per thread) of ``fn``
+    compiled for sm_90 under ``cfg``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {**meta.get("constants", {}), **cfg.kwargs}
+    sig = {**meta["signature"], **{k: "constexpr" for k in constexprs}}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=(meta.get("configs") or [{}])[0])
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    cubin = os.path.join(tmp, "k.cubin")
+    with open(cubin, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    text = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    ins = [(int(a, 16), t) for a, t in re.findall(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", text, re.M)]
+    return ins, int(re.search(r"REG:(\d+)", usage).group(1))
+
+
+def loop_body(ins) -> int:
+    """Instructions inside the backward branches' ranges (the loops)."""
+    loops = [(int(t.group(1), 16), a) for a, text in ins if "BRA" in text
+             for t in [re.search(r"0x([0-9a-f]+)", text)] if t and int(t.group(1), 16) < a]
+    return sum(1 for a, _ in ins if any(lo <= a <= hi for lo, hi in loops))
+
+
+def executed_warp_instructions(source: str, cfg, body: int, total: int) -> int:
+    """Warp instructions one launch executes under ``cfg``: each program runs
+    its loop body once per block of the reduction and the rest once."""
+    def size(name):
+        m = re.search(rf"\b{name} = (\d+)", source[source.index("@triton.jit"):])
+        return int(m.group(1)) if m else 1
+
+    kw = cfg.kwargs
+    programs = -(-size("xnumel") // kw.get("XBLOCK", 1)) * -(-size("ynumel") // kw.get("YBLOCK", 1))
+    if body and "R0_BLOCK" in kw:
+        per_program = body * -(-size("r0_numel") // kw["R0_BLOCK"]) + total - body
+    elif body and "RSPLIT_SIZE" in kw:  # a program reduces RSPLIT_SIZE rows in a loop
+        programs = -(-size("xnumel") // kw["RSPLIT_SIZE"])
+        per_program = body * kw["RSPLIT_SIZE"] // kw.get("XBLOCK", 1) + total - body
+    else:
+        per_program = total
+    return programs * cfg.num_warps * per_program
+
+
+def kernel_rows(kernels, sms: int, ghz: float, tbps: float) -> list[dict]:
+    """One row per distinct kernel of ``kernels`` (_fusion.TritonKernel
+    launches, in order), with its launches and floors per launch."""
+    from triton_registers import _load, warps_per_sm
+
+    rate = sms * 4 * ghz * 1e9  # warp instructions per second
+    rows, seen = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, k in enumerate(kernels):
+            if k.source in seen:
+                seen[k.source]["launches"] += 1
+                continue
+            # a dump from a GPU selects its driver as it loads; none here
+            fn, meta, configs, _ = _load(k.source.replace("triton_helpers.set_driver_to_gpu()", ""), tmp, i)
+            best = None
+            for cfg in configs:
+                ins, regs = sass(fn, meta, cfg, tmp)
+                body = loop_body(ins)
+                w = executed_warp_instructions(k.source, cfg, body, len(ins))
+                if best is None or w < best[0]:
+                    best = (w, regs, cfg)
+            w, regs, cfg = best
+            elements = max(k.elements, 1)
+            seen[k.source] = row = {
+                "kernel": k.name, "launches": 1, "elements": k.elements, "reductions": k.reductions,
+                "instructions_per_element": round(w * 32 / elements, 1), "regs": regs,
+                "warps_per_sm": warps_per_sm(regs, cfg.num_warps), "config": {**cfg.kwargs, "num_warps": cfg.num_warps},
+                "issue_us": round(w / rate * 1e6, 2), "bytes_us": round(k.traffic / (tbps * 1e12) * 1e6, 2)}
+            rows.append(row)
+    return rows
+
+
+def measured_us(profile: dict, rows: list[dict]) -> None:
+    """Add each row's measured device time per launch (``measured_us``) from a
+    gpu_check profile entry. The profile keys kernels by their first 120
+    characters, so kernels whose names share those are one group there: each
+    gets the group's mean per launch, and the ratio is the group's."""
+    top: dict[str, list] = {}
+    for t in profile.get("top", []):
+        top.setdefault(t["kernel"], [0.0, 0.0])
+        top[t["kernel"]][0] += t["ms"] * 1e3
+        top[t["kernel"]][1] += t["calls"]
+    groups: dict[str, list] = {}
+    for r in rows:
+        groups.setdefault(r["kernel"][:120], []).append(r)
+    for key, rs in groups.items():
+        if key not in top or not top[key][1]:
+            continue
+        us, calls = top[key]
+        floor = sum(r["launches"] * max(r["issue_us"], r["bytes_us"]) for r in rs) or 1e-9
+        for r in rs:
+            r["measured_us"] = round(us / calls, 1)
+            r["measured_over_floor"] = round(us * sum(r["launches"] for r in rs) / calls / floor, 2)
+
+
+def print_rows(rows: list[dict], limit: int = 25) -> None:
+    print("| kernel | launches | elements | instr./element | issue µs | bytes µs | measured µs | ratio | regs | warps/SM |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    key = (lambda r: -r["launches"] * max(r["issue_us"], r["bytes_us"]))
+    for r in sorted(rows, key=key)[:limit]:
+        print(f"| {r['kernel'][:72]} | {r['launches']} | {r['elements']:,} | {r['instructions_per_element']} | "
+              f"{r['issue_us']} | {r['bytes_us']} | {r.get('measured_us', '–')} | {r.get('measured_over_floor', '–')} | "
+              f"{r['regs']} | {r['warps_per_sm']} |")
+
+
+def totals(rows: list[dict]) -> dict:
+    """Per step: the issue floors, the bytes floors and the larger of the two,
+    summed over launches (µs)."""
+    s = {"issue_us": 0.0, "bytes_us": 0.0, "max_us": 0.0}
+    for r in rows:
+        s["issue_us"] += r["launches"] * r["issue_us"]
+        s["bytes_us"] += r["launches"] * r["bytes_us"]
+        s["max_us"] += r["launches"] * max(r["issue_us"], r["bytes_us"])
+    return {k: round(v, 1) for k, v in s.items()}
+
+
+FORMS = (  # name, Monitor kwargs (None: unwatched), bench_fused_variants.variant_partials options (None: hookcap's)
+    ("no telemetry", None, None),
+    ("fused=True", {}, None),
+    ("fused, packed counts", {}, {"packed_counts": True}),
+    ("fused, float32 sums", {}, {"float_sums": True}),
+    ("fused, two statistics", {}, {"two_statistics": True}),
+    ("fused, one float32 sum", {}, {"one_sum": True}),
+)
+
+
+def gelu_kernels(kw, options) -> list:
+    """The Triton launches of a compiled Linear -> GELU training step under
+    bfloat16 autocast (outputs and output gradients watched by a fused=True
+    Monitor with ``kw``; None: unwatched), generated on the CPU."""
+    from unittest import mock
+
+    import torch
+    import torch.nn as nn
+
+    import hookcap
+    import hookcap._fused
+    from _fusion import triton_codegen
+    from bench_fused_variants import variant_partials
+
+    patch = (mock.patch.object(hookcap._fused, "partials", functools.partial(variant_partials, **options))
+             if options is not None else mock.patch.object(hookcap._fused, "MAX_BLOCKS", hookcap._fused.MAX_BLOCKS))
+    types = hookcap._fused.DEVICE_TYPES
+    added = "cpu" not in types
+    types.add("cpu")
+    try:
+        with triton_codegen() as tc, patch:
+            torch.manual_seed(0)
+            model, x = nn.Sequential(nn.Linear(GELU_IN, GELU_WIDTH), nn.GELU()), torch.randn(GELU_ROWS, GELU_IN)
+            mon = None if kw is None else hookcap.Monitor(model, histogram=None, fused=True, detectors=[],
+                                                          capture=("output", "grad_output"), **kw).attach()
+            model.compile()
+
+            def step():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = model(x)
+                y.float().pow(2).sum().backward()
+
+            tc.run(step)
+            if mon is not None:
+                mon.detach()
+    finally:
+        if added:
+            types.discard("cpu")
+    return [k for k in tc.kernels() if "gelu" in k.name]
+
+
+def forms(args) -> dict:
+    out = {}
+    for name, kw, options in FORMS:
+        rows = kernel_rows(gelu_kernels(kw, options), args.sms, args.ghz, args.tbps)
+        out[name] = {("backward" if "backward" in r["kernel"] else "forward"): r for r in rows}
+        print(f"== {name}: " + "; ".join(f"GELU {d}: {r['instructions_per_element']} instructions per element, "
+                                         f"{r['regs']} registers" for d, r in out[name].items()), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--code", nargs="*", default=[], help="Inductor code dumps (gpu_check's code_<config>.txt)")
+    p.add_argument("--profile", default=None, help="the gpu_check.json of the run that wrote the dumps")
+    p.add_argument("--config", nargs="*", default=[], help="per --code file, its configuration in that profile")
+    p.add_argument("--forms", action="store_true", help="the GELU kernels under the forms of the statistics")
+    p.add_argument("--sms", type=int, default=132)
+    p.add_argument("--ghz", type=float, default=1.98)
+    p.add_argument("--tbps", type=float, default=4.8)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import json
+
+    from _fusion import triton_launches
+
+    out = {"sms": args.sms, "ghz": args.ghz, "tbps": args.tbps, "codes": {}}
+    profiles = {}
+    if args.profile:
+        with open(args.profile) as f:
+            for step in json.load(f)["steps"]:
+                profiles.update((step.get("details") or {}).get("profile") or {})
+    for i, path in enumerate(args.code):
+        rows = kernel_rows(triton_launches(split_code_dump(path)), args.sms, args.ghz, args.tbps)
+        config = args.config[i] if i < len(args.config) else None
+        if config in profiles:
+            measured_us(profiles[config], rows)
+        out["codes"][os.path.basename(path)] = {"config": config, "totals": totals(rows), "kernels": rows}
+        print(f"== {path}: floors per step {totals(rows)}", flush=True)
+        print_rows(rows)
+    if args.forms:
+        out["forms"] = forms(args)
+    if args.json:  # not bench_overhead's writer: that imports hookcap, which a dump needs not be built for
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
