@@ -260,6 +260,11 @@ class triton_codegen:
             for name in ("mm", "addmm", "bmm", "baddbmm", "bias_addmm"):
                 if hasattr(ek, name):
                     self._undo.append((ek, name, _skip_into_out(getattr(ek, name))))
+            # Buffers the Triton kernels would have written hold garbage;
+            # zeroed, an index read from one (max pooling's backward scatters
+            # by such indices on the CPU) stays in range.
+            guards = torch._C._dynamo.guards
+            self._undo.append((guards, "_empty_strided_cpu", _zeroed(guards._empty_strided_cpu)))
         # A class's own attribute as it is stored (a classmethod, not bound).
         self._undo = [(obj, name, vars(obj)[name] if isinstance(obj, type) and name in vars(obj) else getattr(obj, name),
                        new) for obj, name, new in self._undo]
@@ -309,6 +314,13 @@ def _skip_into_out(fn):
     def skipped(*args, out=None, **kwargs):
         return out if out is not None else fn(*args, **kwargs)
     return skipped
+
+
+def _zeroed(empty):
+    """``empty`` (an allocator of uninitialised tensors) returning zeros."""
+    def zeroed(*args, **kwargs):
+        return empty(*args, **kwargs).zero_()
+    return zeroed
 
 
 def _gpu_cat_lowering() -> dict:

@@ -1,7 +1,7 @@
 """Where fused=True's time goes on a GPU: the compiled GPT-2 step with forms of the
 fused statistics side by side, each compiled once, timed interleaved in one process.
 
-  PYTHONPATH=. python benchmarks/bench_fused_variants.py [--device cuda] [--layers 2] [--json FILE]
+  PYTHONPATH=. python benchmarks/bench_fused_variants.py [--device cuda] [--layers 2] [--workload cnn] [--json FILE]
 
 Configurations (outputs and output gradients of the default modules, histogram=None):
 - no telemetry; the op;
@@ -11,6 +11,8 @@ Configurations (outputs and output gradients of the default modules, histogram=N
 - "float32 sums": the sums in float32 (inexact: a diagnostic of what float64 costs);
 - "no merge kernel": the partials computed and handed to a merge that finds no Monitor (no kernel):
   the merge kernels' share;
+- "no shift kernel": the sums about a constant 0 instead of the row's shift (no fused_shift
+  kernel; a diagnostic): the shift kernels' share;
 - "MLP rows in 1,024 blocks": rows wider than 2,304 values (GPT-2's MLP tensors, 3,072 wide) reduced
   as 1,024 equal runs instead of their 8,192 rows: the same kernels (the GELU ones) with 8 times
   fewer per-block reductions and partials;
@@ -20,6 +22,11 @@ Configurations (outputs and output gradients of the default modules, histogram=N
   values): the least any statistic inside the model's kernels can cost.
 --configs picks them by name (separated by ";"); by default the ones not yet measured on a GPU
 beside no telemetry, the op and fused=True (the others were: benchmarks/results/fused_variants_h200.json).
+--workload cnn times resnet18 instead (torchvision, weights=None; float32, NCHW, 32 images of 224
+pixels square, 10 classes; on the CPU or with --quick 2 of 32), by default no telemetry, the op,
+fused=True and the two without a merge or a shift kernel: in float32 the kernels the statistics
+join are bound by bytes, with instruction issue to spare (benchmarks/triton_issue.py --cnn), so
+there the fixed cost per capture (the merge and shift launches) decides.
 A variant replaces hookcap._fused functions only while its first step traces. Per
 configuration: the first step (compile), the median step and its overhead paired by round,
 Triton launches in the generated code, and device time by kernel category and by kernel
@@ -104,6 +111,15 @@ def wide_rows_in_blocks(x, b) -> bool:
     return False if x.dim() >= 2 and x.shape[-1] > 2304 else _ROWS_ARE_BLOCKS(x, b)
 
 
+def merge_without_shift(x, sink, rid, rows=False, strided=False):
+    """hookcap._fused.merge about a constant shift 0 (no fused_shift kernel:
+    its share; the sums lose the shift's precision, a diagnostic)."""
+    from hookcap import _fused
+
+    k = torch.zeros((), dtype=torch.float64, device=x.device)
+    _fused._MERGE(_fused.partials(x, k, rows, strided), k, sink, rid)
+
+
 def merge_to_no_monitor(x, sink, rid, rows=False, strided=False):
     """hookcap._fused.merge, its partials merged into an absent sink."""
     from hookcap import _fused
@@ -120,12 +136,15 @@ CONFIGS = (  # name, Monitor kwargs (None: unwatched), {hookcap._fused attribute
     ("fused, packed counts", FUSED, {"partials": functools.partial(variant_partials, packed_counts=True)}),
     ("fused, float32 sums", FUSED, {"partials": functools.partial(variant_partials, float_sums=True)}),
     ("fused, no merge kernel", FUSED, {"merge": merge_to_no_monitor}),
+    ("fused, no shift kernel", FUSED, {"merge": merge_without_shift}),
     ("fused, MLP rows in 1,024 blocks", FUSED, {"_rows_are_blocks": wide_rows_in_blocks}),
     ("fused, two statistics", FUSED, {"partials": functools.partial(variant_partials, two_statistics=True)}),
     ("fused, one float32 sum", FUSED, {"partials": functools.partial(variant_partials, one_sum=True)}),
 )
 DEFAULT_CONFIGS = ("no telemetry", "op histogram=None", "fused=True", "fused, MLP rows in 1,024 blocks",
                    "fused, two statistics", "fused, one float32 sum")
+CNN_CONFIGS = ("no telemetry", "op histogram=None", "fused=True", "fused, no merge kernel", "fused, no shift kernel")
+CNN_SHAPE = {"batch": 32, "size": 224}  # on the CPU and with --quick: 2 images of 32 pixels square
 
 
 @contextlib.contextmanager
@@ -137,24 +156,32 @@ def traced_with(replace: dict):
 
 
 def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int, seconds: float | None = None,
-            quick: bool = False, names=DEFAULT_CONFIGS) -> dict:
+            quick: bool = False, names=DEFAULT_CONFIGS, workload: str = "gpt2") -> dict:
     """The configurations of CONFIGS called ``names`` on the compiled GPT-2
-    step, timed rounds for at most ``seconds`` after the compiles; see the
-    module docstring."""
+    step (``workload="cnn"``: resnet18's, float32, CNN_SHAPE), timed rounds
+    for at most ``seconds`` after the compiles; see the module docstring."""
     import bench_overhead
     from _fusion import triton_launches
     from _profile_steps import profile_steps
-    from gpu_check import compiled_gpt2_setup, first_compiled_step, train_step
+    from gpu_check import cnn_workload, compiled_gpt2_setup, first_compiled_step, train_step
     from torch._dynamo.utils import counters
 
     cuda = device.type == "cuda"
     shape, autocast = compiled_gpt2_setup(device, quick, layers)
+    make = None
+    if workload == "cnn":
+        shape = CNN_SHAPE if cuda and not quick else {"batch": 2, "size": 32}
+        autocast, make = torch.autocast(device.type, enabled=False), cnn_workload
+    if steps_per_round < 2:
+        raise SystemExit("--steps-per-round must be at least 2: the first step of each round is not kept")
+    if "no telemetry" not in names:  # the base every overhead is paired with
+        names = ("no telemetry", *names)
     unknown = set(names) - {c[0] for c in CONFIGS}
     if unknown:
         raise SystemExit(f"unknown configurations {sorted(unknown)}; known: {[c[0] for c in CONFIGS]}")
     runs, rows = {}, {}
     for name, kw, replace in (c for c in CONFIGS if c[0] in names):
-        first = first_compiled_step(shape, device, autocast, kw, traced_with(replace))
+        first = first_compiled_step(shape, device, autocast, kw, traced_with(replace), make)
         desc = first.desc
         rows[name] = {"config": name, "compile_s": first.seconds,
                       "triton_launches_in_code": len(triton_launches(first.codes))}
@@ -194,14 +221,17 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps-per-round", type=int, default=5)
     p.add_argument("--seconds", type=float, default=None, help="stop timing rounds this long after the compiles")
-    p.add_argument("--configs", default=";".join(DEFAULT_CONFIGS),
-                   help="names of CONFIGS separated by ';' (default: %(default)s)")
+    p.add_argument("--configs", default=None,
+                   help="names of CONFIGS separated by ';' (default: DEFAULT_CONFIGS, with --workload cnn CNN_CONFIGS)")
+    p.add_argument("--workload", choices=("gpt2", "cnn"), default="gpt2",
+                   help="cnn: resnet18, float32, 32 images of 224 pixels square (--layers does not apply)")
     p.add_argument("--quick", action="store_true", help="the small CPU shape of gpu_check")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    names = [n.strip() for n in args.configs.split(";") if n.strip()]
+    default = CNN_CONFIGS if args.workload == "cnn" else DEFAULT_CONFIGS
+    names = [n.strip() for n in (args.configs or ";".join(default)).split(";") if n.strip()]
     out = measure(torch.device(args.device), args.layers, args.rounds, args.steps_per_round, args.seconds, args.quick,
-                  names)
+                  names, args.workload)
     out.pop("histories")
     from bench_overhead import write_json
 

@@ -956,9 +956,35 @@ def compiled_gpt2_setup(device: torch.device, quick: bool, layers: int) -> tuple
     return shape, torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def first_compiled_step(shape: dict, device: torch.device, autocast, kw, tracing=None):
-    """A fresh compiled GPT-2 instance (Monitor kwargs ``kw``, None:
-    unwatched) and its first training step, which traces and compiles (under
+def cnn_workload(shape: dict, device):
+    """(model, loss_fn, description): torchvision's resnet18 (weights=None;
+    hookcap's TinyResNet where torchvision is missing), float32 and NCHW, on
+    one fixed random batch of ``shape["batch"]`` images of ``shape["size"]``
+    pixels square, 10 classes."""
+    torch.manual_seed(0)
+    try:
+        from torchvision.models import resnet18
+
+        model, desc = resnet18(weights=None, num_classes=10), "torchvision resnet18"
+    except ImportError:
+        from hookcap.models import TinyResNet
+
+        model, desc = TinyResNet(), "TinyResNet (torchvision not importable)"
+    model = model.to(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape["batch"], 3, shape["size"], shape["size"], generator=g).to(device)
+    y = torch.randint(10, (shape["batch"],), generator=g).to(device)
+
+    def loss_fn():
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    return model, loss_fn, f"{desc}, float32, {shape['batch']} x 3 x {shape['size']} x {shape['size']}"
+
+
+def first_compiled_step(shape: dict, device: torch.device, autocast, kw, tracing=None, workload=None):
+    """A fresh compiled GPT-2 instance (or of ``workload(shape, device)``,
+    which returns model, loss_fn and a description; Monitor kwargs ``kw``,
+    None: unwatched) and its first training step, which traces and compiles (under
     the context ``tracing`` if given). Returns a namespace: loss_fn, opt, cfg
     (its step hook), mon, desc, seconds (the first step), codes (Inductor's
     modules, as run_and_get_code keeps them, without its reset of the
@@ -970,7 +996,10 @@ def first_compiled_step(shape: dict, device: torch.device, autocast, kw, tracing
     from torch._dynamo.utils import counters
     from torch._inductor.graph import GraphLowering
 
-    model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
+    if workload is None:
+        model, loss_fn, desc = gpt2_workload(shape, device, use_transformers=False)
+    else:
+        model, loss_fn, desc = workload(shape, device)
     mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), **kw).attach()
     model.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
