@@ -265,6 +265,10 @@ class triton_codegen:
             # by such indices on the CPU) stays in range.
             guards = torch._C._dynamo.guards
             self._undo.append((guards, "_empty_strided_cpu", _zeroed(guards._empty_strided_cpu)))
+            # The CPU's aten kernels may return another layout than the one
+            # Inductor planned for a GPU (a channels-last convolution's
+            # backward): no check of sizes and strides at run time.
+            self._undo.append((icfg, "size_asserts", False))
         # A class's own attribute as it is stored (a classmethod, not bound).
         self._undo = [(obj, name, vars(obj)[name] if isinstance(obj, type) and name in vars(obj) else getattr(obj, name),
                        new) for obj, name, new in self._undo]

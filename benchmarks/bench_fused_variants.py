@@ -22,8 +22,9 @@ Configurations (outputs and output gradients of the default modules, histogram=N
   values): the least any statistic inside the model's kernels can cost.
 --configs picks them by name (separated by ";"); by default the ones not yet measured on a GPU
 beside no telemetry, the op and fused=True (the others were: benchmarks/results/fused_variants_h200.json).
---workload cnn times resnet18 instead (torchvision, weights=None; float32, NCHW, 32 images of 224
-pixels square, 10 classes; on the CPU or with --quick 2 of 32), by default no telemetry, the op,
+--workload cnn times resnet18 instead (torchvision, weights=None; float32, channels-last as Inductor
+lays out convolutions on a GPU, 32 images of 224 pixels square, 10 classes; on the CPU or with
+--quick 2 of 32), by default no telemetry, the op,
 fused=True and the two without a merge or a shift kernel: in float32 the kernels the statistics
 join are bound by bytes, with instruction issue to spare (benchmarks/triton_issue.py --cnn), so
 there the fixed cost per capture (the merge and shift launches) decides.
@@ -144,7 +145,7 @@ CONFIGS = (  # name, Monitor kwargs (None: unwatched), {hookcap._fused attribute
 DEFAULT_CONFIGS = ("no telemetry", "op histogram=None", "fused=True", "fused, MLP rows in 1,024 blocks",
                    "fused, two statistics", "fused, one float32 sum")
 CNN_CONFIGS = ("no telemetry", "op histogram=None", "fused=True", "fused, no merge kernel", "fused, no shift kernel")
-CNN_SHAPE = {"batch": 32, "size": 224}  # on the CPU and with --quick: 2 images of 32 pixels square
+CNN_SHAPE = {"batch": 32, "size": 224, "channels_last": True}  # CPU and --quick: 2 images of 32 pixels
 
 
 @contextlib.contextmanager
@@ -170,7 +171,7 @@ def measure(device: torch.device, layers: int, rounds: int, steps_per_round: int
     shape, autocast = compiled_gpt2_setup(device, quick, layers)
     make = None
     if workload == "cnn":
-        shape = CNN_SHAPE if cuda and not quick else {"batch": 2, "size": 32}
+        shape = CNN_SHAPE if cuda and not quick else {**CNN_SHAPE, "batch": 2, "size": 32}
         autocast, make = torch.autocast(device.type, enabled=False), cnn_workload
     if steps_per_round < 2:
         raise SystemExit("--steps-per-round must be at least 2: the first step of each round is not kept")

@@ -958,9 +958,10 @@ def compiled_gpt2_setup(device: torch.device, quick: bool, layers: int) -> tuple
 
 def cnn_workload(shape: dict, device):
     """(model, loss_fn, description): torchvision's resnet18 (weights=None;
-    hookcap's TinyResNet where torchvision is missing), float32 and NCHW, on
-    one fixed random batch of ``shape["batch"]`` images of ``shape["size"]``
-    pixels square, 10 classes."""
+    hookcap's TinyResNet where torchvision is missing), float32, on one fixed
+    random batch of ``shape["batch"]`` images of ``shape["size"]`` pixels
+    square, 10 classes; channels-last (model and batch) with
+    ``shape["channels_last"]``, else NCHW."""
     torch.manual_seed(0)
     try:
         from torchvision.models import resnet18
@@ -974,11 +975,15 @@ def cnn_workload(shape: dict, device):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(shape["batch"], 3, shape["size"], shape["size"], generator=g).to(device)
     y = torch.randint(10, (shape["batch"],), generator=g).to(device)
+    layout = "NCHW"
+    if shape.get("channels_last"):
+        model, x, layout = model.to(memory_format=torch.channels_last), x.contiguous(
+            memory_format=torch.channels_last), "channels-last"
 
     def loss_fn():
         return torch.nn.functional.cross_entropy(model(x), y)
 
-    return model, loss_fn, f"{desc}, float32, {shape['batch']} x 3 x {shape['size']} x {shape['size']}"
+    return model, loss_fn, f"{desc}, float32, {layout}, {shape['batch']} x 3 x {shape['size']} x {shape['size']}"
 
 
 def first_compiled_step(shape: dict, device: torch.device, autocast, kw, tracing=None, workload=None):

@@ -2,6 +2,7 @@
 
   PYTHONPATH=. python benchmarks/triton_issue.py --code OUT/code_fused_True_histogram_None.txt [--profile OUT/gpu_check.json --config "fused=True histogram=None"] [--json FILE]
   PYTHONPATH=. python benchmarks/triton_issue.py --forms [--json FILE]
+  PYTHONPATH=. python benchmarks/triton_issue.py --cnn [--batch 32] [--size 224] [--json FILE]
 
 Each kernel of an Inductor code dump (the code_<config>.txt files gpu_check.py writes) is compiled
 for sm_90 with every config Inductor autotunes among (Triton, then its bundled cuobjdump), and its
@@ -17,6 +18,13 @@ them, and their ratio to the larger floor.
 (_fusion.triton_codegen) with no telemetry, and with fused=True in hookcap's form and in the
 diagnostic forms of bench_fused_variants.py, and prints the GELU kernels' instructions per element:
 what each form of the statistics adds per element and captured tensor.
+
+--cnn generates gpu_check's resnet18 training step (float32, channels-last; --nchw: NCHW, which
+Inductor lays out channels-last on a GPU after tracing, so fused=True hands most captures to the op)
+with no telemetry, the op and
+fused=True (histogram=None, outputs and output gradients of the default modules) and prints each
+one's floors summed over its Triton launches, the bytes the op reads (an eager step's recorded
+counts x 4) and hookcap's calls in the generated code (merges, shifts, records: a launch each).
 
 Defaults are an H200's (132 SMs, 1.98 GHz, 4.8 TB/s); --sms, --ghz and --tbps change them.
 """
@@ -217,6 +225,81 @@ def gelu_kernels(kw, options) -> list:
     return [k for k in tc.kernels() if "gelu" in k.name]
 
 
+def cnn_step(kw, batch: int, size: int, channels_last: bool = True) -> tuple[list, int, int, dict]:
+    """(Triton launches, captured bytes, captures, :func:`hookcap_calls`) of a float32 training step
+    of gpu_check's resnet18 (weights=None, 10 classes; hookcap's TinyResNet
+    without torchvision; channels-last unless ``channels_last`` is False) on
+    ``batch`` x 3 x ``size`` x ``size`` images, compiled, as Inductor writes
+    it for a GPU on the CPU, with a Monitor of ``kw`` over outputs and output
+    gradients (None: unwatched). The bytes are those the op reads, counted in
+    an eager step of the same Monitor with histogram=None."""
+    import torch
+
+    import hookcap
+    import hookcap._fused
+    from _fusion import triton_codegen
+
+    def model_and_step():  # gpu_check's resnet18 workload, on the CPU
+        from gpu_check import cnn_workload
+
+        shape = {"batch": batch, "size": size, "channels_last": channels_last}
+        model, loss_fn, _ = cnn_workload(shape, torch.device("cpu"))
+        return model, lambda: loss_fn().backward()
+
+    captured = [0, 0]
+    if kw is not None:  # the values the op reads: the recorded counts of an eager step (float32)
+        model, step = model_and_step()
+        mon = hookcap.Monitor(model, histogram=None, detectors=[], capture=("output", "grad_output")).attach()
+        step()
+        mon.step()
+        counts = mon.history()["count"][0]
+        mon.detach()
+        captured = [int(counts.sum()) * 4, int((counts > 0).sum())]
+    types = hookcap._fused.DEVICE_TYPES
+    added = "cpu" not in types
+    types.add("cpu")
+    try:
+        with triton_codegen() as tc:
+            model, step = model_and_step()
+            mon = None if kw is None else hookcap.Monitor(model, detectors=[], capture=("output", "grad_output"),
+                                                          **kw).attach()
+            model.compile()
+            tc.run(step)
+            if mon is not None:
+                mon.detach()
+    finally:
+        if added:
+            types.discard("cpu")
+    return tc.kernels(), captured[0], captured[1], hookcap_calls(tc.codes)
+
+
+def hookcap_calls(codes) -> dict:
+    """How many times the generated ``codes`` call each hookcap op (each a
+    launch of its own on a GPU): merges, shifts, the op's records."""
+    names = ("merge_partials", "fused_shift", "record", "accumulate")
+    return {n: sum(len(re.findall(rf"hookcap\.{n}\.default\(", c)) for c in codes) for n in names}
+
+
+def cnn(args) -> dict:
+    """Per configuration the step's Triton floors (µs), and the op's own
+    bytes floor: a lower bound of what each path adds."""
+    out = {}
+    for name, kw in (("no telemetry", None), ("op", {"histogram": None}),
+                     ("fused=True", {"histogram": None, "fused": True})):
+        kernels, nbytes, captures, calls = cnn_step(kw, args.batch, args.size, not args.nchw)
+        rows = kernel_rows(kernels, args.sms, args.ghz, args.tbps)
+        out[name] = {"launches": len(kernels), "triton": totals(rows), "captured_bytes": nbytes,
+                     "captures": captures, "hookcap_calls": calls, "kernels": rows}
+        print(f"== {name}: {len(kernels)} Triton launches, floors {totals(rows)}, hookcap calls {calls}", flush=True)
+    base = out["no telemetry"]["triton"]["max_us"]
+    op_read = out["op"]["captured_bytes"] / (args.tbps * 1e12) * 1e6
+    print(f"op: Triton kernels {out['op']['triton']['max_us'] - base:+.1f} µs, its own read of "
+          f"{out['op']['captured_bytes'] / 1e6:.1f} MB ({out['op']['captures']} captures) {op_read:.1f} µs; "
+          f"fused=True: Triton kernels {out['fused=True']['triton']['max_us'] - base:+.1f} µs "
+          f"(merges and the op's reads of the captures it hands over not counted)")
+    return out
+
+
 def forms(args) -> dict:
     out = {}
     for name, kw, options in FORMS:
@@ -233,6 +316,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help="the gpu_check.json of the run that wrote the dumps")
     p.add_argument("--config", nargs="*", default=[], help="per --code file, its configuration in that profile")
     p.add_argument("--forms", action="store_true", help="the GELU kernels under the forms of the statistics")
+    p.add_argument("--cnn", action="store_true", help="a float32 resnet18 step: none, the op, fused=True")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--nchw", action="store_true", help="--cnn in NCHW (default: channels-last)")
     p.add_argument("--sms", type=int, default=132)
     p.add_argument("--ghz", type=float, default=1.98)
     p.add_argument("--tbps", type=float, default=4.8)
@@ -258,6 +345,8 @@ def main(argv=None) -> int:
         print_rows(rows)
     if args.forms:
         out["forms"] = forms(args)
+    if args.cnn:
+        out["cnn"] = {"batch": args.batch, "size": args.size, "channels_last": not args.nchw, **cnn(args)}
     if args.json:  # not bench_overhead's writer: that imports hookcap, which a dump needs not be built for
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

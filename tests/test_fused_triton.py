@@ -374,3 +374,19 @@ def test_instruction_count_reads_loops_and_programs():
     assert triton_issue.executed_warp_instructions(src, cfg, 3, 7) == 32 * 8 * (3 * 3 + 4)
     pointwise = "@triton.jit\ndef k(XBLOCK):\n    xnumel = 4096\n"
     assert triton_issue.executed_warp_instructions(pointwise, Config({"XBLOCK": 1024}, num_warps=4), 0, 20) == 4 * 4 * 20
+
+
+def test_hookcap_calls_in_generated_code_are_a_merge_and_a_shift_per_fused_capture():
+    """triton_issue.hookcap_calls on the Block's generated step: each of the
+    seven captures (four outputs; three input gradients, the model's input
+    needing none) is merged with its shift read from the ring, or recorded
+    by the op (a capture only external kernels touch: none here); an
+    unwatched step calls nothing."""
+    import triton_issue
+
+    codes = triton_step(modules=["l", "g", "l2", "ln"], capture=("output", "grad_input")).codes
+    calls = triton_issue.hookcap_calls(codes)
+    assert calls["merge_partials"] + calls["record"] == 7 and calls["merge_partials"] >= 4
+    assert calls["fused_shift"] == calls["merge_partials"] and calls["accumulate"] == 0
+    plain = triton_issue.hookcap_calls(triton_step().codes)
+    assert sum(plain.values()) == 0
