@@ -509,7 +509,7 @@ def test_the_benchmarks_variant_forms_count_as_hookcap_does(x, rows):
 
 def test_the_benchmarks_cnn_workload_records_as_the_op_without_a_shift_kernel():
     """bench_fused_variants --workload cnn on the CPU (TinyResNet or resnet18,
-    2 images of 32 pixels, compiled): "fused, no shift kernel" (sums about 0)
+    channels-last, 2 images of 32 pixels, compiled): "fused, no shift kernel" (sums about 0)
     records every capture of the first step with the op's counts and extrema
     exactly and its sums within float32 rounding of the values' magnitude."""
     import bench_fused_variants as bv
@@ -518,7 +518,7 @@ def test_the_benchmarks_cnn_workload_records_as_the_op_without_a_shift_kernel():
         out = bv.measure(torch.device("cpu"), 1, rounds=1, steps_per_round=2, quick=True,
                          names=("op histogram=None", "fused, no shift kernel"), workload="cnn")
     op, fused = out["histories"]["op histogram=None"], out["histories"]["fused, no shift kernel"]
-    assert out["shape"] == {"batch": 2, "size": 32} and len(op.names) > 20 and op.names == fused.names
+    assert out["shape"] == {"batch": 2, "size": 32, "channels_last": True} and len(op.names) > 20 and op.names == fused.names
     for stat in ("count", "nan", "posinf", "neginf", "zeros", "min", "max"):
         np.testing.assert_array_equal(op[stat][0], fused[stat][0])
     scale = np.abs(op["mean"][0]) + op["std"][0]
