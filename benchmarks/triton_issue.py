@@ -54,14 +54,9 @@ def sass(fn, meta, cfg, tmp: str) -> tuple[list, int]:
     """(SASS instructions as (address, text), registers per thread) of ``fn``
     compiled for sm_90 under ``cfg``."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton_registers import compile_sm90
 
-    constexprs = {**meta.get("constants", {}), **cfg.kwargs}
-    sig = {**meta["signature"], **{k: "constexpr" for k in constexprs}}
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=(meta.get("configs") or [{}])[0])
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    compiled = compile_sm90(fn, meta, cfg)
     cubin = os.path.join(tmp, "k.cubin")
     with open(cubin, "wb") as f:
         f.write(compiled.asm["cubin"])
@@ -174,93 +169,34 @@ def totals(rows: list[dict]) -> dict:
     return {k: round(v, 1) for k, v in s.items()}
 
 
+FUSED = {"histogram": None, "fused": True}
 FORMS = (  # name, Monitor kwargs (None: unwatched), bench_fused_variants.variant_partials options (None: hookcap's)
     ("no telemetry", None, None),
-    ("fused=True", {}, None),
-    ("fused, packed counts", {}, {"packed_counts": True}),
-    ("fused, float32 sums", {}, {"float_sums": True}),
-    ("fused, two statistics", {}, {"two_statistics": True}),
-    ("fused, one float32 sum", {}, {"one_sum": True}),
+    ("fused=True", FUSED, None),
+    ("fused, packed counts", FUSED, {"packed_counts": True}),
+    ("fused, float32 sums", FUSED, {"float_sums": True}),
+    ("fused, two statistics", FUSED, {"two_statistics": True}),
+    ("fused, one float32 sum", FUSED, {"one_sum": True}),
 )
 
 
-def gelu_kernels(kw, options) -> list:
-    """The Triton launches of a compiled Linear -> GELU training step under
-    bfloat16 autocast (outputs and output gradients watched by a fused=True
-    Monitor with ``kw``; None: unwatched), generated on the CPU."""
-    from unittest import mock
-
-    import torch
-    import torch.nn as nn
-
-    import hookcap
-    import hookcap._fused
-    from _fusion import triton_codegen
-    from bench_fused_variants import variant_partials
-
-    patch = (mock.patch.object(hookcap._fused, "partials", functools.partial(variant_partials, **options))
-             if options is not None else mock.patch.object(hookcap._fused, "MAX_BLOCKS", hookcap._fused.MAX_BLOCKS))
-    types = hookcap._fused.DEVICE_TYPES
-    added = "cpu" not in types
-    types.add("cpu")
-    try:
-        with triton_codegen() as tc, patch:
-            torch.manual_seed(0)
-            model, x = nn.Sequential(nn.Linear(GELU_IN, GELU_WIDTH), nn.GELU()), torch.randn(GELU_ROWS, GELU_IN)
-            mon = None if kw is None else hookcap.Monitor(model, histogram=None, fused=True, detectors=[],
-                                                          capture=("output", "grad_output"), **kw).attach()
-            model.compile()
-
-            def step():
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    y = model(x)
-                y.float().pow(2).sum().backward()
-
-            tc.run(step)
-            if mon is not None:
-                mon.detach()
-    finally:
-        if added:
-            types.discard("cpu")
-    return [k for k in tc.kernels() if "gelu" in k.name]
-
-
-def cnn_step(kw, batch: int, size: int, channels_last: bool = True) -> tuple[list, int, int, dict]:
-    """(Triton launches, captured bytes, captures, :func:`hookcap_calls`) of a float32 training step
-    of gpu_check's resnet18 (weights=None, 10 classes; hookcap's TinyResNet
-    without torchvision; channels-last unless ``channels_last`` is False) on
-    ``batch`` x 3 x ``size`` x ``size`` images, compiled, as Inductor writes
-    it for a GPU on the CPU, with a Monitor of ``kw`` over outputs and output
-    gradients (None: unwatched). The bytes are those the op reads, counted in
-    an eager step of the same Monitor with histogram=None."""
-    import torch
+def generated_step(build, kw, patch=None):
+    """The ``_fusion.triton_codegen`` (its ``codes``, ``kernels()``) of one
+    step of ``build()`` -> (model, step), the model compiled in place and
+    watched over outputs and output gradients by a Monitor of ``kw`` (None:
+    unwatched), the fused path on the CPU, under the context ``patch``."""
+    import contextlib
 
     import hookcap
     import hookcap._fused
     from _fusion import triton_codegen
 
-    def model_and_step():  # gpu_check's resnet18 workload, on the CPU
-        from gpu_check import cnn_workload
-
-        shape = {"batch": batch, "size": size, "channels_last": channels_last}
-        model, loss_fn, _ = cnn_workload(shape, torch.device("cpu"))
-        return model, lambda: loss_fn().backward()
-
-    captured = [0, 0]
-    if kw is not None:  # the values the op reads: the recorded counts of an eager step (float32)
-        model, step = model_and_step()
-        mon = hookcap.Monitor(model, histogram=None, detectors=[], capture=("output", "grad_output")).attach()
-        step()
-        mon.step()
-        counts = mon.history()["count"][0]
-        mon.detach()
-        captured = [int(counts.sum()) * 4, int((counts > 0).sum())]
     types = hookcap._fused.DEVICE_TYPES
     added = "cpu" not in types
     types.add("cpu")
     try:
-        with triton_codegen() as tc:
-            model, step = model_and_step()
+        with triton_codegen() as tc, patch or contextlib.nullcontext():
+            model, step = build()
             mon = None if kw is None else hookcap.Monitor(model, detectors=[], capture=("output", "grad_output"),
                                                           **kw).attach()
             model.compile()
@@ -270,6 +206,64 @@ def cnn_step(kw, batch: int, size: int, channels_last: bool = True) -> tuple[lis
     finally:
         if added:
             types.discard("cpu")
+    return tc
+
+
+def gelu_kernels(kw, options) -> list:
+    """The GELU kernels' launches of a compiled Linear -> GELU training step
+    under bfloat16 autocast (:func:`generated_step`), the partials in
+    bench_fused_variants' form of ``options`` (None: hookcap's)."""
+    from unittest import mock
+
+    import torch
+    import torch.nn as nn
+
+    import hookcap._fused
+    from bench_fused_variants import variant_partials
+
+    def build():
+        torch.manual_seed(0)
+        model, x = nn.Sequential(nn.Linear(GELU_IN, GELU_WIDTH), nn.GELU()), torch.randn(GELU_ROWS, GELU_IN)
+
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = model(x)
+            y.float().pow(2).sum().backward()
+
+        return model, step
+
+    patch = None if options is None else mock.patch.object(
+        hookcap._fused, "partials", functools.partial(variant_partials, **options))
+    return [k for k in generated_step(build, kw, patch).kernels() if "gelu" in k.name]
+
+
+def cnn_step(kw, batch: int, size: int, channels_last: bool = True) -> tuple[list, int, int, dict]:
+    """(Triton launches, captured bytes, captures, :func:`hookcap_calls`) of a
+    float32 training step of gpu_check's resnet18 (weights=None, 10 classes;
+    hookcap's TinyResNet without torchvision; channels-last unless
+    ``channels_last`` is False) on ``batch`` x 3 x ``size`` x ``size`` images
+    (:func:`generated_step`). The bytes are those the op reads, counted in an
+    eager step of the same Monitor with histogram=None."""
+    import torch
+
+    import hookcap
+    from gpu_check import cnn_workload
+
+    def build():
+        shape = {"batch": batch, "size": size, "channels_last": channels_last}
+        model, loss_fn, _ = cnn_workload(shape, torch.device("cpu"))
+        return model, lambda: loss_fn().backward()
+
+    captured = [0, 0]
+    if kw is not None:  # the values the op reads: the recorded counts of an eager step (float32)
+        model, step = build()
+        mon = hookcap.Monitor(model, histogram=None, detectors=[], capture=("output", "grad_output")).attach()
+        step()
+        mon.step()
+        counts = mon.history()["count"][0]
+        mon.detach()
+        captured = [int(counts.sum()) * 4, int((counts > 0).sum())]
+    tc = generated_step(build, kw)
     return tc.kernels(), captured[0], captured[1], hookcap_calls(tc.codes)
 
 
@@ -284,8 +278,7 @@ def cnn(args) -> dict:
     """Per configuration the step's Triton floors (µs), and the op's own
     bytes floor: a lower bound of what each path adds."""
     out = {}
-    for name, kw in (("no telemetry", None), ("op", {"histogram": None}),
-                     ("fused=True", {"histogram": None, "fused": True})):
+    for name, kw in (("no telemetry", None), ("op", {"histogram": None}), ("fused=True", FUSED)):
         kernels, nbytes, captures, calls = cnn_step(kw, args.batch, args.size, not args.nchw)
         rows = kernel_rows(kernels, args.sms, args.ghz, args.tbps)
         out[name] = {"launches": len(kernels), "triton": totals(rows), "captured_bytes": nbytes,

@@ -57,8 +57,9 @@ def _load(source: str, tmp: str, i: int):
     return got["fn"], got["meta"], got["configs"], got["inductor_meta"]
 
 
-def _registers(fn, meta, cfg, tmp: str) -> tuple[int, int]:
-    """(registers per thread, spill store bytes) of ``fn`` under ``cfg`` on sm_90."""
+def compile_sm90(fn, meta, cfg):
+    """``fn`` (a generated kernel, its ``triton_meta``) compiled by Triton for
+    sm_90 under the autotuning config ``cfg``; no GPU needed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -66,8 +67,15 @@ def _registers(fn, meta, cfg, tmp: str) -> tuple[int, int]:
     constexprs = {**meta.get("constants", {}), **cfg.kwargs}
     sig = {**meta["signature"], **{k: "constexpr" for k in constexprs}}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=(meta.get("configs") or [{}])[0])
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def _registers(fn, meta, cfg, tmp: str) -> tuple[int, int]:
+    """(registers per thread, spill store bytes) of ``fn`` under ``cfg`` on sm_90."""
+    import triton
+
+    compiled = compile_sm90(fn, meta, cfg)
     ptx = os.path.join(tmp, "k.ptx")
     with open(ptx, "w") as f:
         f.write(compiled.asm["ptx"])
