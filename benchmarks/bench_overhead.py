@@ -81,20 +81,27 @@ def gpt2_workload(device, use_cache=True):
     return model, loss_fn
 
 
-def cnn_workload(device):
+def cnn_workload(device, batch=8, size=64, channels_last=False, num_classes=1000):
+    """(model, loss_fn): torchvision's resnet18 (weights=None,
+    ``num_classes`` outputs), else the built-in TinyResNet, on one
+    fixed random batch of ``batch`` float32 images of ``size`` pixels square
+    (labels below 10), channels-last (model and batch) with
+    ``channels_last``. ``loss_fn.model_name`` names the model."""
     torch.manual_seed(0)
     try:
         from torchvision.models import resnet18
 
-        model, name = resnet18(weights=None), "resnet18"
+        model, name = resnet18(weights=None, num_classes=num_classes), "resnet18"
     except ImportError:
         from hookcap.models import TinyResNet
 
         model, name = TinyResNet(), "TinyResNet (torchvision missing)"
     model = model.to(device)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 3, 64, 64, generator=g).to(device)
-    y = torch.randint(10, (8,), generator=g).to(device)
+    x = torch.randn(batch, 3, size, size, generator=g).to(device)
+    y = torch.randint(10, (batch,), generator=g).to(device)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
 
     def loss_fn():
         return nn.functional.cross_entropy(model(x), y)

@@ -957,33 +957,17 @@ def compiled_gpt2_setup(device: torch.device, quick: bool, layers: int) -> tuple
 
 
 def cnn_workload(shape: dict, device):
-    """(model, loss_fn, description): torchvision's resnet18 (weights=None;
-    hookcap's TinyResNet where torchvision is missing), float32, on one fixed
-    random batch of ``shape["batch"]`` images of ``shape["size"]`` pixels
-    square, 10 classes; channels-last (model and batch) with
-    ``shape["channels_last"]``, else NCHW."""
-    torch.manual_seed(0)
-    try:
-        from torchvision.models import resnet18
+    """(model, loss_fn, description): bench_overhead's CNN workload (resnet18,
+    weights=None, 10 classes; TinyResNet without torchvision), float32, on
+    ``shape["batch"]`` images of ``shape["size"]`` pixels square,
+    channels-last with ``shape["channels_last"]``, else NCHW."""
+    import bench_overhead
 
-        model, desc = resnet18(weights=None, num_classes=10), "torchvision resnet18"
-    except ImportError:
-        from hookcap.models import TinyResNet
-
-        model, desc = TinyResNet(), "TinyResNet (torchvision not importable)"
-    model = model.to(device)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape["batch"], 3, shape["size"], shape["size"], generator=g).to(device)
-    y = torch.randint(10, (shape["batch"],), generator=g).to(device)
-    layout = "NCHW"
-    if shape.get("channels_last"):
-        model, x, layout = model.to(memory_format=torch.channels_last), x.contiguous(
-            memory_format=torch.channels_last), "channels-last"
-
-    def loss_fn():
-        return torch.nn.functional.cross_entropy(model(x), y)
-
-    return model, loss_fn, f"{desc}, float32, {layout}, {shape['batch']} x 3 x {shape['size']} x {shape['size']}"
+    cl = bool(shape.get("channels_last"))
+    model, loss_fn = bench_overhead.cnn_workload(device, shape["batch"], shape["size"], cl, num_classes=10)
+    layout = "channels-last" if cl else "NCHW"
+    return model, loss_fn, (f"{loss_fn.model_name}, float32, {layout}, "
+                            f"{shape['batch']} x 3 x {shape['size']} x {shape['size']}")
 
 
 def first_compiled_step(shape: dict, device: torch.device, autocast, kw, tracing=None, workload=None):

@@ -105,8 +105,7 @@ def kernel_rows(kernels, sms: int, ghz: float, tbps: float) -> list[dict]:
             if k.source in seen:
                 seen[k.source]["launches"] += 1
                 continue
-            # a dump from a GPU selects its driver as it loads; none here
-            fn, meta, configs, _ = _load(k.source.replace("triton_helpers.set_driver_to_gpu()", ""), tmp, i)
+            fn, meta, configs, _ = _load(k.source, tmp, i)
             best = None
             for cfg in configs:
                 ins, regs = sass(fn, meta, cfg, tmp)

@@ -35,7 +35,8 @@ def _load(source: str, tmp: str, i: int):
     kernel module, its configs chosen for an sm_90 device."""
     from torch._inductor.runtime import triton_heuristics as th
 
-    src = source.replace("triton_helpers.set_driver_to_cpu()", "")
+    # the module selects its driver as it loads (a dump from a GPU: the GPU's); none here
+    src = source.replace("triton_helpers.set_driver_to_cpu()", "").replace("triton_helpers.set_driver_to_gpu()", "")
     src = re.sub(r"DeviceProperties\(type='cpu'[^)]*\)", H100, src)
     path = os.path.join(tmp, f"k{i}.py")
     with open(path, "w") as f:
