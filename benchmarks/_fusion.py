@@ -382,14 +382,16 @@ def _interpreted_libdevice():
 
 
 def merge_partials_bytes(codes) -> int:
-    """Bytes of the partials that ``hookcap::merge_partials`` calls read in
-    ``codes`` (the fused kernels write them): PARTIALS float64 values per
-    block, from each call's ``(PARTIALS, blocks)`` argument; a call whose
-    shape is not written literally counts as 0."""
+    """Bytes of the partials that ``hookcap::merge_partials`` and
+    ``merge_partials_list`` calls read in ``codes`` (the fused kernels write
+    them): PARTIALS float64 values per block, from each ``(PARTIALS,
+    blocks)`` matrix the call's line passes; one whose shape is not written
+    literally counts as 0."""
     total = 0
     for code in codes:
-        for rows, cols in re.findall(r"merge_partials\.default\(reinterpret_tensor\(\w+, \((\d+), (\d+)\)", code):
-            total += int(rows) * int(cols) * 8
+        for line in re.findall(r"^.*hookcap\.merge_partials(?:_list)?\.default\(.*$", code, re.M):
+            for rows, cols in re.findall(r"reinterpret_tensor\(\w+, \((\d+), (\d+)\)", line):
+                total += int(rows) * int(cols) * 8
     return total
 
 

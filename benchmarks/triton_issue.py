@@ -267,9 +267,10 @@ def cnn_step(kw, batch: int, size: int, channels_last: bool = True) -> tuple[lis
 
 
 def hookcap_calls(codes) -> dict:
-    """How many times the generated ``codes`` call each hookcap op (each a
-    launch of its own on a GPU): merges, shifts, the op's records."""
-    names = ("merge_partials", "fused_shift", "record", "accumulate")
+    """How many times the generated ``codes`` call each hookcap op: merges
+    and shifts, one capture's (a launch each on a GPU) or a run's gathered
+    (a launch per 32 merges or 256 shifts), and the op's records."""
+    names = ("merge_partials", "merge_partials_list", "fused_shift", "fused_shifts", "record", "accumulate")
     return {n: sum(len(re.findall(rf"hookcap\.{n}\.default\(", c)) for c in codes) for n in names}
 
 

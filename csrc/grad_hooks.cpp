@@ -13,6 +13,7 @@
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -221,15 +222,86 @@ at::Tensor fused_shift_kernel(const at::Tensor& like, int64_t sink, int64_t rid)
   return at::zeros({}, like.options().dtype(at::kDouble));
 }
 
+using MergeRowsFn = void(at::TensorList, at::TensorList, at::Tensor&, const at::Tensor&, at::IntArrayRef);
+
+// The merge_partials_list op: merge_partials for each (partials, shift, rid)
+// in order, through one merge_rows per run of row ids in one ring. Each
+// write is logged as merge_partials logs it; a run that fails is kept as an
+// error of each of its rows.
+void merge_partials_list_kernel(at::TensorList partials, at::TensorList shifts, int64_t sink, at::IntArrayRef rids) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookcap::merge_rows", "")
+                       .typed<MergeRowsFn>();
+  TORCH_CHECK(partials.size() == rids.size() && shifts.size() == rids.size(),
+              "hookcap.merge_partials_list: one partials matrix and one shift per row id, got ", partials.size(),
+              " and ", shifts.size(), " for ", rids.size());
+  std::shared_ptr<GradSink> s;
+  for (int64_t rid : rids) s = sink_with_ring(sink, rid, "hookcap.merge_partials_list");
+  if (!s || !s->active.load(std::memory_order_relaxed)) return;
+  const auto n = rids.size();
+  for (size_t first = 0, end = 0; first < n; first = end) {
+    end = first + 1;
+    while (end < n && ring_of(rids[end]) == ring_of(rids[first])) ++end;
+    std::vector<int64_t> rows;
+    for (size_t i = first; i < end; ++i) rows.push_back(row_of(rids[i]));
+    RingRef ref = ring_now(*s, rids[first]);
+    try {
+      op.call(partials.slice(first, end - first), shifts.slice(first, end - first), ref.ring, ref.state, rows);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      for (size_t i = first; i < end; ++i) s->errors.push_back({rids[i], false, message_of(e)});
+      continue;
+    }
+    for (size_t i = first; i < end; ++i) log_write(*s, rids[i]);
+  }
+}
+
+using ShiftsOfRowsFn = at::Tensor(const at::Tensor&, const at::Tensor&, at::IntArrayRef);
+
+// The fused_shifts op: fused_shift of each rid, as float64 [rids] on like's
+// device (one shifts_of_rows launch where they share a ring, as the pass
+// that gathers them arranges).
+at::Tensor fused_shifts_kernel(const at::Tensor& like, int64_t sink, at::IntArrayRef rids) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hookcap::shifts_of_rows", "")
+                       .typed<ShiftsOfRowsFn>();
+  const auto n = static_cast<int64_t>(rids.size());
+  auto s = sink_of(sink);
+  if (s && n > 0) {
+    std::unique_lock<std::mutex> lock(s->mu);
+    bool one_ring = has_ring(*s, rids[0]);
+    for (int64_t rid : rids) one_ring = one_ring && ring_of(rid) == ring_of(rids[0]);
+    if (one_ring) {
+      RingRef ref = s->rings[ring_of(rids[0])];
+      lock.unlock();
+      if (ref.ring.device() == like.device()) {
+        std::vector<int64_t> rows;
+        for (int64_t rid : rids) rows.push_back(row_of(rid));
+        return op.call(ref.ring, ref.state, rows);
+      }
+    } else {
+      lock.unlock();
+      std::vector<at::Tensor> each;
+      for (int64_t rid : rids) each.push_back(fused_shift_kernel(like, sink, rid).reshape({1}));
+      return at::cat(each);
+    }
+  }
+  return at::zeros({n}, like.options().dtype(at::kDouble));
+}
+
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("record", &record_kernel);
   m.impl("merge_partials", &merge_partials_kernel);
   m.impl("fused_shift", &fused_shift_kernel);
+  m.impl("merge_partials_list", &merge_partials_list_kernel);
+  m.impl("fused_shifts", &fused_shifts_kernel);
 }
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("record", &record_kernel);
   m.impl("merge_partials", &merge_partials_kernel);
   m.impl("fused_shift", &fused_shift_kernel);
+  m.impl("merge_partials_list", &merge_partials_list_kernel);
+  m.impl("fused_shifts", &fused_shifts_kernel);
 }
 
 bool unpack_tensor(PyObject* o, at::Tensor& out, const char* what) {

@@ -149,6 +149,27 @@ at::Tensor fused_shift_meta(const at::Tensor& like, int64_t sink, int64_t rid) {
   return at::empty({}, like.options().dtype(at::kDouble));
 }
 
+void merge_rows_meta(at::TensorList partials, at::TensorList shifts, at::Tensor& ring, const at::Tensor& state,
+                     at::IntArrayRef rows) {
+  check_merge_rows(partials, shifts, ring, state, rows);
+}
+
+void merge_partials_list_meta(at::TensorList partials, at::TensorList shifts, int64_t sink, at::IntArrayRef rids) {
+  TORCH_CHECK(partials.size() == rids.size() && shifts.size() == rids.size(),
+              "hookcap.merge_partials_list: one partials matrix and one shift per row id, got ", partials.size(),
+              " and ", shifts.size(), " for ", rids.size());
+  for (size_t i = 0; i < rids.size(); ++i) check_partials(partials[i], shifts[i], "hookcap.merge_partials_list");
+}
+
+at::Tensor shifts_of_rows_meta(const at::Tensor& ring, const at::Tensor& state, at::IntArrayRef rows) {
+  check_shifts_of_rows(ring, state, rows);
+  return at::empty({static_cast<int64_t>(rows.size())}, ring.options().dtype(at::kDouble));
+}
+
+at::Tensor fused_shifts_meta(const at::Tensor& like, int64_t sink, at::IntArrayRef rids) {
+  return at::empty({static_cast<int64_t>(rids.size())}, like.options().dtype(at::kDouble));
+}
+
 void advance_meta(at::Tensor& ring, at::Tensor& state, int64_t every) {
   check_ring_state(ring, state);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
@@ -210,6 +231,14 @@ TORCH_LIBRARY(hookcap, m) {
   // named by sink and row id, on like's device (0 where there is none).
   m.def("shift_of_row(Tensor ring, Tensor state, int row) -> Tensor");
   m.def("fused_shift(Tensor like, int sink, int rid) -> Tensor");
+  // The same for several rows of one ring in one launch each (a compiled
+  // graph's run of merges, and its shifts, gathered by a pass): the lists
+  // are in order, one partials matrix, shift and row (id) each; the shifts
+  // come back as float64 [rows].
+  m.def("merge_rows(Tensor[] partials, Tensor[] shifts, Tensor(a!) ring, Tensor state, int[] rows) -> ()");
+  m.def("merge_partials_list(Tensor[] partials, Tensor[] shifts, int sink, int[] rids) -> ()");
+  m.def("shifts_of_rows(Tensor ring, Tensor state, int[] rows) -> Tensor");
+  m.def("fused_shifts(Tensor like, int sink, int[] rids) -> Tensor");
   m.def("layout() -> int[]", &layout);
 }
 
@@ -226,12 +255,17 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("merge_partials", &merge_partials_meta);
   m.impl("shift_of_row", &shift_of_row_meta);
   m.impl("fused_shift", &fused_shift_meta);
+  m.impl("merge_rows", &merge_rows_meta);
+  m.impl("merge_partials_list", &merge_partials_list_meta);
+  m.impl("shifts_of_rows", &shifts_of_rows_meta);
+  m.impl("fused_shifts", &fused_shifts_meta);
 }
 
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record", "merge_row", "merge_partials", "shift_of_row", "fused_shift"}) {
+  for (const char* op : {"accumulate", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record", "merge_row", "merge_partials", "shift_of_row", "fused_shift", "merge_rows",
+                          "merge_partials_list", "shifts_of_rows", "fused_shifts"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

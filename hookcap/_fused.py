@@ -32,9 +32,8 @@ loops that write it. Inductor's C++ backend (the CPU) fuses a reduction only
 into a loop of its own shape, so there a flat tensor is one block.
 
 Other tensors (float64, float8, ``moments=4``, a histogram) are recorded by
-the accumulate op as without ``fused=True``: see :func:`fusable`; so are
-captures that only external kernels write and read, which a pass over the
-compiled graph hands back to it (:func:`hand_reduce_only_to_the_op`).
+the accumulate op as without ``fused=True`` (:func:`fusable`); so are captures
+only external kernels write and read (:func:`hand_reduce_only_to_the_op`).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import _layout
+from . import _fused_batch, _layout
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Devices whose tensors take the fused path (process-global). Not the CPU:
@@ -507,9 +506,9 @@ _RECORD = torch.ops.hookcap.record.default
 
 
 class _Pass(CustomGraphPass):
-    """:func:`hand_reduce_only_to_the_op` as Inductor's post-grad custom
-    pass, after ``before`` (a pass set before it, on a torch that takes only
-    one; None where it takes a list, which then holds both)."""
+    """:func:`hand_reduce_only_to_the_op`, then ``_fused_batch.batch``, as
+    Inductor's post-grad custom pass, after ``before`` (a pass set before
+    it, on a torch that takes one; None where it takes a list: both there)."""
 
     def __init__(self, before=None):
         self.before = before
@@ -518,10 +517,11 @@ class _Pass(CustomGraphPass):
         if self.before is not None:
             self.before(graph)
         hand_reduce_only_to_the_op(graph)
+        _fused_batch.batch(graph)
 
     def uuid(self):
         before = getattr(self.before, "uuid", lambda: repr(self.before))() if self.before is not None else None
-        return (get_hash_for_files((__file__,)).hex(), before)
+        return (get_hash_for_files((__file__, _fused_batch.__file__)).hex(), before)
 
 
 # (installed setting, the setting before it) while some fused Monitor is attached.

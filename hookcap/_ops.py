@@ -109,6 +109,33 @@ def fused_shift(like: torch.Tensor, sink: int, rid: int) -> torch.Tensor:
     return _ops.fused_shift(like, sink, rid)
 
 
+def merge_rows(partials: list, shifts: list, ring: torch.Tensor, state: torch.Tensor, rows: list) -> None:
+    """:func:`merge_row` of each ``(partials[i], shifts[i], rows[i])``, in
+    order, into one ring: one launch per 32 on CUDA (the pointers travel in
+    the kernel's parameters; no copy, no host sync)."""
+    _ops.merge_rows(partials, shifts, ring, state, rows)
+
+
+def merge_partials_list(partials: list, shifts: list, sink: int, rids: list) -> None:
+    """:func:`merge_partials` of each ``(partials[i], shifts[i], rids[i])``, in
+    order, through one :func:`merge_rows` per run of row ids in one ring
+    (each write logged; a run that fails is an error of each of its rows).
+    What a compiled graph's run of merges becomes (``_fused_batch``); effectful."""
+    _ops.merge_partials_list(partials, shifts, sink, rids)
+
+
+def shifts_of_rows(ring: torch.Tensor, state: torch.Tensor, rows: list) -> torch.Tensor:
+    """float64 [len(rows)]: :func:`shift_of_row` of each row, one launch per
+    256 on CUDA. No host sync."""
+    return _ops.shifts_of_rows(ring, state, rows)
+
+
+def fused_shifts(like: torch.Tensor, sink: int, rids: list) -> torch.Tensor:
+    """float64 [len(rids)] on ``like``'s device: :func:`fused_shift` of each
+    row id (one :func:`shifts_of_rows` where they share a ring)."""
+    return _ops.fused_shifts(like, sink, rids)
+
+
 def _register_record_effectful() -> bool:
     """Without an effect, graph passes would drop an op that returns
     nothing and mutates no argument. False where torch has no effect API."""
@@ -124,6 +151,7 @@ def _register_record_effectful() -> bool:
             return False
     register(_ops.record.default, _EffectType.ORDERED)
     register(_ops.merge_partials.default, _EffectType.ORDERED)
+    register(_ops.merge_partials_list.default, _EffectType.ORDERED)
     return True
 
 

@@ -204,8 +204,27 @@ static at::Tensor shift_of_row_cpu(const at::Tensor& ring, const at::Tensor& sta
   return out;
 }
 
+static void merge_rows_cpu(at::TensorList partials, at::TensorList shifts, at::Tensor& ring, const at::Tensor& state,
+                           at::IntArrayRef rows) {
+  check_merge_rows(partials, shifts, ring, state, rows);
+  for (size_t i = 0; i < rows.size(); ++i) merge_row_cpu(partials[i], shifts[i], ring, state, rows[i]);
+}
+
+static at::Tensor shifts_of_rows_cpu(const at::Tensor& ring, const at::Tensor& state, at::IntArrayRef rows) {
+  check_shifts_of_rows(ring, state, rows);
+  at::Tensor out = at::empty({static_cast<int64_t>(rows.size())}, ring.options().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    o[i] = ring_row_center(ring.const_data_ptr<int64_t>(), state.data_ptr<int64_t>()[kStateSlot], ring.size(0),
+                           ring.size(1), ring.size(2), rows[i]);
+  }
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("accumulate", &accumulate_cpu);
+  m.impl("merge_rows", &merge_rows_cpu);
+  m.impl("shifts_of_rows", &shifts_of_rows_cpu);
   m.impl("shift_of_row", &shift_of_row_cpu);
   m.impl("merge_row", &merge_row_cpu);
   m.impl("reset_slot", &reset_slot_cpu);

@@ -1240,11 +1240,11 @@ __global__ void advance_state_kernel(int64_t* state, int64_t slots, int64_t ever
 constexpr int kMergeThreads = kMergeLanes;
 static_assert(sizeof(double) * kMergeThreads * kPartials <= 48 * 1024, "merge_row_kernel's static shared memory");
 
-__global__ void __launch_bounds__(kMergeThreads)
-    merge_row_kernel(int64_t* ring, const int64_t* state, const double* partials, int64_t blocks,
-                     const double* shift, int64_t slots, int64_t rows, int64_t width, int64_t row) {
-  __shared__ double s_acc[kMergeThreads][kPartials];
-  if (blockIdx.x != 0) return;
+// One capture's merge, by the whole block (merge_row_kernel's and
+// merge_rows_kernel's body; s_acc: the block's shared accumulators).
+__device__ __forceinline__ void merge_one_row(int64_t* ring, const int64_t* state, const double* partials,
+                                              int64_t blocks, const double* shift, int64_t slots, int64_t rows,
+                                              int64_t width, int64_t row, double (*s_acc)[kPartials]) {
   const int t = threadIdx.x;
   partials_lane(s_acc[t], partials, blocks, t);
   __syncthreads();
@@ -1258,11 +1258,55 @@ __global__ void __launch_bounds__(kMergeThreads)
   row_merge_partials<DeviceAtomics>(ring + (slot * rows + row) * width, s_acc[0], *shift);
 }
 
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_row_kernel(int64_t* ring, const int64_t* state, const double* partials, int64_t blocks,
+                     const double* shift, int64_t slots, int64_t rows, int64_t width, int64_t row) {
+  __shared__ double s_acc[kMergeThreads][kPartials];
+  if (blockIdx.x != 0) return;
+  merge_one_row(ring, state, partials, blocks, shift, slots, rows, width, row, s_acc);
+}
+
+// Several captures' merges in one launch (a compiled graph's run of merges
+// into one ring): block b merges capture b as merge_row_kernel does. The
+// pointers and rows travel in the kernel's parameters (no device copy, no
+// allocation); the launcher splits longer runs.
+constexpr int kMergeBatch = 32;
+struct MergeBatch {
+  const double* partials[kMergeBatch];
+  const double* shift[kMergeBatch];
+  int64_t blocks[kMergeBatch];
+  int64_t row[kMergeBatch];
+};
+
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_rows_kernel(int64_t* ring, const int64_t* state, MergeBatch batch, int n, int64_t slots, int64_t rows,
+                      int64_t width) {
+  __shared__ double s_acc[kMergeThreads][kPartials];
+  const int b = blockIdx.x;
+  if (b >= n) return;
+  merge_one_row(ring, state, batch.partials[b], batch.blocks[b], batch.shift[b], slots, rows, width, batch.row[b],
+                s_acc);
+}
+
 // The shift fused partials are summed about (stats_math.h ring_row_center), into *out.
 __global__ void shift_of_row_kernel(const int64_t* ring, const int64_t* state, double* out, int64_t slots,
                                     int64_t rows, int64_t width, int64_t row) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   *out = ring_row_center(ring, state[kStateSlot], slots, rows, width, row);
+}
+
+// The shifts of several rows in one launch (thread i: row batch.row[i] into
+// out[i]); rows in the kernel's parameters, as merge_rows_kernel's.
+constexpr int kShiftBatch = 256;
+struct RowBatch {
+  int64_t row[kShiftBatch];
+};
+
+__global__ void shifts_of_rows_kernel(const int64_t* ring, const int64_t* state, double* out, RowBatch batch, int n,
+                                      int64_t slots, int64_t rows, int64_t width) {
+  const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= n) return;
+  out[i] = ring_row_center(ring, state[kStateSlot], slots, rows, width, batch.row[i]);
 }
 
 // Reset rows [begin, end) of the slot the state points at (for its step):

@@ -492,10 +492,55 @@ at::Tensor shift_of_row_cuda(const at::Tensor& ring, const at::Tensor& state, in
   return out;
 }
 
+// A run of merges into one ring: kernels::kMergeBatch captures per launch.
+void merge_rows_cuda(at::TensorList partials, at::TensorList shifts, at::Tensor& ring, const at::Tensor& state,
+                     at::IntArrayRef rows) {
+  check_merge_rows(partials, shifts, ring, state, rows);
+  c10::cuda::CUDAGuard guard(ring.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  note_capture(stream, ring.data_ptr());
+  const auto n = static_cast<int64_t>(rows.size());
+  for (int64_t first = 0; first < n; first += kernels::kMergeBatch) {
+    const int m = static_cast<int>(std::min<int64_t>(kernels::kMergeBatch, n - first));
+    kernels::MergeBatch batch{};
+    for (int i = 0; i < m; ++i) {
+      batch.partials[i] = partials[first + i].const_data_ptr<double>();
+      batch.shift[i] = shifts[first + i].const_data_ptr<double>();
+      batch.blocks[i] = partials[first + i].size(1);
+      batch.row[i] = rows[first + i];
+    }
+    launch("hookcap.merge_rows", &kernels::merge_rows_kernel, dim3(m), dim3(kernels::kMergeThreads), stream,
+           ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), batch, m, ring.size(0), ring.size(1),
+           ring.size(2));
+  }
+  seal_ring_write(ring.device().index(), stream);
+}
+
+// The shifts of several rows: kernels::kShiftBatch rows per launch.
+at::Tensor shifts_of_rows_cuda(const at::Tensor& ring, const at::Tensor& state, at::IntArrayRef rows) {
+  check_shifts_of_rows(ring, state, rows);
+  c10::cuda::CUDAGuard guard(ring.device());
+  const auto n = static_cast<int64_t>(rows.size());
+  at::Tensor out = at::empty({n}, ring.options().dtype(at::kDouble));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
+  note_capture(stream, ring.data_ptr());
+  for (int64_t first = 0; first < n; first += kernels::kShiftBatch) {
+    const int m = static_cast<int>(std::min<int64_t>(kernels::kShiftBatch, n - first));
+    kernels::RowBatch batch{};
+    for (int i = 0; i < m; ++i) batch.row[i] = rows[first + i];
+    launch("hookcap.shifts_of_rows", &kernels::shifts_of_rows_kernel, dim3(1), dim3(kernels::kShiftBatch), stream,
+           ring.const_data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), out.data_ptr<double>() + first, batch,
+           m, ring.size(0), ring.size(1), ring.size(2));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("shift_of_row", &shift_of_row_cuda);
+  m.impl("shifts_of_rows", &shifts_of_rows_cuda);
+  m.impl("merge_rows", &merge_rows_cuda);
   m.impl("merge_row", &merge_row_cuda);
   m.impl("accumulate", &accumulate_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);

@@ -95,6 +95,21 @@ inline void check_shift_of_row(const at::Tensor& ring, const at::Tensor& state, 
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
+// merge_rows: several tensors' fused partials, each into its row of one ring.
+inline void check_merge_rows(at::TensorList partials, at::TensorList shifts, const at::Tensor& ring,
+                             const at::Tensor& state, at::IntArrayRef rows) {
+  TORCH_CHECK(partials.size() == rows.size() && shifts.size() == rows.size(),
+              "hookcap.merge_rows: one partials matrix and one shift per row, got ", partials.size(), " and ",
+              shifts.size(), " for ", rows.size(), " rows");
+  for (size_t i = 0; i < rows.size(); ++i) check_merge_row(partials[i], shifts[i], ring, state, rows[i]);
+}
+
+// shifts_of_rows: several rows' centers.
+inline void check_shifts_of_rows(const at::Tensor& ring, const at::Tensor& state, at::IntArrayRef rows) {
+  for (int64_t row : rows) check_shift_of_row(ring, state, row);
+  if (rows.empty()) check_ring_state(ring, state);
+}
+
 // At most this many bins of a log2 histogram between 2**lo and 2**hi, so
 // that its counts (signed: about twice) fit any GPU's shared memory.
 constexpr int64_t kMaxLog2Octaves = 2200;

@@ -199,6 +199,44 @@ at::Tensor shift_of_row(const at::Tensor& ring, const at::Tensor& state, int64_t
   return out;
 }
 
+// The batched forms, as the launcher splits them (kMergeBatch captures,
+// kShiftBatch rows per launch).
+void merge_rows(std::vector<at::Tensor> partials, std::vector<at::Tensor> shifts, at::Tensor& ring,
+                const at::Tensor& state, std::vector<int64_t> rows) {
+  check_merge_rows(partials, shifts, ring, state, rows);
+  check_cpu(ring);
+  py::gil_scoped_release nogil;
+  const auto n = static_cast<int64_t>(rows.size());
+  for (int64_t first = 0; first < n; first += kernels::kMergeBatch) {
+    const int m = static_cast<int>(std::min<int64_t>(kernels::kMergeBatch, n - first));
+    kernels::MergeBatch batch{};
+    for (int i = 0; i < m; ++i) {
+      batch.partials[i] = partials[first + i].const_data_ptr<double>();
+      batch.shift[i] = shifts[first + i].const_data_ptr<double>();
+      batch.blocks[i] = partials[first + i].size(1);
+      batch.row[i] = rows[first + i];
+    }
+    hookcap_emu::merge_rows(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), batch, m, ring.size(0),
+                            ring.size(1), ring.size(2));
+  }
+}
+
+at::Tensor shifts_of_rows(const at::Tensor& ring, const at::Tensor& state, std::vector<int64_t> rows) {
+  check_shifts_of_rows(ring, state, rows);
+  check_cpu(ring);
+  const auto n = static_cast<int64_t>(rows.size());
+  at::Tensor out = at::empty({n}, ring.options().dtype(at::kDouble));
+  py::gil_scoped_release nogil;
+  for (int64_t first = 0; first < n; first += kernels::kShiftBatch) {
+    const int m = static_cast<int>(std::min<int64_t>(kernels::kShiftBatch, n - first));
+    kernels::RowBatch batch{};
+    for (int i = 0; i < m; ++i) batch.row[i] = rows[first + i];
+    hookcap_emu::shifts_of_rows(ring.const_data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
+                                out.data_ptr<double>() + first, batch, m, ring.size(0), ring.size(1), ring.size(2));
+  }
+  return out;
+}
+
 void advance(at::Tensor& ring, at::Tensor& state, int64_t every, int64_t block, int64_t grid) {
   check_ring_state(ring, state);
   check_cpu(ring);
@@ -518,6 +556,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset_rows", &reset_rows);
   m.def("merge_row", &merge_row);
   m.def("shift_of_row", &shift_of_row);
+  m.def("merge_rows", &merge_rows);
+  m.def("shifts_of_rows", &shifts_of_rows);
   m.def("advance", &advance, py::arg("ring"), py::arg("state"), py::arg("every"), py::arg("block"),
         py::arg("grid") = 1);
   m.def("configure", &configure, py::arg("order") = 0, py::arg("seed") = 0,

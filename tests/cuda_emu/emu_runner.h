@@ -64,4 +64,16 @@ inline void shift_of_row(const int64_t* ring, const int64_t* state, double* out,
               row);
 }
 
+inline void merge_rows(int64_t* ring, const int64_t* state, const hookcap::kernels::MergeBatch& batch, int n,
+                       int64_t slots, int64_t rows, int64_t width) {
+  emu::launch(hookcap::kernels::merge_rows_kernel, dim3(n), dim3(hookcap::kernels::kMergeThreads), 0, ring, state,
+              batch, n, slots, rows, width);
+}
+
+inline void shifts_of_rows(const int64_t* ring, const int64_t* state, double* out,
+                           const hookcap::kernels::RowBatch& batch, int n, int64_t slots, int64_t rows, int64_t width) {
+  emu::launch(hookcap::kernels::shifts_of_rows_kernel, dim3(1), dim3(hookcap::kernels::kShiftBatch), 0, ring, state,
+              out, batch, n, slots, rows, width);
+}
+
 }  // namespace hookcap_emu
