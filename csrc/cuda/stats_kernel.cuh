@@ -1278,6 +1278,24 @@ struct MergeBatch {
   int64_t row[kMergeBatch];
 };
 
+// The split of a run of merges into launches, the launcher's and the
+// emulation harness's: launch(batch, m) for each kMergeBatch captures
+// (partials, shifts: float64 tensors; host code).
+template <typename P, typename S, typename Launch>
+inline void for_each_merge_batch(const P& partials, const S& shifts, const int64_t* rows, int64_t n, Launch launch) {
+  for (int64_t first = 0; first < n; first += kMergeBatch) {
+    const int m = static_cast<int>(n - first < kMergeBatch ? n - first : kMergeBatch);
+    MergeBatch batch{};
+    for (int i = 0; i < m; ++i) {
+      batch.partials[i] = partials[first + i].template const_data_ptr<double>();
+      batch.shift[i] = shifts[first + i].template const_data_ptr<double>();
+      batch.blocks[i] = partials[first + i].size(1);
+      batch.row[i] = rows[first + i];
+    }
+    launch(batch, m);
+  }
+}
+
 __global__ void __launch_bounds__(kMergeThreads)
     merge_rows_kernel(int64_t* ring, const int64_t* state, MergeBatch batch, int n, int64_t slots, int64_t rows,
                       int64_t width) {
@@ -1301,6 +1319,18 @@ constexpr int kShiftBatch = 256;
 struct RowBatch {
   int64_t row[kShiftBatch];
 };
+
+// The split of a list of rows into shifts_of_rows launches (host code):
+// launch(batch, first, m) for each kShiftBatch rows.
+template <typename Launch>
+inline void for_each_row_batch(const int64_t* rows, int64_t n, Launch launch) {
+  for (int64_t first = 0; first < n; first += kShiftBatch) {
+    const int m = static_cast<int>(n - first < kShiftBatch ? n - first : kShiftBatch);
+    RowBatch batch{};
+    for (int i = 0; i < m; ++i) batch.row[i] = rows[first + i];
+    launch(batch, first, m);
+  }
+}
 
 __global__ void shifts_of_rows_kernel(const int64_t* ring, const int64_t* state, double* out, RowBatch batch, int n,
                                       int64_t slots, int64_t rows, int64_t width) {

@@ -499,20 +499,12 @@ void merge_rows_cuda(at::TensorList partials, at::TensorList shifts, at::Tensor&
   c10::cuda::CUDAGuard guard(ring.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
   note_capture(stream, ring.data_ptr());
-  const auto n = static_cast<int64_t>(rows.size());
-  for (int64_t first = 0; first < n; first += kernels::kMergeBatch) {
-    const int m = static_cast<int>(std::min<int64_t>(kernels::kMergeBatch, n - first));
-    kernels::MergeBatch batch{};
-    for (int i = 0; i < m; ++i) {
-      batch.partials[i] = partials[first + i].const_data_ptr<double>();
-      batch.shift[i] = shifts[first + i].const_data_ptr<double>();
-      batch.blocks[i] = partials[first + i].size(1);
-      batch.row[i] = rows[first + i];
-    }
+  kernels::for_each_merge_batch(partials, shifts, rows.data(), static_cast<int64_t>(rows.size()),
+                                [&](const kernels::MergeBatch& batch, int m) {
     launch("hookcap.merge_rows", &kernels::merge_rows_kernel, dim3(m), dim3(kernels::kMergeThreads), stream,
            ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), batch, m, ring.size(0), ring.size(1),
            ring.size(2));
-  }
+  });
   seal_ring_write(ring.device().index(), stream);
 }
 
@@ -524,14 +516,11 @@ at::Tensor shifts_of_rows_cuda(const at::Tensor& ring, const at::Tensor& state, 
   at::Tensor out = at::empty({n}, ring.options().dtype(at::kDouble));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
   note_capture(stream, ring.data_ptr());
-  for (int64_t first = 0; first < n; first += kernels::kShiftBatch) {
-    const int m = static_cast<int>(std::min<int64_t>(kernels::kShiftBatch, n - first));
-    kernels::RowBatch batch{};
-    for (int i = 0; i < m; ++i) batch.row[i] = rows[first + i];
+  kernels::for_each_row_batch(rows.data(), n, [&](const kernels::RowBatch& batch, int64_t first, int m) {
     launch("hookcap.shifts_of_rows", &kernels::shifts_of_rows_kernel, dim3(1), dim3(kernels::kShiftBatch), stream,
            ring.const_data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), out.data_ptr<double>() + first, batch,
            m, ring.size(0), ring.size(1), ring.size(2));
-  }
+  });
   return out;
 }
 

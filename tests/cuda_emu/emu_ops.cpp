@@ -206,19 +206,11 @@ void merge_rows(std::vector<at::Tensor> partials, std::vector<at::Tensor> shifts
   check_merge_rows(partials, shifts, ring, state, rows);
   check_cpu(ring);
   py::gil_scoped_release nogil;
-  const auto n = static_cast<int64_t>(rows.size());
-  for (int64_t first = 0; first < n; first += kernels::kMergeBatch) {
-    const int m = static_cast<int>(std::min<int64_t>(kernels::kMergeBatch, n - first));
-    kernels::MergeBatch batch{};
-    for (int i = 0; i < m; ++i) {
-      batch.partials[i] = partials[first + i].const_data_ptr<double>();
-      batch.shift[i] = shifts[first + i].const_data_ptr<double>();
-      batch.blocks[i] = partials[first + i].size(1);
-      batch.row[i] = rows[first + i];
-    }
+  kernels::for_each_merge_batch(partials, shifts, rows.data(), static_cast<int64_t>(rows.size()),
+                                [&](const kernels::MergeBatch& batch, int m) {
     hookcap_emu::merge_rows(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), batch, m, ring.size(0),
                             ring.size(1), ring.size(2));
-  }
+  });
 }
 
 at::Tensor shifts_of_rows(const at::Tensor& ring, const at::Tensor& state, std::vector<int64_t> rows) {
@@ -227,13 +219,10 @@ at::Tensor shifts_of_rows(const at::Tensor& ring, const at::Tensor& state, std::
   const auto n = static_cast<int64_t>(rows.size());
   at::Tensor out = at::empty({n}, ring.options().dtype(at::kDouble));
   py::gil_scoped_release nogil;
-  for (int64_t first = 0; first < n; first += kernels::kShiftBatch) {
-    const int m = static_cast<int>(std::min<int64_t>(kernels::kShiftBatch, n - first));
-    kernels::RowBatch batch{};
-    for (int i = 0; i < m; ++i) batch.row[i] = rows[first + i];
+  kernels::for_each_row_batch(rows.data(), n, [&](const kernels::RowBatch& batch, int64_t first, int m) {
     hookcap_emu::shifts_of_rows(ring.const_data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                 out.data_ptr<double>() + first, batch, m, ring.size(0), ring.size(1), ring.size(2));
-  }
+  });
   return out;
 }
 
