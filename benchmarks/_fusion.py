@@ -395,6 +395,18 @@ def merge_partials_bytes(codes) -> int:
     return total
 
 
+def merged_captures(codes) -> int:
+    """How many captures the merges in ``codes`` merge: one per
+    ``hookcap::merge_partials`` call, and the row ids a gathered
+    ``merge_partials_list`` call lists (``hookcap._fused_batch``)."""
+    total = 0
+    for code in codes:
+        total += len(re.findall(r"hookcap\.merge_partials\.default\(", code))
+        for rids in re.findall(r"hookcap\.merge_partials_list\.default\(.*, \[([\d, ]+)\]\)\s*$", code, re.M):
+            total += len(rids.split(","))
+    return total
+
+
 def triton_launches(codes) -> list[TritonKernel]:
     """Every Triton kernel launch, in order, of the modules Inductor generated
     for a GPU (``run_and_get_code``'s strings): a kernel launched twice is

@@ -1031,7 +1031,7 @@ def dump_fused_code(device, outdir: str) -> dict:
     import hookcap
     from torch._inductor.utils import run_and_get_code
 
-    from _fusion import triton_launches, triton_reduce_only_bytes, triton_traffic_bytes
+    from _fusion import merged_captures, triton_launches, triton_reduce_only_bytes, triton_traffic_bytes
 
     def step_code(watch: bool):
         torch._dynamo.reset()
@@ -1061,7 +1061,8 @@ def dump_fused_code(device, outdir: str) -> dict:
             # bytes all Triton kernels move beyond the unwatched step's (extra stores included)
             "extra_traffic_bytes": triton_traffic_bytes(kernels) - triton_traffic_bytes(base),
             "cpp_kernels": len(set(re.findall(r"^(cpp_fused_\w+) = ", text, re.M))),
-            "merge_partials_calls": text.count("hookcap.merge_partials")}
+            # captures merged, and the calls that merge them (a graph's run of merges is one call)
+            "merged_captures": merged_captures(codes), "merge_calls": text.count("hookcap.merge_partials")}
 
 
 def build_info_stage(args) -> dict:
@@ -1210,7 +1211,8 @@ def summary_md(report: dict) -> str:
             out += ["", f"Linear -> GELU -> Linear -> LayerNorm, one training step: {g['triton_launches']} Triton "
                         f"launches with fused=True ({g['triton_launches_unwatched']} unwatched), reduce-only kernels reading "
                         f"{g['reduce_only_extra_bytes']} bytes more, all Triton kernels moving "
-                        f"{g['extra_traffic_bytes']} bytes more, {g['merge_partials_calls']} merges "
+                        f"{g['extra_traffic_bytes']} bytes more, {g['merged_captures']} captures merged in "
+                        f"{g['merge_calls']} calls "
                         f"(code: {g['file']})."]
     errors = [s for s in steps if not s["ok"]]
     if errors:
