@@ -65,7 +65,7 @@ def batch_shifts(graph: torch.fx.Graph) -> int:
             groups[(sink, ring_index_of(rid), _device(like))].append(n)
     gathered = 0
     for (sink, _, _), nodes in groups.items():
-        if len(nodes) < 2:
+        if len(nodes) < 2 or not isinstance(nodes[0].meta.get("val"), torch.Tensor):
             continue
         first = nodes[0]
         with graph.inserting_before(first):
@@ -111,8 +111,9 @@ def batch_merges(graph: torch.fx.Graph) -> int:
     merges were gathered."""
     gathered = 0
     for run in list(_runs(graph)):
-        if not all(len(_token_out(m)[0].users) == 1 for m in run[:-1]):
-            continue  # a token read beyond the next merge
+        tokens = [_token_out(m)[0] for m in run]
+        if not all(t.users.keys() == {m} and m.args[0] is t for t, m in zip(tokens, run[1:])):
+            continue  # a token read beyond the next merge of the run
         last, sink = run[-1], run[-1].args[4]
         args = (run[0].args[0], _MERGE_LIST, [m.args[2] for m in run], [m.args[3] for m in run], sink,
                 [m.args[5] for m in run])
@@ -120,10 +121,10 @@ def batch_merges(graph: torch.fx.Graph) -> int:
             merged = graph.call_function(_WITH_EFFECTS, args)
             token = graph.call_function(operator.getitem, (merged, 0))
         merged.meta.update(last.meta)
-        token.meta.update(_token_out(last)[0].meta)
-        _token_out(last)[0].replace_all_uses_with(token)
-        for m in reversed(run):  # each token was read only by the next merge of the run
-            graph.erase_node(_token_out(m)[0])
+        token.meta.update(tokens[-1].meta)
+        tokens[-1].replace_all_uses_with(token)
+        for t, m in zip(reversed(tokens), reversed(run)):  # each token was read only by the next merge
+            graph.erase_node(t)
             graph.erase_node(m)
         gathered += len(run)
     return gathered
