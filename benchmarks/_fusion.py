@@ -395,6 +395,14 @@ def merge_partials_bytes(codes) -> int:
     return total
 
 
+def hookcap_calls(codes) -> dict:
+    """How many times the generated ``codes`` call each hookcap op: merges
+    and shifts, one capture's (a launch each on a GPU) or a run's gathered
+    (a launch per 32 merges or 256 shifts), and the op's records."""
+    names = ("merge_partials", "merge_partials_list", "fused_shift", "fused_shifts", "record", "accumulate")
+    return {n: sum(len(re.findall(rf"hookcap\.{n}\.default\(", c)) for c in codes) for n in names}
+
+
 def merged_captures(codes) -> int:
     """How many captures the merges in ``codes`` merge: one per
     ``hookcap::merge_partials`` call, and the row ids a gathered

@@ -246,6 +246,7 @@ def cnn_step(kw, batch: int, size: int, channels_last: bool = True) -> tuple[lis
     import torch
 
     import hookcap
+    from _fusion import hookcap_calls
     from gpu_check import cnn_workload
 
     def build():
@@ -264,14 +265,6 @@ def cnn_step(kw, batch: int, size: int, channels_last: bool = True) -> tuple[lis
         captured = [int(counts.sum()) * 4, int((counts > 0).sum())]
     tc = generated_step(build, kw)
     return tc.kernels(), captured[0], captured[1], hookcap_calls(tc.codes)
-
-
-def hookcap_calls(codes) -> dict:
-    """How many times the generated ``codes`` call each hookcap op: merges
-    and shifts, one capture's (a launch each on a GPU) or a run's gathered
-    (a launch per 32 merges or 256 shifts), and the op's records."""
-    names = ("merge_partials", "merge_partials_list", "fused_shift", "fused_shifts", "record", "accumulate")
-    return {n: sum(len(re.findall(rf"hookcap\.{n}\.default\(", c)) for c in codes) for n in names}
 
 
 def cnn(args) -> dict:

@@ -114,6 +114,12 @@ def kernel_rows(kernels) -> list[dict]:
 def step_kernels(layers: int, tokens: int, kw, batch: int = 1) -> list:
     """The Triton kernel launches of one GPT-2 training step (``batch``
     sequences of ``tokens``), generated on the CPU."""
+    return step_codegen(layers, tokens, kw, batch).kernels()
+
+
+def step_codegen(layers: int, tokens: int, kw, batch: int = 1):
+    """:func:`step_kernels`' ``_fusion.triton_codegen`` (its ``codes``, its
+    ``kernels()``)."""
     import hookcap
     import hookcap._fused
     from _fusion import triton_codegen
@@ -136,24 +142,27 @@ def step_kernels(layers: int, tokens: int, kw, batch: int = 1) -> list:
         tc.run(step)
         if mon is not None:
             mon.detach()
-    return tc.kernels()
+    return tc
 
 
 def counts_only(args, configs, out) -> int:
-    from _fusion import triton_reduce_only_bytes, triton_traffic_bytes
+    from _fusion import hookcap_calls, merged_captures, triton_reduce_only_bytes, triton_traffic_bytes
     from bench_overhead import write_json
     from torch._dynamo.utils import counters
 
     for name, kw in configs.items():
         counters["hookcap"].clear()
-        ks = step_kernels(args.layers, args.tokens, kw, args.batch)
+        tc = step_codegen(args.layers, args.tokens, kw, args.batch)
+        ks = tc.kernels()
         c = out["configs"][name] = {
             "launches": len(ks), "reduce_only_bytes": triton_reduce_only_bytes(ks, 4097),
             "traffic_bytes": triton_traffic_bytes(ks), "handed_to_op": counters["hookcap"]["reduce_only_to_op"],
-            "handed_to_op_bytes": counters["hookcap"]["reduce_only_to_op_bytes"]}
+            "handed_to_op_bytes": counters["hookcap"]["reduce_only_to_op_bytes"],
+            "hookcap_calls": hookcap_calls(tc.codes), "merged_captures": merged_captures(tc.codes)}
         print(f"== {name}: {c['launches']} launches, reduce-only kernels read {c['reduce_only_bytes'] / 1e6:.1f} MB, "
               f"all move {c['traffic_bytes'] / 1e6:.1f} MB; captures handed to the op {c['handed_to_op']} "
-              f"({c['handed_to_op_bytes'] / 1e6:.1f} MB)", flush=True)
+              f"({c['handed_to_op_bytes'] / 1e6:.1f} MB); hookcap's calls {c['hookcap_calls']} "
+              f"({c['merged_captures']} captures merged)", flush=True)
     write_json(args.json, out)
     return 0
 

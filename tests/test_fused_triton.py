@@ -378,26 +378,25 @@ def test_instruction_count_reads_loops_and_programs():
 
 
 def test_hookcap_calls_in_generated_code_are_one_merge_and_one_shift_per_graph():
-    """triton_issue.hookcap_calls on the Block's generated step: each of the
+    """_fusion.hookcap_calls on the Block's generated step: each of the
     seven captures (four outputs; three input gradients, the model's input
     needing none) is merged with its shift read from the ring, or recorded
     by the op (a capture only external kernels touch: none here); the
     merges and the shifts of each graph (forward, backward) are gathered
     into one call each (planted: the pass that gathers them off, a call per
     capture); an unwatched step calls nothing."""
-    import triton_issue
     from torch._dynamo.utils import counters
 
     counters["hookcap"].clear()
     codes = triton_step(modules=["l", "g", "l2", "ln"], capture=("output", "grad_input")).codes
-    calls = triton_issue.hookcap_calls(codes)
+    calls = _fusion.hookcap_calls(codes)
     assert calls["merge_partials"] == calls["fused_shift"] == calls["record"] == calls["accumulate"] == 0
     assert calls["merge_partials_list"] == calls["fused_shifts"] == 2
     assert counters["hookcap"]["merges_batched"] == counters["hookcap"]["shifts_batched"] == 7
     with pytest.MonkeyPatch.context() as m:
         m.setattr(hookcap._fused_batch, "batch", lambda graph: None)
-        planted = triton_issue.hookcap_calls(triton_step(modules=["l", "g", "l2", "ln"],
+        planted = _fusion.hookcap_calls(triton_step(modules=["l", "g", "l2", "ln"],
                                                          capture=("output", "grad_input")).codes)
     assert planted["merge_partials"] == planted["fused_shift"] == 7 and planted["merge_partials_list"] == 0
-    plain = triton_issue.hookcap_calls(triton_step().codes)
+    plain = _fusion.hookcap_calls(triton_step().codes)
     assert sum(plain.values()) == 0
