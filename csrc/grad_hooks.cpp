@@ -143,19 +143,21 @@ RingRef ring_now(GradSink& s, int64_t rid) {
 // One write into the ring `rid` names (read now: it may have grown since a
 // hook was registered), logged for the step's execution order. A failure is
 // kept for Python rather than raised: telemetry must never take the run down.
+// `rids`: rows of one ring written by one call (merge_partials_list's run),
+// each logged in order, or each given the call's error.
 template <typename Write>
-void write_logged_by(GradSink& s, int64_t rid, Write write) {
+void write_logged_by(GradSink& s, c10::ArrayRef<int64_t> rids, Write write) {
   if (!s.active.load(std::memory_order_relaxed)) return;
-  RingRef ref = ring_now(s, rid);
+  RingRef ref = ring_now(s, rids[0]);
   try {
     write(ref);
   } catch (const std::exception& e) {
     // This write is not recorded; the row stays for later ones.
     std::lock_guard<std::mutex> lock(s.mu);
-    s.errors.push_back({rid, false, message_of(e)});
+    for (int64_t rid : rids) s.errors.push_back({rid, false, message_of(e)});
     return;
   }
-  log_write(s, rid);
+  for (int64_t rid : rids) log_write(s, rid);
 }
 
 void write_logged(GradSink& s, int64_t rid, const at::Tensor& grad) {
@@ -204,21 +206,23 @@ void merge_partials_kernel(const at::Tensor& partials, const at::Tensor& shift, 
 
 using ShiftOfRowFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
 
+// The ring `rid` names in sink `sink`, where there is one and it is on
+// `like`'s device (fused_shift's and fused_shifts' lookup).
+std::optional<RingRef> shift_ring(int64_t sink, int64_t rid, const at::Tensor& like) {
+  auto s = sink_of(sink);
+  if (!s) return std::nullopt;
+  std::lock_guard<std::mutex> lock(s->mu);
+  if (!has_ring(*s, rid) || s->rings[ring_of(rid)].ring.device() != like.device()) return std::nullopt;
+  return s->rings[ring_of(rid)];
+}
+
 // The fused_shift op: shift_of_row of the row named by rid of sink `sink`,
 // the ring read now; 0 (on like's device) where the Monitor is gone.
 at::Tensor fused_shift_kernel(const at::Tensor& like, int64_t sink, int64_t rid) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookcap::shift_of_row", "")
                        .typed<ShiftOfRowFn>();
-  auto s = sink_of(sink);
-  if (s) {
-    std::unique_lock<std::mutex> lock(s->mu);
-    if (has_ring(*s, rid)) {
-      RingRef ref = s->rings[ring_of(rid)];
-      lock.unlock();
-      if (ref.ring.device() == like.device()) return op.call(ref.ring, ref.state, row_of(rid));
-    }
-  }
+  if (auto ref = shift_ring(sink, rid, like)) return op.call(ref->ring, ref->state, row_of(rid));
   return at::zeros({}, like.options().dtype(at::kDouble));
 }
 
@@ -237,22 +241,16 @@ void merge_partials_list_kernel(at::TensorList partials, at::TensorList shifts, 
               " and ", shifts.size(), " for ", rids.size());
   std::shared_ptr<GradSink> s;
   for (int64_t rid : rids) s = sink_with_ring(sink, rid, "hookcap.merge_partials_list");
-  if (!s || !s->active.load(std::memory_order_relaxed)) return;
+  if (!s) return;
   const auto n = rids.size();
   for (size_t first = 0, end = 0; first < n; first = end) {
     end = first + 1;
     while (end < n && ring_of(rids[end]) == ring_of(rids[first])) ++end;
     std::vector<int64_t> rows;
     for (size_t i = first; i < end; ++i) rows.push_back(row_of(rids[i]));
-    RingRef ref = ring_now(*s, rids[first]);
-    try {
+    write_logged_by(*s, rids.slice(first, end - first), [&](RingRef& ref) {
       op.call(partials.slice(first, end - first), shifts.slice(first, end - first), ref.ring, ref.state, rows);
-    } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(s->mu);
-      for (size_t i = first; i < end; ++i) s->errors.push_back({rids[i], false, message_of(e)});
-      continue;
-    }
-    for (size_t i = first; i < end; ++i) log_write(*s, rids[i]);
+    });
   }
 }
 
@@ -266,24 +264,18 @@ at::Tensor fused_shifts_kernel(const at::Tensor& like, int64_t sink, at::IntArra
                        .findSchemaOrThrow("hookcap::shifts_of_rows", "")
                        .typed<ShiftsOfRowsFn>();
   const auto n = static_cast<int64_t>(rids.size());
-  auto s = sink_of(sink);
-  if (s && n > 0) {
-    std::unique_lock<std::mutex> lock(s->mu);
-    bool one_ring = has_ring(*s, rids[0]);
-    for (int64_t rid : rids) one_ring = one_ring && ring_of(rid) == ring_of(rids[0]);
-    if (one_ring) {
-      RingRef ref = s->rings[ring_of(rids[0])];
-      lock.unlock();
-      if (ref.ring.device() == like.device()) {
-        std::vector<int64_t> rows;
-        for (int64_t rid : rids) rows.push_back(row_of(rid));
-        return op.call(ref.ring, ref.state, rows);
-      }
-    } else {
-      lock.unlock();
-      std::vector<at::Tensor> each;
-      for (int64_t rid : rids) each.push_back(fused_shift_kernel(like, sink, rid).reshape({1}));
-      return at::cat(each);
+  bool one_ring = true;
+  for (int64_t rid : rids) one_ring = one_ring && ring_of(rid) == ring_of(rids[0]);
+  if (!one_ring) {
+    std::vector<at::Tensor> each;
+    for (int64_t rid : rids) each.push_back(fused_shift_kernel(like, sink, rid).reshape({1}));
+    return at::cat(each);
+  }
+  if (n > 0) {
+    if (auto ref = shift_ring(sink, rids[0], like)) {
+      std::vector<int64_t> rows;
+      for (int64_t rid : rids) rows.push_back(row_of(rid));
+      return op.call(ref->ring, ref->state, rows);
     }
   }
   return at::zeros({n}, like.options().dtype(at::kDouble));

@@ -477,7 +477,7 @@ def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:
 
     moved, planes = 0, None
     for m in list(graph.nodes):
-        if not (m.op == "call_function" and m.target is _WITH_EFFECTS and len(m.args) == 6 and m.args[1] is _MERGE):
+        if not _fused_batch.is_merge(m):
             continue
         token, _, p, _k, sink, rid = m.args
         only = _partials_only(p)

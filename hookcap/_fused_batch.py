@@ -39,14 +39,16 @@ _MERGE_LIST = torch.ops.hookcap.merge_partials_list.default
 _WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
 
 
-def _is_merge(n) -> bool:
+def is_merge(n) -> bool:
+    """A traced ``merge_partials`` (through ``with_effects``): what the
+    hand-over and the gathering both look for."""
     return n.op == "call_function" and n.target is _WITH_EFFECTS and len(n.args) == 6 and n.args[1] is _MERGE
 
 
 def _batchable(n) -> bool:
     """A merge whose row id is known and whose token only the next effectful
     op reads (so the run can drop it)."""
-    return _is_merge(n) and isinstance(n.args[5], int) and len(n.users) == len(_token_out(n)) == 1
+    return is_merge(n) and isinstance(n.args[5], int) and len(n.users) == len(_token_out(n)) == 1
 
 
 def _device(n):
