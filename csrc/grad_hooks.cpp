@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "hookcap/op_checks.h"
 #include "hookcap/row_id.h"
 
 namespace hookcap {
@@ -236,9 +237,7 @@ void merge_partials_list_kernel(at::TensorList partials, at::TensorList shifts, 
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookcap::merge_rows", "")
                        .typed<MergeRowsFn>();
-  TORCH_CHECK(partials.size() == rids.size() && shifts.size() == rids.size(),
-              "hookcap.merge_partials_list: one partials matrix and one shift per row id, got ", partials.size(),
-              " and ", shifts.size(), " for ", rids.size());
+  check_one_partials_per(partials, shifts, rids.size(), "hookcap.merge_partials_list", "row id");
   std::shared_ptr<GradSink> s;
   for (int64_t rid : rids) s = sink_with_ring(sink, rid, "hookcap.merge_partials_list");
   if (!s) return;

@@ -155,9 +155,7 @@ void merge_rows_meta(at::TensorList partials, at::TensorList shifts, at::Tensor&
 }
 
 void merge_partials_list_meta(at::TensorList partials, at::TensorList shifts, int64_t sink, at::IntArrayRef rids) {
-  TORCH_CHECK(partials.size() == rids.size() && shifts.size() == rids.size(),
-              "hookcap.merge_partials_list: one partials matrix and one shift per row id, got ", partials.size(),
-              " and ", shifts.size(), " for ", rids.size());
+  check_one_partials_per(partials, shifts, rids.size(), "hookcap.merge_partials_list", "row id");
   for (size_t i = 0; i < rids.size(); ++i) check_partials(partials[i], shifts[i], "hookcap.merge_partials_list");
 }
 

@@ -55,8 +55,8 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # docs/performance.md), and a re-read mostly hits the cache. Tests and
 # benchmarks add "cpu" to inspect and time the path.
 DEVICE_TYPES = {"cuda"}
-_MERGE = torch.ops.hookcap.merge_partials.default
-_SHIFT = torch.ops.hookcap.fused_shift.default
+_MERGE = _fused_batch.MERGE
+_SHIFT = _fused_batch.SHIFT
 
 
 def fusable(config, t: torch.Tensor) -> bool:
@@ -501,7 +501,7 @@ def hand_reduce_only_to_the_op(graph: torch.fx.Graph) -> int:
 
 
 _getitem = operator.getitem
-_WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
+_WITH_EFFECTS = _fused_batch.WITH_EFFECTS
 _RECORD = torch.ops.hookcap.record.default
 
 

@@ -32,17 +32,18 @@ import torch
 
 from ._fastpath import ring_index_of
 
-_SHIFT = torch.ops.hookcap.fused_shift.default
+# The traced calls the fused path makes (also read by hookcap._fused).
+SHIFT = torch.ops.hookcap.fused_shift.default
 _SHIFTS = torch.ops.hookcap.fused_shifts.default
-_MERGE = torch.ops.hookcap.merge_partials.default
+MERGE = torch.ops.hookcap.merge_partials.default
 _MERGE_LIST = torch.ops.hookcap.merge_partials_list.default
-_WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
+WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
 
 
 def is_merge(n) -> bool:
     """A traced ``merge_partials`` (through ``with_effects``): what the
     hand-over and the gathering both look for."""
-    return n.op == "call_function" and n.target is _WITH_EFFECTS and len(n.args) == 6 and n.args[1] is _MERGE
+    return n.op == "call_function" and n.target is WITH_EFFECTS and len(n.args) == 6 and n.args[1] is MERGE
 
 
 def _batchable(n) -> bool:
@@ -62,7 +63,7 @@ def batch_shifts(graph: torch.fx.Graph) -> int:
     many calls were gathered."""
     groups = defaultdict(list)
     for n in graph.nodes:
-        if n.op == "call_function" and n.target is _SHIFT and isinstance(n.args[2], int):
+        if n.op == "call_function" and n.target is SHIFT and isinstance(n.args[2], int):
             like, sink, rid = n.args
             groups[(sink, ring_index_of(rid), _device(like))].append(n)
     gathered = 0
@@ -89,7 +90,7 @@ def _runs(graph: torch.fx.Graph):
     order: the token chain orders them)."""
     run, key = [], None
     for n in graph.nodes:
-        if not (n.op == "call_function" and n.target is _WITH_EFFECTS):
+        if not (n.op == "call_function" and n.target is WITH_EFFECTS):
             continue
         k = (n.args[4], ring_index_of(n.args[5]), _device(n.args[2])) if _batchable(n) else None
         if k is not None and k == key:
@@ -120,7 +121,7 @@ def batch_merges(graph: torch.fx.Graph) -> int:
         args = (run[0].args[0], _MERGE_LIST, [m.args[2] for m in run], [m.args[3] for m in run], sink,
                 [m.args[5] for m in run])
         with graph.inserting_before(last):
-            merged = graph.call_function(_WITH_EFFECTS, args)
+            merged = graph.call_function(WITH_EFFECTS, args)
             token = graph.call_function(operator.getitem, (merged, 0))
         merged.meta.update(last.meta)
         token.meta.update(tokens[-1].meta)

@@ -95,12 +95,18 @@ inline void check_shift_of_row(const at::Tensor& ring, const at::Tensor& state, 
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
+// Gathered merges: one partials matrix and one shift per target (`what`:
+// "row" or "row id"), `n` targets.
+inline void check_one_partials_per(at::TensorList partials, at::TensorList shifts, size_t n, const char* op,
+                                   const char* what) {
+  TORCH_CHECK(partials.size() == n && shifts.size() == n, op, ": one partials matrix and one shift per ", what,
+              ", got ", partials.size(), " and ", shifts.size(), " for ", n);
+}
+
 // merge_rows: several tensors' fused partials, each into its row of one ring.
 inline void check_merge_rows(at::TensorList partials, at::TensorList shifts, const at::Tensor& ring,
                              const at::Tensor& state, at::IntArrayRef rows) {
-  TORCH_CHECK(partials.size() == rows.size() && shifts.size() == rows.size(),
-              "hookcap.merge_rows: one partials matrix and one shift per row, got ", partials.size(), " and ",
-              shifts.size(), " for ", rows.size(), " rows");
+  check_one_partials_per(partials, shifts, rows.size(), "hookcap.merge_rows", "row");
   for (size_t i = 0; i < rows.size(); ++i) check_merge_row(partials[i], shifts[i], ring, state, rows[i]);
 }
 
