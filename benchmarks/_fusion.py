@@ -406,7 +406,7 @@ def hookcap_calls(codes) -> dict:
 def merged_captures(codes) -> int:
     """How many captures the merges in ``codes`` merge: one per
     ``hookcap::merge_partials`` call, and the row ids a gathered
-    ``merge_partials_list`` call lists (``hookcap._fused_batch``)."""
+    ``merge_partials_list`` call lists (``hookcap._capture.fused_batch``)."""
     total = 0
     for code in codes:
         total += len(re.findall(r"hookcap\.merge_partials\.default\(", code))

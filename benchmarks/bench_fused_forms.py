@@ -6,7 +6,7 @@ the size of a TinyResNet activation), alone ("producer") and with its statistics
 the same graph in several forms; the op's row times the producer followed by the accumulate
 op. Medians of 40 calls, 5 interleaved rounds; "added" is over the producer alone.
 
-  fused=True      the form hookcap uses (hookcap._fused.partials: float64 sums, int32 counts,
+  fused=True      the form hookcap uses (hookcap._capture.fused.partials: float64 sums, int32 counts,
                   finite-only extrema; 9 values)
   isnan int64     the same statistics with torch.isnan / torch.isfinite and int64 counts
   float32         the same in float32 (counts exact only below 2**24 values)
@@ -31,7 +31,7 @@ import torch
 
 from bench_kernel import machine_info
 from hookcap import Histogram, _layout, _ops
-from hookcap._fused import partials
+from hookcap._capture.fused import partials
 
 N = 8 * 16 * 64 * 64
 LO, NB = -40, 64

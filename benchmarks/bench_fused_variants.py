@@ -28,7 +28,7 @@ lays out convolutions on a GPU, 32 images of 224 pixels square, 10 classes; on t
 fused=True and the two without a merge or a shift kernel: in float32 the kernels the statistics
 join are bound by bytes, with instruction issue to spare (benchmarks/triton_issue.py --cnn), so
 there the fixed cost per capture (the merge and shift launches) decides.
-A variant replaces hookcap._fused functions only while its first step traces. Per
+A variant replaces hookcap._capture.fused functions only while its first step traces. Per
 configuration: the first step (compile), the median step and its overhead paired by round,
 Triton launches in the generated code, and device time by kernel category and by kernel
 (torch.profiler). --seconds bounds the timed rounds, counted after the compiles.
@@ -47,23 +47,24 @@ from unittest import mock
 
 import torch
 
-import hookcap._fused
+import hookcap._capture.fused
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 
 ABSENT_SINK = -7  # no Monitor has it: merge_partials launches nothing
-_ROWS_ARE_BLOCKS = hookcap._fused._rows_are_blocks  # as hookcap has it, unpatched
+_ROWS_ARE_BLOCKS = hookcap._capture.fused._rows_are_blocks  # as hookcap has it, unpatched
 
 
 def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, float_sums=False,
                      two_statistics=False, one_sum=False):
-    """hookcap._fused.partials, with ``packed_counts`` the class counts as one
+    """hookcap._capture.fused.partials, with ``packed_counts`` the class counts as one
     int64 sum of 16-bit fields (blocks under 65,536 values; else four int64
     sums), with ``float_sums`` s1 and s2 summed in float32 (inexact), with
     ``two_statistics`` only the finite count and s1 (the other partials
     constant: a cost, not values), with ``one_sum`` only the float32 sum of
     the values (in s1; a cost floor, not values)."""
-    from hookcap import _fused, _layout
+    from hookcap._capture import fused as _fused
+    from hookcap import _layout
 
     v, whole = _fused.block_view(x, rows, strided)
     if v is None:
@@ -106,31 +107,31 @@ def variant_partials(x, k, rows=False, strided=False, *, packed_counts=False, fl
 
 
 def wide_rows_in_blocks(x, b) -> bool:
-    """hookcap._fused._rows_are_blocks, except that rows wider than 2,304
+    """hookcap._capture.fused._rows_are_blocks, except that rows wider than 2,304
     values are not blocks: such a tensor is reduced as blocks(n) equal runs
     (1,024 for GPT-2's [8, 1,024, 3,072] MLP tensors)."""
     return False if x.dim() >= 2 and x.shape[-1] > 2304 else _ROWS_ARE_BLOCKS(x, b)
 
 
 def merge_without_shift(x, sink, rid, rows=False, strided=False):
-    """hookcap._fused.merge about a constant shift 0 (no fused_shift kernel:
+    """hookcap._capture.fused.merge about a constant shift 0 (no fused_shift kernel:
     its share; the sums lose the shift's precision, a diagnostic)."""
-    from hookcap import _fused
+    from hookcap._capture import fused as _fused
 
     k = torch.zeros((), dtype=torch.float64, device=x.device)
     _fused._MERGE(_fused.partials(x, k, rows, strided), k, sink, rid)
 
 
 def merge_to_no_monitor(x, sink, rid, rows=False, strided=False):
-    """hookcap._fused.merge, its partials merged into an absent sink."""
-    from hookcap import _fused
+    """hookcap._capture.fused.merge, its partials merged into an absent sink."""
+    from hookcap._capture import fused as _fused
 
     k = _fused._SHIFT(torch.empty(0, device=x.device), sink, rid)
     _fused._MERGE(_fused.partials(x, k, rows, strided), k, ABSENT_SINK, rid)
 
 
 FUSED = {"histogram": None, "fused": True}
-CONFIGS = (  # name, Monitor kwargs (None: unwatched), {hookcap._fused attribute: replacement while tracing}
+CONFIGS = (  # name, Monitor kwargs (None: unwatched), {hookcap._capture.fused attribute: replacement while tracing}
     ("no telemetry", None, {}),
     ("op histogram=None", {"histogram": None}, {}),
     ("fused=True", FUSED, {}),
@@ -152,7 +153,7 @@ CNN_SHAPE = {"batch": 32, "size": 224, "channels_last": True}  # CPU and --quick
 def traced_with(replace: dict):
     with contextlib.ExitStack() as stack:
         for name, fn in replace.items():
-            stack.enter_context(mock.patch.object(hookcap._fused, name, fn))
+            stack.enter_context(mock.patch.object(hookcap._capture.fused, name, fn))
         yield
 
 

@@ -406,9 +406,9 @@ COMPILED_CONFIGS = (
 def measure_compiled(workload, device, rounds, steps_per_round, warm_rounds):
     """--compile: one compiled model instance per configuration, interleaved
     round by round as in :func:`measure`; returns (rows, extra)."""
-    import hookcap._fused
+    import hookcap._capture.fused
 
-    hookcap._fused.DEVICE_TYPES.add(device.type)  # the CPU too: time the path hookcap leaves off there
+    hookcap._capture.fused.DEVICE_TYPES.add(device.type)  # the CPU too: time the path hookcap leaves off there
     torch._dynamo.config.skip_nnmodule_hook_guards = False  # each instance its own graphs
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     runs = {}
@@ -469,7 +469,7 @@ def step_code(workload, device, kw) -> list:
 
 def op_bytes_of_fused() -> int:
     """Bytes the op reads per step for a fused=True Monitor's captures that
-    the compile handed to it (``hookcap._fused.hand_reduce_only_to_the_op``)
+    the compile handed to it (``hookcap._capture.fused.hand_reduce_only_to_the_op``)
     in the last :func:`step_code`."""
     return counters["hookcap"]["reduce_only_to_op_bytes"]
 
@@ -491,11 +491,11 @@ def triton_kernels_per_step(workload) -> dict:
     the op (histogram=None): their number, the bytes their reduce-only
     kernels read, and the bytes all of them move. The op's own reads (the
     captured bytes) are not Triton kernels and not counted here."""
-    import hookcap._fused
+    import hookcap._capture.fused
     from _fusion import (merge_partials_bytes, triton_codegen, triton_launches, triton_reduce_only_bytes,
                          triton_traffic_bytes)
 
-    hookcap._fused.DEVICE_TYPES.add("cpu")  # generated on the CPU: the fused path for its tensors
+    hookcap._capture.fused.DEVICE_TYPES.add("cpu")  # generated on the CPU: the fused path for its tensors
     out = {}
     for name, kw in (("none", None), ("fused", FUSED), ("op", {"histogram": None})):
         with triton_codegen():

@@ -22,12 +22,12 @@ import torch
 
 sys.path[:0] = ["tests", "benchmarks", "."]
 import hookcap  # noqa: E402
-import hookcap._fused  # noqa: E402
+import hookcap._capture.fused  # noqa: E402
 from conftest import assert_fused_matches_op  # noqa: E402
 
 dev = sys.argv[1]
 outdir = sys.argv[2]
-hookcap._fused.DEVICE_TYPES.add(dev)
+hookcap._capture.fused.DEVICE_TYPES.add(dev)
 CAPTURE = ("output", "grad_output", "grad_input")
 
 

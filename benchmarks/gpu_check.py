@@ -945,10 +945,10 @@ def compiled_gpt2_setup(device: torch.device, quick: bool, layers: int) -> tuple
     ``layers`` layers; bf16 autocast on CUDA), dynamo set for several watched
     instances of one class (each its own graphs), and on the CPU the fused
     path's code exercised too."""
-    import hookcap._fused
+    import hookcap._capture.fused
 
     if device.type != "cuda":
-        hookcap._fused.DEVICE_TYPES.add(device.type)
+        hookcap._capture.fused.DEVICE_TYPES.add(device.type)
     torch._dynamo.config.skip_nnmodule_hook_guards = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     shape = {**gpt2_shape(device.type, quick)}

@@ -187,10 +187,10 @@ def generated_step(build, kw, patch=None):
     import contextlib
 
     import hookcap
-    import hookcap._fused
+    import hookcap._capture.fused
     from _fusion import triton_codegen
 
-    types = hookcap._fused.DEVICE_TYPES
+    types = hookcap._capture.fused.DEVICE_TYPES
     added = "cpu" not in types
     types.add("cpu")
     try:
@@ -217,7 +217,7 @@ def gelu_kernels(kw, options) -> list:
     import torch
     import torch.nn as nn
 
-    import hookcap._fused
+    import hookcap._capture.fused
     from bench_fused_variants import variant_partials
 
     def build():
@@ -232,7 +232,7 @@ def gelu_kernels(kw, options) -> list:
         return model, step
 
     patch = None if options is None else mock.patch.object(
-        hookcap._fused, "partials", functools.partial(variant_partials, **options))
+        hookcap._capture.fused, "partials", functools.partial(variant_partials, **options))
     return [k for k in generated_step(build, kw, patch).kernels() if "gelu" in k.name]
 
 

@@ -121,11 +121,11 @@ def step_codegen(layers: int, tokens: int, kw, batch: int = 1):
     """:func:`step_kernels`' ``_fusion.triton_codegen`` (its ``codes``, its
     ``kernels()``)."""
     import hookcap
-    import hookcap._fused
+    import hookcap._capture.fused
     from _fusion import triton_codegen
     from gpu_check import gpt2_shape, gpt2_workload
 
-    hookcap._fused.DEVICE_TYPES.add("cpu")
+    hookcap._capture.fused.DEVICE_TYPES.add("cpu")
     shape = {**gpt2_shape("cuda", False), "n_layer": layers, "batch": batch, "seq": tokens}
     torch.manual_seed(0)
     with triton_codegen() as tc:

@@ -70,7 +70,7 @@ def time_mark(ring: torch.Tensor, state: torch.Tensor, row: int, phase: int, sta
 
 def record(x: torch.Tensor, sink: int, rid: int) -> None:
     """Merge ``x`` into the row ``rid`` of a Monitor's gradient sink ``sink``
-    (hookcap/_fastpath.py), reading the sink's ring when it runs and logging
+    (hookcap/_rows/fastpath.py), reading the sink's ring when it runs and logging
     the write for the step's execution order. The op compiled code calls: its
     graph holds two ints and no ring, and the op is registered as effectful,
     so compiled graphs keep it, in order, forward and backward."""

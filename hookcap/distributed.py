@@ -4,7 +4,7 @@ shift — the same merge as repeated writes into one ring row, done with one
 packed MIN all-reduce and one packed SUM all-reduce (plus one small object
 all-gather to agree on metric names and steps).
 
-Each metric's ``placement`` (its meta, ``hookcap._recorder.placement_of``)
+Each metric's ``placement`` (its meta, ``hookcap._rows.recorder.placement_of``)
 says how: ``"per_rank"`` (activations: each rank's own data) and
 ``"sharded"`` (DTensor parameters and gradients: each rank's part) are
 summed; ``"replicated"`` (plain parameters and their gradients in a
@@ -20,7 +20,7 @@ import torch
 import logging
 
 from . import _layout
-from ._record import StepRecord, make_record
+from ._host.record import StepRecord, make_record
 from .history import History
 
 log = logging.getLogger("hookcap")

@@ -6,8 +6,8 @@ import numpy as np
 
 from . import _layout
 from .histogram import Histogram
-from ._catalog import UpdateBases
-from ._record import StepRecord
+from ._rows.catalog import UpdateBases
+from ._host.record import StepRecord
 
 
 class DrainedStep:

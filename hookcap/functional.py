@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from . import _layout, _ops
-from ._config import check_moments
+from ._rows.config import check_moments
 from .histogram import Histogram
 
 _DEFAULT = Histogram.log2()

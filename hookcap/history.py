@@ -198,7 +198,7 @@ class History:
         the last one's. ``ValueError`` if the histograms differ, a step
         repeats or goes back, or a history was loaded from Parquet (no raw
         step records)."""
-        from ._record import StepRecord
+        from ._host.record import StepRecord
 
         histories = list(histories)
         if not histories:

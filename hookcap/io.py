@@ -13,8 +13,8 @@ import numpy as np
 from numpy.lib import format as npformat
 
 from . import _layout
-from ._pack import PackedStep
-from ._record import StepRecord, pack_record
+from ._host.pack import PackedStep
+from ._host.record import StepRecord, pack_record
 from .histogram import Histogram
 
 FORMAT = "hookcap-history"
@@ -29,7 +29,7 @@ def write(records, names: list[str], metas: dict, histogram: Histogram | None,
     ``{"module_type", "kind", "shape", "dtype"}``; ``extra``
     (JSON-serialisable) is stored in the header. Returns the path written.
 
-    The steps are written in their compact encoding (``hookcap._pack``),
+    The steps are written in their compact encoding (``hookcap._host.pack``),
     streamed one after another into an uncompressed ``.npz``: no copy of the
     whole history is made, and the file is about the size of the host store.
     The file appears complete or not at all (written to a temporary name)."""

@@ -1,10 +1,10 @@
 """Monitor: attach to any model, record per-layer stats every step.
 
 The Monitor is a facade over parts that data flows through one way:
-hooks (hookcap._hooks, _timing, _compile) -> recorder (rows of the device
-rings, hookcap._recorder) -> drain (hookcap._drain) -> consumers (history
-store, detectors, anomalies, sinks; rank merging in front of the sinks:
-hookcap._consumers, _ranks).
+hooks (hookcap._capture: hooks, timing, compile, fused) -> recorder (rows of
+the device rings, hookcap._rows) -> drain (hookcap._host.drain) -> consumers
+(history store, detectors, anomalies, sinks; rank merging in front of the
+sinks: hookcap._host.consumers, ranks).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import torch
 from torch import nn
 
 from . import io
-from ._catalog import Catalog
-from ._config import CAPTURE_KINDS, DEFAULT_CAPACITY, DEFAULT_HISTOGRAM, RANK_SINKS, ROOT_NAME, make_config
-from ._consumers import Consumers, Sinks, check_on_anomaly
-from ._drain import Drain
-from ._exit import ExitDump
-from ._hooks import Hooks
-from ._optim import after_optimizer_step, before_optimizer_step, innermost_optimizer
-from ._ranks import RankMerger
-from ._recorder import Recorder
+from ._rows.catalog import Catalog
+from ._rows.config import CAPTURE_KINDS, DEFAULT_CAPACITY, DEFAULT_HISTOGRAM, RANK_SINKS, ROOT_NAME, make_config
+from ._host.consumers import Consumers, Sinks, check_on_anomaly
+from ._host.drain import Drain
+from ._host.exit import ExitDump
+from ._capture.hooks import Hooks
+from ._capture.optim import after_optimizer_step, before_optimizer_step, innermost_optimizer
+from ._host.ranks import RankMerger
+from ._rows.recorder import Recorder
 from .anomaly import AnomalyError
 from .histogram import Histogram
 from .history import History

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ._layout import STAT_NAMES
-from ._tree import tensor_leaves
+from ._capture.tree import tensor_leaves
 from .histogram import Histogram
 from .monitor import ROOT_NAME, Monitor
 

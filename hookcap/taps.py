@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _compile
-from ._recorder import RECORDING
+from ._capture import compile as _compile
+from ._rows.recorder import RECORDING
 
 _is_compiling = torch.compiler.is_compiling
 

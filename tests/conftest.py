@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import hookcap
-import hookcap._fused
+import hookcap._capture.fused
 
 
 settings.register_profile(
@@ -224,7 +224,7 @@ def assert_fused_matches_op(op, fused):
 
 
 def triton_partials(x, k, rows=False, strided=False):
-    """``hookcap._fused.partials`` in the form it takes under Triton (the
+    """``hookcap._capture.fused.partials`` in the form it takes under Triton (the
     blocked one), computed on the CPU."""
-    with mock.patch.object(hookcap._fused, "_triton", lambda device: True):
-        return hookcap._fused.partials(x, k, rows, strided)
+    with mock.patch.object(hookcap._capture.fused, "_triton", lambda device: True):
+        return hookcap._capture.fused.partials(x, k, rows, strided)

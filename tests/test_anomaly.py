@@ -11,7 +11,7 @@ import torch.nn as nn
 import hookcap
 from hookcap import AnomalyError, Dead, Histogram, Monitor, Spike, Underflow
 from hookcap.drained import DrainedStep
-from hookcap._record import make_record
+from hookcap._host.record import make_record
 from hookcap.models import TinyResNet
 
 transformers = pytest.importorskip("transformers")

@@ -11,9 +11,10 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import hookcap
-import hookcap._fused
+import hookcap._capture.fused
 from conftest import assert_recorded
-from hookcap import Monitor, _compile
+from hookcap import Monitor
+from hookcap._capture import compile as _compile
 from hookcap.models import TinyResNet, TinyTransformer
 
 
@@ -24,7 +25,7 @@ PATHS = {"op": {}, "fused": {"histogram": None, "fused": True}}
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo(monkeypatch):
-    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})  # fused=True on CPU tensors too
+    monkeypatch.setattr(hookcap._capture.fused, "DEVICE_TYPES", {"cuda", "cpu"})  # fused=True on CPU tensors too
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

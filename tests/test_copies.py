@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, update_bn
 
 import hookcap
-from hookcap import _portable
+from hookcap._capture import portable as _portable
 
 
 def make_model(seed=0):

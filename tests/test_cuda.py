@@ -364,9 +364,9 @@ def test_monitor_records_every_graph_replay(dev):
 def test_monitor_with_compile(dev, fused, monkeypatch):
     # CUDA: CUDA graphs under compile (reduce-overhead); CPU: the same hooks traced by dynamo.
     # fused: the statistics as graph reductions and the merge/shift ops inside the CUDA graph.
-    import hookcap._fused
+    import hookcap._capture.fused
 
-    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
+    monkeypatch.setattr(hookcap._capture.fused, "DEVICE_TYPES", {"cuda", "cpu"})
     model = _graph_model(dev)
     x = torch.randn(8, 16, device=dev)
     kw = {"histogram": None, "fused": True} if fused else {}
@@ -393,9 +393,9 @@ def test_fused_compiled_statistics_match_the_op_without_a_sync(dev, monkeypatch)
     # (two compiles need not: on a GPU their kernels, and so the rounding of the
     # model's own gradients, can differ). The steady-state step syncs nothing,
     # and the model's values stay those of an unwatched compile up to rounding.
-    import hookcap._fused
+    import hookcap._capture.fused
 
-    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
+    monkeypatch.setattr(hookcap._capture.fused, "DEVICE_TYPES", {"cuda", "cpu"})
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(128, 64, generator=g).to(dev) for _ in range(4)]
     xs[2][0, 0] = float("nan")  # NaN flows through every later tensor of that step
@@ -688,7 +688,7 @@ def test_capture_guards_skip_new_rows_and_refuse_step(monkeypatch, caplog):
     capture is reported, rows first seen are skipped with one warning per
     metric, nothing is raised, and step() does nothing; afterwards the same
     calls are recorded."""
-    import hookcap._recorder as recorder
+    import hookcap._rows.recorder as recorder
 
     capturing = [True]
     monkeypatch.setattr(recorder, "capturing", lambda device: capturing[0])

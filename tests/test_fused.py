@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import hookcap
-import hookcap._fused
+import hookcap._capture.fused
 from conftest import assert_fused_matches_op, assert_stats_match, triton_partials
 from hookcap import Monitor, _layout, _ops
-from hookcap._fused import partials
+from hookcap._capture.fused import partials
 from hookcap.reference import stats_from_values
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -33,7 +33,7 @@ SPECIAL = (float("nan"), float("inf"), float("-inf"), 0.0, -0.0)
 @pytest.fixture(autouse=True)
 def fresh_dynamo(monkeypatch):
     # The fused path on CPU tensors (hookcap uses the op there by default).
-    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
+    monkeypatch.setattr(hookcap._capture.fused, "DEVICE_TYPES", {"cuda", "cpu"})
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -104,7 +104,7 @@ def test_merged_partials_equal_the_float64_reference_and_the_op(x, form):
 
 
 def test_memory_order_is_a_contiguous_view_of_dense_tensors_only():
-    order = hookcap._fused._memory_order
+    order = hookcap._capture.fused._memory_order
     x = torch.randn(4, 6, 5, 3)
     cl = x.contiguous(memory_format=torch.channels_last)
     v = order(cl)
@@ -121,10 +121,10 @@ def test_memory_order_is_a_contiguous_view_of_dense_tensors_only():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stored_bits_widen_every_half_precision_value_exactly(dtype):
-    """hookcap._fused._stored_float on all 65,536 bit patterns, eager and
+    """hookcap._capture.fused._stored_float on all 65,536 bit patterns, eager and
     compiled: the float32 value of each (signed zeros, subnormals,
     infinities; NaN stays NaN)."""
-    from hookcap._fused import _stored_float
+    from hookcap._capture.fused import _stored_float
 
     x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     want = x.float()
@@ -136,18 +136,18 @@ def test_stored_bits_widen_every_half_precision_value_exactly(dtype):
 
 
 def test_blocks_divide_the_tensor_and_stay_in_range():
-    blocks = hookcap._fused.blocks
+    blocks = hookcap._capture.fused.blocks
     assert blocks(1) == 1 and blocks(1000) == 1000 and blocks(1024) == 1024
     assert blocks(8 * 1024 * 768) == 1024 and blocks(3 * 5 * 7 * 11 * 13) == 1001
     assert blocks(1031 * 3) == 1  # 3 x a prime above 1,024: no divisor in [64, 1024]
     assert blocks(64 * 4099) == 64
     for n in (1025, 4096 * 3, 10**6 + 6, 999_983 * 2):
         b = blocks(n)
-        assert n % b == 0 and (b == 1 or hookcap._fused.MIN_BLOCKS <= b <= hookcap._fused.MAX_BLOCKS)
+        assert n % b == 0 and (b == 1 or hookcap._capture.fused.MIN_BLOCKS <= b <= hookcap._capture.fused.MAX_BLOCKS)
 
 
 def test_rows_are_blocks_where_enough_and_not_too_many_or_long():
-    from hookcap._fused import MAX_BLOCKS, MIN_BLOCKS, MIN_ROW, _rows_are_blocks, blocks
+    from hookcap._capture.fused import MAX_BLOCKS, MIN_BLOCKS, MIN_ROW, _rows_are_blocks, blocks
 
     def rows(*shape):
         x = torch.empty(shape)
@@ -250,10 +250,10 @@ def test_bad_partials_are_refused():
 
 def test_cpu_tensors_keep_the_op_unless_asked(monkeypatch):
     config = Monitor(nn.Linear(3, 3), histogram=None, fused=True)._config
-    assert hookcap._fused.fusable(config, torch.ones(2))
-    assert not hookcap._fused.fusable(config, torch.ones(2, dtype=torch.float64))
-    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda"})
-    assert not hookcap._fused.fusable(config, torch.ones(2))
+    assert hookcap._capture.fused.fusable(config, torch.ones(2))
+    assert not hookcap._capture.fused.fusable(config, torch.ones(2, dtype=torch.float64))
+    monkeypatch.setattr(hookcap._capture.fused, "DEVICE_TYPES", {"cuda"})
+    assert not hookcap._capture.fused.fusable(config, torch.ones(2))
 
 
 def test_fused_needs_no_histogram_and_validates():
@@ -535,8 +535,8 @@ def test_the_benchmarks_wide_rows_variant_changes_only_wide_rows():
 
     for shape, want in (((8, 64, 3072), False), ((8, 1024, 768), True), ((64, 2304), True)):
         x = torch.empty(shape)
-        b = hookcap._fused.blocks(x.numel())
-        assert hookcap._fused._rows_are_blocks(x, b) is True
+        b = hookcap._capture.fused.blocks(x.numel())
+        assert hookcap._capture.fused._rows_are_blocks(x, b) is True
         assert bv.wide_rows_in_blocks(x, b) is want
 
 
@@ -632,7 +632,7 @@ def test_the_pass_is_installed_while_a_fused_monitor_is_attached():
         b = Monitor(model, capture="output", histogram=None, fused=True).attach()
         installed = icfg.post_grad_custom_post_pass
         ours = installed[-1] if isinstance(installed, list) else installed  # a list where torch takes one
-        assert isinstance(ours, hookcap._fused._Pass)
+        assert isinstance(ours, hookcap._capture.fused._Pass)
         assert (installed == [mine, ours]) if isinstance(installed, list) else (ours.before is mine)
         torch.compile(model)(torch.randn(8, 64))
         assert seen  # the user's pass runs
@@ -687,7 +687,7 @@ def test_a_capture_read_by_a_padding_to_a_matmul_goes_to_the_op(monkeypatch, pla
     # The padding's kernel loops over 128 columns, where no reduction of the
     # 121-wide capture can ride: the statistics would be a kernel of their own.
     if planted:  # the rule that sees it, off: the capture stays fused
-        monkeypatch.setattr(hookcap._fused, "_pads_to_another_size", lambda n: False)
+        monkeypatch.setattr(hookcap._capture.fused, "_pads_to_another_size", lambda n: False)
     torch.manual_seed(0)
     counters["hookcap"].clear()
     with torch._inductor.config.patch(fx_graph_cache=False):

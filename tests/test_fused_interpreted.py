@@ -19,7 +19,7 @@ try:  # a kernel's globals must hold triton.language for the interpreter
 except ImportError:  # the tests skip
     triton = tl = None
 
-import hookcap._fused
+import hookcap._capture.fused
 from conftest import assert_fused_matches_op
 from test_fused import Amplified, Block, block_inputs, compiled_steps, op_and_fused, op_and_fused_in_one_run
 from test_fused_triton import DYNAMIC_GRADS, ConvBlock
@@ -78,7 +78,7 @@ def interpreter(monkeypatch):
     pytest.importorskip("triton")
     if reason := interpreter_cannot_run():
         pytest.skip(reason)
-    monkeypatch.setattr(hookcap._fused, "DEVICE_TYPES", {"cuda", "cpu"})
+    monkeypatch.setattr(hookcap._capture.fused, "DEVICE_TYPES", {"cuda", "cpu"})
     with _fusion.triton_codegen(interpret=True):
         yield
 
@@ -140,7 +140,7 @@ def test_half_precision_statistics_are_of_the_stored_values(dtype, scale, monkey
     if dtype == torch.float16:
         assert fused["posinf"][:, fused.column("amp/output")].sum() > 0
     assert_fused_matches_op(op, fused)
-    monkeypatch.setattr(hookcap._fused, "_stored_float", lambda x: x.float())
+    monkeypatch.setattr(hookcap._capture.fused, "_stored_float", lambda x: x.float())
     torch._dynamo.reset()
     planted, _ = compiled_steps(model, xs, modules=["amp", "ln"], capture=capture, fused=True)
     with pytest.raises(AssertionError):

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import hookcap._fused
-import hookcap._fused_batch
+import hookcap._capture.fused
+import hookcap._capture.fused_batch
 from hookcap import Monitor
 from test_fused import Block, fresh_dynamo, has_statistics  # noqa: F401 (fresh_dynamo: autouse here too)
 
@@ -66,7 +66,7 @@ def test_triton_computes_the_statistics_in_the_model_kernels(monkeypatch):
     assert any(has_statistics(k.source) for k in fused)
     assert len(fused) == len(base)
     assert _fusion.triton_reduce_only_bytes(fused, 257) == _fusion.triton_reduce_only_bytes(base, 257)
-    monkeypatch.setattr(hookcap._fused, "MAX_BLOCKS", 128)
+    monkeypatch.setattr(hookcap._capture.fused, "MAX_BLOCKS", 128)
     planted = triton_kernels(modules=["l2"], capture="output")
     assert len(planted) == len(base) + 1
     assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
@@ -105,8 +105,8 @@ def test_triton_blocks_follow_a_channels_last_layout(monkeypatch):
     assert counters["hookcap"]["reduce_only_to_op"] == 0
     assert len(fused) == len(base)
     assert _fusion.triton_traffic_bytes(fused) == _fusion.triton_traffic_bytes(base)
-    monkeypatch.setattr(hookcap._fused, "_memory_order", lambda x: x)
-    monkeypatch.setattr(hookcap._fused, "_blocks_out_of_memory_order", lambda x, only, planes: False)
+    monkeypatch.setattr(hookcap._capture.fused, "_memory_order", lambda x: x)
+    monkeypatch.setattr(hookcap._capture.fused, "_blocks_out_of_memory_order", lambda x, only, planes: False)
     planted = conv_triton_kernels(modules=["bn", "act"], capture="output")
     assert len(planted) == len(base) + 2
     assert (_fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257)
@@ -136,7 +136,7 @@ def test_a_layout_inductor_picks_after_tracing_goes_to_the_op(monkeypatch):
     assert len(conv_triton_kernels(128, True, modules=["bn", "act"], capture="output")) == (
         len(conv_triton_kernels(128, True)))
     assert counters["hookcap"]["reduce_only_to_op"] == 0
-    monkeypatch.setattr(hookcap._fused, "_channels_last_planes", lambda graph: set())
+    monkeypatch.setattr(hookcap._capture.fused, "_channels_last_planes", lambda graph: set())
     planted = conv_triton_kernels(128, False, modules=["bn", "act"], capture="output")
     assert len(planted) > len(base) + 2  # the split: more than one kernel per capture
     assert _fusion.triton_reduce_only_bytes(planted, 257) - _fusion.triton_reduce_only_bytes(base, 257) >= captured
@@ -163,7 +163,7 @@ def test_channels_last_gradients_go_to_the_op(monkeypatch, channels):
         else:
             assert len(fused) == len(base) and handed == 0
     if channels == 128:  # planted: a kernel per statistic for each (16 channels: blocks too small to split)
-        monkeypatch.setattr(hookcap._fused, "_blocks_out_of_memory_order", lambda x, only, planes: False)
+        monkeypatch.setattr(hookcap._capture.fused, "_blocks_out_of_memory_order", lambda x, only, planes: False)
         planted = conv_triton_kernels(channels, True, modules=["bn", "act"], capture=("output", "grad_output"))
         assert len(planted) > len(conv_triton_kernels(channels, True)) + 2
 
@@ -280,7 +280,7 @@ def test_a_concatenation_of_permuted_tensors_joins_the_kernel_that_computes_it(m
     assert [has_statistics(k.source) for k in fused if "_cat_" in k.name] == [True]
     assert len(fused) == len(base)
     assert _fusion.triton_reduce_only_bytes(fused, 257) == _fusion.triton_reduce_only_bytes(base, 257)
-    monkeypatch.setattr(hookcap._fused, *planted_setting)
+    monkeypatch.setattr(hookcap._capture.fused, *planted_setting)
     planted = triton_kernels(make, shape, modules=["merge"], capture="output")
     assert len(planted) == len(base) + 1
     assert _fusion.triton_reduce_only_bytes(planted, 257) > _fusion.triton_reduce_only_bytes(base, 257)
@@ -394,7 +394,7 @@ def test_hookcap_calls_in_generated_code_are_one_merge_and_one_shift_per_graph()
     assert calls["merge_partials_list"] == calls["fused_shifts"] == 2
     assert counters["hookcap"]["merges_batched"] == counters["hookcap"]["shifts_batched"] == 7
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(hookcap._fused_batch, "batch", lambda graph: None)
+        m.setattr(hookcap._capture.fused_batch, "batch", lambda graph: None)
         planted = _fusion.hookcap_calls(triton_step(modules=["l", "g", "l2", "ln"],
                                                          capture=("output", "grad_input")).codes)
     assert planted["merge_partials"] == planted["fused_shift"] == 7 and planted["merge_partials_list"] == 0

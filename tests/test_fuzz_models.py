@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import hookcap
 from hookcap import Monitor
-from hookcap._tree import tensor_leaves
+from hookcap._capture.tree import tensor_leaves
 
 LAYERS = ["linear", "tanh", "relu", "relu_inplace", "dropout", "layernorm", "gelu", "conv"]
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import hookcap
-import hookcap._compile as compile_mod
+import hookcap._capture.compile as compile_mod
 from hookcap import Monitor
 
 

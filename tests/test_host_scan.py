@@ -157,7 +157,7 @@ def test_cpu_advance_skips_rows_already_reset_for_its_step():
 def test_ring_opens_a_slot_the_host_reset_without_visiting_it():
     """DeviceRing.reset_read marks the slot reset for its next step; advance()
     then only moves the state (as the op would), and a grown ring forgets it."""
-    from hookcap._ring import DeviceRing
+    from hookcap._rows.ring import DeviceRing
     hist = Histogram.log2()
     args = hist.op_args()
     ring = DeviceRing(torch.device("cpu"), slots=2, width=H + hist.nbins, rows=4)

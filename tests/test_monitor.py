@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hookcap
 from hookcap import Histogram, Monitor
-from hookcap._tree import tensor_leaves
+from hookcap._capture.tree import tensor_leaves
 from hookcap.models import TinyResNet, TinyTransformer
 
 transformers = pytest.importorskip("transformers")

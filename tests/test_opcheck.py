@@ -80,7 +80,7 @@ def test_opcheck_record_and_its_effect():
     with pytest.raises(RuntimeError, match="no ring"):
         torch.ops.hookcap.record(torch.randn(2), rec.fast.id, 5 << 32)
     # fused=True's pair: the shift read from the row, and the partials merged into it
-    from hookcap._fused import partials
+    from hookcap._capture.fused import partials
 
     torch.library.opcheck(torch.ops.hookcap.fused_shift.default, (torch.empty(0), rec.fast.id, rid))
     k = torch.ops.hookcap.fused_shift(torch.empty(0), rec.fast.id, rid)

@@ -74,7 +74,7 @@ def test_every_and_wrapped_optimizer():
 
 
 def test_without_the_optimizer_one_warning_and_no_state(caplog, monkeypatch):
-    from hookcap import _optim
+    from hookcap._capture import optim as _optim
 
     monkeypatch.setattr(_optim, "_warned_no_optimizer", False)
     model = make_model()

@@ -1,6 +1,6 @@
 """Off-steps (every > 1) take the Monitor's module hooks out of PyTorch's hook
 dicts, so the model runs nn.Module's fast call path, and put them back in
-their places for the recorded steps (hookcap/_park.py)."""
+their places for the recorded steps (hookcap/_capture/park.py)."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.nn.modules import module as nn_module
 
 from hookcap import Monitor
-from hookcap._park import HookPark
+from hookcap._capture.park import HookPark
 from hookcap.reference import stats_from_values
 
 

@@ -22,7 +22,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 import hookcap  # noqa: E402
 from conftest import assert_recorded, mlp, train_steps  # noqa: E402
 from hookcap import Histogram, Monitor, STAT_NAMES, sinks  # noqa: E402
-from hookcap._config import metric_name  # noqa: E402
+from hookcap._rows.config import metric_name  # noqa: E402
 from hookcap.sinks.parquet import module_of, part_files  # noqa: E402
 
 NAN = float("nan")

@@ -193,7 +193,7 @@ def test_reset_rows_replaces_one_row_only():
 def test_cuda_advance_waits_only_for_the_copy_of_the_slot_it_resets():
     """advance() on a CUDA ring makes the training stream wait for an
     in-flight host copy only when that copy's slot is the one it resets."""
-    from hookcap._ring import _Pending, copies_to_wait
+    from hookcap._rows.ring import _Pending, copies_to_wait
 
     pending = [_Pending(step=s, slot=s % 4, nrows=1, host=None, event=object()) for s in (5, 6, 7)]
     assert [p.step for p in copies_to_wait(pending, True, 1)] == [5]
@@ -208,7 +208,7 @@ def test_retired_ring_rows_fold_into_the_slot_as_one_row(histogram):
     """A CUDA graph captured before the ring grew keeps writing the old ring:
     fold_retired merges those rows into the new ring's (same row index) as
     if every write had gone into one row, rows the old ring lacks untouched."""
-    from hookcap._ring import fold_retired
+    from hookcap._rows.ring import fold_retired
 
     st = new_state("cpu")
     new, old, one = make_ring(1, 3, histogram), make_ring(1, 2, histogram), make_ring(1, 3, histogram)
@@ -241,7 +241,7 @@ def test_growth_beside_a_kept_ring_counts_each_write_once():
     slot) when it grows: the new buffer starts with its rows reset, so the
     step's writes before the growth are counted once, from the old buffer.
     Without a kept ring, the rows are copied and the new ones reset."""
-    from hookcap._ring import fold_retired, grow_ring
+    from hookcap._rows.ring import fold_retired, grow_ring
 
     st = new_state("cpu")
     st[2] = 1  # the current slot is 1 of 2
@@ -274,7 +274,7 @@ def test_state_is_made_and_set_on_the_device_without_a_host_copy():
     capture): the state is made and set by device factories and fills."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hookcap._ring import fill_state
+    from hookcap._rows.ring import fill_state
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -300,7 +300,7 @@ def test_released_captured_buffers_are_parked_for_the_process():
     """A buffer a CUDA graph captured (the registry's predicate) is kept when
     its ring is released, so the graph's replays never write into memory
     another tensor reuses; the others are let go."""
-    from hookcap import _ring
+    from hookcap._rows import ring as _ring
 
     bufs = [torch.zeros(3, dtype=torch.int64) for _ in range(3)]
     captured = {bufs[0].data_ptr(), bufs[2].data_ptr()}

@@ -446,7 +446,7 @@ class Reference:
 
     def _post(self, name, grads):
         def hook(mod, args, out):
-            from hookcap._tree import tensor_leaves
+            from hookcap._capture.tree import tensor_leaves
 
             for path, t in tensor_leaves(out):
                 key = f"{name}/output.{path}" if path else f"{name}/output"

@@ -474,7 +474,7 @@ def test_log2_histograms_of_different_ranges_alternate():
 def test_floating_types_the_kernels_do_not_take_are_refused_by_name(name):
     """Float types outside the dispatch list fail in the op's check with the
     list of supported dtypes, and the Monitor skips such tensors with that reason."""
-    from hookcap._recorder import skip_reason
+    from hookcap._rows.recorder import skip_reason
 
     dtype = getattr(torch, name, None)
     if dtype is None:

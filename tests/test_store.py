@@ -1,4 +1,4 @@
-"""The host history store: lossless compact encoding (hookcap._pack), the
+"""The host history store: lossless compact encoding (hookcap._host.pack), the
 capacity in steps or bytes, and the streamed history file."""
 
 import json
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookcap
-import hookcap._drain
+import hookcap._host.drain
 from hookcap import Monitor, _layout
-from hookcap._pack import CONST, F32, KEY32, RAW, U8, U16, pack
+from hookcap._host.pack import CONST, F32, KEY32, RAW, U8, U16, pack
 from hookcap.reference import tensor_stats
 
 L = _layout
@@ -117,13 +117,13 @@ def test_pack_chooses_narrow_encodings():
 def _capture_raw(monkeypatch):
     """Record the raw rows of every step as the drain hands them over."""
     raw = {}
-    real = hookcap._drain.make_record
+    real = hookcap._host.drain.make_record
 
     def spy(step, metrics, rows, *a, **kw):
         raw[step] = (np.array(metrics), np.array(rows))
         return real(step, metrics, rows, *a, **kw)
 
-    monkeypatch.setattr(hookcap._drain, "make_record", spy)
+    monkeypatch.setattr(hookcap._host.drain, "make_record", spy)
     return raw
 
 

@@ -77,7 +77,7 @@ def col(h, name):
 def test_forward_and_backward_durations_bound_the_sleeps(monkeypatch, python_hooks):
     # Backward marks come from C++ tensor hooks, or Python ones where C++
     # hooks cannot run (compiled autograd; HOOKCAP_PYTHON_GRAD_HOOKS=1).
-    monkeypatch.setattr(hookcap._compile, "PYTHON_GRAD_HOOKS", python_hooks)
+    monkeypatch.setattr(hookcap._capture.compile, "PYTHON_GRAD_HOOKS", python_hooks)
     torch.manual_seed(0)
     model = Net()
     mon = Monitor(model, modules=["first", "slow", "last"], timing=True).attach()

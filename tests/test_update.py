@@ -368,7 +368,7 @@ def test_optim_state_of_the_step_is_read_in_the_update_pass(monkeypatch, amsgrad
     """With torch's Adam, exp_avg and the second moment the step used are
     recorded by the update op's pass (one read of each tensor), the other
     state keys by the statistics op; the values equal the state tensors."""
-    from hookcap._recorder import Recorder
+    from hookcap._rows.recorder import Recorder
 
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=amsgrad)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .. import _portable
+from .._capture import portable as _portable
 from ..history import History
 from ..monitor import Monitor
 from ..taps import tap

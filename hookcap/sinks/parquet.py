@@ -37,7 +37,7 @@ def _import_pyarrow():
 
 
 def module_of(metric: str, kind: str) -> str:
-    """The module part of a metric name built by ``hookcap._config.metric_name``
+    """The module part of a metric name built by ``hookcap._rows.config.metric_name``
     (``f"{module}/{kind}"``, or ``f"{module}/{kind}.{path}"`` for a tensor
     inside a nested value): everything before the first ``/{kind}`` that ends
     the name or is followed by ``.``. ``eval/`` metrics keep the prefix

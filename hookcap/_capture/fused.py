@@ -46,7 +46,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import _fused_batch, _layout
+from . import fused_batch as _fused_batch
+from .. import _layout
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Devices whose tensors take the fused path (process-global). Not the CPU:

@@ -17,11 +17,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _compile, _layout
-from ._catalog import Catalog
-from ._fastpath import row_of
-from ._recorder import SKIPPED, Recorder
-from ._tree import tensor_leaves
+from . import compile as _compile
+from .. import _layout
+from .._rows.catalog import Catalog
+from .._rows.fastpath import row_of
+from .._rows.recorder import SKIPPED, Recorder
+from .tree import tensor_leaves
 
 _TIME_MARK = torch.ops.hookcap.time_mark.default
 
@@ -66,7 +67,7 @@ class Timing:
 
     def __init__(self, recorder: Recorder, open_calls: list, key: int):
         self.recorder = recorder
-        self.key = key  # the Monitor's key in hookcap._compile
+        self.key = key  # the Monitor's key in hookcap._capture.compile
         self.open_calls = open_calls
         self.inplace: set[str] = set()  # modules seen modifying their input in place
         self.off: set[str] = set()  # modules whose timing failed (warned once)

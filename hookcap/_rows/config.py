@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 from torch import nn
 
-from . import _layout, _ops
-from .histogram import Histogram
+from .. import _layout, _ops
+from ..histogram import Histogram
 
 CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad", "optim_state",
                  "update", "adam_ratio")
@@ -78,7 +78,7 @@ class Config:
     width: int  # int64 values per ring row: header + bins
     update_snapshot: bool = False  # "update" of other optimizers from a copy taken before their step
     moments: int = 2  # 4: also the third and fourth moments (hist_args carries the op's flag)
-    fused: bool = False  # compiled code computes float stats as graph reductions (hookcap._fused)
+    fused: bool = False  # compiled code computes float stats as graph reductions (hookcap._capture.fused)
 
     @property
     def all_params(self) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from ._config import ROOT_NAME, Config
+from .._rows.config import ROOT_NAME, Config
 
 
 class ModelWatch:

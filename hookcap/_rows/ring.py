@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import _C, _layout, _ops
-from .functional import new_state
+from .. import _C, _layout, _ops
+from ..functional import new_state
 
 # A step tag no step has: the CPU advance() leaves rows tagged with the step it
 # opens as they are (the host reset them after reading), so rows whose content
@@ -124,7 +124,7 @@ class _Pending:
 
 class DeviceRing:
     """``index``: the ring's position in its Monitor's ring list (the high
-    part of its rows' ids, hookcap/_fastpath.py)."""
+    part of its rows' ids, hookcap/_rows/fastpath.py)."""
 
     def __init__(self, device: torch.device, slots: int, width: int, index: int = 0, rows: int = 64):
         self.device = device

@@ -17,12 +17,12 @@ Process-global state, all of it:
 - ``_HOOKS``: the live Monitors' hook sets by id, so that traced code (which
   can only pass plain values) reaches its Monitor's rows (``hookcap.tap``
   traced: every attached Monitor's, :func:`tap_rows`).
-- ``hookcap._recorder.RECORDING``: the Recorders recording now, where an eager
+- ``hookcap._rows.recorder.RECORDING``: the Recorders recording now, where an eager
   ``hookcap.tap`` writes.
 - ``_compiled_autograd_config``: ``torch._dynamo.config.compiled_autograd`` as of
   the last ``attach()``/recording ``step()`` (reading it costs ~5 us: too
   much per hook).
-- ``hookcap._fused.DEVICE_TYPES``: the device types whose tensors take the
+- ``hookcap._capture.fused.DEVICE_TYPES``: the device types whose tensors take the
   ``fused=True`` path (CUDA; tests and benchmarks add the CPU).
 - ``PYTHON_GRAD_HOOKS``: ``HOOKCAP_PYTHON_GRAD_HOOKS=1`` at import sends
   gradients through Python tensor hooks instead of the C++ ones (an escape
@@ -31,9 +31,9 @@ Process-global state, all of it:
   while some Monitor parks its hooks.
 - ``torch._dynamo.config.skip_nnmodule_hook_guards``: False while some
   Monitor has module hooks (:func:`hold_hook_guards`), restored after.
-- elsewhere: ``hookcap._ranks.HANDSHAKE_SEQ`` (c10d store keys of the rank
+- elsewhere: ``hookcap._host.ranks.HANDSHAKE_SEQ`` (c10d store keys of the rank
   handshakes), the atexit and SIGTERM/SIGINT handlers of ``dump_on_exit``
-  (``hookcap._exit``), and the C++ table of gradient sinks
+  (``hookcap._host.exit``), and the C++ table of gradient sinks
   (``csrc/grad_hooks.cpp``, one live entry per Monitor; ids are never reused,
   so a graph compiled for a Monitor that is gone finds no sink).
 """
@@ -47,10 +47,10 @@ import weakref
 
 import torch
 
-from . import _fused
-from ._fastpath import row_of
-from ._ops import RECORD_IS_EFFECTFUL
-from ._tree import tensor_leaves
+from . import fused as _fused
+from .._rows.fastpath import row_of
+from .._ops import RECORD_IS_EFFECTFUL
+from .tree import tensor_leaves
 
 _HOOKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Hooks
 PYTHON_GRAD_HOOKS = os.environ.get("HOOKCAP_PYTHON_GRAD_HOOKS") == "1"

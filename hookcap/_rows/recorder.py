@@ -2,7 +2,7 @@
 (metric, device, call) of a step, registered on first use; the writes
 themselves; the step state the rings share; and each step's execution order.
 
-Every row has one identity, its row id (hookcap/_fastpath.py), used by the
+Every row has one identity, its row id (hookcap/_rows/fastpath.py), used by the
 Python hooks, the C++ fast path and the execution-order log alike.
 """
 
@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _compile
-from ._catalog import Catalog
-from ._config import PARAM_KINDS, SLOTS, Config, metric_name
-from ._fastpath import NO_ROW, FastPath, ring_index_of, row_id, row_of
-from ._ring import UNNAMED, DeviceRing, capturing
+from .._capture import compile as _compile
+from .catalog import Catalog
+from .config import PARAM_KINDS, SLOTS, Config, metric_name
+from .fastpath import NO_ROW, FastPath, ring_index_of, row_id, row_of
+from .ring import UNNAMED, DeviceRing, capturing
 
 log = logging.getLogger("hookcap")
 
@@ -324,7 +324,7 @@ class Recorder:
 
     def write_updates(self, mtype, rule, hyper, items) -> None:
         """The optimizer's step on each parameter of ``items`` = [(name, p,
-        grad, a, b, step, outs)] (``hookcap._optim``; one rule and one set of
+        grad, a, b, step, outs)] (``hookcap._capture.optim``; one rule and one set of
         hyper-parameters): ``outs`` names, for each output of the
         ``accumulate_updates`` op (Δw, w before the step, Adam's ratio, the
         state tensors a and b), the ``(kind, path)`` of its row or None. One

@@ -21,7 +21,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import _C
+from .. import _C
 
 ROW_BITS: int = _C.ROW_BITS
 NO_ROW = -1  # a part of a module call that is not recorded (FastPath.learn)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _C, _layout
+from .. import _C, _layout
 
 H = _layout.HEADER
 _F64_LIST = [_layout.SUM, _layout.SUMSQ] + [c for cols in _layout.MOMENT_SETS for c in cols] + \

@@ -30,9 +30,9 @@ from collections import defaultdict
 
 import torch
 
-from ._fastpath import ring_index_of
+from .._rows.fastpath import ring_index_of
 
-# The traced calls the fused path makes (also read by hookcap._fused).
+# The traced calls the fused path makes (also read by hookcap._capture.fused).
 SHIFT = torch.ops.hookcap.fused_shift.default
 _SHIFTS = torch.ops.hookcap.fused_shifts.default
 MERGE = torch.ops.hookcap.merge_partials.default

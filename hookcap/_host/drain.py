@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _layout
-from ._catalog import Catalog
-from ._config import SLOTS, Config
-from ._fastpath import ring_index_of, row_of
-from ._record import StepRecord, make_record
-from ._ring import next_host_state
-from ._timing import time_of
+from .. import _layout
+from .._rows.catalog import Catalog
+from .._rows.config import SLOTS, Config
+from .._rows.fastpath import ring_index_of, row_of
+from .record import StepRecord, make_record
+from .._rows.ring import next_host_state
+from .._capture.timing import time_of
 
 log = logging.getLogger("hookcap")
 

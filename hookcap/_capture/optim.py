@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from ._recorder import Recorder
+from .._rows.recorder import Recorder
 
 log = logging.getLogger("hookcap")
 _warned_no_optimizer = False  # process-wide: a hint about the arguments, not about data

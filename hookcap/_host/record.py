@@ -1,5 +1,5 @@
 """The data model of recorded steps: one :class:`StepRecord` per recorded
-step, built from raw ring rows, kept compactly encoded (``hookcap._pack``) in
+step, built from raw ring rows, kept compactly encoded (``hookcap._host.pack``) in
 a :class:`HostStore` bounded in steps or in bytes."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections import deque
 
 import numpy as np
 
-from . import _layout
-from ._config import parse_capacity
-from ._pack import PackedStep, pack
+from .. import _layout
+from .._rows.config import parse_capacity
+from .pack import PackedStep, pack
 
 log = logging.getLogger("hookcap")
 

@@ -12,10 +12,10 @@ from datetime import timedelta
 
 import torch
 
-from ._catalog import Catalog, UpdateBases
-from ._config import Config
-from ._record import StepRecord
-from .drained import DrainedStep
+from .._rows.catalog import Catalog, UpdateBases
+from .._rows.config import Config
+from .record import StepRecord
+from ..drained import DrainedStep
 
 log = logging.getLogger("hookcap")
 
@@ -123,7 +123,7 @@ class RankMerger:
         all-reduce (skipped together when nothing is due or rank 0 has no
         sinks); rank 0 writes the merged records in step order. ``watermark``:
         every recorded step up to it is complete on this rank (or dropped)."""
-        from .distributed import merge_records, replicated_names, union_names
+        from ..distributed import merge_records, replicated_names, union_names
 
         dist = torch.distributed
         group = self._group

@@ -10,11 +10,11 @@ import os
 import weakref
 from collections.abc import Callable
 
-from ._catalog import Catalog
-from ._config import Config
-from ._record import HostStore, StepRecord
-from .anomaly import Anomaly, NonFinite, Underflow, as_anomalies
-from .drained import DrainedStep
+from .._rows.catalog import Catalog
+from .._rows.config import Config
+from .record import HostStore, StepRecord
+from ..anomaly import Anomaly, NonFinite, Underflow, as_anomalies
+from ..drained import DrainedStep
 
 log = logging.getLogger("hookcap")
 

@@ -14,15 +14,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import _compile, _fused, _portable
-from ._config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example_names, metric_name,
-                      parametrization_internals)
-from ._follow import ModelWatch, watched_params
-from ._optim import OptimState, OptimUpdates, after_optimizer_step, before_optimizer_step
-from ._park import HookPark
-from ._recorder import Recorder, placement_of
-from ._timing import Timing, inplace_grad_node
-from ._tree import tensor_leaves
+from . import compile as _compile, fused as _fused, portable as _portable
+from .._rows.config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example_names, metric_name,
+                            parametrization_internals)
+from .follow import ModelWatch, watched_params
+from .optim import OptimState, OptimUpdates, after_optimizer_step, before_optimizer_step
+from .park import HookPark
+from .._rows.recorder import Recorder, placement_of
+from .timing import Timing, inplace_grad_node
+from .tree import tensor_leaves
 
 log = logging.getLogger("hookcap")
 
@@ -73,7 +73,7 @@ def _give_back_guard(guard: list) -> None:
 class Hooks:
     """All hooks of one Monitor. ``handles`` removes them; ``park`` holds
     those parked on off-steps; ``park_ok`` turns False for good once dynamo
-    traced them. ``key``: this hook set's key in hookcap._compile."""
+    traced them. ``key``: this hook set's key in hookcap._capture.compile."""
 
     def __init__(self, config: Config, recorder: Recorder, model: nn.Module | None, optimizer=None):
         self.config = config
@@ -87,7 +87,7 @@ class Hooks:
         self.key = _compile.register(self)
         self.handles: list = []
         # Module hooks leave during off-steps (every > 1) for nn.Module's fast
-        # call path (hookcap/_park.py); never once dynamo traced them (the
+        # call path (hookcap/_capture/park.py); never once dynamo traced them (the
         # graph holds them already; with module-hook guards on, parking would
         # recompile).
         self.park = HookPark()
