@@ -171,14 +171,15 @@ void write_logged(GradSink& s, int64_t rid, const at::Tensor& grad) {
   });
 }
 
-// The live sink `sink` names, checked to hold the ring of `rid` (an error
-// naming `op` if not); null where the Monitor is gone. What the ops compiled
-// code calls (record, merge_partials) write through.
-std::shared_ptr<GradSink> sink_with_ring(int64_t sink, int64_t rid, const char* op) {
+// The live sink `sink` names, checked to hold the ring of each of `rids`
+// (an error naming `op` if not), under one lock; null where the Monitor is
+// gone. What the ops compiled code calls (record, merge_partials,
+// merge_partials_list) write through.
+std::shared_ptr<GradSink> sink_with_ring(int64_t sink, c10::ArrayRef<int64_t> rids, const char* op) {
   auto s = sink_of(sink);
   if (!s) return nullptr;
   std::lock_guard<std::mutex> lock(s->mu);
-  TORCH_CHECK(has_ring(*s, rid), op, ": no ring ", ring_of(rid), " in sink ", sink);
+  for (int64_t rid : rids) TORCH_CHECK(has_ring(*s, rid), op, ": no ring ", ring_of(rid), " in sink ", sink);
   return s;
 }
 
@@ -238,8 +239,7 @@ void merge_partials_list_kernel(at::TensorList partials, at::TensorList shifts, 
                        .findSchemaOrThrow("hookcap::merge_rows", "")
                        .typed<MergeRowsFn>();
   check_one_partials_per(partials, shifts, rids.size(), "hookcap.merge_partials_list", "row id");
-  std::shared_ptr<GradSink> s;
-  for (int64_t rid : rids) s = sink_with_ring(sink, rid, "hookcap.merge_partials_list");
+  auto s = sink_with_ring(sink, rids, "hookcap.merge_partials_list");
   if (!s) return;
   const auto n = rids.size();
   for (size_t first = 0, end = 0; first < n; first = end) {

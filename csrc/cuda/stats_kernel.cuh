@@ -1266,6 +1266,13 @@ __global__ void __launch_bounds__(kMergeThreads)
   merge_one_row(ring, state, partials, blocks, shift, slots, rows, width, row, s_acc);
 }
 
+// f(first, m) for each run of at most `size` of n items, in order (host
+// code: the split of a gathered call into launches).
+template <typename F>
+inline void for_each_chunk(int64_t n, int size, F f) {
+  for (int64_t first = 0; first < n; first += size) f(first, static_cast<int>(n - first < size ? n - first : size));
+}
+
 // Several captures' merges in one launch (a compiled graph's run of merges
 // into one ring): block b merges capture b as merge_row_kernel does. The
 // pointers and rows travel in the kernel's parameters (no device copy, no
@@ -1283,8 +1290,7 @@ struct MergeBatch {
 // (partials, shifts: float64 tensors; host code).
 template <typename P, typename S, typename Launch>
 inline void for_each_merge_batch(const P& partials, const S& shifts, const int64_t* rows, int64_t n, Launch launch) {
-  for (int64_t first = 0; first < n; first += kMergeBatch) {
-    const int m = static_cast<int>(n - first < kMergeBatch ? n - first : kMergeBatch);
+  for_each_chunk(n, kMergeBatch, [&](int64_t first, int m) {
     MergeBatch batch{};
     for (int i = 0; i < m; ++i) {
       batch.partials[i] = partials[first + i].template const_data_ptr<double>();
@@ -1293,7 +1299,7 @@ inline void for_each_merge_batch(const P& partials, const S& shifts, const int64
       batch.row[i] = rows[first + i];
     }
     launch(batch, m);
-  }
+  });
 }
 
 __global__ void __launch_bounds__(kMergeThreads)
@@ -1324,12 +1330,11 @@ struct RowBatch {
 // launch(batch, first, m) for each kShiftBatch rows.
 template <typename Launch>
 inline void for_each_row_batch(const int64_t* rows, int64_t n, Launch launch) {
-  for (int64_t first = 0; first < n; first += kShiftBatch) {
-    const int m = static_cast<int>(n - first < kShiftBatch ? n - first : kShiftBatch);
+  for_each_chunk(n, kShiftBatch, [&](int64_t first, int m) {
     RowBatch batch{};
     for (int i = 0; i < m; ++i) batch.row[i] = rows[first + i];
     launch(batch, first, m);
-  }
+  });
 }
 
 __global__ void shifts_of_rows_kernel(const int64_t* ring, const int64_t* state, double* out, RowBatch batch, int n,
