@@ -5,12 +5,14 @@ packed MIN all-reduce and one packed SUM all-reduce (plus one small object
 all-gather to agree on metric names and steps).
 
 Each metric's ``placement`` (its meta, ``hookcap._rows.recorder.placement_of``)
-says how: ``"per_rank"`` (activations: each rank's own data) and
-``"sharded"`` (DTensor parameters and gradients: each rank's part) are
-summed; ``"replicated"`` (plain parameters and their gradients in a
-multi-rank run: the same tensor on every rank) is counted once, from the
-lowest rank that has it, and ranks whose copies differ (counts, extrema or
-histogram) are logged: replicas that should be identical have diverged."""
+says how: ``"per_rank"`` (activations: each rank's own data) is summed; a
+DTensor's local part is summed over the ranks whose meta says ``counted``
+(coordinate 0 of each ``Replicate`` mesh dimension: ``Shard`` dimensions
+add up to the whole tensor, replicas count once); a plain ``"replicated"``
+tensor (DDP's parameters and gradients: the same tensor on every rank) is
+counted once, from the lowest rank that has it, and ranks whose copies
+differ (counts, extrema or histogram) are logged: replicas that should be
+identical have diverged."""
 
 from __future__ import annotations
 
@@ -81,12 +83,19 @@ def union_names(infos, names: list[str] | None = None, metas: dict | None = None
 
 
 def replicated_names(metas: dict) -> set[str]:
-    """The metrics whose meta says ``placement == "replicated"``."""
-    return {n for n, m in metas.items() if m.get("placement") == "replicated"}
+    """The plain replicated metrics (``placement == "replicated"``, not a
+    DTensor's): counted once, from the lowest rank that has them."""
+    return {n for n, m in metas.items() if m.get("placement") == "replicated" and "mesh" not in m}
+
+
+def uncounted_names(metas: dict) -> set[str]:
+    """This rank's DTensor metrics that it does not count in merges (its
+    local part is a replica of another rank's: ``counted`` False)."""
+    return {n for n, m in metas.items() if m.get("counted") is False}
 
 
 def merge_records(records, local_names: list[str], spec, names: list[str], steps: list[int],
-                  group=None, replicated=()) -> list[StepRecord]:
+                  group=None, replicated=(), uncounted=()) -> list[StepRecord]:
     """Collective (every rank of ``group``, with the same ``names`` and
     ``steps``): this rank's ``records`` (metric indices into ``local_names``;
     only steps in ``steps``) merged with every other rank's, one record per
@@ -94,12 +103,17 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     extrema combine, moments are re-expressed about one common shift: one
     packed MIN and one packed SUM all-reduce. Metrics named in ``replicated``
     are counted once (the lowest rank that has the step's row; see the module
-    docstring). Execution order and per-call data are this rank's (empty for
+    docstring); this rank's rows of metrics named in ``uncounted`` add nothing
+    (another rank holds the same data). Execution order and per-call data are this rank's (empty for
     a step it lacks)."""
     import torch.distributed as dist
 
     nb = spec.nbins if spec is not None else 0
     rows, has = _dense(records, local_names, nb, names, steps)
+    skip = [i for i, n in enumerate(names) if n in uncounted]
+    if skip:  # as if this rank never wrote them
+        rows[:, skip, : _layout.HEADER] = _layout.fresh_header()
+        rows[:, skip, _layout.HEADER:] = 0
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rep = np.array([n in replicated for n in names], dtype=bool)
     rep_has = has & rep[None, :]
@@ -188,7 +202,8 @@ def merge_across_ranks(h: History, group=None) -> History:
         raise ValueError("merge_across_ranks: ranks recorded with different histogram specs")
     names, metas = union_names(infos)
     steps = sorted({s for i in infos for s in i["steps"]})
-    recs = merge_records(h._records, h.names, h.histogram_spec, names, steps, group, replicated_names(metas))
+    recs = merge_records(h._records, h.names, h.histogram_spec, names, steps, group, replicated_names(metas),
+                         uncounted_names({n: h.meta(n) for n in h.names}))
     merged = History(recs, names, metas, h.histogram_spec)
     merged.anomalies = list(getattr(h, "anomalies", []))
     return merged

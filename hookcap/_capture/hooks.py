@@ -256,7 +256,7 @@ class Hooks:
             for pname, p in self.params:
                 if not p.requires_grad:
                     continue
-                if placement_of("param_grad", p) == "replicated":
+                if placement_of("param_grad", p) == {"placement": "replicated"}:
                     # A data-parallel wrapper (DDP) writes the reduced gradient into
                     # .grad after backward: recorded before the optimizer steps.
                     self.reduced_grads.append((pname, p))

@@ -123,7 +123,7 @@ class RankMerger:
         all-reduce (skipped together when nothing is due or rank 0 has no
         sinks); rank 0 writes the merged records in step order. ``watermark``:
         every recorded step up to it is complete on this rank (or dropped)."""
-        from ..distributed import merge_records, replicated_names, union_names
+        from ..distributed import merge_records, replicated_names, uncounted_names, union_names
 
         dist = torch.distributed
         group = self._group
@@ -145,7 +145,8 @@ class RankMerger:
         self._pending = [r for r in self._pending if r.step > cut]
         if not steps or not infos[0]["write"]:
             return  # the same on every rank: all skip the all-reduces
-        recs = merge_records(due, names, histogram, self._names, steps, group, replicated_names(self._metas))
+        recs = merge_records(due, names, histogram, self._names, steps, group, replicated_names(self._metas),
+                             uncounted_names(metas))
         if self.rank == 0:
             for rec in recs:
                 self.sinks.write(DrainedStep(rec, self._names, self._metas, histogram,

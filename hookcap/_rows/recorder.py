@@ -44,28 +44,50 @@ def multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def placement_of(kind: str, t) -> str:
-    """How a metric's data lie across ranks, for the merged history and sinks:
-    ``"sharded"`` (a DTensor parameter or gradient: each rank holds its part,
-    summed), ``"replicated"`` (a plain parameter or its gradient in a
-    multi-rank run: DDP, HSDP's replicate dimension: the same tensor on every
-    rank, counted once) or ``"per_rank"`` (activations and their gradients:
-    each rank's own data, summed)."""
-    if kind not in PARAM_KINDS:
-        return "per_rank"
-    if callable(getattr(t, "to_local", None)):
-        return "sharded"
-    return "replicated" if multi_rank() else "per_rank"
+def placement_of(kind: str, t) -> dict:
+    """How a metric's data lie across ranks, for the merged history and sinks
+    (the metric's meta, docs/compile-and-distributed.md's placement table).
+
+    A DTensor (any kind) by its placements, one per mesh dimension:
+    ``"sharded"`` if some dimension is ``Shard``, else ``"replicated"``;
+    ``"mesh"`` names the placements, and ``"counted"`` says whether this
+    rank's local part counts in merged histories: only a rank at coordinate 0
+    of every ``Replicate`` dimension does (``Shard`` dimensions are summed).
+    ``"partial"``: some dimension is ``Partial`` (each rank holds an
+    unreduced term; not recorded). A plain tensor: ``"replicated"`` for a
+    parameter kind in a multi-rank run (DDP: the same tensor on every rank,
+    counted once, from the lowest rank) and ``"per_rank"`` otherwise (each
+    rank's own data, summed)."""
+    placements = getattr(t, "placements", None)
+    if placements is not None and callable(getattr(t, "to_local", None)):
+        coord = t.device_mesh.get_coordinate()
+        layout = {"mesh": "(" + ", ".join(map(repr, placements)) + ")"}
+        if any(p.is_partial() for p in placements):
+            return {"placement": "partial", **layout, "counted": False}
+        counted = coord is not None and all(c == 0 for p, c in zip(placements, coord) if p.is_replicate())
+        sharded = any(p.is_shard() for p in placements)
+        return {"placement": "sharded" if sharded else "replicated", **layout, "counted": counted}
+    if kind in PARAM_KINDS and multi_rank():
+        return {"placement": "replicated"}
+    return {"placement": "per_rank"}
+
+
+PARTIAL_SKIP = ("its DTensor placement {mesh} holds an unreduced partial sum on each rank (reduced by the "
+                "framework later, e.g. inside the optimizer step); hookcap adds no collective to reduce it")
 
 
 def plain_tensor(t):
     """A plain strided tensor to record for ``t`` (a Parameter's data, a
-    DTensor's local shard), else ``t`` itself."""
+    DTensor's local shard, an AsyncCollectiveTensor's result after a
+    device-side wait), else ``t`` itself."""
     if isinstance(t, nn.Parameter):
         return t.detach()
     to_local = getattr(t, "to_local", None)
     if callable(to_local):  # DTensor: record this rank's local shard
         return to_local()
+    trigger_wait = getattr(t, "trigger_wait", None)
+    if callable(trigger_wait):  # AsyncCollectiveTensor: the collective's result (waited on the device)
+        return trigger_wait()
     return t
 
 
@@ -215,14 +237,14 @@ class Recorder:
         return ci
 
     def register(self, key: tuple, t: torch.Tensor, mtype: str, defer_name: bool = False,
-                 placement: str = "per_rank") -> int:
+                 layout: dict | None = None) -> int:
         """The row id of ``key`` = (name, kind, path, device, call) for tensor
         ``t``, or SKIPPED (warned once) if ``t`` cannot be recorded."""
         reason = skip_reason(t)
         if reason is not None:
             self.skip_call(metric_name(*key[:3]), reason)
             return SKIPPED
-        return self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name, placement)
+        return self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name, layout)
 
     def skip_call(self, metric: str, reason: str) -> None:
         """One call of ``metric`` is not recorded: warned once per metric and
@@ -232,18 +254,20 @@ class Recorder:
                        f"hookcap: {metric}: a call was not recorded: {reason} (warned once per metric "
                        "and reason; other calls are recorded)")
 
-    def register_row(self, key, device, shape, dtype, mtype, defer_name=False, placement="per_rank") -> int:
+    def register_row(self, key, device, shape, dtype, mtype, defer_name=False, layout: dict | None = None) -> int:
         """The row id of a metric's call, created on first use.
         ``defer_name``: a row whose first write happens in C++ (a gradient)
         gets its metric name when that write is seen (``take_order``), so
         metrics never written stay out of ``names``, and names keep their
-        first-execution order."""
+        first-execution order. ``layout``: the metric's placement
+        (``placement_of``; default per_rank)."""
         name, kind, path = key[:3]
         metric = metric_name(name, kind, path)
         if capturing(device):
             self.skip_call(metric, CAPTURE_SKIP)
             return SKIPPED
-        meta = {"module_type": mtype, "kind": kind, "shape": shape, "dtype": dtype, "placement": placement}
+        meta = {"module_type": mtype, "kind": kind, "shape": shape, "dtype": dtype,
+                **(layout or {"placement": "per_rank"})}
         with self._lock:
             if key in self.rows:
                 return self.rows[key]
@@ -296,8 +320,12 @@ class Recorder:
         key = (name, kind, path, t.device, ci)
         rid = self.rows.get(key)
         if rid is None:  # the placement only when the row is made (a DTensor's, before to_local)
+            layout = placement_of(kind, orig)
+            if layout["placement"] == "partial":
+                self.skip_call(metric_name(*key[:3]), PARTIAL_SKIP.format(**layout))
+                return
             try:
-                rid = self.register(key, t, mtype, placement=placement_of(kind, orig))
+                rid = self.register(key, t, mtype, layout=layout)
             except Exception as e:  # telemetry must never take the run down
                 self.skip_call(metric_name(*key[:3]), f"{type(e).__name__}: {e}")
                 return
@@ -344,8 +372,13 @@ class Recorder:
                 key = (name, out[0], out[1], p.device, 0)
                 rid = self.rows.get(key)
                 if rid is None:
+                    layout = placement_of(out[0], orig)
                     try:
-                        rid = self.register(key, p.detach(), mtype, placement=placement_of(out[0], orig))
+                        if layout["placement"] == "partial":
+                            self.skip_call(metric_name(*key[:3]), PARTIAL_SKIP.format(**layout))
+                            rid = SKIPPED
+                        else:
+                            rid = self.register(key, p.detach(), mtype, layout=layout)
                     except Exception as e:  # telemetry must never take the run down
                         self.skip_call(metric_name(*key[:3]), f"{type(e).__name__}: {e}")
                         rid = SKIPPED

@@ -1,0 +1,262 @@
+"""DTensor placements per mesh dimension (4 gloo ranks on the CPU, one
+process group for the whole file): HSDP, tensor parallel (colwise, rowwise,
+sequence parallel) and FSDP2 x TP. Every merged value is checked against
+float64 of the full tensor (``full_tensor()``), every rank's own history
+against its local part."""
+
+import logging
+import os
+import pickle
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+from conftest import assert_recorded
+from hookcap import Monitor
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+
+WORLD = 4
+PARAM_KINDS = ("param", "param_grad", "update", "adam_ratio", "optim_state")
+
+
+class _Log(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+
+def _full(t):
+    return t.full_tensor().detach().double().clone() if hasattr(t, "full_tensor") else t.detach().double().clone()
+
+
+def _local(t):
+    return t.to_local().detach().double().clone() if hasattr(t, "to_local") else t.detach().double().clone()
+
+
+def _train(model, mon_kwargs, inputs, log, steps=2):
+    """AdamW steps of ``model`` with a Monitor; per step the float64 full and
+    local tensors of each parameter kind (gradients just before opt.step())."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    mon = Monitor(model, optimizer=opt, **mon_kwargs).attach()
+    full, local = [], []
+    for step in range(steps):
+        model(inputs(step)).pow(2).mean().backward()
+        f = {n: {"param_grad": _full(p.grad)} for n, p in model.named_parameters()}
+        lo = {n: {"param_grad": _local(p.grad)} for n, p in model.named_parameters()}
+        before = {n: (_full(p), _local(p)) for n, p in model.named_parameters()}
+        opt.step()  # the Monitor's step() follows it
+        for n, p in model.named_parameters():
+            f[n]["param"], lo[n]["param"] = _full(p), _local(p)
+            f[n]["update"], lo[n]["update"] = f[n]["param"] - before[n][0], lo[n]["param"] - before[n][1]
+            st = opt.state[p]["exp_avg_sq"]
+            f[n]["state.exp_avg_sq"], lo[n]["state.exp_avg_sq"] = _full(st), _local(st)
+        full.append(f)
+        local.append(lo)
+        opt.zero_grad()
+    return {"local": mon.history(), "merged": mon.history(all_ranks=True), "full": full, "own": local,
+            "log": list(log.messages)}
+
+
+def _hsdp(rank, log):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _mlp()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    g = torch.Generator().manual_seed(100 + rank)
+    return _train(model, {"capture": PARAM_KINDS}, lambda s: torch.randn(4, 8, generator=g) * 2, log)
+
+
+def _tp(rank, log):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _mlp(1)
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    g = torch.Generator().manual_seed(7)  # the same batch on every rank: tensor parallel
+    return _train(model, {"capture": PARAM_KINDS}, lambda s: torch.randn(4, 8, generator=g), log)
+
+
+def _fsdp_tp(rank, log):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _mlp(2)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    g = torch.Generator().manual_seed(200 + mesh.get_coordinate()[0])  # one batch per dp group
+    return _train(model, {"capture": PARAM_KINDS}, lambda s: torch.randn(4, 8, generator=g), log)
+
+
+class _NormMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _sequence_parallel(rank, log):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _NormMLP()
+    parallelize_module(model, mesh, {"norm": SequenceParallel(),
+                                     "up": ColwiseParallel(input_layouts=Shard(1)),
+                                     "down": RowwiseParallel(output_layouts=Shard(1))})
+    g = torch.Generator().manual_seed(11)
+    # [batch 2, sequence 8 (2 per rank), 8]: each rank its part of the sequence.
+    return _train(model, {"capture": PARAM_KINDS},
+                  lambda s: torch.randn(2, 8, 8, generator=g)[:, rank * 2:(rank + 1) * 2], log)
+
+
+SCENARIOS = {"hsdp": _hsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "sequence_parallel": _sequence_parallel}
+
+
+def _worker(rank, world, store, out):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)
+    log = _Log()
+    logging.getLogger("hookcap").addHandler(log)
+    res = {}
+    for name, fn in SCENARIOS.items():
+        log.messages.clear()
+        try:
+            res[name] = fn(rank, log)
+        except Exception as e:  # reported by the scenario's test
+            import traceback
+
+            res[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        dist.barrier()
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # skip teardown of the gloo/FSDP background threads
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("placements")
+    mp.start_processes(_worker, args=(WORLD, str(tmp / "store"), str(tmp / "out")), nprocs=WORLD, join=True,
+                       start_method="spawn")
+    res = []
+    for r in range(WORLD):
+        with open(tmp / f"out.{r}", "rb") as f:
+            res.append(pickle.load(f))
+    return res
+
+
+def _scenario(results, name):
+    got = [r[name] for r in results]
+    for g in got:
+        assert not isinstance(g, str), g
+    return got
+
+
+def _metric(param, kind):
+    return f"{param}/{kind}" if not kind.startswith("state.") else f"{param}/{kind}"
+
+
+def _check(results, name, skipped=()):
+    """Merged histories (every rank's) against the full tensors; each rank's
+    own history against its local part; no divergence warning."""
+    got = _scenario(results, name)
+    full = got[0]["full"]
+    checked = 0
+    for rank, g in enumerate(got):
+        for s, per_param in enumerate(full):
+            for pname, kinds in per_param.items():
+                for kind, ref in kinds.items():
+                    metric = f"{pname}/{kind}"
+                    if (pname, kind) in skipped:
+                        assert metric not in g["merged"].names and metric not in g["local"].names
+                        continue
+                    for h, want in ((g["merged"], ref), (g["local"], g["own"][s][pname][kind])):
+                        if kind == "update":  # the optimizer's Δw, as the op recomputes it: float32 rounding
+                            w = per_param[pname]["param"]
+                            c = h.column(metric)
+                            assert h["count"][s, c] == want.numel()
+                            tol = 4 * 2.0 ** -24 * float(w.abs().max()) * want.numel() ** 0.5
+                            assert abs(h["l2norm"][s, c] - float(want.norm())) <= tol + 1e-6 * float(want.norm())
+                        else:
+                            assert_recorded(h, s, metric, [want])
+                    checked += 1
+        assert not [m for m in g["log"] if "differ" in m], g["log"]
+    return got, checked
+
+
+def test_hsdp_counts_the_replicate_dimension_once(results):
+    """HSDP (replicate 2 x shard 2): params, gradients, updates and Adam state
+    merge to the whole tensor once, not twice."""
+    got, checked = _check(results, "hsdp")
+    assert checked == WORLD * 2 * 4 * 4
+    h = got[0]["merged"]
+    assert h.meta("0.weight/param")["placement"] == "sharded"
+    assert h.meta("0.weight/param")["mesh"] == "(Replicate(), Shard(dim=0))"
+    assert h["count"][0, h.column("0.weight/adam_ratio")] == 16 * 8
+    # The ranks at replicate coordinate 1 hold replicas: their meta says so.
+    assert [g["local"].meta("0.weight/param")["counted"] for g in got] == [True, True, False, False]
+
+
+def test_tensor_parallel_rowwise_bias_counts_once(results):
+    """Colwise/Rowwise on a 4-rank mesh: the colwise weight and bias and the
+    rowwise weight are sharded; the rowwise bias is a Replicate DTensor
+    (and so is its gradient): counted once, not four times."""
+    got, checked = _check(results, "tp")
+    assert checked == WORLD * 2 * 4 * 4
+    h = got[0]["merged"]
+    assert h.meta("2.bias/param")["placement"] == "replicated"
+    assert h["count"][0, h.column("2.bias/param_grad")] == 8
+    assert [g["local"].meta("2.bias/param")["counted"] for g in got] == [True, False, False, False]
+
+
+def test_fsdp2_x_tp(results):
+    """FSDP2 x TP on dp 2 x tp 2: 2-D placements (the rowwise bias is
+    (Shard(0), Replicate())): merged to the whole tensors."""
+    got, checked = _check(results, "fsdp_tp")
+    assert checked == WORLD * 2 * 4 * 4
+    h = got[0]["merged"]
+    assert h.meta("2.bias/param")["mesh"] == "(Shard(dim=0), Replicate())"
+    assert [g["local"].meta("2.bias/param")["counted"] for g in got] == [True, False, True, False]
+
+
+def test_sequence_parallel_partial_gradient_is_skipped_with_one_warning(results):
+    """A sequence-parallel LayerNorm's gradient is Partial(sum) on each rank:
+    not recorded (its partial sums are not the gradient), one warning naming
+    the metric; its parameter, update and state (Replicate) count once."""
+    skipped = {("norm.weight", "param_grad"), ("norm.bias", "param_grad")}
+    got, checked = _check(results, "sequence_parallel", skipped)
+    assert checked == WORLD * 2 * (4 * 4 + 2 * 3)
+    for g in got:
+        for p in ("norm.weight", "norm.bias"):
+            said = [m for m in g["log"] if f"{p}/param_grad" in m]
+            assert len(said) == 1 and "Partial(sum)" in said[0], g["log"]
