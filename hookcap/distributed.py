@@ -9,10 +9,13 @@ says how: ``"per_rank"`` (activations: each rank's own data) is summed; a
 DTensor's local part is summed over the ranks whose meta says ``counted``
 (coordinate 0 of each ``Replicate`` mesh dimension: ``Shard`` dimensions
 add up to the whole tensor, replicas count once); a plain ``"replicated"``
-tensor (DDP's parameters and gradients: the same tensor on every rank) is
-counted once, from the lowest rank that has it, and ranks whose copies
-differ (counts, extrema or histogram) are logged: replicas that should be
-identical have diverged."""
+parameter kind (DDP's parameters and gradients: the same tensor on every
+rank) is counted once, from the lowest rank that has it, and ranks whose
+copies differ (counts, extrema or histogram) are logged: replicas that
+should be identical have diverged; a plain activation declared
+``"replicated"`` counts once per distinct copy (ranks whose rows are
+identical to a lower rank's add nothing: a tensor-parallel group's copies
+count once, data-parallel groups' differing copies each count)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import logging
 
 from . import _layout
 from ._host.record import StepRecord, make_record
+from ._rows.config import PARAM_KINDS
 from .history import History
 
 log = logging.getLogger("hookcap")
@@ -83,9 +87,17 @@ def union_names(infos, names: list[str] | None = None, metas: dict | None = None
 
 
 def replicated_names(metas: dict) -> set[str]:
-    """The plain replicated metrics (``placement == "replicated"``, not a
-    DTensor's): counted once, from the lowest rank that has them."""
-    return {n for n, m in metas.items() if m.get("placement") == "replicated" and "mesh" not in m}
+    """The plain replicated parameter kinds (``placement == "replicated"``,
+    not a DTensor's: DDP): counted once, from the lowest rank that has them."""
+    return {n for n, m in metas.items()
+            if m.get("placement") == "replicated" and "mesh" not in m and m.get("kind") in PARAM_KINDS}
+
+
+def copies_names(metas: dict) -> set[str]:
+    """The plain replicated activations (declared by ``Monitor(placements=...)``
+    or ``tap(placement=...)``): ranks holding identical copies count once."""
+    return {n for n, m in metas.items()
+            if m.get("placement") == "replicated" and "mesh" not in m and m.get("kind") not in PARAM_KINDS}
 
 
 def uncounted_names(metas: dict) -> set[str]:
@@ -95,7 +107,7 @@ def uncounted_names(metas: dict) -> set[str]:
 
 
 def merge_records(records, local_names: list[str], spec, names: list[str], steps: list[int],
-                  group=None, replicated=(), uncounted=()) -> list[StepRecord]:
+                  group=None, replicated=(), uncounted=(), copies=()) -> list[StepRecord]:
     """Collective (every rank of ``group``, with the same ``names`` and
     ``steps``): this rank's ``records`` (metric indices into ``local_names``;
     only steps in ``steps``) merged with every other rank's, one record per
@@ -104,7 +116,9 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     packed MIN and one packed SUM all-reduce. Metrics named in ``replicated``
     are counted once (the lowest rank that has the step's row; see the module
     docstring); this rank's rows of metrics named in ``uncounted`` add nothing
-    (another rank holds the same data). Execution order and per-call data are this rank's (empty for
+    (another rank holds the same data); a row of a metric named in ``copies``
+    adds nothing where a lower rank holds an identical row (same counts,
+    extrema and histogram: one all-gather of their fingerprints). Execution order and per-call data are this rank's (empty for
     a step it lacks)."""
     import torch.distributed as dist
 
@@ -115,12 +129,26 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
         rows[:, skip, : _layout.HEADER] = _layout.fresh_header()
         rows[:, skip, _layout.HEADER:] = 0
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    dup = [i for i, n in enumerate(names) if n in copies]
+    if dup:  # the same on every rank (names and metas are): all gather or none do
+        fp_dup = np.where(has[:, dup], _fingerprint(rows[:, dup]), -1)
+        t = torch.from_numpy(np.ascontiguousarray(fp_dup)).to(device)
+        gathered = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(gathered, t, group=group)
+        lower = np.zeros_like(fp_dup, dtype=bool)
+        for g in gathered[:rank]:
+            lower |= g.cpu().numpy() == fp_dup
+        lower &= fp_dup >= 0
+        for j, i in enumerate(dup):
+            cells = lower[:, j]
+            rows[cells, i, : _layout.HEADER] = _layout.fresh_header()
+            rows[cells, i, _layout.HEADER:] = 0
     rep = np.array([n in replicated for n in names], dtype=bool)
     rep_has = has & rep[None, :]
     fp = np.where(rep_has, _fingerprint(rows), _I64_MAX)
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
     # 1) one MIN all-reduce: min key, -max key, -absmax key, and a common shift
     #    (the smallest set shift key; every rank's shift is a central value of
     #    its own data, so any of them keeps the merged variance well conditioned).
@@ -203,7 +231,7 @@ def merge_across_ranks(h: History, group=None) -> History:
     names, metas = union_names(infos)
     steps = sorted({s for i in infos for s in i["steps"]})
     recs = merge_records(h._records, h.names, h.histogram_spec, names, steps, group, replicated_names(metas),
-                         uncounted_names({n: h.meta(n) for n in h.names}))
+                         uncounted_names({n: h.meta(n) for n in h.names}), copies_names(metas))
     merged = History(recs, names, metas, h.histogram_spec)
     merged.anomalies = list(getattr(h, "anomalies", []))
     return merged

@@ -142,6 +142,13 @@ class Monitor:
         fused: under ``torch.compile``, compute the statistics of CUDA float32/bf16/fp16
             captures as reductions in the compiled graph (fusable into the model's kernels);
             with ``histogram=None`` only. Eager calls unchanged; docs/compile-and-distributed.md.
+        placements: ``{metric glob: "replicated" | "sharded" | "per_rank"}``: how a plain
+            tensor's data lie across ranks, for merged histories (first matching glob
+            wins; fnmatch over metric names). ``"replicated"``: ranks holding identical
+            copies count once (e.g. activations after a tensor-parallel all-reduce);
+            ``"sharded"``/``"per_rank"``: summed. DTensors follow their own placements;
+            tensor-parallel module outputs follow their parallel style. The placement
+            table: docs/compile-and-distributed.md.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -170,11 +177,12 @@ class Monitor:
         update_snapshot: bool = False,
         moments: int = 2,
         fused: bool = False,
+        placements: dict | None = None,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
         config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks, eval_forwards,
-                             update_snapshot, moments, fused)
+                             update_snapshot, moments, fused, placements)
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
             raise ValueError(f"start_step: expected an int >= 0 (the number of the first step), got {start_step!r}")
         if optimizer is not None and not callable(getattr(innermost_optimizer(optimizer), "step", None)):

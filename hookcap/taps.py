@@ -7,12 +7,13 @@ from __future__ import annotations
 import torch
 
 from ._capture import compile as _compile
+from ._rows.config import check_placement
 from ._rows.recorder import RECORDING
 
 _is_compiling = torch.compiler.is_compiling
 
 
-def tap(x: torch.Tensor, name: str) -> None:
+def tap(x: torch.Tensor, name: str, placement: str | None = None) -> None:
     """Record the statistics of ``x`` as metric ``name`` (kind ``"tap"``) in
     every Monitor that records this step, on ``x``'s device: the same
     statistics and histogram as a module output, with no host sync.
@@ -28,9 +29,16 @@ def tap(x: torch.Tensor, name: str) -> None:
       kernel reads ``every`` from the device, so no recompile), writing into
       the Monitors attached when the graph was traced: attach before the
       first compiled call.
+    - ``placement`` (multi-rank runs, for merged histories): ``"replicated"``
+      (ranks holding identical copies count once: the loss, activations after
+      a tensor-parallel all-reduce), ``"sharded"`` or ``"per_rank"`` (summed);
+      default: ``Monitor(placements=...)``, else ``"per_rank"``. A DTensor
+      follows its own placements. Fixed by the first call that records the name.
     """
+    if placement is not None:
+        check_placement(placement)
     if _is_compiling():
-        _compile.write_tap(x, name)
+        _compile.write_tap(x, name, placement)
         return
     if not RECORDING:
         return
@@ -41,4 +49,4 @@ def tap(x: torch.Tensor, name: str) -> None:
     for ref in list(RECORDING.values()):
         rec = ref()
         if rec is not None:
-            rec.write(name, "tap", "", x.detach(), "tap", rec.call_index(name, "tap"))
+            rec.write(name, "tap", "", x.detach(), "tap", rec.call_index(name, "tap"), placement=placement)

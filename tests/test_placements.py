@@ -137,7 +137,56 @@ def _sequence_parallel(rank, log):
                   lambda s: torch.randn(2, 8, 8, generator=g)[:, rank * 2:(rank + 1) * 2], log)
 
 
-SCENARIOS = {"hsdp": _hsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "sequence_parallel": _sequence_parallel}
+def _activations(rank, log, order="after", local_output=True):
+    """TP only (no FSDP) on dp 2 x tp 2: each dp group its own batch. The
+    Monitor captures outputs, their gradients and the loss as a replicated
+    tap; the same steps of an unparallelized copy give the float64
+    references, one per dp group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import hookcap
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _mlp(4)
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(use_local_output=local_output)}
+    if order == "before":
+        mon = Monitor(model, capture=("output", "grad_output")).attach()
+    parallelize_module(model, mesh["tp"], plan)
+    if order == "after":
+        mon = Monitor(model, capture=("output", "grad_output")).attach()
+    batch = lambda d, s: torch.randn(4, 8, generator=torch.Generator().manual_seed(300 + 10 * d + s))
+    for s in range(2):
+        out = model(batch(mesh.get_coordinate()[0], s))
+        loss = (out.to_local() if hasattr(out, "to_local") else out).pow(2).mean()
+        hookcap.tap(loss, "loss", placement="replicated")
+        loss.backward()
+        mon.step()
+    ref, want = _mlp(4), []
+    for s in range(2):
+        per_kind = {}
+        for d in range(2):
+            acts = []
+            x = batch(d, s)
+            for layer in ref:
+                x = layer(x)
+                x.retain_grad()
+                acts.append(x)
+            loss = x.pow(2).mean()
+            loss.backward()
+            for i, a in enumerate(acts):
+                per_kind.setdefault(f"{i}/output", []).append(a.detach().double())
+                per_kind.setdefault(f"{i}/grad_output", []).append(a.grad.double())
+            per_kind.setdefault("loss", []).append(loss.detach().double().reshape(1))
+        want.append(per_kind)
+    return {"local": mon.history(), "merged": mon.history(all_ranks=True), "want": want,
+            "log": list(log.messages)}
+
+
+SCENARIOS = {"hsdp": _hsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "sequence_parallel": _sequence_parallel,
+             "tp_acts_after": _activations,
+             "tp_acts_before": lambda rank, log: _activations(rank, log, order="before"),
+             "tp_acts_dtensor": lambda rank, log: _activations(rank, log, local_output=False)}
 
 
 def _worker(rank, world, store, out):
@@ -260,3 +309,39 @@ def test_sequence_parallel_partial_gradient_is_skipped_with_one_warning(results)
         for p in ("norm.weight", "norm.bias"):
             said = [m for m in g["log"] if f"{p}/param_grad" in m]
             assert len(said) == 1 and "Partial(sum)" in said[0], g["log"]
+
+
+def _assert_close(h, s, metric, values):
+    """Counts exact; values within float32 rounding of the reference (tensor
+    parallel sums its partial products in another order than one process)."""
+    v = torch.cat([x.reshape(-1) for x in values])
+    c = h.column(metric)
+    assert h["count"][s, c] == v.numel(), metric
+    assert h["zeros"][s, c] == int((v == 0).sum()), metric
+    for stat, want in (("sum", float(v.sum())), ("sumsq", float(v.pow(2).sum())), ("min", float(v.min())),
+                       ("max", float(v.max())), ("absmax", float(v.abs().max()))):
+        assert h[stat][s, c] == pytest.approx(want, rel=1e-5, abs=1e-6 * float(v.abs().sum())), (metric, stat)
+    assert h.histogram(metric)[s].sum() == v.numel()
+
+
+@pytest.mark.parametrize("case", ["tp_acts_after", "tp_acts_before", "tp_acts_dtensor"])
+def test_tensor_parallel_activations_count_each_dp_group_once(results, case):
+    """Colwise output (each rank its columns), the ReLU on them, the Rowwise
+    output (after its all-reduce: an AsyncCollectiveTensor, or a Replicate
+    DTensor with use_local_output=False) and every gradient: merged equal
+    the float64 outputs of both dp groups' batches, each counted once;
+    the Monitor attached before parallelize_module records the same from
+    its second step (its first sees the output before the all-reduce: not
+    recorded, one warning)."""
+    got = _scenario(results, case)
+    for g in got:
+        h = g["merged"]
+        for s, per_kind in enumerate(g["want"]):
+            for metric, values in per_kind.items():
+                if case == "tp_acts_before" and s == 0 and metric[:2] in ("0/", "2/"):
+                    assert np.isnan(h["count"][s, h.column(metric)])
+                    continue
+                _assert_close(h, s, metric, values)
+        assert not [m for m in g["log"] if "differ" in m or "not supported" in m], g["log"]
+    if case == "tp_acts_before":
+        assert any("parallelize_module" in m for m in got[0]["log"]), got[0]["log"]

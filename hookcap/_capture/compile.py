@@ -103,11 +103,13 @@ def _compiled_row(key: int, name: str, kind: str, path: str, device: str, shape:
     if hooks is None:
         return -1
     dev = torch.device(device)
-    return hooks.recorder.register_row((name, kind, path, dev, 0), dev, shape, dtype, mtype)
+    rec = hooks.recorder
+    return rec.register_row((name, kind, path, dev, 0), dev, shape, dtype, mtype,
+                            layout=rec.plain_layout(name, kind, path))
 
 
 @torch._dynamo.assume_constant_result
-def tap_rows(name: str, device: str, ndim: int, dtype: str) -> tuple:
+def tap_rows(name: str, device: str, ndim: int, dtype: str, placement: str | None = None) -> tuple:
     """``(hook set key, sink, row id, ...)`` of tap ``name`` in every attached
     Monitor (a row each, registered now). Run by dynamo at trace time only:
     a graph taps into the Monitors attached when it was traced."""
@@ -116,15 +118,16 @@ def tap_rows(name: str, device: str, ndim: int, dtype: str) -> tuple:
     for key, hooks in list(_HOOKS.items()):
         rec = hooks.recorder
         if rec.attached:
-            rid = rec.register_row((name, "tap", "", dev, 0), dev, (-1,) * ndim, dtype, "tap")
+            rid = rec.register_row((name, "tap", "", dev, 0), dev, (-1,) * ndim, dtype, "tap",
+                                   layout=rec.plain_layout(name, "tap", "", placement))
             if rid >= 0:
                 out += [key, rec.fast.id, rid]
     return tuple(out)
 
 
-def write_tap(x, name: str) -> None:
+def write_tap(x, name: str, placement: str | None = None) -> None:
     """Traced: ``x`` into tap ``name``'s row of each Monitor (hookcap.tap)."""
-    rows = tap_rows(name, str(x.device), x.dim(), str(x.dtype))
+    rows = tap_rows(name, str(x.device), x.dim(), str(x.dtype), placement)
     for i in range(0, len(rows), 3):
         if RECORD_IS_EFFECTFUL:
             _RECORD(x, rows[i + 1], rows[i + 2])

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import compile as _compile, fused as _fused, portable as _portable
+from .parallel_plan import output_placements
 from .._rows.config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example_names, metric_name,
                             parametrization_internals)
 from .follow import ModelWatch, watched_params
@@ -46,6 +47,20 @@ def _input_obj(args, kwargs):
 
 def _skip(*args):
     return None
+
+
+def _move_last(mod: nn.Module, ids) -> bool:
+    """Move hooks ``ids`` of ``mod``'s forward (pre-)hook dicts behind the
+    others, in their order; True if any moved."""
+    moved = False
+    for d in (mod._forward_hooks, mod._forward_pre_hooks):
+        keys = list(d)
+        ours = [k for k in keys if k in ids]
+        if ours and keys[-len(ours):] != ours:
+            for k in ours:
+                d.move_to_end(k)
+            moved = True
+    return moved
 
 
 def _by_mode(train, ev):
@@ -104,6 +119,9 @@ class Hooks:
         self._class_counts: dict[str, int] = {}
         # Modules with hooks of this set, and their handle ids: kept out of copies and pickles.
         self._owned: list[tuple[weakref.ref, list[int]]] = []
+        self._module_of: dict[str, weakref.ref] = {}  # hooked module name -> module
+        self._ids_of: dict[str, list[int]] = {}  # hooked module name -> this set's hook ids on it
+        recorder.plan_layout = self._plan_layout
         # The model as last seen (to follow replaced parameters and added modules), and the
         # watched parameters' gradient hooks.
         self.watch = ModelWatch()
@@ -138,6 +156,7 @@ class Hooks:
             _fused.hold_pass()
             self._guard[1] = True
         self._bind_params()
+        self.keep_last()
         if not self.handles and not self._param_handles and not (self.params and {"param", "optim_state", "update", "adam_ratio"} & set(cfg.capture)):
             self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="
                                     f"{cfg.capture!r}, modules={cfg.modules!r}): it will record nothing")
@@ -287,6 +306,10 @@ class Hooks:
                 log.info("hookcap: hooked %d module(s) added after attach(): %s", len(hooked),
                          ", ".join(hooked[:10]) + (" ..." if len(hooked) > 10 else ""))
         if new or stale:
+            # parallelize_module / fully_shard replace parameters and add hooks: ours go last again.
+            if self.keep_last():
+                log.info("hookcap: moved this Monitor's module hooks behind hooks added after attach() "
+                         "(it records what each module returns after them)")
             before = {id(p) for _, p in self.params}
             self._bind_params()
             swapped = [n for n, p in self.params if id(p) not in before]
@@ -301,6 +324,34 @@ class Hooks:
                 log.info("hookcap: following %d parameter(s) replaced or added since attach(): %s",
                          len(swapped), ", ".join(swapped[:10]) + (" ..." if len(swapped) > 10 else ""))
 
+    def _plan_layout(self, name: str):
+        """(mesh, placements) of module ``name``'s plain outputs under its
+        tensor-parallel style, or None."""
+        ref = self._module_of.get(name)
+        mod = ref() if ref is not None else None
+        return None if mod is None else output_placements(mod)
+
+    def keep_last(self) -> bool:
+        """Move this set's forward hooks and pre-hooks behind hooks added
+        after them (``parallelize_module``'s redistribution, ``fully_shard``,
+        a user's hook), keeping their own order: hookcap records what the
+        module returns after every other hook, and what it receives after
+        every other pre-hook. True if anything moved. Not while parked."""
+        if self.park.parked:
+            return False
+        moved = False
+        for ref, ids in self._owned:
+            mod = ref()
+            if mod is not None and _move_last(mod, ids):
+                moved = True
+        return moved
+
+    def behind_others(self, name: str, mod: nn.Module) -> bool:
+        """Whether ``mod`` has forward hooks added after this set's (moved
+        behind them now, for its next calls)."""
+        ids = self._ids_of.get(name)
+        return bool(ids) and not self.park.parked and _move_last(mod, ids)
+
     def _add(self, handle) -> None:
         self.handles.append(handle)
         self.park.add(handle)
@@ -309,6 +360,8 @@ class Hooks:
         first = len(self.handles)
         self._register_module_hooks(name, mod)
         ids = [h.id for h in self.handles[first:]]
+        self._module_of[name] = weakref.ref(mod)
+        self._ids_of[name] = ids
         if ids:
             _portable.own(mod, ids)
             self._owned.append((weakref.ref(mod), ids))
@@ -397,6 +450,12 @@ class Hooks:
             # a non-reentrant recomputation's discarded graph never fire).
             recompute = _compile.in_backward()
             plain = type(output) is torch.Tensor
+            if not plain and callable(getattr(output, "to_local", None)) and self.behind_others(name, mod):
+                # A DTensor still to be redistributed by a parallel style hooked after
+                # this Monitor attached: not what the module returns. Later calls see it.
+                rec.warn_once(("behind", name), f"hookcap: {name}: a call before this Monitor's hooks "
+                              "moved behind hooks added after attach() (parallelize_module?) is not recorded")
+                return None
             if plain and output.is_floating_point():
                 pairs = (("", output),)
             else:

@@ -123,7 +123,7 @@ class RankMerger:
         all-reduce (skipped together when nothing is due or rank 0 has no
         sinks); rank 0 writes the merged records in step order. ``watermark``:
         every recorded step up to it is complete on this rank (or dropped)."""
-        from ..distributed import merge_records, replicated_names, uncounted_names, union_names
+        from ..distributed import copies_names, merge_records, replicated_names, uncounted_names, union_names
 
         dist = torch.distributed
         group = self._group
@@ -146,7 +146,7 @@ class RankMerger:
         if not steps or not infos[0]["write"]:
             return  # the same on every rank: all skip the all-reduces
         recs = merge_records(due, names, histogram, self._names, steps, group, replicated_names(self._metas),
-                             uncounted_names(metas))
+                             uncounted_names(metas), copies_names(self._metas))
         if self.rank == 0:
             for rec in recs:
                 self.sinks.write(DrainedStep(rec, self._names, self._metas, histogram,

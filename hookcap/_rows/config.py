@@ -26,6 +26,7 @@ DEFAULT_HISTOGRAM = Histogram.log2()
 ROOT_NAME = "."
 RANK_SINKS = ("merged", "all")
 EVAL_FORWARDS = ("separate", "skip", "merge")
+PLACEMENTS = ("replicated", "sharded", "per_rank")  # Monitor(placements=...), tap(placement=...)
 EVAL_PREFIX = "eval/"  # metrics of forwards of modules in eval mode, eval_forwards="separate"
 SLOTS = 4  # step slots per device ring: the drain may trail training by this many recorded steps
 
@@ -79,6 +80,7 @@ class Config:
     update_snapshot: bool = False  # "update" of other optimizers from a copy taken before their step
     moments: int = 2  # 4: also the third and fourth moments (hist_args carries the op's flag)
     fused: bool = False  # compiled code computes float stats as graph reductions (hookcap._capture.fused)
+    placements: tuple[tuple[str, str], ...] = ()  # (metric glob, placement): Monitor(placements=...)
 
     @property
     def all_params(self) -> bool:
@@ -87,7 +89,8 @@ class Config:
 
 
 def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks,
-                eval_forwards="separate", update_snapshot=False, moments=2, fused=False) -> Config:
+                eval_forwards="separate", update_snapshot=False, moments=2, fused=False,
+                placements=None) -> Config:
     """Validate the Monitor's arguments; ``ValueError`` naming the argument."""
     if isinstance(capture, str):
         capture = (capture,)
@@ -130,7 +133,30 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
                   module_filter(modules), hist_args, width, update_snapshot, moments,
-                  fused and fused_applies)
+                  fused and fused_applies, check_placements(placements))
+
+
+def check_placements(placements) -> tuple[tuple[str, str], ...]:
+    """``Monitor(placements={metric glob: placement})`` as (glob, placement)
+    pairs, first match wins; ``ValueError`` naming what is wrong."""
+    if placements is None:
+        return ()
+    if not isinstance(placements, dict):
+        raise ValueError(f"placements: expected a dict {{metric glob: {' | '.join(map(repr, PLACEMENTS))}}}, "
+                         f"got {type(placements).__name__}")
+    for glob, placement in placements.items():
+        check_placement(placement, f"placements[{glob!r}]")
+        if not isinstance(glob, str) or not glob:
+            raise ValueError(f"placements: keys are globs over metric names (non-empty str), got {glob!r}")
+    return tuple(placements.items())
+
+
+def check_placement(placement, what: str = "placement") -> str:
+    """``placement`` if it is one of PLACEMENTS, else ``ValueError``."""
+    if not (isinstance(placement, str) and placement in PLACEMENTS):
+        raise ValueError(f"{what}: expected 'replicated' (the same data on the ranks that hold it: counted "
+                         f"once), 'sharded' or 'per_rank' (each rank's own part: summed), got {placement!r}")
+    return placement
 
 
 def check_moments(moments) -> int:

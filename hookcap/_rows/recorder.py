@@ -8,6 +8,7 @@ Python hooks, the C++ fast path and the execution-order log alike.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import threading
 import weakref
@@ -60,16 +61,23 @@ def placement_of(kind: str, t) -> dict:
     rank's own data, summed)."""
     placements = getattr(t, "placements", None)
     if placements is not None and callable(getattr(t, "to_local", None)):
-        coord = t.device_mesh.get_coordinate()
-        layout = {"mesh": "(" + ", ".join(map(repr, placements)) + ")"}
-        if any(p.is_partial() for p in placements):
-            return {"placement": "partial", **layout, "counted": False}
-        counted = coord is not None and all(c == 0 for p, c in zip(placements, coord) if p.is_replicate())
-        sharded = any(p.is_shard() for p in placements)
-        return {"placement": "sharded" if sharded else "replicated", **layout, "counted": counted}
+        return mesh_layout(t.device_mesh, placements)
     if kind in PARAM_KINDS and multi_rank():
         return {"placement": "replicated"}
     return {"placement": "per_rank"}
+
+
+def mesh_layout(mesh, placements) -> dict:
+    """The layout (see ``placement_of``) of a rank's local part of a tensor
+    placed as ``placements`` on ``mesh`` (a DTensor's, or a tensor-parallel
+    module's plain output as its parallel style placed it)."""
+    coord = mesh.get_coordinate()
+    layout = {"mesh": "(" + ", ".join(map(repr, placements)) + ")"}
+    if any(p.is_partial() for p in placements):
+        return {"placement": "partial", **layout, "counted": False}
+    counted = coord is not None and all(c == 0 for p, c in zip(placements, coord) if p.is_replicate())
+    sharded = any(p.is_shard() for p in placements)
+    return {"placement": "sharded" if sharded else "replicated", **layout, "counted": counted}
 
 
 PARTIAL_SKIP = ("its DTensor placement {mesh} holds an unreduced partial sum on each rank (reduced by the "
@@ -83,8 +91,8 @@ def plain_tensor(t):
     if isinstance(t, nn.Parameter):
         return t.detach()
     to_local = getattr(t, "to_local", None)
-    if callable(to_local):  # DTensor: record this rank's local shard
-        return to_local()
+    if callable(to_local):  # DTensor: record this rank's local shard (itself maybe still in flight)
+        t = to_local()
     trigger_wait = getattr(t, "trigger_wait", None)
     if callable(trigger_wait):  # AsyncCollectiveTensor: the collective's result (waited on the device)
         return trigger_wait()
@@ -156,6 +164,8 @@ class Recorder:
         self._hook_ids: dict[str, int] = {}
         self._warned: set = set()
         self._lock = threading.Lock()
+        # module name -> the layout its parallel plan gives its plain outputs (or None); set by Hooks.
+        self.plan_layout = lambda name: None
 
     # -- state ------------------------------------------------------------------
     def set_attached(self, attached: bool) -> None:
@@ -246,6 +256,31 @@ class Recorder:
             return SKIPPED
         return self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name, layout)
 
+    def layout_of(self, name: str, kind: str, path: str, t, placement: str | None = None) -> dict:
+        """The layout of a new row for ``t`` (``placement_of``): a DTensor's
+        own placements, else ``plain_layout``."""
+        layout = placement_of(kind, t)
+        return layout if "mesh" in layout else self.plain_layout(name, kind, path, placement, layout)
+
+    def plain_layout(self, name: str, kind: str, path: str, placement: str | None = None,
+                     default: dict | None = None) -> dict:
+        """The layout of a new row of a plain tensor: ``placement`` (a
+        tap's), else the first glob of ``Monitor(placements=...)`` matching
+        the metric, a tensor-parallel module's plan (its outputs and their
+        gradients), else ``default`` (``placement_of``'s for a plain tensor)."""
+        if placement is None:
+            metric = metric_name(name, kind, path)
+            placement = next((p for g, p in self.config.placements if fnmatch.fnmatchcase(metric, g)), None)
+        if placement is not None:
+            return {"placement": placement}
+        if kind in ("output", "grad_output") and multi_rank():
+            plan = self.plan_layout(name)
+            if plan is not None:
+                return mesh_layout(*plan)
+        if default is not None:
+            return default
+        return {"placement": "replicated"} if kind in PARAM_KINDS and multi_rank() else {"placement": "per_rank"}
+
     def skip_call(self, metric: str, reason: str) -> None:
         """One call of ``metric`` is not recorded: warned once per metric and
         reason (its first line: dispatcher errors run to dozens)."""
@@ -309,18 +344,19 @@ class Recorder:
         return row_id(ring.index, row)
 
     # -- writes (hot path) --------------------------------------------------------
-    def write(self, name, kind, path, t, mtype, ci, replace=False, via_op=False) -> None:
+    def write(self, name, kind, path, t, mtype, ci, replace=False, via_op=False, placement=None) -> None:
         """Merge ``t`` into its row. ``replace``: the row keeps only the last
         write of the step (``param_grad``). ``via_op``: through the dispatcher
         op, traceable by compiled autograd (gradient hooks), logged here;
-        else through the C++ sink, which logs it."""
+        else through the C++ sink, which logs it. ``placement``: declared
+        by the caller (``tap(placement=...)``), used when the row is made."""
         orig = t
         if type(t) is not torch.Tensor:
             t = plain_tensor(t)
         key = (name, kind, path, t.device, ci)
         rid = self.rows.get(key)
         if rid is None:  # the placement only when the row is made (a DTensor's, before to_local)
-            layout = placement_of(kind, orig)
+            layout = self.layout_of(name, kind, path, orig, placement)
             if layout["placement"] == "partial":
                 self.skip_call(metric_name(*key[:3]), PARTIAL_SKIP.format(**layout))
                 return
@@ -425,7 +461,8 @@ class Recorder:
         rid = self.rows.get(key)
         if rid is None:
             try:
-                rid = self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name=True)
+                rid = self.register_row(key, t.device, tuple(t.shape), str(t.dtype), mtype, defer_name=True,
+                                        layout=self.layout_of(name, "grad_output", path, t))
             except Exception as e:  # telemetry must never take the run down
                 self.skip_call(metric_name(name, "grad_output", path), f"{type(e).__name__}: {e}")
                 return
