@@ -57,10 +57,8 @@ class Monitor:
             the module sends to each floating input that requires grad),
             ``"grad_output"`` (gradient w.r.t. the module's outputs),
             ``"param"`` (values at ``step()``), ``"param_grad"`` (final
-            accumulated gradient of each step; in a multi-rank run, plain
-            parameters' ``.grad`` before the optimizer steps, after DDP's
-            reduction: pass ``optimizer``, or call ``step()`` before
-            ``zero_grad()``; DTensor shards as they accumulate), ``"optim_state"``
+            accumulated gradient of each step; in a multi-rank run plain parameters'
+            ``.grad`` when the backward ends, after DDP's reduction), ``"optim_state"``
             (``optimizer``'s state tensors after its step: ``{param}/state.{key}``), ``"update"``
             (``Δw`` of its step: ``{param}/update``; ``w`` before it: ``{param}/update.base``),
             ``"adam_ratio"`` (``g / (√v̂ + ε)`` of an Adam step): see docs/monitor.md.
@@ -69,11 +67,9 @@ class Monitor:
             ``"512MB"``, ``"2GiB"``; the default) or a number of recorded steps.
             The oldest steps are dropped first (``evicted_steps`` counts them).
         every: record every N-th step (an int >= 1); other steps launch nothing.
-        optimizer: if given, ``step()`` runs after each optimizer step. A
-            wrapper (accelerate's ``AcceleratedOptimizer``, Lightning's
-            ``LightningOptimizer``) is followed to the innermost
-            ``torch.optim.Optimizer``; an optimizer without step post-hooks
-            has its ``step`` wrapped until ``detach()``.
+        optimizer: if given, each optimizer step closes a step (``step()`` calls
+            do nothing). Wrappers (accelerate's, Lightning's) are followed to the
+            innermost optimizer; one without step post-hooks has ``step`` wrapped.
         detectors: callables run on every drained step (default
             ``[hookcap.NonFinite()]``; ``[]`` for none; one detector alone is
             taken as a list of one).
@@ -123,32 +119,23 @@ class Monitor:
               ``log_dir/rank{r}``; ``WandB`` prefixes its keys with ``rank{r}/``.
 
         eval_forwards: forwards of modules in eval mode (``module.training``
-            False at the call, e.g. after ``model.eval()``; a frozen
-            BatchNorm in eval mode counts too) never merge into a training
-            step's rows. ``"separate"`` (default): recorded as metrics named
-            ``f"eval/{qualname}/{kind}"``, a series of their own for
-            detectors; ``"skip"``: not recorded; ``"merge"``: recorded like
-            training forwards (for models only ever run in eval). Forwards
-            in train mode under ``no_grad`` (a teacher, ``generate()``
-            without ``eval()``) count as training; wrap them in
-            ``with mon.paused():`` to leave them out.
+            False at the call; taps: the model's) never merge into a training
+            step's rows. ``"separate"`` (default): metrics named
+            ``f"eval/{qualname}/{kind}"``; ``"skip"``: not recorded;
+            ``"merge"``: recorded like training forwards. Train-mode forwards
+            under ``no_grad`` count as training (``mon.paused()`` leaves them out).
         start_step: the number of the first step (a resumed run; see also
             :meth:`state_dict`).
-        update_snapshot: ``"update"`` for optimizers other than SGD, Adam and AdamW: a
-            copy of the watched parameters before each recorded step (memory: one copy).
+        update_snapshot: ``"update"`` of optimizers other than SGD, Adam, AdamW from a copy.
         moments: 2 (default) or 4: also the third and fourth central moments and
             ``skew``, ``kurtosis`` (Pearson, not excess) of captured tensors, in the
             same pass (``hookcap.MOMENT_NAMES``, docs/statistics.md).
         fused: under ``torch.compile``, compute the statistics of CUDA float32/bf16/fp16
             captures as reductions in the compiled graph (fusable into the model's kernels);
             with ``histogram=None`` only. Eager calls unchanged; docs/compile-and-distributed.md.
-        placements: ``{metric glob: "replicated" | "sharded" | "per_rank"}``: how a plain
-            tensor's data lie across ranks, for merged histories (first matching glob
-            wins; fnmatch over metric names). ``"replicated"``: ranks holding identical
-            copies count once (e.g. activations after a tensor-parallel all-reduce);
-            ``"sharded"``/``"per_rank"``: summed. DTensors follow their own placements;
-            tensor-parallel module outputs follow their parallel style. The placement
-            table: docs/compile-and-distributed.md.
+        placements: ``{metric glob: "replicated" | "sharded" | "per_rank"}``: how plain
+            tensors lie across ranks, for merged histories (first match wins): identical
+            copies count once, or parts are summed; docs/compile-and-distributed.md.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -284,7 +271,7 @@ class Monitor:
                     pre = before_optimizer_step(self.optimizer, self._hooks.before_optimizer_step)
                     if pre is not None:
                         self._hooks.handles.append(pre)
-                self._hooks.handles.append(after_optimizer_step(self.optimizer, self.step))
+                self._hooks.handles.append(after_optimizer_step(self.optimizer, self._optimizer_stepped))
         except BaseException:
             self._hooks.remove()
             self._attached = False
@@ -321,8 +308,17 @@ class Monitor:
     def step(self) -> None:
         """Close the current step and open the next. No host sync on CUDA.
         With ``rank_sinks="merged"`` in a multi-rank run, also a (host-only)
-        collective on every rank: see the class docstring."""
+        collective on every rank: see the class docstring. With
+        ``optimizer=`` the optimizer's steps close steps: this does nothing."""
+        if self.optimizer is not None and self._attached:
+            self._recorder.warn_once("manual step", (
+                "hookcap: this Monitor was given optimizer=... and closes a step after each optimizer step "
+                "by itself; step() calls do nothing (drop them, or drop optimizer=)"))
+            return
         self._step(None)
+
+    def _optimizer_stepped(self) -> None:
+        self._step(None)  # the optimizer's post-step hook (optimizer=)
 
     def _step(self, taken) -> None:
         """step(); ``taken``: the step's log, taken by detach() (a close with no rank collective)."""

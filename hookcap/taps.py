@@ -21,7 +21,11 @@ def tap(x: torch.Tensor, name: str, placement: str | None = None) -> None:
     - Returns at once when no Monitor records (none attached, an off-step of
       ``every``, ``paused()``).
     - Calls with one name in one step merge into one value, as a module's
-      calls do; any shape (a 0-d loss too), view or dtype the statistics op
+      calls do; a forward recomputed by activation checkpointing (a call
+      inside the backward with grad mode on) is not counted again, and a call
+      while the Monitor's model is in eval mode is recorded as
+      ``eval/{name}`` (or skipped, or merged: ``Monitor(eval_forwards=...)``),
+      as module outputs are; any shape (a 0-d loss too), view or dtype the statistics op
       takes. A tensor it cannot read (integer, sparse, inside a
       ``torch.func`` transform) is skipped with one warning.
     - Never changes ``x`` and returns nothing; gradients flow as before.
@@ -42,6 +46,8 @@ def tap(x: torch.Tensor, name: str, placement: str | None = None) -> None:
         return
     if not RECORDING:
         return
+    if _compile.in_backward() and torch.is_grad_enabled():
+        return  # a forward recomputed by activation checkpointing: recorded in the forward
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"hookcap.tap: x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(name, str) or not name:
@@ -49,4 +55,6 @@ def tap(x: torch.Tensor, name: str, placement: str | None = None) -> None:
     for ref in list(RECORDING.values()):
         rec = ref()
         if rec is not None:
-            rec.write(name, "tap", "", x.detach(), "tap", rec.call_index(name, "tap"), placement=placement)
+            metric = rec.tap_name(name)
+            if metric is not None:
+                rec.write(metric, "tap", "", x.detach(), "tap", rec.call_index(metric, "tap"), placement=placement)

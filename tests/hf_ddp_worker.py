@@ -41,7 +41,7 @@ def main(out):
     args = transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=2, max_steps=2, use_cpu=True, ddp_backend="gloo",
         report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, seed=0,
-        learning_rate=1e-2)
+        learning_rate=1e-2, max_grad_norm=0.0)  # param_grad is the gradient before clipping
     transformers.Trainer(model=model, args=args, train_dataset=Data(), callbacks=[ref, cb]).train()
     rank = int(os.environ["RANK"])
     torch.save(ref.grads, os.path.join(out, f"ref{rank}.pt"))

@@ -183,6 +183,50 @@ def _activations(rank, log, order="after", local_output=True):
             "log": list(log.messages)}
 
 
+def _ddp_loops(rank, log, early):
+    """DDP loops as people write them, each checked against .grad right
+    after the backward (DDP's reduced gradient):
+    - ``early``: a Monitor attached before init_process_group;
+    - ``zeroed``: zero_grad(set_to_none=False) before mon.step(), no optimizer=;
+    - ``no_sync``: two micro-batches, the first under no_sync();
+    - ``optimizer=`` plus a manual mon.step(): one step per optimizer step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = lambda s, k=0: torch.randn(4, 8, generator=torch.Generator().manual_seed(500 + 10 * rank + s + 100 * k))
+    out = {}
+    early_model, early_mon = early
+    for case in ("early", "zeroed", "no_sync", "optimizer"):
+        log.messages.clear()
+        model = early_model if case == "early" else _mlp(5)
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        if case == "early":
+            mon = early_mon
+        else:
+            mon = Monitor(model, capture=("param_grad",), optimizer=opt if case == "optimizer" else None).attach()
+        want = []
+        for s in range(3):
+            if case == "no_sync":
+                with ddp.no_sync():
+                    ddp(x(s, 1)).pow(2).mean().backward()
+            ddp(x(s)).pow(2).mean().backward()
+            want.append({n: p.grad.detach().double().clone() for n, p in model.named_parameters()})
+            opt.step()
+            if case == "zeroed":
+                opt.zero_grad(set_to_none=False)
+                mon.step()
+            elif case == "optimizer":
+                mon.step()  # does nothing: the optimizer's hook stepped the Monitor
+                opt.zero_grad()
+            else:
+                mon.step()
+                opt.zero_grad()
+        out[case] = {"local": mon.history(), "merged": mon.history(all_ranks=True), "want": want,
+                     "log": list(log.messages)}
+        mon.detach()
+    return out
+
+
 SCENARIOS = {"hsdp": _hsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "sequence_parallel": _sequence_parallel,
              "tp_acts_after": _activations,
              "tp_acts_before": lambda rank, log: _activations(rank, log, order="before"),
@@ -190,6 +234,9 @@ SCENARIOS = {"hsdp": _hsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "sequence_parallel":
 
 
 def _worker(rank, world, store, out):
+    # Attached before the process group exists (the DDP loops scenario).
+    early_model = _mlp(5)
+    early = (early_model, Monitor(early_model, capture=("param_grad",)).attach())
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
@@ -205,6 +252,13 @@ def _worker(rank, world, store, out):
 
             res[name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
         dist.barrier()
+    log.messages.clear()
+    try:
+        res["ddp_loops"] = _ddp_loops(rank, log, early)
+    except Exception as e:
+        import traceback
+
+        res["ddp_loops"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     with open(f"{out}.{rank}", "wb") as f:
         pickle.dump(res, f)
     dist.barrier()
@@ -345,3 +399,25 @@ def test_tensor_parallel_activations_count_each_dp_group_once(results, case):
         assert not [m for m in g["log"] if "differ" in m or "not supported" in m], g["log"]
     if case == "tp_acts_before":
         assert any("parallelize_module" in m for m in got[0]["log"]), got[0]["log"]
+
+
+@pytest.mark.parametrize("case", ["early", "zeroed", "no_sync", "optimizer"])
+def test_ddp_param_grad_is_the_reduced_gradient_in_every_loop(results, case):
+    """param_grad under DDP is the reduced gradient (counted once when
+    merged) however the loop is written; no false warning; one step per
+    optimizer step with optimizer= and a manual step()."""
+    got = _scenario(results, "ddp_loops")
+    for rank, g in enumerate(got):
+        r = g[case]
+        assert r["local"].steps.tolist() == [0, 1, 2]
+        for h in (r["local"], r["merged"]):
+            for s, per_param in enumerate(r["want"]):
+                for pname, grad in per_param.items():
+                    assert h.meta(f"{pname}/param_grad")["placement"] == "replicated"
+                    assert_recorded(h, s, f"{pname}/param_grad", [grad])
+        assert not [m for m in r["log"] if "hooked nothing" in m or "differ" in m or "zero_grad" in m], r["log"]
+        if case == "optimizer":
+            assert [m for m in r["log"] if "step() calls do nothing" in m], r["log"]
+    # the reduced gradient is the same on every rank
+    for pname, grad in got[0][case]["want"][0].items():
+        torch.testing.assert_close(grad, got[1][case]["want"][0][pname])

@@ -171,3 +171,59 @@ def test_spike_on_a_tapped_loss_is_one_line():
     assert [(a.step, a.name, a.kind) for a in found] == [(9, "loss", "spike")]
     with pytest.raises(ValueError, match="metrics"):
         hookcap.Spike(metrics=3)
+
+
+class Checkpointed(nn.Module):
+    """A tap inside an activation-checkpointed block."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.inner = Scores()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant).sum()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_tap_recomputed_under_checkpointing_counts_once(reentrant):
+    """The recomputation in the backward does not tap again: the scores of
+    the forward, once (count 2 x 5 x 5, not twice that)."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    x = batches(1)[0].requires_grad_(reentrant)
+    with Monitor(model, capture="output") as mon:
+        model(x).backward()
+        mon.step()
+    with torch.no_grad():
+        s = model.inner.q(x) @ model.inner.k(x).transpose(-1, -2)
+    assert_recorded(mon.history(), 0, "scores", [s])
+
+
+def test_a_tap_in_an_eval_forward_goes_to_eval_like_module_outputs():
+    """eval_forwards="separate" (default): an eval-mode forward's tap is
+    eval/scores, the training forward's stays scores; "skip" drops it;
+    "merge" merges it."""
+    torch.manual_seed(0)
+    model = Scores()
+    xt, xe = batches(2)
+    for mode in ("separate", "skip", "merge"):
+        with Monitor(model, capture="output", eval_forwards=mode) as mon:
+            model.train()
+            model(xt)
+            model.eval()
+            model(xe * 10)
+            model.train()
+            mon.step()
+        h = mon.history()
+        with torch.no_grad():
+            st, se = (model.q(x) @ model.k(x).transpose(-1, -2) for x in (xt, xe * 10))
+        if mode == "merge":
+            assert_recorded(h, 0, "scores", [st, se])
+            assert "eval/scores" not in h.names
+        else:
+            assert_recorded(h, 0, "scores", [st])
+            if mode == "separate":
+                assert_recorded(h, 0, "eval/scores", [se])
+            else:
+                assert "eval/scores" not in h.names

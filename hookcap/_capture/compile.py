@@ -110,29 +110,30 @@ def _compiled_row(key: int, name: str, kind: str, path: str, device: str, shape:
 
 @torch._dynamo.assume_constant_result
 def tap_rows(name: str, device: str, ndim: int, dtype: str, placement: str | None = None) -> tuple:
-    """``(hook set key, sink, row id, ...)`` of tap ``name`` in every attached
+    """``(hook set key, sink, row id, metric, ...)`` of tap ``name`` in every attached
     Monitor (a row each, registered now). Run by dynamo at trace time only:
     a graph taps into the Monitors attached when it was traced."""
     out = []
     dev = torch.device(device)
     for key, hooks in list(_HOOKS.items()):
         rec = hooks.recorder
-        if rec.attached:
-            rid = rec.register_row((name, "tap", "", dev, 0), dev, (-1,) * ndim, dtype, "tap",
-                                   layout=rec.plain_layout(name, "tap", "", placement))
+        metric = rec.tap_name(name)  # the model's mode is a guard of the graph
+        if rec.attached and metric is not None:
+            rid = rec.register_row((metric, "tap", "", dev, 0), dev, (-1,) * ndim, dtype, "tap",
+                                   layout=rec.plain_layout(metric, "tap", "", placement))
             if rid >= 0:
-                out += [key, rec.fast.id, rid]
+                out += [key, rec.fast.id, rid, metric]
     return tuple(out)
 
 
 def write_tap(x, name: str, placement: str | None = None) -> None:
     """Traced: ``x`` into tap ``name``'s row of each Monitor (hookcap.tap)."""
     rows = tap_rows(name, str(x.device), x.dim(), str(x.dtype), placement)
-    for i in range(0, len(rows), 3):
+    for i in range(0, len(rows), 4):
         if RECORD_IS_EFFECTFUL:
             _RECORD(x, rows[i + 1], rows[i + 2])
         else:
-            write_all(_HOOKS[rows[i]], name, "tap", x, "tap")
+            write_all(_HOOKS[rows[i]], rows[i + 3], "tap", x, "tap")
 
 
 @torch._dynamo.assume_constant_result

@@ -21,7 +21,9 @@ from .._rows.config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example
 from .follow import ModelWatch, watched_params
 from .optim import OptimState, OptimUpdates, after_optimizer_step, before_optimizer_step
 from .park import HookPark
-from .._rows.recorder import Recorder, placement_of
+from .._rows.recorder import Recorder
+from .hook_order import move_last
+from .param_grads import ParamGrads
 from .timing import Timing, inplace_grad_node
 from .tree import tensor_leaves
 
@@ -47,20 +49,6 @@ def _input_obj(args, kwargs):
 
 def _skip(*args):
     return None
-
-
-def _move_last(mod: nn.Module, ids) -> bool:
-    """Move hooks ``ids`` of ``mod``'s forward (pre-)hook dicts behind the
-    others, in their order; True if any moved."""
-    moved = False
-    for d in (mod._forward_hooks, mod._forward_pre_hooks):
-        keys = list(d)
-        ours = [k for k in keys if k in ids]
-        if ours and keys[-len(ours):] != ours:
-            for k in ours:
-                d.move_to_end(k)
-            moved = True
-    return moved
 
 
 def _by_mode(train, ev):
@@ -110,10 +98,7 @@ class Hooks:
         self.open_calls: list[list] = []  # per pre/post hook pair: its forward calls in flight
         self.timing = Timing(recorder, self.open_calls, self.key)
         self.params: list[tuple[str, torch.Tensor]] = []
-        # Replicated parameters in a multi-rank run: param_grad read from .grad at
-        # the optimizer's pre-step (or at step()), once per step.
-        self.reduced_grads: list[tuple[str, torch.Tensor]] = []
-        self._reduced_done = False
+        self.grads = ParamGrads(recorder)  # param_grad
         # Monitor.everything: module -> name, and per-class counters for unnamed modules.
         self.global_names: weakref.WeakKeyDictionary | None = None
         self._class_counts: dict[str, int] = {}
@@ -122,10 +107,10 @@ class Hooks:
         self._module_of: dict[str, weakref.ref] = {}  # hooked module name -> module
         self._ids_of: dict[str, list[int]] = {}  # hooked module name -> this set's hook ids on it
         recorder.plan_layout = self._plan_layout
+        recorder.in_eval = (lambda: not model.training) if model is not None else (lambda: False)
         # The model as last seen (to follow replaced parameters and added modules), and the
         # watched parameters' gradient hooks.
         self.watch = ModelWatch()
-        self._param_handles: list = []
         # [guards held, pass held]: whether this set holds _compile.hold_hook_guards and
         # _fused.hold_pass (while attached); a set dropped without remove() gives them back when collected.
         self._guard = [False, False]
@@ -157,15 +142,15 @@ class Hooks:
             self._guard[1] = True
         self._bind_params()
         self.keep_last()
-        if not self.handles and not self._param_handles and not (self.params and {"param", "optim_state", "update", "adam_ratio"} & set(cfg.capture)):
+        if not self.handles and not self.grads.handles and not (self.params and {"param", "optim_state", "update", "adam_ratio"} & set(cfg.capture)):
             self.recorder.warn_once("hooked nothing", f"hookcap: the Monitor hooked nothing (capture="
                                     f"{cfg.capture!r}, modules={cfg.modules!r}): it will record nothing")
 
     def remove(self) -> None:
-        for h in self.handles + self._param_handles:
+        for h in self.handles:
             h.remove()
         self.handles.clear()
-        self._param_handles.clear()
+        self.grads.remove()
         for ref, ids in self._owned:
             if (mod := ref()) is not None:
                 _portable.disown(mod, ids)
@@ -175,7 +160,7 @@ class Hooks:
         self.open_calls.clear()
 
     def new_step(self) -> None:
-        self._reduced_done = False
+        self.grads.new_step()
         for open_calls in self.open_calls:  # a forward that raised never closed its call
             open_calls.clear()
 
@@ -198,7 +183,7 @@ class Hooks:
                     self.recorder.write(pname, "param", "", p.detach(), "Parameter", 0)
         if not self.optimizer_followed:
             self.record_optimizer()
-        self.record_reduced_grads(at_step=True)
+        self.grads.read(at_step=True)
 
     def record_optimizer(self) -> None:
         """``optim_state``, ``update`` and ``adam_ratio``: right after the optimizer's step."""
@@ -228,43 +213,20 @@ class Hooks:
     @property
     def wants_pre_step(self) -> bool:
         """Whether anything runs before the optimizer's step."""
-        return bool(self.reduced_grads) or (self.updates is not None and self.updates.snapshot)
+        return bool(self.grads.plain) or (self.updates is not None and self.updates.snapshot)
 
     def before_optimizer_step(self) -> None:
         """Right before the optimizer steps: reduced gradients, update copies."""
-        self.record_reduced_grads()
+        self.grads.read()
         if self.updates is not None:
             self.updates.before_step(self.params)
-
-    def record_reduced_grads(self, at_step: bool = False) -> None:
-        """``param_grad`` of replicated parameters (multi-rank, plain tensors):
-        ``.grad`` as the optimizer sees it, after the data-parallel reduction;
-        once per step (the optimizer's pre-step, else ``step()``)."""
-        if not self.reduced_grads or self._reduced_done or not self.recorder.recording:
-            return
-        self._reduced_done = True
-        missing = []
-        with torch.no_grad():
-            for pname, p in self.reduced_grads:
-                if p.grad is None:
-                    missing.append(pname)
-                else:
-                    self.recorder.write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True)
-        if at_step and missing and len(missing) == len(self.reduced_grads):
-            self.recorder.warn_once("reduced grads", (
-                "hookcap: param_grad in a multi-rank run is read from .grad before the optimizer steps "
-                "(Monitor(optimizer=...)) or at step(); at this step() no watched parameter had a .grad "
-                "(zero_grad() before step()?): pass the optimizer to the Monitor, or call step() before "
-                "zero_grad()"))
 
     def _bind_params(self) -> None:
         """The watched parameters as the model holds them now, and their
         gradient hooks (those of an earlier binding removed)."""
         cfg = self.config
-        for h in self._param_handles:
-            h.remove()
-        self._param_handles.clear()
-        self.params, self.reduced_grads = [], []
+        self.grads.remove()
+        self.params, self.grads.plain = [], []
         if not set(PARAM_KINDS) & set(cfg.capture):
             self.watch.watch_params([])
             return
@@ -272,15 +234,7 @@ class Hooks:
         self.watch.watch_params((owner, attr, p) for _, p, owner, attr in found)
         self.params = [(pname, p) for pname, p, _, _ in found if p.is_floating_point()]
         if "param_grad" in cfg.capture:
-            for pname, p in self.params:
-                if not p.requires_grad:
-                    continue
-                if placement_of("param_grad", p) == {"placement": "replicated"}:
-                    # A data-parallel wrapper (DDP) writes the reduced gradient into
-                    # .grad after backward: recorded before the optimizer steps.
-                    self.reduced_grads.append((pname, p))
-                else:
-                    self._param_handles.append(p.register_post_accumulate_grad_hook(self._param_grad_hook(pname)))
+            self.grads.bind(self.params)
 
     def refresh(self, at_step_end: bool = False) -> None:
         """At the end of a recorded step and before one that records: follow
@@ -314,8 +268,8 @@ class Hooks:
             self._bind_params()
             swapped = [n for n, p in self.params if id(p) not in before]
             if at_step_end and swapped and "param_grad" in self.config.capture:
-                # Gradients read at the optimizer's pre-step (reduced_grads) are not the hooks' to write.
-                by_hook = set(swapped) - {n for n, _ in self.reduced_grads}
+                # Gradients read from .grad in a multi-rank run are not the hooks' to write.
+                by_hook = set(swapped) - self.grads.read_by_hooks()
                 with torch.no_grad():
                     for pname, p in self.params:
                         if pname in by_hook and p.grad is not None:
@@ -332,25 +286,18 @@ class Hooks:
         return None if mod is None else output_placements(mod)
 
     def keep_last(self) -> bool:
-        """Move this set's forward hooks and pre-hooks behind hooks added
-        after them (``parallelize_module``'s redistribution, ``fully_shard``,
-        a user's hook), keeping their own order: hookcap records what the
-        module returns after every other hook, and what it receives after
-        every other pre-hook. True if anything moved. Not while parked."""
+        """This set's module hooks behind hooks added after them
+        (``hook_order.move_last``); True if any moved. Not while parked."""
         if self.park.parked:
             return False
-        moved = False
-        for ref, ids in self._owned:
-            mod = ref()
-            if mod is not None and _move_last(mod, ids):
-                moved = True
-        return moved
+        mods = [(ref(), ids) for ref, ids in self._owned]
+        return any([move_last(mod, ids) for mod, ids in mods if mod is not None])
 
     def behind_others(self, name: str, mod: nn.Module) -> bool:
         """Whether ``mod`` has forward hooks added after this set's (moved
         behind them now, for its next calls)."""
         ids = self._ids_of.get(name)
-        return bool(ids) and not self.park.parked and _move_last(mod, ids)
+        return bool(ids) and not self.park.parked and move_last(mod, ids)
 
     def _add(self, handle) -> None:
         self.handles.append(handle)
@@ -571,17 +518,6 @@ class Hooks:
             g = g.as_strided(size, stride, g.storage_offset() + offset)
         fn(g)
         return None
-
-    def _param_grad_hook(self, pname):
-        rec = self.recorder
-
-        def hook(p):
-            if rec.recording and p.grad is not None:
-                # Fires after every accumulation: the row is replaced so the
-                # step keeps the final accumulated gradient, once.
-                rec.write(pname, "param_grad", "", p.grad, "Parameter", 0, replace=True, via_op=True)
-
-        return hook
 
     # -- global capture (Monitor.everything) ----------------------------------------
     def capture_everything(self, models: Iterable[nn.Module]) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from .._capture import compile as _compile
 from .catalog import Catalog
-from .config import PARAM_KINDS, SLOTS, Config, metric_name
+from .config import EVAL_PREFIX, PARAM_KINDS, SLOTS, Config, metric_name
 from .fastpath import NO_ROW, FastPath, ring_index_of, row_id, row_of
 from .ring import UNNAMED, DeviceRing, capturing
 
@@ -166,6 +166,8 @@ class Recorder:
         self._lock = threading.Lock()
         # module name -> the layout its parallel plan gives its plain outputs (or None); set by Hooks.
         self.plan_layout = lambda name: None
+        # Whether the Monitor's model is in eval mode (taps then go to eval/...); set by Hooks.
+        self.in_eval = lambda: False
 
     # -- state ------------------------------------------------------------------
     def set_attached(self, attached: bool) -> None:
@@ -280,6 +282,15 @@ class Recorder:
         if default is not None:
             return default
         return {"placement": "replicated"} if kind in PARAM_KINDS and multi_rank() else {"placement": "per_rank"}
+
+    def tap_name(self, name: str) -> str | None:
+        """The metric a tap called ``name`` writes now: ``name``, or while the
+        model is in eval mode as ``eval_forwards`` says (``eval/{name}``, or
+        None: not recorded)."""
+        if not self.in_eval():
+            return name
+        mode = self.config.eval_forwards
+        return name if mode == "merge" else EVAL_PREFIX + name if mode == "separate" else None
 
     def skip_call(self, metric: str, reason: str) -> None:
         """One call of ``metric`` is not recorded: warned once per metric and
