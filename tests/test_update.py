@@ -389,3 +389,46 @@ def test_optim_state_of_the_step_is_read_in_the_update_pass(monkeypatch, amsgrad
         assert h["count"][0, col] == v.numel()
         np.testing.assert_allclose(h["l2norm"][0, col], float(v.norm()), rtol=1e-6)
         np.testing.assert_allclose(h["max"][0, col], float(v.max()), rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opt_kind", ["adamw-foreach", "adamw-fused", "adamw-single", "sgd-momentum"])
+def test_16_bit_parameters_record_the_applied_update(dtype, opt_kind):
+    """bfloat16/float16 parameters: update is w_after − w_before of the
+    stored weights exactly (not the step's formula, which the dtype's
+    rounding leaves undone for most small updates); update.base is w_before;
+    zero_frac of update is the fraction of weights the step left unchanged.
+    adam_ratio is still recomputed (count = numel)."""
+    model = make_model(3).to(dtype)
+    family, impl = opt_kind.split("-")
+    if family == "adamw":
+        kw = {"foreach": impl == "foreach", "fused": impl == "fused"} if impl != "single" else {"foreach": False}
+        eps = 1e-4 if dtype == torch.float16 else 1e-8  # 1e-8 is 0 in float16: the step would divide by 0
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, eps=eps, **kw)
+        capture = ("update", "adam_ratio")
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, weight_decay=0.01)
+        capture = ("update",)
+    mon = Monitor(model, capture=capture, optimizer=opt).attach()
+    g = torch.Generator().manual_seed(1)
+    deltas, unchanged = [], 0.0
+    for s in range(3):
+        x = torch.randn(8, 7, generator=g).to(dtype)
+        model(x).float().pow(2).mean().backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        deltas.append({n: (p.detach().double() - before[n].double(), before[n]) for n, p in model.named_parameters()})
+        opt.zero_grad()
+    h = mon.history()
+    from conftest import assert_recorded
+
+    for s, per_param in enumerate(deltas):
+        for name, (delta, w0) in per_param.items():
+            assert_recorded(h, s, f"{name}/update", [delta])
+            assert_recorded(h, s, f"{name}/update.base", [w0])
+            unchanged = float((delta == 0).double().mean())
+            assert h["zero_frac"][s, h.column(f"{name}/update")] == unchanged
+            if "adam_ratio" in capture:
+                assert h["count"][s, h.column(f"{name}/adam_ratio")] == delta.numel()
+    # the step's rounding leaves many weights unchanged in 16 bits: the case this exists for
+    assert max(float((d == 0).double().mean()) for d, _ in deltas[-1].values()) > 0.05

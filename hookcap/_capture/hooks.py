@@ -205,7 +205,7 @@ class Hooks:
                 part.optimizer = optimizer
         self.optimizer_followed = True
         self.handles.append(after_optimizer_step(optimizer, self.record_optimizer))
-        if self.updates is not None and self.updates.snapshot:
+        if self.updates is not None and self.updates.copies:
             pre = before_optimizer_step(optimizer, lambda: self.updates.before_step(self.params))
             if pre is not None:
                 self.handles.append(pre)
@@ -213,7 +213,7 @@ class Hooks:
     @property
     def wants_pre_step(self) -> bool:
         """Whether anything runs before the optimizer's step."""
-        return bool(self.grads.plain) or (self.updates is not None and self.updates.snapshot)
+        return bool(self.grads.plain) or (self.updates is not None and self.updates.copies)
 
     def before_optimizer_step(self) -> None:
         """Right before the optimizer steps: reduced gradients, update copies."""

@@ -246,17 +246,28 @@ class OptimUpdates:
         return isinstance(opt, torch.optim.Optimizer) and type(opt).__name__ in _RECOMPUTED and \
             type(opt).__module__.startswith("torch.optim")
 
+    @property
+    def copies(self) -> bool:
+        """Whether copies may be taken before the optimizer's step (16-bit
+        parameters' ``update``, or ``update_snapshot``)."""
+        return "update" in self.kinds
+
     def before_step(self, params: list[tuple[str, torch.Tensor]]) -> None:
         """Before the optimizer's step on a recorded step: refresh the copies
-        (``update_snapshot=True`` and an optimizer the op cannot recompute)."""
+        of the parameters whose ``update`` is read against one: all with
+        ``update_snapshot=True`` and an optimizer the op cannot recompute;
+        bfloat16 and float16 ones always (their applied update differs from
+        the step's formula by their rounding, which decides whether a weight
+        moved at all)."""
         self._copied.clear()
-        if not (self.snapshot and "update" in self.kinds and self.recorder.recording):
+        if not ("update" in self.kinds and self.recorder.recording):
             return
         opt = innermost_optimizer(self.optimizer)
-        if self._recomputes(opt):
-            return
+        every = self.snapshot and not self._recomputes(opt)
         with torch.no_grad():
             for pname, p in params:
+                if not (every or p.dtype in _STORED_LOW):
+                    continue
                 c = self._copies.get(pname)
                 if c is None or c.shape != p.shape or c.dtype != p.dtype or c.device != p.device:
                     c = self._copies[pname] = torch.empty_like(p, memory_format=torch.preserve_format)
@@ -286,12 +297,12 @@ class OptimUpdates:
         # parameters, each with its rows; the loop over them runs in C++.
         batches: dict[tuple, list] = {}
         with torch.no_grad():
-            if not recomputed:
-                for pname, p in params:
-                    if pname in self._copied:
-                        batches.setdefault((_RULE_DIFF, (0.0,) * 8), []).append(
-                            (pname, p, None, self._copies[pname], None, None, _UPDATE_OUTS))
-            else:
+            # Δw against a copy (update_snapshot, 16-bit parameters): exactly what the step changed.
+            for pname, p in params:
+                if pname in self._copied and (not recomputed or p.grad is not None):
+                    batches.setdefault((_RULE_DIFF, (0.0,) * 8), []).append(
+                        (pname, p, None, self._copies[pname], None, None, _UPDATE_OUTS))
+            if recomputed:
                 names = {id(p): pname for pname, p in params}
                 for group in opt.param_groups:
                     g = group_rule(opt, group)
@@ -308,7 +319,7 @@ class OptimUpdates:
                                                         f"hookcap: {pname}/{kind} not recorded: {call}")
                             continue  # optim_state: OptimState's
                         hyper, grad, a, b, step, a_key, b_key = call
-                        outs = list(_UPDATE_OUTS if want_update else _NO_OUTS)
+                        outs = list(_UPDATE_OUTS if want_update and pname not in self._copied else _NO_OUTS)
                         if want_ratio:
                             if adam:
                                 outs[2] = ("adam_ratio", "")
@@ -328,5 +339,6 @@ class OptimUpdates:
         return covered
 
 
+_STORED_LOW = (torch.bfloat16, torch.float16)  # parameters whose update is read against a copy
 _NO_OUTS = (None,) * 5  # the op's outputs: Δw, w before, Adam's ratio, state a, state b
 _UPDATE_OUTS = (("update", ""), ("update", "base"), None, None, None)
