@@ -23,6 +23,7 @@ from ._host.drain import Drain
 from ._host.exit import ExitDump
 from ._capture.hooks import Hooks
 from ._capture.optim import after_optimizer_step, before_optimizer_step, innermost_optimizer
+from ._capture.scaler import ScalerUpdate, found_infs
 from ._host.ranks import RankMerger
 from ._rows.recorder import Recorder
 from .anomaly import AnomalyError
@@ -95,29 +96,13 @@ class Monitor:
             receives SIGTERM/SIGINT (the previous handler is chained, so the
             program's own handling, e.g. KeyboardInterrupt, still happens).
         rank_sinks: where sink records go in a multi-rank run (torch.distributed
-            initialised, world size > 1; otherwise both values behave alike:
-            every record goes to this process's sinks, no collective runs).
-
-            - ``"merged"`` (default): rank 0's sinks receive each recorded step
-              merged across all ranks (counts, sums and histograms summed,
-              extrema combined: the math of ``history(all_ranks=True)``), one
-              record per step with ``DrainedStep.rank`` None; the sinks of
-              other ranks receive nothing. Every rank must create the Monitor
-              and call ``step()`` and ``detach()`` the same number of times;
-              every ``hookcap.monitor.RANK_MERGE_EVERY``-th ``step()`` (8)
-              runs small host-memory collectives on a gloo group of its own
-              (no device copy or sync), only when some rank has sinks; the
-              handshake, its timeout and the drain's lag are described in
-              docs/compile-and-distributed.md. Detectors keep running on each
-              rank's own data.
-            - ``"all"``: each rank's sinks receive that rank's own records
-              (``DrainedStep.rank`` = the rank); no collective runs. Sinks are
-              told their rank by ``bind_rank(rank)`` before the first write:
-              ``JSONL``/``CSV`` write ``path`` with ``{rank}`` replaced, or
-              with ``.rank{r}`` before the extension (``stats.jsonl`` ->
-              ``stats.rank1.jsonl``); ``TensorBoard`` writes under
-              ``log_dir/rank{r}``; ``WandB`` prefixes its keys with ``rank{r}/``.
-
+            initialised, world size > 1). ``"merged"`` (default): rank 0's sinks
+            receive each recorded step merged across all ranks (the math of
+            ``history(all_ranks=True)``; every rank must create the Monitor and call
+            ``step()`` and ``detach()`` alike; small host collectives every
+            ``hookcap.monitor.RANK_MERGE_EVERY``-th step). ``"all"``: each rank's sinks
+            receive its own records (file names and keys carry the rank). Details:
+            docs/compile-and-distributed.md.
         eval_forwards: forwards of modules in eval mode (``module.training``
             False at the call; taps: the model's) never merge into a training
             step's rows. ``"separate"`` (default): metrics named
@@ -133,6 +118,9 @@ class Monitor:
         fused: under ``torch.compile``, compute the statistics of CUDA float32/bf16/fp16
             captures as reductions in the compiled graph (fusable into the model's kernels);
             with ``histogram=None`` only. Eager calls unchanged; docs/compile-and-distributed.md.
+        grad_scaler: the ``torch.amp.GradScaler`` of the loop (with ``optimizer=``): its
+            ``update()`` closes steps, so an iteration whose optimizer step it skipped is a
+            step too (``update`` 0, ``History.skipped``); docs/loss-spikes.md.
         placements: ``{metric glob: "replicated" | "sharded" | "per_rank"}``: how plain
             tensors lie across ranks, for merged histories (first match wins): identical
             copies count once, or parts are summed; docs/compile-and-distributed.md.
@@ -165,6 +153,7 @@ class Monitor:
         moments: int = 2,
         fused: bool = False,
         placements: dict | None = None,
+        grad_scaler=None,
     ):
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
@@ -175,8 +164,9 @@ class Monitor:
         if optimizer is not None and not callable(getattr(innermost_optimizer(optimizer), "step", None)):
             raise ValueError(f"optimizer: expected a torch optimizer or a wrapper of one, "
                              f"got {type(optimizer).__name__}")
-        self.model = model
-        self.optimizer = optimizer
+        if grad_scaler is not None and (optimizer is None or not callable(getattr(grad_scaler, "update", None))):
+            raise ValueError("grad_scaler: expected a torch.amp.GradScaler, given with optimizer=")
+        self.model, self.optimizer, self.grad_scaler = model, optimizer, grad_scaler
         self._config = config
         self._catalog = Catalog()
         self._recorder = Recorder(config, self._catalog, start_step)
@@ -271,7 +261,12 @@ class Monitor:
                     pre = before_optimizer_step(self.optimizer, self._hooks.before_optimizer_step)
                     if pre is not None:
                         self._hooks.handles.append(pre)
-                self._hooks.handles.append(after_optimizer_step(self.optimizer, self._optimizer_stepped))
+                if self.grad_scaler is None:
+                    self._hooks.handles.append(after_optimizer_step(self.optimizer, self._optimizer_stepped))
+                else:  # the scaler's update() closes steps: also iterations whose step it skipped
+                    self._hooks.follow_optimizer(self.optimizer, pre=False)
+                    self._hooks.handles.append(after_optimizer_step(self.optimizer, self._hooks.mark_stepped))
+                    self._hooks.handles.append(ScalerUpdate(self.grad_scaler, self._scaler_updated))
         except BaseException:
             self._hooks.remove()
             self._attached = False
@@ -319,6 +314,10 @@ class Monitor:
 
     def _optimizer_stepped(self) -> None:
         self._step(None)  # the optimizer's post-step hook (optimizer=)
+
+    def _scaler_updated(self) -> None:  # grad_scaler.update(), before its own work
+        self._hooks.scaler_iteration(found_infs(self.grad_scaler, innermost_optimizer(self.optimizer)))
+        self._step(None)
 
     def _step(self, taken) -> None:
         """step(); ``taken``: the step's log, taken by detach() (a close with no rank collective)."""

@@ -419,6 +419,7 @@ def test_16_bit_parameters_record_the_applied_update(dtype, opt_kind):
         opt.step()
         deltas.append({n: (p.detach().double() - before[n].double(), before[n]) for n, p in model.named_parameters()})
         opt.zero_grad()
+    mon.detach()
     h = mon.history()
     from conftest import assert_recorded
 

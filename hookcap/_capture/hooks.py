@@ -24,6 +24,7 @@ from .park import HookPark
 from .._rows.recorder import Recorder
 from .hook_order import move_last
 from .param_grads import ParamGrads
+from .scaler import iteration_ended
 from .timing import Timing, inplace_grad_node
 from .tree import tensor_leaves
 
@@ -87,6 +88,7 @@ class Hooks:
         kinds = tuple(k for k in ("update", "adam_ratio", "optim_state") if k in config.capture)
         self.updates = OptimUpdates(recorder, optimizer, kinds, config.update_snapshot) if kinds else None
         self.optimizer_followed = False  # follow_optimizer(): the optimizer's own hooks record its kinds
+        self.optimizer_stepped = False  # with grad_scaler=: the optimizer stepped since the scaler's last update
         self.key = _compile.register(self)
         self.handles: list = []
         # Module hooks leave during off-steps (every > 1) for nn.Module's fast
@@ -193,11 +195,11 @@ class Hooks:
         if self.optim_state is not None:
             self.optim_state.record(self.params, covered)
 
-    def follow_optimizer(self, optimizer) -> None:
-        """For callbacks that step the Monitor themselves (HF, Lightning): the
-        optimizer kinds read ``optimizer``, recorded by its own step hooks
-        right after its step (before ``zero_grad`` and the learning-rate
-        scheduler), not at ``step()``. Once; removed with the other hooks."""
+    def follow_optimizer(self, optimizer, pre: bool = True) -> None:
+        """For callbacks that step the Monitor themselves (HF, Lightning) and
+        ``grad_scaler=``: the optimizer kinds read ``optimizer``, recorded by
+        its own step hooks right after its step (before ``zero_grad`` and the
+        scheduler), not at ``step()``; ``pre``: its copies too. Once."""
         if self.optimizer_followed or (self.optim_state is None and self.updates is None):
             return
         for part in (self.optim_state, self.updates):
@@ -205,10 +207,18 @@ class Hooks:
                 part.optimizer = optimizer
         self.optimizer_followed = True
         self.handles.append(after_optimizer_step(optimizer, self.record_optimizer))
-        if self.updates is not None and self.updates.copies:
-            pre = before_optimizer_step(optimizer, lambda: self.updates.before_step(self.params))
-            if pre is not None:
-                self.handles.append(pre)
+        if pre and self.updates is not None and self.updates.copies:
+            hook = before_optimizer_step(optimizer, lambda: self.updates.before_step(self.params))
+            if hook is not None:
+                self.handles.append(hook)
+
+    def mark_stepped(self) -> None:
+        self.optimizer_stepped = True  # the optimizer's post-step hook, with grad_scaler=
+
+    def scaler_iteration(self, infs) -> None:
+        """``grad_scaler.update()``, once per loop iteration (scaler.iteration_ended)."""
+        iteration_ended(self.recorder, self.updates, self.params, self.optimizer_stepped, infs)
+        self.optimizer_stepped = False
 
     @property
     def wants_pre_step(self) -> bool:

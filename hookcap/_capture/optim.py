@@ -10,6 +10,7 @@ import logging
 import torch
 
 from .._rows.recorder import Recorder
+from .scaler import record_skip, step_flags
 
 log = logging.getLogger("hookcap")
 _warned_no_optimizer = False  # process-wide: a hint about the arguments, not about data
@@ -240,6 +241,7 @@ class OptimUpdates:
         self.snapshot = snapshot
         self._copies: dict[str, torch.Tensor] = {}
         self._copied: set[str] = set()
+        self.skip_recorded = False  # this iteration's GradScaler flag is recorded (a fused step)
 
     def _recomputes(self, opt) -> bool:
         """Whether the op recomputes ``opt``'s step (torch's own SGD, Adam, AdamW)."""
@@ -263,7 +265,10 @@ class OptimUpdates:
         if not ("update" in self.kinds and self.recorder.recording):
             return
         opt = innermost_optimizer(self.optimizer)
-        every = self.snapshot and not self._recomputes(opt)
+        found_inf, _ = step_flags(opt)
+        # A fused step under GradScaler on a GPU: whether it was skipped is known
+        # on the device only, so Δw is read against copies (0 where skipped).
+        every = (self.snapshot and not self._recomputes(opt)) or (found_inf is not None and found_inf.device.type != "cpu")
         with torch.no_grad():
             for pname, p in params:
                 if not (every or p.dtype in _STORED_LOW):
@@ -273,6 +278,14 @@ class OptimUpdates:
                     c = self._copies[pname] = torch.empty_like(p, memory_format=torch.preserve_format)
                 c.copy_(p)
                 self._copied.add(pname)
+
+    def record_skipped(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        """A step GradScaler skipped: ``update`` is exactly 0 (``w − w``, no
+        tensor made), ``update.base`` is ``w``; no ``adam_ratio``."""
+        if "update" in self.kinds and self.recorder.recording:
+            with torch.no_grad():
+                self.recorder.write_updates("GradScaler", _RULE_DIFF, [0.0] * 8,
+                                            [(n, p, None, p.detach(), None, None, _UPDATE_OUTS) for n, p in params])
 
     def record(self, params: list[tuple[str, torch.Tensor]]) -> set:
         """Record this step's kinds; returns the ``(param, state key)`` pairs
@@ -293,6 +306,21 @@ class OptimUpdates:
             return covered
         mtype = type(opt).__name__
         stepped = [k for k in ("update", "adam_ratio") if k in self.kinds]
+        found_inf, _ = step_flags(opt)
+        # A fused step under GradScaler unscales .grad in place, unless it skipped the step.
+        if found_inf is not None:
+            record_skip(self.recorder, found_inf, "GradScaler")
+            self.skip_recorded = True
+            if found_inf.device.type == "cpu":  # a host read costs no device sync here
+                if float(found_inf) != 0.0:
+                    self.record_skipped(params)
+                    return covered
+            elif want_ratio:
+                want_ratio = False
+                self.recorder.warn_once(("update", "scaled"), (
+                    "hookcap: adam_ratio is not recorded for a fused optimizer's step under GradScaler on a GPU: "
+                    "whether the step was skipped (and its gradients still scaled) is known on the device only "
+                    "(reading it would sync the host); update is read against a copy"))
         # One op call per (rule, hyper-parameters): a parameter group's
         # parameters, each with its rows; the loop over them runs in C++.
         batches: dict[tuple, list] = {}
