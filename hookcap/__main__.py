@@ -139,9 +139,9 @@ def main(argv=None) -> int:
         except (ImportError, ValueError, OSError) as e:
             print(f"hookcap report: {e}", file=sys.stderr)
             return 1
-        for k in ("heatmap", "nonfinite", "histogram"):
-            if files[k]:
-                print(f"wrote {files[k]}")
+        for k, path in files.items():  # every plot made, the index last
+            if path and k != "index":
+                print(f"wrote {path}")
         print(f"wrote {files['index']}")
         return 0
     return 2

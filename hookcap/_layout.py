@@ -264,10 +264,12 @@ def higher_moments(rows: np.ndarray, finite=None) -> dict[str, np.ndarray]:
 
 
 def crest(absmax, rms) -> np.ndarray:
-    """Crest factor ``absmax / rms`` (>= 1; NaN where ``rms`` is 0 or NaN)."""
+    """Crest factor ``absmax / rms`` (>= 1; NaN where ``rms`` is 0 or NaN).
+    ``absmax >= rms`` always; the rounding of ``rms`` (a few ulps) could put
+    the quotient just below 1, so it is held at 1 there."""
     absmax, rms = np.asarray(absmax, np.float64), np.asarray(rms, np.float64)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        return np.where(rms > 0, absmax / np.where(rms > 0, rms, 1.0), np.nan)
+        return np.where(rms > 0, np.fmax(absmax / np.where(rms > 0, rms, 1.0), 1.0), np.nan)
 
 
 _ADD_COLS = [COUNT, NAN, POSINF, NEGINF, ZEROS, CALLS, BIG_N, SMALL_N, N4]

@@ -135,9 +135,14 @@ def from_histogram(counts, spec: Histogram, q, lo_clip=None, hi_clip=None) -> Qu
     # numpy's interpolation rounds too: a few ulps of slack where it mixes, of
     # the larger end (values of opposite signs cancel: the result's own ulp
     # can be far smaller than the rounding of the terms).
+    # Ends that are exactly 0 mix exactly (no slack: a quantile of zeros is exact).
+    def slack(u, v):
+        m = np.maximum(np.abs(u), np.abs(v))
+        return np.where(m > 0, 4 * np.spacing(m), 0.0)
+
     with np.errstate(invalid="ignore"):
-        lower = np.where(between, lower - 4 * np.spacing(np.maximum(np.abs(lo0), np.abs(lo1))), lower)
-        upper = np.where(between, upper + 4 * np.spacing(np.maximum(np.abs(hi0), np.abs(hi1))), upper)
+        lower = np.where(between, lower - slack(lo0, lo1), lower)
+        upper = np.where(between, upper + slack(hi0, hi1), upper)
     value = np.clip(value, lower, upper)
     empty = (n == 0)[:, None]
     value, lower, upper = (np.where(empty, np.nan, v) for v in (value, lower, upper))

@@ -208,3 +208,16 @@ def test_tensorboard_quantile_scalars(tmp_path):
         got = hist.quantile(name, [0.5, 0.99])
         p99 = [e.value for e in ea.Scalars(f"{name}/p99")]
         np.testing.assert_allclose(p99, got.value[:, 1], rtol=1e-7)  # TensorBoard keeps float32
+
+
+def test_a_quantile_that_is_exactly_zero_is_exact():
+    """ReLU outputs: with a log2 histogram (its bin of exact zeros) the
+    quantiles among the zeros are 0 with bounds [0, 0] and rel_error 0 (not
+    a tiny interval around 0 with an infinite bound)."""
+    x = torch.relu(torch.randn(1001, generator=torch.Generator().manual_seed(0)))
+    for spec in (hookcap.Histogram.log2(), hookcap.Histogram.log2(signed=True), hookcap.Histogram.log2(sub=4)):
+        q = hookcap.tensor_stats(x, histogram=spec, quantiles=[0.01, 0.3, 0.45])["quantiles"]
+        ref = np.quantile(x.double().numpy(), [0.01, 0.3, 0.45])
+        assert (ref == 0).all()
+        assert (q.value == 0).all() and (q.lower == 0).all() and (q.upper == 0).all(), spec
+        assert (q.rel_error == 0).all()

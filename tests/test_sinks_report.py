@@ -665,3 +665,17 @@ def test_package_import_is_cheap():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_report_cli_lists_every_plot_it_wrote(tmp_path, capsys):
+    """`python -m hookcap report` names each file it wrote (quantiles and
+    crest too), and only those."""
+    pytest.importorskip("matplotlib")
+    from hookcap.__main__ import main
+
+    h, dump, _ = run_with_nan(tmp_path)
+    assert main(["report", str(dump), "--out", str(tmp_path / "rep")]) == 0
+    said = {line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")}
+    on_disk = {str(p) for p in (tmp_path / "rep").iterdir()}
+    assert said == on_disk and str(tmp_path / "rep" / "quantiles.png") in said
+    assert str(tmp_path / "rep" / "crest.png") in said

@@ -483,3 +483,12 @@ def test_floating_types_the_kernels_do_not_take_are_refused_by_name(name):
     with pytest.raises(RuntimeError, match="supported dtypes are float16, bfloat16, float32"):
         hookcap.tensor_stats(x)
     assert skip_reason(x) == f"dtype {dtype} is not supported"
+
+
+def test_crest_is_at_least_one():
+    """A constant magnitude: absmax = rms mathematically; the rounding of rms
+    never reports a crest below 1."""
+    for n in (3, 7, 1000, 12345):
+        for v in (0.1, 1.0 / 3.0, 1e-30, 7.7e20):
+            x = torch.full((n,), v, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(n)[:n]
+            assert hookcap.tensor_stats(x)["crest"] >= 1.0, (n, v)
