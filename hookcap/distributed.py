@@ -113,7 +113,8 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     only steps in ``steps``) merged with every other rank's, one record per
     step of ``steps`` against ``names``. Counts, sums and histograms add,
     extrema combine, moments are re-expressed about one common shift: one
-    packed MIN and one packed SUM all-reduce. Metrics named in ``replicated``
+    packed MIN and one packed SUM all-reduce (and a small MIN all-reduce
+    first where ``replicated`` metrics exist). Metrics named in ``replicated``
     are counted once (the lowest rank that has the step's row; see the module
     docstring); this rank's rows of metrics named in ``uncounted`` add nothing
     (another rank holds the same data); a row of a metric named in ``copies``
@@ -148,15 +149,23 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     rep = np.array([n in replicated for n in names], dtype=bool)
     rep_has = has & rep[None, :]
     fp = np.where(rep_has, _fingerprint(rows), _I64_MAX)
+    # Replicated metrics: the lowest rank with the row owns it (a small MIN
+    # all-reduce first, only where there are any: the others' extrema must
+    # not enter the merge either, should their copies differ).
+    owner = np.where(rep_has, rank, world)
+    if rep.any():
+        t = torch.from_numpy(np.ascontiguousarray(owner)).to(device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        not_mine = rep[None, :] & (t.cpu().numpy() != rank)
+        rows[not_mine, : _layout.HEADER] = _layout.fresh_header()
+        rows[not_mine, _layout.HEADER:] = 0
 
     # 1) one MIN all-reduce: min key, -max key, -absmax key, and a common shift
     #    (the smallest set shift key; every rank's shift is a central value of
     #    its own data, so any of them keeps the merged variance well conditioned).
     shift_keys = [np.where(rows[..., cs] == _layout.SHIFT_UNSET, _I64_MAX,
                            _layout.order_key(rows[..., cs].view(np.float64))) for _, _, cs in _layout.MOMENT_SETS]
-    # Replicated metrics: the lowest rank with the row owns it; the
-    # fingerprint's min and max tell whether the copies agree.
-    owner = np.where(rep_has, rank, world)
+    # The fingerprint's min and max tell whether replicas' copies agree.
     mins = np.stack([rows[..., _layout.MIN], -rows[..., _layout.MAX], -rows[..., _layout.ABSMAX],
                      shift_keys[0], owner, fp, np.where(rep_has, -fp, _I64_MAX)] + shift_keys[1:], axis=-1)
     t = torch.from_numpy(np.ascontiguousarray(mins)).to(device)

@@ -227,7 +227,24 @@ def _ddp_loops(rank, log, early):
     return out
 
 
-SCENARIOS = {"hsdp": _hsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "sequence_parallel": _sequence_parallel,
+def _per_rank_params(rank, log):
+    """Parameters that differ per rank under one name (pipeline stages or
+    experts with local names): declared per_rank they are summed, each
+    rank's copy counted; undeclared they count once with a warning."""
+    torch.manual_seed(40 + rank)
+    model = nn.Linear(4, 3)
+    declared = Monitor(model, capture="param", placements={"*": "per_rank"}).attach()
+    default = Monitor(model, capture="param").attach()
+    declared.step()
+    default.step()
+    declared.detach()
+    default.detach()
+    return {"declared": declared.history(all_ranks=True), "default": default.history(all_ranks=True),
+            "values": {n: p.detach().double().clone() for n, p in model.named_parameters()},
+            "log": list(log.messages)}
+
+
+SCENARIOS = {"per_rank_params": _per_rank_params, "hsdp": _hsdp, "tp": _tp, "fsdp_tp": _fsdp_tp, "sequence_parallel": _sequence_parallel,
              "tp_acts_after": _activations,
              "tp_acts_before": lambda rank, log: _activations(rank, log, order="before"),
              "tp_acts_dtensor": lambda rank, log: _activations(rank, log, local_output=False)}
@@ -421,3 +438,14 @@ def test_ddp_param_grad_is_the_reduced_gradient_in_every_loop(results, case):
     # the reduced gradient is the same on every rank
     for pname, grad in got[0][case]["want"][0].items():
         torch.testing.assert_close(grad, got[1][case]["want"][0][pname])
+
+
+def test_per_rank_parameters_declared_per_rank_are_summed(results):
+    got = _scenario(results, "per_rank_params")
+    for name in ("weight", "bias"):
+        values = [g["values"][name] for g in got]
+        for g in got:
+            assert g["declared"].meta(f"{name}/param")["placement"] == "per_rank"
+            assert_recorded(g["declared"], 0, f"{name}/param", values)  # every rank's copy
+            assert_recorded(g["default"], 0, f"{name}/param", values[:1])  # a replica: rank 0's
+    assert [m for m in got[0]["log"] if "differ" in m]  # ... and said so

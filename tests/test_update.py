@@ -433,3 +433,62 @@ def test_16_bit_parameters_record_the_applied_update(dtype, opt_kind):
                 assert h["count"][s, h.column(f"{name}/adam_ratio")] == delta.numel()
     # the step's rounding leaves many weights unchanged in 16 bits: the case this exists for
     assert max(float((d == 0).double().mean()) for d, _ in deltas[-1].values()) > 0.05
+
+
+def test_adafactor_factored_moments_are_left_out_whatever_their_shape():
+    """Adafactor's col_var of a 1 x 32 weight has the weight's shape: still a
+    factored moment, not recorded (a 1-D parameter's variance is)."""
+    torch.manual_seed(0)
+    w, b = nn.Parameter(torch.randn(1, 32)), nn.Parameter(torch.randn(32))
+    model = nn.Module()
+    model.w, model.b = w, b
+    opt = torch.optim.Adafactor([w, b], lr=1e-2)
+    with Monitor(model, capture="optim_state", optimizer=opt) as mon:
+        for _ in range(2):
+            (w.sum() + b.pow(2).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    names = mon.history().names
+    assert "b/state.variance" in names
+    assert not [n for n in names if "row_var" in n or "col_var" in n], names
+
+
+class DuckSGD:
+    """An optimizer that is not a torch.optim.Optimizer (no step hooks)."""
+
+    def __init__(self, params, lr=0.1):
+        self.params = list(params)
+        self.param_groups = [{"params": self.params, "lr": lr}]
+        self.state = {}
+
+    def step(self):
+        with torch.no_grad():
+            for p in self.params:
+                p -= self.param_groups[0]["lr"] * p.grad
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+def test_a_duck_typed_optimizer_with_update_snapshot_records_its_updates():
+    """Its step is wrapped for the copy before and the record after; both
+    wrappers come off at detach()."""
+    model = make_model(4)
+    opt = DuckSGD(model.parameters())
+    mon = Monitor(model, capture="update", optimizer=opt, update_snapshot=True).attach()
+    deltas = []
+    for s in range(2):
+        model(torch.randn(5, 7)).pow(2).mean().backward()
+        before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        opt.step()
+        deltas.append({n: p.detach().double() - before[n] for n, p in model.named_parameters()})
+        opt.zero_grad()
+    mon.detach()
+    assert "step" not in vars(opt) and not [k for k in vars(opt) if "hookcap" in k]
+    h = mon.history()
+    from conftest import assert_recorded
+
+    for s, per_param in enumerate(deltas):
+        for name, delta in per_param.items():
+            assert_recorded(h, s, f"{name}/update", [delta])

@@ -32,38 +32,73 @@ def innermost_optimizer(optimizer):
     return optimizer
 
 
-class _StepWrapper:
-    """The handle of an optimizer whose ``step`` is wrapped (it has no
-    ``register_step_post_hook``): ``remove()`` restores it."""
+class _WrappedStep:
+    """The ``step`` of an optimizer without step hooks (not a
+    ``torch.optim.Optimizer``), wrapped once to call ``before`` and
+    ``after`` callbacks; put back when the last one is removed."""
 
-    def __init__(self, optimizer, after_step):
+    def __init__(self, optimizer):
         self.optimizer = optimizer
+        self.before: list = []
+        self.after: list = []
         self._own = vars(optimizer).get("step")  # an instance attribute to put back, if any
         inner = optimizer.step
 
         @functools.wraps(inner)
         def step(*args, **kwargs):
+            for fn in list(self.before):
+                fn()
             out = inner(*args, **kwargs)
-            after_step()
+            for fn in list(self.after):
+                fn()
             return out
 
         optimizer.step = step
+        vars(optimizer)[_WRAPPED] = self
+
+    @staticmethod
+    def of(optimizer) -> "_WrappedStep":
+        return vars(optimizer).get(_WRAPPED) or _WrappedStep(optimizer)
+
+    def add(self, which: list, fn) -> "_StepHook":
+        which.append(fn)
+        return _StepHook(self, which, fn)
+
+    def drop(self, which: list, fn) -> None:
+        if fn in which:
+            which.remove(fn)
+        if not self.before and not self.after and vars(self.optimizer).get(_WRAPPED) is self:
+            del vars(self.optimizer)[_WRAPPED]
+            if self._own is not None:
+                self.optimizer.step = self._own
+            else:
+                vars(self.optimizer).pop("step", None)
+
+
+_WRAPPED = "_hookcap_wrapped_step"
+
+
+class _StepHook:
+    """A callback of a wrapped step; ``remove()`` takes it out."""
+
+    def __init__(self, wrapped: _WrappedStep, which: list, fn) -> None:
+        self._wrapped, self._which, self._fn = wrapped, which, fn
 
     def remove(self) -> None:
-        if self._own is not None:
-            self.optimizer.step = self._own
-        else:
-            vars(self.optimizer).pop("step", None)
+        self._wrapped.drop(self._which, self._fn)
 
 
 def before_optimizer_step(optimizer, fn):
     """Call ``fn()`` before each step of ``optimizer`` (or of the optimizer it
-    wraps); returns a handle with ``remove()``, or None where the optimizer
-    has no step pre-hooks."""
+    wraps); returns a handle with ``remove()``. An optimizer without step
+    pre-hooks has its ``step`` wrapped."""
     opt = innermost_optimizer(optimizer)
     if isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "_optimizer_step_pre_hooks"):
         return opt.register_step_pre_hook(lambda *a, **k: fn())
-    return None
+    if not callable(getattr(opt, "step", None)):
+        raise ValueError(f"optimizer: {type(optimizer).__name__} has no step() to follow")
+    wrapped = _WrappedStep.of(opt)
+    return wrapped.add(wrapped.before, fn)
 
 
 def after_optimizer_step(optimizer, fn):
@@ -74,7 +109,8 @@ def after_optimizer_step(optimizer, fn):
         return opt.register_step_post_hook(lambda *a, **k: fn())
     if not callable(getattr(opt, "step", None)):
         raise ValueError(f"optimizer: {type(optimizer).__name__} has no step() to follow")
-    return _StepWrapper(opt, fn)
+    wrapped = _WrappedStep.of(opt)
+    return wrapped.add(wrapped.after, fn)
 
 
 class OptimState:
@@ -84,7 +120,8 @@ class OptimState:
     ``{param}/state.{key}``, recorded at ``step()`` (which a Monitor given the
     optimizer runs right after the optimizer's step). Scalars (Adam's
     ``step``) and tensors of other shapes (factored second moments) are left
-    out."""
+    out, also where a factored moment's shape happens to equal the
+    parameter's (``_FACTORED``: Adafactor's ``col_var`` of a 1 x n weight)."""
 
     def __init__(self, recorder: Recorder, optimizer) -> None:
         global _warned_no_optimizer
@@ -112,8 +149,12 @@ class OptimState:
                     continue
                 for key, v in st.items():
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and v.shape == p.shape and \
-                            (pname, key) not in covered:
+                            (pname, key) not in covered and key not in _FACTORED:
                         self.recorder.write(pname, "optim_state", str(key), v.detach(), mtype, 0)
+
+
+# Factored second moments by their keys (torch's Adafactor; HF's and timm's).
+_FACTORED = frozenset({"row_var", "col_var", "exp_avg_sq_row", "exp_avg_sq_col"})
 
 
 # -- capture kinds "update" and "adam_ratio" ------------------------------------------------
