@@ -732,10 +732,11 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void acc_add_run(Acc& acc, V s1, V s2, int64_t
   acc_merge(acc, run);
 }
 
-// Shift candidate: the median of the finite values among the first few
-// elements (else 0) — a central value, so one outlier at the front cannot
-// become the shift. Every block of a launch computes the same candidate, so
-// they agree without communicating.
+// Shift candidate: the median of the finite values among a few elements
+// spread evenly over the tensor (else 0) — a central value: neither one
+// outlier nor a run of them at the front (a massive activation in token 0)
+// can become the shift. Every block of a launch computes the same
+// candidate, so they agree without communicating.
 constexpr int kShiftProbe = 8;
 
 #if defined(__CUDACC__)
@@ -746,8 +747,8 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE double shift_candidate(Load load, int64_t n) {
   double vals[kShiftProbe];
   int m = 0;
   const int64_t probe = n < kShiftProbe ? n : kShiftProbe;
-  for (int64_t i = 0; i < probe; ++i) {
-    const double v = load(i);
+  for (int64_t k = 0; k < probe; ++k) {
+    const double v = load(k * (n / probe) + (k * (n % probe)) / probe);  // = k·n/probe, no overflow
     const double a = v < 0 ? -v : v;
     if (!(a < kInf) || wide_bucket(a) != 0) continue;  // kShift is an ordinary value's
     int j = m++;
