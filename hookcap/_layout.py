@@ -239,7 +239,8 @@ def higher_moments(rows: np.ndarray, finite=None) -> dict[str, np.ndarray]:
     fourth moments of all its finite values (written without moments=4, or
     float64 values too wide to square: see stats_math.h wide_bucket), where
     it has no finite value, and, for skew and kurtosis, where m2 is 0 or the
-    powers left double's range."""
+    fourth powers leave double's normal range (deviations beyond about
+    2**±255)."""
     rows = np.asarray(rows, dtype=np.int64)
     if not rows[..., N4].any():  # the default (moments=2): nothing to derive on every decode
         return {k: np.full(rows.shape[:-1], np.nan) for k in MOMENT_NAMES}
@@ -257,7 +258,9 @@ def higher_moments(rows: np.ndarray, finite=None) -> dict[str, np.ndarray]:
         m4 = np.maximum(a4 - 4.0 * d * a3 + 6.0 * d * d * a2 - 3.0 * d ** 4, 0.0)
         m3 = np.where(ok & np.isfinite(m3), m3, np.nan)
         m4 = np.where(ok & np.isfinite(m4), m4, np.nan)
-        shape = (m2 > 0) & np.isfinite(m2 * m2) & (m2 * m2 > 0)
+        # m2² (and m4 >= m2²) must be normal doubles: subnormal fourth powers
+        # (deviations near 2**-256) lose their digits, so they give NaN, not noise.
+        shape = (m2 > 0) & np.isfinite(m2 * m2) & (m2 * m2 >= np.finfo(np.float64).tiny)
         skew = np.where(shape, m3 / (m2 * np.sqrt(m2)), np.nan)
         kurt = np.where(shape, m4 / (m2 * m2), np.nan)
     return {"m3": m3, "m4": m4, "skew": skew, "kurtosis": kurt}

@@ -221,3 +221,18 @@ def test_moments_hold_whatever_the_first_elements_are(dtype, front):
     ref = reference.tensor_stats(x, moments=4)
     for k in ("kurtosis", "m4"):
         assert abs(got[k] - ref[k]) <= 5e-6 * abs(ref[k]), (k, got[k], ref[k])
+
+
+def test_float64_kurtosis_is_exact_or_nan_across_scales():
+    """float64 data from 1e-90 to 1e90: kurtosis within 5e-6 of float64
+    where its fourth powers stay normal doubles (1e-70 .. 1e70 here), NaN
+    beyond (never silently off, as subnormal fourth powers would be)."""
+    base = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for e in range(-90, 91, 5):
+        x = base * 10.0 ** e
+        got = hookcap.tensor_stats(x, moments=4)["kurtosis"]
+        ref = reference.tensor_stats(x, moments=4)["kurtosis"]
+        if -70 <= e <= 70:
+            assert abs(got - ref) <= 5e-6 * ref, e
+        else:
+            assert np.isnan(got) or abs(got - ref) <= 5e-6 * ref, (e, got, ref)
