@@ -1,3 +1,4 @@
+import logging
 import os
 from unittest import mock
 
@@ -18,6 +19,18 @@ settings.register_profile(
 settings.load_profile("default")
 
 EXACT = ("count", "nan", "posinf", "neginf", "inf", "zeros", "finite", "min", "max", "absmax")
+
+
+class WarningLog(logging.Handler):
+    """The messages of warnings logged to the handler's logger (in worker
+    processes, where pytest's caplog does not reach)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def assert_stats_match(got, ref, *, rtol_sum=1e-5, rtol_std=1e-4, abs_sum=None):

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import hookcap
-from conftest import assert_wide_match, stall_reader
+from conftest import WarningLog, assert_wide_match, stall_reader
 from hookcap.sinks.jsonl import full_histogram
 from hookcap import Monitor
 
@@ -458,22 +458,13 @@ def test_rank_sinks_all_one_file_per_rank(tmp_path):
         assert _cells(hookcap.load(r["pq_path"])) == r["h"]
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def _timeout_worker(rank, world, store, out):
     _init(rank, world, store)
     torch.set_num_threads(1)
     import hookcap.monitor
 
     hookcap.monitor.RANK_HANDSHAKE_TIMEOUT_S = 2.0
-    warnings = _Warnings()
+    warnings = WarningLog()
     logging.getLogger("hookcap").addHandler(warnings)
     res = {}
     if rank == 0:  # only rank 0 creates a Monitor (with the default rank_sinks="merged")

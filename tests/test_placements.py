@@ -16,22 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from conftest import assert_recorded
+from conftest import WarningLog, assert_recorded
 from hookcap import Monitor
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 
 WORLD = 4
 PARAM_KINDS = ("param", "param_grad", "update", "adam_ratio", "optim_state")
-
-
-class _Log(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _mlp(seed=0):
@@ -257,7 +248,7 @@ def _worker(rank, world, store, out):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
-    log = _Log()
+    log = WarningLog()
     logging.getLogger("hookcap").addHandler(log)
     res = {}
     for name, fn in SCENARIOS.items():
