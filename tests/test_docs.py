@@ -28,7 +28,7 @@ def test_loss_spike_page_example_finds_the_spike(tmp_path, monkeypatch, capsys):
     it shows holds."""
     import numpy as np
 
-    (code,) = snippets("loss-spikes.md")
+    code = snippets("loss-spikes.md")[0]
     monkeypatch.chdir(tmp_path)
     ns = {"__name__": "__docs__"}
     exec(compile(code, "docs/loss-spikes.md snippet", "exec"), ns)
@@ -53,3 +53,19 @@ def test_loss_spike_page_example_finds_the_spike(tmp_path, monkeypatch, capsys):
     np.testing.assert_array_equal(sig["loss"]["loss"], h["max"][:, h.column("loss")])  # a 0-d tap: mean == max
     page = (tmp_path / "loss-spike-report" / "index.html").read_text()
     assert 'src="signals.png"' in page and (tmp_path / "loss-spike-report" / "signals.png").stat().st_size > 1024
+
+
+def test_loss_spike_page_grad_scaler_snippet(capsys):
+    """docs/loss-spikes.md's GradScaler snippet runs as written and shows
+    what its comments say: the skipped iteration, an update of 0 there."""
+    import numpy as np
+
+    code = snippets("loss-spikes.md")[1]
+    ns = {"__name__": "__docs__"}
+    exec(compile(code, "docs/loss-spikes.md snippet 1", "exec"), ns)
+    h = ns["h"]
+    assert h.skipped.tolist() == [False, False, True, False]
+    upd = h["l2norm"][:, h.column("weight/update")]
+    assert upd[2] == 0 and np.all(upd[[0, 1, 3]] > 0)
+    assert np.isnan(h["count"][2, h.column("weight/adam_ratio")])
+    ns["mon"].detach()
