@@ -32,9 +32,10 @@ class FP8Fit:
         fmt: ``"e4m3"`` or ``"e5m2"``.
         scale: the factor applied before the cast (``max / absmax`` for
             ``scaling="amax"``).
-        underflow_lo, underflow_hi: non-zero values with ``|x * s|`` below
-            half the smallest subnormal: they become 0.
-        subnormal_lo, subnormal_hi: values with ``|x * s|`` from there up to
+        underflow_lo, underflow_hi: non-zero values with ``|x * s|`` at or
+            below half the smallest subnormal: they become 0 (the tie rounds
+            to even, to 0).
+        subnormal_lo, subnormal_hi: values with ``|x * s|`` above that, up to
             the smallest normal, before rounding: they keep fewer mantissa
             bits (those within half a subnormal step of the smallest normal
             round up to it).
@@ -98,8 +99,10 @@ def fit(counts, spec: Histogram, absmax, fmt: str = "e4m3", scaling="amax") -> F
     if isinstance(scaling, str):
         t2 = amax  # max / s is absmax itself, whatever the rounding of s
     # Bin [a, b) against [L, U): inside if a >= L and b <= U, overlapping if b > L and a < U.
-    under = _fractions(counts, a, b, binned & (b <= t0), binned & (a < t0), finite)
-    sub = _fractions(counts, a, b, binned & (a >= t0) & (b <= t1), binned & (b > t0) & (a < t1), finite)
+    # Half the smallest subnormal itself rounds to even, to 0: a bin starting
+    # there may hold such ties, so it bounds underflow from above.
+    under = _fractions(counts, a, b, binned & (b <= t0), binned & (a <= t0), finite)
+    sub = _fractions(counts, a, b, binned & (a > t0) & (b <= t1), binned & (b > t0) & (a < t1), finite)
     # (t2, inf): no value exceeds absmax, so nothing saturates when absmax <= t2.
     sat = _fractions(counts, a, b, binned & (a > t2), binned & (b > t2) & (amax > t2), finite)
     return FP8Fit(fmt, scale, *under, *sub, *sat)

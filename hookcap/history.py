@@ -168,7 +168,7 @@ class History:
         ``x * s`` (``scaling="amax"``: ``s = max / absmax`` per step, as
         per-tensor current scaling does; or a float ``s``). ``fmt``:
         ``"e4m3"`` or ``"e5m2"``. Needs a log2 histogram; exact where the
-        thresholds fall on bin edges (docs/statistics.md#fp8-fit)."""
+        thresholds fall on bin edges, but for halfway ties (docs/statistics.md#fp8-fit)."""
         from .fp8 import fit
 
         if self._histogram is None:
