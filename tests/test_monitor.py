@@ -266,6 +266,8 @@ def _run(model_fn, batches, monitored, seed=0):
         opt.zero_grad()
         if mon:
             mon.step()
+    if mon:
+        mon.detach()  # an attached Monitor stays reachable and would record later tests' taps
     return outs, grads, model.state_dict()
 
 
