@@ -72,6 +72,15 @@ def _fingerprint(rows: np.ndarray) -> np.ndarray:
     return (h & np.uint64((1 << 62) - 1)).astype(np.int64)
 
 
+def _forget(rows: np.ndarray, cells) -> None:
+    """Make ``cells`` (an index over the first two axes) of raw rows
+    [S, M, width] as if this rank never wrote them (freshly reset rows: they
+    add nothing to a merge)."""
+    cells = cells if isinstance(cells, tuple) else (cells,)
+    rows[cells + (slice(None, _layout.HEADER),)] = _layout.fresh_header()
+    rows[cells + (slice(_layout.HEADER, None),)] = 0
+
+
 def union_names(infos, names: list[str] | None = None, metas: dict | None = None):
     """Metric names of all ranks' ``info["names"]`` (with ``info["metas"]``) in
     rank order, first seen first, appended to ``names``/``metas`` (in place
@@ -125,10 +134,7 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
 
     nb = spec.nbins if spec is not None else 0
     rows, has = _dense(records, local_names, nb, names, steps)
-    skip = [i for i, n in enumerate(names) if n in uncounted]
-    if skip:  # as if this rank never wrote them
-        rows[:, skip, : _layout.HEADER] = _layout.fresh_header()
-        rows[:, skip, _layout.HEADER:] = 0
+    _forget(rows, (slice(None), np.array([n in uncounted for n in names], dtype=bool)))
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
@@ -143,9 +149,7 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
             lower |= g.cpu().numpy() == fp_dup
         lower &= fp_dup >= 0
         for j, i in enumerate(dup):
-            cells = lower[:, j]
-            rows[cells, i, : _layout.HEADER] = _layout.fresh_header()
-            rows[cells, i, _layout.HEADER:] = 0
+            _forget(rows, (lower[:, j], i))
     rep = np.array([n in replicated for n in names], dtype=bool)
     rep_has = has & rep[None, :]
     fp = np.where(rep_has, _fingerprint(rows), _I64_MAX)
@@ -156,9 +160,8 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
     if rep.any():
         t = torch.from_numpy(np.ascontiguousarray(owner)).to(device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        not_mine = rep[None, :] & (t.cpu().numpy() != rank)
-        rows[not_mine, : _layout.HEADER] = _layout.fresh_header()
-        rows[not_mine, _layout.HEADER:] = 0
+        owner = t.cpu().numpy()
+        _forget(rows, rep[None, :] & (owner != rank))
 
     # 1) one MIN all-reduce: min key, -max key, -absmax key, and a common shift
     #    (the smallest set shift key; every rank's shift is a central value of
@@ -167,20 +170,20 @@ def merge_records(records, local_names: list[str], spec, names: list[str], steps
                            _layout.order_key(rows[..., cs].view(np.float64))) for _, _, cs in _layout.MOMENT_SETS]
     # The fingerprint's min and max tell whether replicas' copies agree.
     mins = np.stack([rows[..., _layout.MIN], -rows[..., _layout.MAX], -rows[..., _layout.ABSMAX],
-                     shift_keys[0], owner, fp, np.where(rep_has, -fp, _I64_MAX)] + shift_keys[1:], axis=-1)
+                     shift_keys[0], fp, np.where(rep_has, -fp, _I64_MAX)] + shift_keys[1:], axis=-1)
     t = torch.from_numpy(np.ascontiguousarray(mins)).to(device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     mins = t.cpu().numpy()
-    diverged = (mins[..., 4] < world) & (mins[..., 5] != -mins[..., 6])
+    diverged = (owner < world) & (mins[..., 4] != -mins[..., 5])
     if diverged.any() and rank == 0:
         bad = [names[m] for m in np.unique(np.nonzero(diverged)[1])]
         log.warning("hookcap: replicated metrics differ across ranks (replicas diverged, or the tensor is "
                     "not replicated): %s%s; the merged history holds the lowest rank's copy",
                     ", ".join(bad[:5]), f" and {len(bad) - 5} more" if len(bad) > 5 else "")
     # Each replicated row's data from its owner only.
-    drop = rep[None, :] & (mins[..., 4] != rank)
+    drop = rep[None, :] & (owner != rank)
     # Each set of moments' common shift (the ordinary values', then the wide buckets').
-    keys = [mins[..., 3]] + [mins[..., 7 + i] for i in range(len(_layout.MOMENT_SETS) - 1)]
+    keys = [mins[..., 3]] + [mins[..., 6 + i] for i in range(len(_layout.MOMENT_SETS) - 1)]
     has_shift = [k != _I64_MAX for k in keys]
     common = [np.where(h, _layout._unkey(np.where(h, k, 0)), 0.0) for h, k in zip(has_shift, keys)]
 

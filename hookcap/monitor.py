@@ -258,9 +258,8 @@ class Monitor:
             self._hooks.attach()
             if self.optimizer is not None:
                 if self._hooks.wants_pre_step:
-                    pre = before_optimizer_step(self.optimizer, self._hooks.before_optimizer_step)
-                    if pre is not None:
-                        self._hooks.handles.append(pre)
+                    self._hooks.handles.append(before_optimizer_step(self.optimizer,
+                                                                     self._hooks.before_optimizer_step))
                 if self.grad_scaler is None:
                     self._hooks.handles.append(after_optimizer_step(self.optimizer, self._optimizer_stepped))
                 else:  # the scaler's update() closes steps: also iterations whose step it skipped

@@ -21,7 +21,7 @@ from .._rows.config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example
 from .follow import ModelWatch, watched_params
 from .optim import OptimState, OptimUpdates, after_optimizer_step, before_optimizer_step
 from .park import HookPark
-from .._rows.recorder import Recorder
+from .._rows.recorder import Recorder, is_dtensor
 from .hook_order import move_last
 from .param_grads import ParamGrads
 from .scaler import iteration_ended
@@ -106,8 +106,7 @@ class Hooks:
         self._class_counts: dict[str, int] = {}
         # Modules with hooks of this set, and their handle ids: kept out of copies and pickles.
         self._owned: list[tuple[weakref.ref, list[int]]] = []
-        self._module_of: dict[str, weakref.ref] = {}  # hooked module name -> module
-        self._ids_of: dict[str, list[int]] = {}  # hooked module name -> this set's hook ids on it
+        self._hooked: dict[str, tuple[weakref.ref, list[int]]] = {}  # module name -> (module, our hook ids)
         recorder.plan_layout = self._plan_layout
         recorder.in_eval = (lambda: not model.training) if model is not None else (lambda: False)
         # The model as last seen (to follow replaced parameters and added modules), and the
@@ -208,9 +207,7 @@ class Hooks:
         self.optimizer_followed = True
         self.handles.append(after_optimizer_step(optimizer, self.record_optimizer))
         if pre and self.updates is not None and self.updates.copies:
-            hook = before_optimizer_step(optimizer, lambda: self.updates.before_step(self.params))
-            if hook is not None:
-                self.handles.append(hook)
+            self.handles.append(before_optimizer_step(optimizer, lambda: self.updates.before_step(self.params)))
 
     def mark_stepped(self) -> None:
         self.optimizer_stepped = True  # the optimizer's post-step hook, with grad_scaler=
@@ -235,8 +232,8 @@ class Hooks:
         """The watched parameters as the model holds them now, and their
         gradient hooks (those of an earlier binding removed)."""
         cfg = self.config
-        self.grads.remove()
-        self.params, self.grads.plain = [], []
+        self.params = []
+        self.grads.bind([])
         if not set(PARAM_KINDS) & set(cfg.capture):
             self.watch.watch_params([])
             return
@@ -279,7 +276,7 @@ class Hooks:
             swapped = [n for n, p in self.params if id(p) not in before]
             if at_step_end and swapped and "param_grad" in self.config.capture:
                 # Gradients read from .grad in a multi-rank run are not the hooks' to write.
-                by_hook = set(swapped) - self.grads.read_by_hooks()
+                by_hook = set(swapped) - self.grads.read_from_grad()
                 with torch.no_grad():
                     for pname, p in self.params:
                         if pname in by_hook and p.grad is not None:
@@ -291,8 +288,8 @@ class Hooks:
     def _plan_layout(self, name: str):
         """(mesh, placements) of module ``name``'s plain outputs under its
         tensor-parallel style, or None."""
-        ref = self._module_of.get(name)
-        mod = ref() if ref is not None else None
+        ref, _ = self._hooked.get(name, (lambda: None, None))
+        mod = ref()
         return None if mod is None else output_placements(mod)
 
     def keep_last(self) -> bool:
@@ -301,12 +298,12 @@ class Hooks:
         if self.park.parked:
             return False
         mods = [(ref(), ids) for ref, ids in self._owned]
-        return any([move_last(mod, ids) for mod, ids in mods if mod is not None])
+        return any([move_last(mod, ids) for mod, ids in mods if mod is not None])  # a list: move them all
 
     def behind_others(self, name: str, mod: nn.Module) -> bool:
         """Whether ``mod`` has forward hooks added after this set's (moved
         behind them now, for its next calls)."""
-        ids = self._ids_of.get(name)
+        _, ids = self._hooked.get(name, (None, None))
         return bool(ids) and not self.park.parked and move_last(mod, ids)
 
     def _add(self, handle) -> None:
@@ -317,8 +314,7 @@ class Hooks:
         first = len(self.handles)
         self._register_module_hooks(name, mod)
         ids = [h.id for h in self.handles[first:]]
-        self._module_of[name] = weakref.ref(mod)
-        self._ids_of[name] = ids
+        self._hooked[name] = (weakref.ref(mod), ids)
         if ids:
             _portable.own(mod, ids)
             self._owned.append((weakref.ref(mod), ids))
@@ -407,7 +403,7 @@ class Hooks:
             # a non-reentrant recomputation's discarded graph never fire).
             recompute = _compile.in_backward()
             plain = type(output) is torch.Tensor
-            if not plain and callable(getattr(output, "to_local", None)) and self.behind_others(name, mod):
+            if not plain and is_dtensor(output) and self.behind_others(name, mod):
                 # A DTensor still to be redistributed by a parallel style hooked after
                 # this Monitor attached: not what the module returns. Later calls see it.
                 rec.warn_once(("behind", name), f"hookcap: {name}: a call before this Monitor's hooks "

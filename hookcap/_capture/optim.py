@@ -10,7 +10,7 @@ import logging
 import torch
 
 from .._rows.recorder import Recorder
-from .scaler import record_skip, step_flags
+from .scaler import found_inf_of, record_skip
 
 log = logging.getLogger("hookcap")
 _warned_no_optimizer = False  # process-wide: a hint about the arguments, not about data
@@ -306,10 +306,11 @@ class OptimUpdates:
         if not ("update" in self.kinds and self.recorder.recording):
             return
         opt = innermost_optimizer(self.optimizer)
-        found_inf, _ = step_flags(opt)
+        found_inf = found_inf_of(opt)
         # A fused step under GradScaler on a GPU: whether it was skipped is known
         # on the device only, so Δw is read against copies (0 where skipped).
-        every = (self.snapshot and not self._recomputes(opt)) or (found_inf is not None and found_inf.device.type != "cpu")
+        every = (self.snapshot and not self._recomputes(opt)) or \
+            (found_inf is not None and found_inf.device.type != "cpu")
         with torch.no_grad():
             for pname, p in params:
                 if not (every or p.dtype in _STORED_LOW):
@@ -347,7 +348,7 @@ class OptimUpdates:
             return covered
         mtype = type(opt).__name__
         stepped = [k for k in ("update", "adam_ratio") if k in self.kinds]
-        found_inf, _ = step_flags(opt)
+        found_inf = found_inf_of(opt)
         # A fused step under GradScaler unscales .grad in place, unless it skipped the step.
         if found_inf is not None:
             record_skip(self.recorder, found_inf, "GradScaler")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .._rows.recorder import Recorder, multi_rank, placement_of
+from .._rows.recorder import Recorder, is_dtensor, multi_rank
 
 
 class ParamGrads:
@@ -34,7 +34,7 @@ class ParamGrads:
         for pname, p in params:
             if not p.requires_grad:
                 continue
-            plain = placement_of("param", p).get("mesh") is None
+            plain = not is_dtensor(p)
             if plain:
                 self.plain.append((pname, p))
             self.handles.append(p.register_post_accumulate_grad_hook(self._hook(pname, plain)))
@@ -55,8 +55,9 @@ class ParamGrads:
             self._multi = multi_rank()
         return self._multi
 
-    def read_by_hooks(self) -> set[str]:
-        """Names whose gradient the hooks record (not read from ``.grad``)."""
+    def read_from_grad(self) -> set[str]:
+        """Names whose gradient is read from ``.grad`` this step (not
+        recorded by the hooks): the plain parameters of a multi-rank run."""
         return set() if not self.data_parallel() else {n for n, _ in self.plain}
 
     def _hook(self, pname: str, plain: bool):

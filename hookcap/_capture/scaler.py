@@ -18,13 +18,11 @@ def record_skip(recorder: Recorder, found_inf: torch.Tensor, mtype: str) -> None
     recorder.write(SKIPPED, "tap", "", found_inf.detach(), mtype, recorder.call_index(SKIPPED, "tap"))
 
 
-def step_flags(optimizer):
-    """``(found_inf, grad_scale)`` that GradScaler hands a fused optimizer's
-    step (attributes set for the duration of that step), else (None, None)."""
+def found_inf_of(optimizer) -> torch.Tensor | None:
+    """The ``found_inf`` flag GradScaler hands a fused optimizer's step (an
+    attribute set for the duration of that step), else None."""
     found_inf = getattr(optimizer, "found_inf", None)
-    grad_scale = getattr(optimizer, "grad_scale", None)
-    return (found_inf if isinstance(found_inf, torch.Tensor) else None,
-            grad_scale if isinstance(grad_scale, torch.Tensor) else None)
+    return found_inf if isinstance(found_inf, torch.Tensor) else None
 
 
 def found_infs(scaler, optimizer) -> list[torch.Tensor]:

@@ -59,12 +59,16 @@ def placement_of(kind: str, t) -> dict:
     parameter kind in a multi-rank run (DDP: the same tensor on every rank,
     counted once, from the lowest rank) and ``"per_rank"`` otherwise (each
     rank's own data, summed)."""
-    placements = getattr(t, "placements", None)
-    if placements is not None and callable(getattr(t, "to_local", None)):
-        return mesh_layout(t.device_mesh, placements)
+    if is_dtensor(t):
+        return mesh_layout(t.device_mesh, t.placements)
     if kind in PARAM_KINDS and multi_rank():
         return {"placement": "replicated"}
     return {"placement": "per_rank"}
+
+
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (duck-typed: no import of torch.distributed)."""
+    return callable(getattr(t, "to_local", None)) and getattr(t, "placements", None) is not None
 
 
 def mesh_layout(mesh, placements) -> dict:
@@ -90,9 +94,8 @@ def plain_tensor(t):
     device-side wait), else ``t`` itself."""
     if isinstance(t, nn.Parameter):
         return t.detach()
-    to_local = getattr(t, "to_local", None)
-    if callable(to_local):  # DTensor: record this rank's local shard (itself maybe still in flight)
-        t = to_local()
+    if is_dtensor(t):  # this rank's local shard (itself maybe still in flight)
+        t = t.to_local()
     trigger_wait = getattr(t, "trigger_wait", None)
     if callable(trigger_wait):  # AsyncCollectiveTensor: the collective's result (waited on the device)
         return trigger_wait()
@@ -261,15 +264,22 @@ class Recorder:
     def layout_of(self, name: str, kind: str, path: str, t, placement: str | None = None) -> dict:
         """The layout of a new row for ``t`` (``placement_of``): a DTensor's
         own placements, else ``plain_layout``."""
-        layout = placement_of(kind, t)
-        return layout if "mesh" in layout else self.plain_layout(name, kind, path, placement, layout)
+        return placement_of(kind, t) if is_dtensor(t) else self.plain_layout(name, kind, path, placement)
 
-    def plain_layout(self, name: str, kind: str, path: str, placement: str | None = None,
-                     default: dict | None = None) -> dict:
+    def new_row_layout(self, name: str, kind: str, path: str, t, placement: str | None = None) -> dict | None:
+        """``layout_of`` for a row about to be made, or None (warned once)
+        where ``t`` is a DTensor with a ``Partial`` placement: not recorded."""
+        layout = self.layout_of(name, kind, path, t, placement)
+        if layout["placement"] == "partial":
+            self.skip_call(metric_name(name, kind, path), PARTIAL_SKIP.format(**layout))
+            return None
+        return layout
+
+    def plain_layout(self, name: str, kind: str, path: str, placement: str | None = None) -> dict:
         """The layout of a new row of a plain tensor: ``placement`` (a
         tap's), else the first glob of ``Monitor(placements=...)`` matching
         the metric, a tensor-parallel module's plan (its outputs and their
-        gradients), else ``default`` (``placement_of``'s for a plain tensor)."""
+        gradients), else ``placement_of``'s default."""
         if placement is None:
             metric = metric_name(name, kind, path)
             placement = next((p for g, p in self.config.placements if fnmatch.fnmatchcase(metric, g)), None)
@@ -279,9 +289,7 @@ class Recorder:
             plan = self.plan_layout(name)
             if plan is not None:
                 return mesh_layout(*plan)
-        if default is not None:
-            return default
-        return {"placement": "replicated"} if kind in PARAM_KINDS and multi_rank() else {"placement": "per_rank"}
+        return placement_of(kind, None)
 
     def tap_name(self, name: str) -> str | None:
         """The metric a tap called ``name`` writes now: ``name``, or while the
@@ -367,9 +375,8 @@ class Recorder:
         key = (name, kind, path, t.device, ci)
         rid = self.rows.get(key)
         if rid is None:  # the placement only when the row is made (a DTensor's, before to_local)
-            layout = self.layout_of(name, kind, path, orig, placement)
-            if layout["placement"] == "partial":
-                self.skip_call(metric_name(*key[:3]), PARTIAL_SKIP.format(**layout))
+            layout = self.new_row_layout(name, kind, path, orig, placement)
+            if layout is None:
                 return
             try:
                 rid = self.register(key, t, mtype, layout=layout)
