@@ -2,8 +2,8 @@
 
 gpu_check's compiled step profiles each configuration with :func:`profile_steps`
 so that one GPU run says which kernels an overhead is made of: hookcap's own
-(the accumulate op, the fused path's shift and merge), Triton kernels the
-statistics joined, and the model's matmuls and attention.
+(the accumulate op), Inductor's Triton kernels, and the model's matmuls and
+attention.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Throughput of the fused hookcap op against torch.sum and the equivalent chain of torch ops.
+"""Throughput of the hookcap accumulate op (one pass: every statistic) against torch.sum and the equivalent chain of torch ops.
 
 GB/s = bytes of the input tensor / median seconds per call after warm-up (the device-to-device
 copy yardstick on CUDA counts 2x: read + write). All configurations of one (size, dtype, threads)
@@ -56,8 +56,8 @@ def torch_chain(x: torch.Tensor) -> None:
     torch.histc(x.float(), bins=131).tolist()
 
 
-def fused(x: torch.Tensor, hist: hookcap.Histogram | None, moments: int = 2):
-    """A call of the fused op into a one-row ring; repeated calls merge into the same row."""
+def op_call(x: torch.Tensor, hist: hookcap.Histogram | None, moments: int = 2):
+    """A call of the accumulate op into a one-row ring; repeated calls merge into the same row."""
     width = _layout.HEADER + (hist.nbins if hist else 0)
     ring = torch.empty((1, 1, width), dtype=torch.int64, device=x.device)
     state = hookcap.functional.new_state(x.device)
@@ -71,11 +71,11 @@ def configs(x: torch.Tensor, shape: bool = False) -> dict:
     "+moments=4": moments=4 with the default log2 histogram."""
     nbytes = x.numel() * x.element_size()
     out = {
-        "hookcap": (fused(x, None), nbytes),
-        "hookcap+log2": (fused(x, hookcap.Histogram.log2()), nbytes),
-        **({"+log2 sub=4": (fused(x, hookcap.Histogram.log2(sub=4)), nbytes),
-            "+log2 signed": (fused(x, hookcap.Histogram.log2(signed=True)), nbytes)} if shape else {}),
-        **({"+moments=4": (fused(x, hookcap.Histogram.log2(), 4), nbytes)} if shape else {}),
+        "hookcap": (op_call(x, None), nbytes),
+        "hookcap+log2": (op_call(x, hookcap.Histogram.log2()), nbytes),
+        **({"+log2 sub=4": (op_call(x, hookcap.Histogram.log2(sub=4)), nbytes),
+            "+log2 signed": (op_call(x, hookcap.Histogram.log2(signed=True)), nbytes)} if shape else {}),
+        **({"+moments=4": (op_call(x, hookcap.Histogram.log2(), 4), nbytes)} if shape else {}),
         "torch.sum": (lambda: torch.sum(x), nbytes),
         "torch chain": (lambda: torch_chain(x), nbytes),
     }

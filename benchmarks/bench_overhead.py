@@ -19,21 +19,13 @@ Workloads (random init, synthetic data):
 --compile: every configuration trains its own instance of the model (same
 seed, same weights), compiled with torch.compile (default mode) with its
 Monitor attached for the whole run, so each keeps its own graphs: no
-telemetry, the accumulate op (histogram=None, and log2), and fused=True
-(histogram=None; on the CPU too, where hookcap otherwise leaves CPU tensors to
-the op because it measures faster, as this shows). It also prints the bytes per step that telemetry reads
-beyond the model's own kernels: for the op, the captured tensors' bytes (it
-reads each once); for fused=True, what Inductor's loop nests that only reduce
-read beyond those of the unwatched model (benchmarks/_fusion.py; CPU code).
-On the CPU it also counts, for no telemetry and fused=True, the Triton kernels
-Inductor's Triton scheduler would launch per step on a GPU and what the
-reduce-only ones read beyond the unwatched model's (generated on the CPU, not
-run: _fusion.triton_codegen).
+telemetry and the accumulate op (histogram=None, and log2). Each op row also
+gives the bytes per step the op reads (the captured tensors', each read once).
 
 Usage:
   python benchmarks/bench_overhead.py [--workloads gpt2,cnn] [--rounds 16] [--threads 2]
                                       [--steps-per-round 6] [--configs every=10,hookcap]
-                                      [--device cpu|cuda] [--compile [--triton-only]]
+                                      [--device cpu|cuda] [--compile]
                                       [--gpt2-tokens 128] [--json benchmarks/results/overhead.json]
 """
 
@@ -52,7 +44,6 @@ import time
 import numpy as np
 import torch
 import torch.nn as nn
-from torch._dynamo.utils import counters
 
 import hookcap
 from bench_kernel import machine_info
@@ -394,11 +385,9 @@ def paired_row(name: str, times: dict, by_round: dict, base: str = "no telemetry
             "overhead_pct": 100 * (ratio - 1), "samples": len(times[name])}
 
 
-FUSED = {"histogram": None, "fused": True}
 COMPILED_CONFIGS = (
     ("no telemetry", None),
     ("op histogram=None", {"histogram": None}),
-    ("fused=True histogram=None", FUSED),
     ("op log2 hist", {}),
 )
 
@@ -406,9 +395,6 @@ COMPILED_CONFIGS = (
 def measure_compiled(workload, device, rounds, steps_per_round, warm_rounds):
     """--compile: one compiled model instance per configuration, interleaved
     round by round as in :func:`measure`; returns (rows, extra)."""
-    import hookcap._capture.fused
-
-    hookcap._capture.fused.DEVICE_TYPES.add(device.type)  # the CPU too: time the path hookcap leaves off there
     torch._dynamo.config.skip_nnmodule_hook_guards = False  # each instance its own graphs
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     runs = {}
@@ -433,102 +419,10 @@ def measure_compiled(workload, device, rounds, steps_per_round, warm_rounds):
     for name, (_, _, _, mon) in runs.items():
         row = paired_row(name, times, by_round)
         if mon is not None:
-            row["captured_bytes"] = captured_bytes(mon.history())
+            row["captured_bytes"] = row["telemetry_read_bytes"] = captured_bytes(mon.history())
             mon.detach()
         rows.append(row)
-    extra = {"model": getattr(runs["no telemetry"][1], "model_name", workload)}
-    if device.type == "cpu":
-        extra["triton"] = triton_kernels_per_step(workload)
-        extra["telemetry_read_bytes"] = telemetry_read_bytes(workload, device)
-        for row in rows:
-            if row["config"].startswith("op"):
-                row["telemetry_read_bytes"] = row["captured_bytes"]
-            elif row["config"].startswith("fused"):
-                row["telemetry_read_bytes"] = extra["telemetry_read_bytes"]
-    return rows, extra
-
-
-def step_code(workload, device, kw) -> list:
-    """Inductor's modules for one training step of a fresh compile of
-    ``workload``, watched by a Monitor with ``kw`` (None: unwatched). Only
-    the code is kept; no detector runs (under ``_fusion.triton_codegen`` the
-    values are garbage)."""
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    model, loss_fn = compiled_workload(workload, device)
-    mon = None if kw is None else hookcap.Monitor(model, capture=("output", "grad_output"), detectors=[], **kw).attach()
-    model.compile()
-    counters["hookcap"].clear()
-    with torch._inductor.config.patch(fx_graph_cache=False):  # the pass runs, and counts what it hands over
-        _, codes = run_and_get_code(lambda: loss_fn().backward())
-    if mon is not None:
-        mon.detach()
-    return codes
-
-
-def op_bytes_of_fused() -> int:
-    """Bytes the op reads per step for a fused=True Monitor's captures that
-    the compile handed to it (``hookcap._capture.fused.hand_reduce_only_to_the_op``)
-    in the last :func:`step_code`."""
-    return counters["hookcap"]["reduce_only_to_op_bytes"]
-
-
-def telemetry_read_bytes(workload, device) -> int:
-    """Bytes per step that Inductor's reduce-only loop nests read with a
-    fused=True Monitor beyond those of the unwatched model (one step of a
-    fresh compile each; CPU C++ code)."""
-    from _fusion import reduce_only_bytes
-
-    fused = reduce_only_bytes(step_code(workload, device, FUSED)) + op_bytes_of_fused()
-    return fused - reduce_only_bytes(step_code(workload, device, None))
-
-
-def triton_kernels_per_step(workload) -> dict:
-    """Triton kernel launches of one training step (forward and backward)
-    as Inductor's Triton scheduler writes them for a GPU, generated on the CPU
-    and not run (`_fusion.triton_codegen`), with no telemetry, fused=True and
-    the op (histogram=None): their number, the bytes their reduce-only
-    kernels read, and the bytes all of them move. The op's own reads (the
-    captured bytes) are not Triton kernels and not counted here."""
-    import hookcap._capture.fused
-    from _fusion import (merge_partials_bytes, triton_codegen, triton_launches, triton_reduce_only_bytes,
-                         triton_traffic_bytes)
-
-    hookcap._capture.fused.DEVICE_TYPES.add("cpu")  # generated on the CPU: the fused path for its tensors
-    out = {}
-    for name, kw in (("none", None), ("fused", FUSED), ("op", {"histogram": None})):
-        with triton_codegen():
-            codes = step_code(workload, torch.device("cpu"), kw)
-        launches = triton_launches(codes)
-        if kw is FUSED:
-            out["partials_bytes"] = merge_partials_bytes(codes)
-            out["op_bytes_of_fused"] = op_bytes_of_fused()
-        out[f"launches_{name}"] = len(launches)
-        out[f"reduce_only_bytes_{name}"] = triton_reduce_only_bytes(launches, 4097)
-        out[f"traffic_bytes_{name}"] = triton_traffic_bytes(launches)
-        out[f"unsized_launches_{name}"] = sum(k.elements < 0 for k in launches)  # counted as 0 bytes
-    out["telemetry_read_bytes"] = (out["reduce_only_bytes_fused"] + out["op_bytes_of_fused"]
-                                   - out["reduce_only_bytes_none"])
-    out["telemetry_and_partials_read_bytes"] = out["telemetry_read_bytes"] + out["partials_bytes"]
-    out["telemetry_traffic_bytes"] = out["traffic_bytes_fused"] - out["traffic_bytes_none"]
-    out["op_traffic_bytes"] = out["traffic_bytes_op"] - out["traffic_bytes_none"]
-    return out
-
-
-def triton_only(workload) -> dict:
-    """--triton-only: :func:`triton_kernels_per_step` of ``workload`` and the
-    bytes the op reads per step (its captured tensors', from one eager step
-    with the op), without timing anything."""
-    out = triton_kernels_per_step(workload)
-    torch._dynamo.reset()
-    model, loss_fn = compiled_workload(workload, torch.device("cpu"))
-    mon = hookcap.Monitor(model, capture=("output", "grad_output"), histogram=None, detectors=[]).attach()
-    loss_fn().backward()
-    mon.step()
-    out["captured_bytes"] = captured_bytes(mon.history())
-    mon.detach()
-    return out
+    return rows, {"model": getattr(runs["no telemetry"][1], "model_name", workload)}
 
 
 def captured_bytes(h) -> int:
@@ -680,9 +574,7 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None)
     p.add_argument("--compile", action="store_true",
-                   help="compiled models: no telemetry, the op, fused=True (see the module docstring)")
-    p.add_argument("--triton-only", action="store_true",
-                   help="with --compile on the CPU: only the Triton counts and the op's captured bytes, no timing")
+                   help="compiled models: no telemetry and the op (see the module docstring)")
     p.add_argument("--gpt2-tokens", type=int, default=GPT2_TOKENS, help="GPT-2 sequence length (batch 8)")
     p.add_argument("--configs", default=None,
                    help="comma-separated substrings: measure only the configurations whose name "
@@ -697,31 +589,12 @@ def main(argv=None):
                           "device": str(device), "build": hookcap.build_info()}, "workloads": {}}
     print(f"# {cpu}, {args.threads} threads, torch {torch.__version__}, device {device}")
     GPT2_TOKENS = result["gpt2_tokens"] = args.gpt2_tokens
-    if args.compile and args.triton_only:
-        for w in args.workloads.split(","):
-            result["workloads"][w] = t = triton_only(w)
-            print(f"{w}: Triton (generated, not run) launches/step {t['launches_none']} unwatched, "
-                  f"{t['launches_fused']} fused=True; fused reduce-only reads {t['telemetry_read_bytes'] / 1e6:.2f} MB/step "
-                  f"= {100 * t['telemetry_read_bytes'] / t['captured_bytes']:.1f} % of the op's "
-                  f"{t['captured_bytes'] / 1e6:.1f} MB; with the partials the merge reads "
-                  f"({t['partials_bytes'] / 1e6:.2f} MB) {t['telemetry_and_partials_read_bytes'] / 1e6:.2f} MB "
-                  f"= {100 * t['telemetry_and_partials_read_bytes'] / t['captured_bytes']:.1f} %")
-        write_json(args.json, result)
-        return
     if args.compile:
         result["compiled"] = True
         for w in args.workloads.split(","):
             rows, extra = measure_compiled(w, device, args.rounds, args.steps_per_round, args.warm_rounds)
             result["workloads"][w] = {"rows": rows, **extra}
             print(compiled_table(rows, f"\n## {w} ({extra['model']}), compiled"))
-            if "triton" in extra:
-                t = extra["triton"]
-                print(f"Triton (generated, not run): launches/step {t['launches_none']} unwatched, "
-                      f"{t['launches_fused']} fused=True; fused reduce-only reads "
-                      f"{t['telemetry_read_bytes'] / 1e6:.2f} MB/step, the merge reads {t['partials_bytes'] / 1e6:.2f} MB "
-                      f"of partials, all kernels' traffic "
-                      f"{t['telemetry_traffic_bytes'] / 1e6:+.2f} MB/step (op: {t['op_traffic_bytes'] / 1e6:+.2f} MB/step "
-                      f"in Triton kernels, plus its own reads)")
         write_json(args.json, result)
         return
     for w in args.workloads.split(","):

@@ -12,14 +12,10 @@ a failing step does not stop the later ones:
                OUTDIR/tests.log, OUTDIR/tests.xml; a skipped module counts as a failure.
   compiled     GPT-2 (benchmarks/_gpt2.py) with 4 of GPT-2-124M's 12 layers, full width,
                B=8, T=1024, bf16 autocast, compiled with torch.compile, one instance per
-               configuration: no telemetry, the accumulate op (histogram=None) and
-               Monitor(fused=True, histogram=None) (statistics as reductions in Inductor's
-               Triton kernels), interleaved round by round; compile seconds per instance; the
-               fused and op rows of the first step compared; each configuration's device time
-               per step by kernel (benchmarks/_profile_steps.py); the forms of
-               benchmarks/bench_fused_forms.py on 2**26 values (the statistics and a log2
-               histogram as Triton reductions vs the op); Inductor's code of a fused step in
-               OUTDIR/fused_code.txt (OUTDIR/compiled.log).
+               configuration: no telemetry and the accumulate op (histogram=None), interleaved
+               round by round; compile seconds per instance; each configuration's device time
+               per step by kernel (benchmarks/_profile_steps.py); Inductor's code of each
+               configuration's first step in OUTDIR/code_<config>.txt (OUTDIR/compiled.log).
   kernel       GB/s of hookcap._ops.accumulate against a device-to-device copy (2x bytes),
                float32/bfloat16/float8_e4m3fn x 1e4..1e9 elements x every histogram path of
                the kernel, plus strided views; each dtype's results checked at 1e6 elements
@@ -432,7 +428,7 @@ def kernel_stage(args) -> dict:
         """ref: the contiguous size whose copy GB/s a view is compared against
         (default its own element count)."""
         nbytes = x.numel() * x.element_size()
-        fns = {label: (bench_kernel.fused(x, kinds[label][0], kinds[label][2]), nbytes) for label in labels}
+        fns = {label: (bench_kernel.op_call(x, kinds[label][0], kinds[label][2]), nbytes) for label in labels}
         if copy:
             y = torch.empty_like(x)
             fns["copy"] = (lambda: y.copy_(x), 2 * nbytes)
@@ -518,7 +514,7 @@ def merge_rows(args, dtypes: dict, kinds: dict, sample, budget: float, min_round
                 x = torch.randn(n, device=args.device, dtype=dtypes[dname])
                 fns = {}
                 for label in ("none", "log2"):
-                    call = bench_kernel.fused(x, kinds[label][0])
+                    call = bench_kernel.op_call(x, kinds[label][0])
                     for merge in ("direct", "tree"):
                         fns[label, merge] = (lambda call=call, merge=merge: (_ops.block_merge(merge), call()))
                 timed = bench_kernel.measure(fns, sample, budget / 2, min_rounds)
@@ -593,39 +589,6 @@ def strict(fn):
 
 def is_sync_error(e: RuntimeError) -> bool:
     return "synchroniz" in str(e)  # "called a synchronizing CUDA operation"
-
-
-def fused_vs_op(op, fused) -> tuple[list, list]:
-    """Differences between the first steps of two separately compiled runs,
-    the op's and fused=True's: (mismatches, rounding). Counts and extrema must
-    be equal, l2norm and std within 1e-5. A bfloat16/float16 metric may differ
-    by one rounding instead (extrema by one unit in the last place, zeros by
-    1 %, l2norm and std by two units relative): Inductor elides the rounding
-    between fused half-precision operations, so two graphs (or a tensor
-    computed twice in one) can hold differently rounded values
-    (docs/compile-and-distributed.md); those go to ``rounding``, not failures.
-    An extremum the dtype cannot represent is a mismatch: statistics of values
-    the tensor cannot hold (read before rounding)."""
-    mismatches, rounding = [], []
-    halves = {str(t): t for t in (torch.bfloat16, torch.float16)}
-    for m in op.names:
-        a, b = op.column(m), fused.column(m)
-        dtype = str(op.meta(m).get("dtype", ""))
-        ulp = torch.finfo(halves[dtype]).eps if dtype in halves else None
-        for stat in ("count", "nan", "inf", "zeros", "min", "max", "l2norm", "std"):
-            x, y = float(op[stat][0, a]), float(fused[stat][0, b])
-            if x == y or (math.isnan(x) and math.isnan(y)):
-                continue
-            if stat in ("l2norm", "std") and abs(x - y) <= 1e-5 * abs(x) + 1e-30:
-                continue
-            line = f"{m} {stat} ({dtype}): op {x!r}, fused {y!r}"
-            close = ulp is not None and math.isfinite(x) and math.isfinite(y) and (
-                (stat in ("min", "max") and abs(x - y) <= ulp * max(abs(x), abs(y))
-                 and float(torch.tensor(y).to(halves[dtype])) == y)
-                or (stat == "zeros" and abs(x - y) <= 0.01 * max(x, y))
-                or (stat in ("l2norm", "std") and abs(x - y) <= 2 * ulp * abs(x)))
-            (rounding if close else mismatches).append(line)
-    return mismatches, rounding
 
 
 def forward_backward(autocast, loss_fn) -> None:
@@ -855,18 +818,16 @@ def pipelined(model, cfgs, autocast, loss_fn, opt, clock, rounds: int, steps: in
 
 PADDED_COLS, PADDED_LD = 50257, 50304  # GPT-2's vocabulary; its row stride as Inductor pads it (128 bytes)
 COMPILED_LAYERS = 4
-COMPILED_CONFIGS = (("no telemetry", None), ("op histogram=None", {"histogram": None}),
-                    ("fused=True histogram=None", {"histogram": None, "fused": True}))
+COMPILED_CONFIGS = (("no telemetry", None), ("op histogram=None", {"histogram": None}))
 
 
 def compiled_stage(args) -> dict:
     """GPT-2 compiled: one instance per configuration, each Monitor attached
-    for the whole run (its own graphs), interleaved rounds; the fused rows
-    of the first recorded step against the op's (same weights, same data)."""
+    for the whole run (its own graphs), interleaved rounds."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    # 4 of GPT-2-124M's 12 layers, full width: three compiles of all 12 did not fit the step on an
-    # H200 (fused=True's alone took over 85 s; 56 s for 4 layers); every layer runs the same kernels.
+    # 4 of GPT-2-124M's 12 layers, full width: compiles of all 12 did not fit the step on an
+    # H200; every layer runs the same kernels.
     shape, autocast = compiled_gpt2_setup(device, args.quick, COMPILED_LAYERS)
     rounds, steps_per_round = (3, 4) if cuda else (2, 2)
 
@@ -904,51 +865,21 @@ def compiled_stage(args) -> dict:
     if "skipped" not in profile:
         for line in _profile_steps.summary_lines(profile):
             log("  " + line)
-    hist = {name: runs[name][3].history() for name in runs if runs[name][3] is not None}
-    op, fused = hist["op histogram=None"], hist["fused=True histogram=None"]
-    mismatches, rounding = fused_vs_op(op, fused)
+    op = runs["op histogram=None"][3].history()
     for _, _, _, mon in runs.values():
         if mon is not None:
             mon.detach()
-    import bench_fused_forms
-
     # Graphs compiled after each configuration's first step (recompiles), any configuration.
-    details = {"profile": profile, "compiles": compiles,
-               "graphs_compiled_after_first_steps": counters["stats"]["unique_graphs"] - graphs_after_first_steps}
-    # Extras, while time is left (each a few compiles of small graphs).
-    extras = (("generated_code", 30, lambda: dump_fused_code(device, args.outdir)),
-              ("forms", 45, lambda: bench_fused_forms.measure_forms(args.device, 2**26 if cuda else 2**14,
-                                                                    calls=10, rounds=3)))
-    for key, need, fn in extras:
-        if left() <= need:
-            details[key] = {"skipped": f"{left():.0f} s left in the step"}
-            continue
-        try:  # an extra that fails is reported with the step's results, not instead of them
-            details[key] = fn()
-        except Exception:
-            details[key] = {"error": traceback.format_exc()[-3000:]}
-            log(f"  {key} failed:\n{details[key]['error'][-800:]}")
-    details.update({"model": desc, "shape": shape, "autocast": "bfloat16" if cuda else None, "rounds": rounds,
-               "steps_per_round": steps_per_round, "rows": rows, "metrics": len(op.names),
-               "same_names": sorted(op.names) == sorted(fused.names), "fused_vs_op_mismatches": mismatches[:20],
-               "fused_vs_op_half_precision_rounding": rounding[:20], "half_precision_rounding_count": len(rounding)})
-    if mismatches or not details["same_names"]:
-        raise StepFailed(f"fused=True differs from the op on the first step: {len(mismatches)} mismatches", details)
-    failed = [key for key, _, _ in extras if "error" in details[key]]
-    if failed:
-        raise StepFailed(f"{', '.join(failed)} failed (the timings above are kept)", details)
-    return details
+    return {"profile": profile, "compiles": compiles,
+            "graphs_compiled_after_first_steps": counters["stats"]["unique_graphs"] - graphs_after_first_steps,
+            "model": desc, "shape": shape, "autocast": "bfloat16" if cuda else None, "rounds": rounds,
+            "steps_per_round": steps_per_round, "rows": rows, "metrics": len(op.names)}
 
 
 def compiled_gpt2_setup(device: torch.device, quick: bool, layers: int) -> tuple:
     """(shape, autocast) of the compiled GPT-2 step (gpt2_shape, at most
     ``layers`` layers; bf16 autocast on CUDA), dynamo set for several watched
-    instances of one class (each its own graphs), and on the CPU the fused
-    path's code exercised too."""
-    import hookcap._capture.fused
-
-    if device.type != "cuda":
-        hookcap._capture.fused.DEVICE_TYPES.add(device.type)
+    instances of one class (each its own graphs)."""
     torch._dynamo.config.skip_nnmodule_hook_guards = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     shape = {**gpt2_shape(device.type, quick)}
@@ -1013,56 +944,12 @@ def write_codes(path: str, codes: list) -> None:
 
 def compiled_code(codes: list, graphs: int, config: str, outdir: str) -> dict:
     """What one configuration's first step compiled: its graphs and Triton
-    launches (counted in the generated code, to hold against the profile's
+    kernels (defined in the generated code, to hold against the profile's
     launches), the code itself written to OUTDIR/code_<config>.txt."""
-    from _fusion import triton_launches
-
     path = os.path.join(outdir, "code_" + re.sub(r"\W+", "_", config).strip("_") + ".txt")
     write_codes(path, codes)
-    return {"graphs": graphs, "modules": len(codes), "triton_launches": len(triton_launches(codes)),
+    return {"graphs": graphs, "modules": len(codes), "triton_kernels": sum(len(re.findall(r"^@triton\.jit", c, re.M)) for c in codes),
             "file": os.path.basename(path)}
-
-
-def dump_fused_code(device, outdir: str) -> dict:
-    """Inductor's code (Triton on CUDA) for one training step of Linear -> GELU ->
-    Linear -> LayerNorm with Monitor(fused=True), every module's output and input
-    gradient captured, written to OUTDIR/fused_code.txt: which kernels compute the
-    statistics, read offline. Returns the file name and the kernels counted."""
-    import hookcap
-    from torch._inductor.utils import run_and_get_code
-
-    from _fusion import merged_captures, triton_launches, triton_reduce_only_bytes, triton_traffic_bytes
-
-    def step_code(watch: bool):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(768, 3072), torch.nn.GELU(), torch.nn.Linear(3072, 768),
-                                    torch.nn.LayerNorm(768)).to(device)
-        x = torch.randn(2048, 768, device=device)
-        mon = None
-        if watch:
-            mon = hookcap.Monitor(model, capture=("output", "grad_input"), histogram=None, fused=True).attach()
-        fn = torch.compile(model)
-        try:
-            return run_and_get_code(lambda: fn(x).pow(2).sum().backward())[1]
-        finally:
-            if mon is not None:
-                mon.detach()
-
-    codes, plain = step_code(True), step_code(False)
-    path = os.path.join(outdir, "fused_code.txt")
-    write_codes(path, codes)
-    text = "\n".join(codes)
-    kernels, base = triton_launches(codes), triton_launches(plain)
-    return {"file": "fused_code.txt", "modules": len(codes),
-            "triton_launches": len(kernels), "triton_launches_unwatched": len(base),
-            # reads of kernels that only reduce, beyond the unwatched step's (0: all fused)
-            "reduce_only_extra_bytes": triton_reduce_only_bytes(kernels, 4097) - triton_reduce_only_bytes(base, 4097),
-            # bytes all Triton kernels move beyond the unwatched step's (extra stores included)
-            "extra_traffic_bytes": triton_traffic_bytes(kernels) - triton_traffic_bytes(base),
-            "cpp_kernels": len(set(re.findall(r"^(cpp_fused_\w+) = ", text, re.M))),
-            # captures merged, and the calls that merge them (a graph's run of merges is one call)
-            "merged_captures": merged_captures(codes), "merge_calls": text.count("hookcap.merge_partials")}
 
 
 def build_info_stage(args) -> dict:
@@ -1189,9 +1076,7 @@ def summary_md(report: dict) -> str:
         out += ["", f"## Compiled (torch.compile): {c['model']}", "",
                 f"{sh['n_layer']} layers, n_embd {sh['n_embd']}, B={sh['batch']}, T={sh['seq']}, autocast "
                 f"{c['autocast']}; one compiled instance per configuration; {c['rounds']} rounds x "
-                f"{c['steps_per_round']} steps; {c['metrics']} metrics; fused vs op on the first step: "
-                f"{len(c['fused_vs_op_mismatches'])} mismatches, "
-                f"{c.get('half_precision_rounding_count', 0)} half-precision differences within one rounding.", "",
+                f"{c['steps_per_round']} steps; {c['metrics']} metrics.", "",
                 "| config | median ms | overhead | first step (compile) s |", "|---|---:|---:|---:|"]
         out += [f"| {r['config']} | {r['median_ms']:.1f} | {r['overhead_pct']:+.1f}% | {r['compile_s']} |"
                 for r in c["rows"]]
@@ -1200,20 +1085,6 @@ def summary_md(report: dict) -> str:
 
             out += ["", "Device time per step by kernel category (torch.profiler, 2 steps; ms, launches in "
                         "brackets):", ""] + _profile_steps.summary_lines(c["profile"])
-        if isinstance(c.get("forms"), list):
-            out += ["", "Statistics as graph reductions after one elementwise producer (µs per call; added: over "
-                        "the producer alone; / op: over what the accumulate op adds):", "",
-                    "| form | µs | added µs | added / op |", "|---|---:|---:|---:|"]
-            out += [f"| {r['form']} | {r['us']:.1f} | {r['added_us']:.1f} | {r['added_vs_op']:.2f} |"
-                    for r in c["forms"]]
-        g = c.get("generated_code")
-        if isinstance(g, dict) and "triton_launches" in g:
-            out += ["", f"Linear -> GELU -> Linear -> LayerNorm, one training step: {g['triton_launches']} Triton "
-                        f"launches with fused=True ({g['triton_launches_unwatched']} unwatched), reduce-only kernels reading "
-                        f"{g['reduce_only_extra_bytes']} bytes more, all Triton kernels moving "
-                        f"{g['extra_traffic_bytes']} bytes more, {g['merged_captures']} captures merged in "
-                        f"{g['merge_calls']} calls "
-                        f"(code: {g['file']})."]
     errors = [s for s in steps if not s["ok"]]
     if errors:
         out += ["", "## Errors"]

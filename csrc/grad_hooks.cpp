@@ -144,42 +144,31 @@ RingRef ring_now(GradSink& s, int64_t rid) {
 // One write into the ring `rid` names (read now: it may have grown since a
 // hook was registered), logged for the step's execution order. A failure is
 // kept for Python rather than raised: telemetry must never take the run down.
-// `rids`: rows of one ring written by one call (merge_partials_list's run),
-// each logged in order, or each given the call's error.
-template <typename Write>
-void write_logged_by(GradSink& s, c10::ArrayRef<int64_t> rids, Write write) {
-  if (!s.active.load(std::memory_order_relaxed)) return;
-  RingRef ref = ring_now(s, rids[0]);
-  try {
-    write(ref);
-  } catch (const std::exception& e) {
-    // This write is not recorded; the row stays for later ones.
-    std::lock_guard<std::mutex> lock(s.mu);
-    for (int64_t rid : rids) s.errors.push_back({rid, false, message_of(e)});
-    return;
-  }
-  for (int64_t rid : rids) log_write(s, rid);
-}
-
 void write_logged(GradSink& s, int64_t rid, const at::Tensor& grad) {
-  if (!grad.defined()) return;
-  write_logged_by(s, rid, [&](RingRef& ref) {
+  if (!grad.defined() || !s.active.load(std::memory_order_relaxed)) return;
+  RingRef ref = ring_now(s, rid);
+  try {
     TORCH_CHECK(grad.layout() == c10::kStrided, "layout ", grad.layout(), " is not supported");
     TORCH_CHECK(!grad.is_nested(), "nested tensors are not supported");
     TORCH_CHECK(!grad.is_quantized(), "quantized tensors are not supported");
     accumulate_into(s, ref, row_of(rid), grad);
-  });
+  } catch (const std::exception& e) {
+    // This write is not recorded; the row stays for later ones.
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.errors.push_back({rid, false, message_of(e)});
+    return;
+  }
+  log_write(s, rid);
 }
 
-// The live sink `sink` names, checked to hold the ring of each of `rids`
-// (an error naming `op` if not), under one lock; null where the Monitor is
-// gone. What the ops compiled code calls (record, merge_partials,
-// merge_partials_list) write through.
-std::shared_ptr<GradSink> sink_with_ring(int64_t sink, c10::ArrayRef<int64_t> rids, const char* op) {
+// The live sink `sink` names, checked to hold the ring of `rid` (an error
+// naming `op` if not), under one lock; null where the Monitor is gone. What
+// the record op (compiled code) writes through.
+std::shared_ptr<GradSink> sink_with_ring(int64_t sink, int64_t rid, const char* op) {
   auto s = sink_of(sink);
   if (!s) return nullptr;
   std::lock_guard<std::mutex> lock(s->mu);
-  for (int64_t rid : rids) TORCH_CHECK(has_ring(*s, rid), op, ": no ring ", ring_of(rid), " in sink ", sink);
+  TORCH_CHECK(has_ring(*s, rid), op, ": no ring ", ring_of(rid), " in sink ", sink);
   return s;
 }
 
@@ -192,107 +181,11 @@ void record_kernel(const at::Tensor& x, int64_t sink, int64_t rid) {
   if (auto s = sink_with_ring(sink, rid, "hookcap.record")) write_logged(*s, rid, x);
 }
 
-using MergeRowFn = void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t);
-
-// The merge_partials op (Monitor(fused=True) in compiled code): the partials
-// the graph computed for one tensor into the row named by rid of sink `sink`,
-// through merge_row on the partials' device, as record writes a tensor.
-void merge_partials_kernel(const at::Tensor& partials, const at::Tensor& shift, int64_t sink, int64_t rid) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hookcap::merge_row", "")
-                       .typed<MergeRowFn>();
-  if (auto s = sink_with_ring(sink, rid, "hookcap.merge_partials")) {
-    write_logged_by(*s, rid, [&](RingRef& ref) { op.call(partials, shift, ref.ring, ref.state, row_of(rid)); });
-  }
-}
-
-using ShiftOfRowFn = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
-
-// The ring `rid` names in sink `sink`, where there is one and it is on
-// `like`'s device (fused_shift's and fused_shifts' lookup).
-std::optional<RingRef> shift_ring(int64_t sink, int64_t rid, const at::Tensor& like) {
-  auto s = sink_of(sink);
-  if (!s) return std::nullopt;
-  std::lock_guard<std::mutex> lock(s->mu);
-  if (!has_ring(*s, rid) || s->rings[ring_of(rid)].ring.device() != like.device()) return std::nullopt;
-  return s->rings[ring_of(rid)];
-}
-
-// The fused_shift op: shift_of_row of the row named by rid of sink `sink`,
-// the ring read now; 0 (on like's device) where the Monitor is gone.
-at::Tensor fused_shift_kernel(const at::Tensor& like, int64_t sink, int64_t rid) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hookcap::shift_of_row", "")
-                       .typed<ShiftOfRowFn>();
-  if (auto ref = shift_ring(sink, rid, like)) return op.call(ref->ring, ref->state, row_of(rid));
-  return at::zeros({}, like.options().dtype(at::kDouble));
-}
-
-using MergeRowsFn = void(at::TensorList, at::TensorList, at::Tensor&, const at::Tensor&, at::IntArrayRef);
-
-// The merge_partials_list op: merge_partials for each (partials, shift, rid)
-// in order, through one merge_rows per run of row ids in one ring. Each
-// write is logged as merge_partials logs it; a run that fails is kept as an
-// error of each of its rows.
-void merge_partials_list_kernel(at::TensorList partials, at::TensorList shifts, int64_t sink, at::IntArrayRef rids) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hookcap::merge_rows", "")
-                       .typed<MergeRowsFn>();
-  check_one_partials_per(partials, shifts, rids.size(), "hookcap.merge_partials_list", "row id");
-  auto s = sink_with_ring(sink, rids, "hookcap.merge_partials_list");
-  if (!s) return;
-  const auto n = rids.size();
-  for (size_t first = 0, end = 0; first < n; first = end) {
-    end = first + 1;
-    while (end < n && ring_of(rids[end]) == ring_of(rids[first])) ++end;
-    std::vector<int64_t> rows;
-    for (size_t i = first; i < end; ++i) rows.push_back(row_of(rids[i]));
-    write_logged_by(*s, rids.slice(first, end - first), [&](RingRef& ref) {
-      op.call(partials.slice(first, end - first), shifts.slice(first, end - first), ref.ring, ref.state, rows);
-    });
-  }
-}
-
-using ShiftsOfRowsFn = at::Tensor(const at::Tensor&, const at::Tensor&, at::IntArrayRef);
-
-// The fused_shifts op: fused_shift of each rid, as float64 [rids] on like's
-// device (one shifts_of_rows launch where they share a ring, as the pass
-// that gathers them arranges).
-at::Tensor fused_shifts_kernel(const at::Tensor& like, int64_t sink, at::IntArrayRef rids) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hookcap::shifts_of_rows", "")
-                       .typed<ShiftsOfRowsFn>();
-  const auto n = static_cast<int64_t>(rids.size());
-  bool one_ring = true;
-  for (int64_t rid : rids) one_ring = one_ring && ring_of(rid) == ring_of(rids[0]);
-  if (!one_ring) {
-    std::vector<at::Tensor> each;
-    for (int64_t rid : rids) each.push_back(fused_shift_kernel(like, sink, rid).reshape({1}));
-    return at::cat(each);
-  }
-  if (n > 0) {
-    if (auto ref = shift_ring(sink, rids[0], like)) {
-      std::vector<int64_t> rows;
-      for (int64_t rid : rids) rows.push_back(row_of(rid));
-      return op.call(ref->ring, ref->state, rows);
-    }
-  }
-  return at::zeros({n}, like.options().dtype(at::kDouble));
-}
-
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("record", &record_kernel);
-  m.impl("merge_partials", &merge_partials_kernel);
-  m.impl("fused_shift", &fused_shift_kernel);
-  m.impl("merge_partials_list", &merge_partials_list_kernel);
-  m.impl("fused_shifts", &fused_shifts_kernel);
 }
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("record", &record_kernel);
-  m.impl("merge_partials", &merge_partials_kernel);
-  m.impl("fused_shift", &fused_shift_kernel);
-  m.impl("merge_partials_list", &merge_partials_list_kernel);
-  m.impl("fused_shifts", &fused_shifts_kernel);
 }
 
 bool unpack_tensor(PyObject* o, at::Tensor& out, const char* what) {

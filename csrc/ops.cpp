@@ -95,7 +95,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 7;
+constexpr int64_t kAbiVersion = 8;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.
@@ -131,43 +131,6 @@ void record_meta(const at::Tensor& x, int64_t sink, int64_t rid) {
               x.scalar_type());
 }
 
-void merge_row_meta(const at::Tensor& partials, const at::Tensor& shift, at::Tensor& ring, const at::Tensor& state,
-                    int64_t row) {
-  check_merge_row(partials, shift, ring, state, row);
-}
-
-void merge_partials_meta(const at::Tensor& partials, const at::Tensor& shift, int64_t sink, int64_t rid) {
-  check_partials(partials, shift, "hookcap.merge_partials");
-}
-
-at::Tensor shift_of_row_meta(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
-  check_shift_of_row(ring, state, row);
-  return at::empty({}, ring.options().dtype(at::kDouble));
-}
-
-at::Tensor fused_shift_meta(const at::Tensor& like, int64_t sink, int64_t rid) {
-  return at::empty({}, like.options().dtype(at::kDouble));
-}
-
-void merge_rows_meta(at::TensorList partials, at::TensorList shifts, at::Tensor& ring, const at::Tensor& state,
-                     at::IntArrayRef rows) {
-  check_merge_rows(partials, shifts, ring, state, rows);
-}
-
-void merge_partials_list_meta(at::TensorList partials, at::TensorList shifts, int64_t sink, at::IntArrayRef rids) {
-  check_one_partials_per(partials, shifts, rids.size(), "hookcap.merge_partials_list", "row id");
-  for (size_t i = 0; i < rids.size(); ++i) check_partials(partials[i], shifts[i], "hookcap.merge_partials_list");
-}
-
-at::Tensor shifts_of_rows_meta(const at::Tensor& ring, const at::Tensor& state, at::IntArrayRef rows) {
-  check_shifts_of_rows(ring, state, rows);
-  return at::empty({static_cast<int64_t>(rows.size())}, ring.options().dtype(at::kDouble));
-}
-
-at::Tensor fused_shifts_meta(const at::Tensor& like, int64_t sink, at::IntArrayRef rids) {
-  return at::empty({static_cast<int64_t>(rids.size())}, like.options().dtype(at::kDouble));
-}
-
 void advance_meta(at::Tensor& ring, at::Tensor& state, int64_t every) {
   check_ring_state(ring, state);
   TORCH_CHECK(every >= 1, "hookcap.advance: every must be >= 1, got ", every);
@@ -184,8 +147,7 @@ std::vector<int64_t> layout() {
           kStateStep,  kStateEnabled, kStateSlot, kStateSize, cuda,
           kFwdNs,      kFwdOpen, kFwdEnds, kBwdNs, kBwdOpen, kBwdEnds,
           kBigN,       kBigShift, kBigS1, kBigS2, kSmallN, kSmallShift, kSmallS1, kSmallS2,
-          kWideScale,  kN4,      kS3,    kS4,    kMoments4Flag,
-          kPNan,       kPPosInf, kPNegInf, kPZeros, kPFinite, kPS1, kPS2, kPMin, kPMax, kPartials};
+          kWideScale,  kN4,      kS3,    kS4,    kMoments4Flag};
 }
 
 }  // namespace
@@ -217,26 +179,6 @@ TORCH_LIBRARY(hookcap, m) {
   // Side effect only (registered as effectful from Python, so compiled
   // graphs keep it in order): x into the row `rid` of gradient sink `sink`.
   m.def("record(Tensor x, int sink, int rid) -> ()");
-  // Monitor(fused=True): one tensor's statistics, computed by the compiled
-  // graph as float64 [PartialCol, blocks] about `shift` (stats_math.h), into
-  // a ring row as accumulate would merge that tensor; merge_partials names
-  // the row by sink and row id as record does (effectful, registered from
-  // Python).
-  m.def("merge_row(Tensor partials, Tensor shift, Tensor(a!) ring, Tensor state, int row) -> ()");
-  m.def("merge_partials(Tensor partials, Tensor shift, int sink, int rid) -> ()");
-  // The shift fused partials are summed about (stats_math.h row_center), as
-  // a new float64 0-dim tensor on the ring's device; fused_shift: of the row
-  // named by sink and row id, on like's device (0 where there is none).
-  m.def("shift_of_row(Tensor ring, Tensor state, int row) -> Tensor");
-  m.def("fused_shift(Tensor like, int sink, int rid) -> Tensor");
-  // The same for several rows of one ring in one launch each (a compiled
-  // graph's run of merges, and its shifts, gathered by a pass): the lists
-  // are in order, one partials matrix, shift and row (id) each; the shifts
-  // come back as float64 [rows].
-  m.def("merge_rows(Tensor[] partials, Tensor[] shifts, Tensor(a!) ring, Tensor state, int[] rows) -> ()");
-  m.def("merge_partials_list(Tensor[] partials, Tensor[] shifts, int sink, int[] rids) -> ()");
-  m.def("shifts_of_rows(Tensor ring, Tensor state, int[] rows) -> Tensor");
-  m.def("fused_shifts(Tensor like, int sink, int[] rids) -> Tensor");
   m.def("layout() -> int[]", &layout);
 }
 
@@ -249,21 +191,12 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("advance", &advance_meta);
   m.impl("time_mark", &time_mark_meta);
   m.impl("record", &record_meta);
-  m.impl("merge_row", &merge_row_meta);
-  m.impl("merge_partials", &merge_partials_meta);
-  m.impl("shift_of_row", &shift_of_row_meta);
-  m.impl("fused_shift", &fused_shift_meta);
-  m.impl("merge_rows", &merge_rows_meta);
-  m.impl("merge_partials_list", &merge_partials_list_meta);
-  m.impl("shifts_of_rows", &shifts_of_rows_meta);
-  m.impl("fused_shifts", &fused_shifts_meta);
 }
 
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record", "merge_row", "merge_partials", "shift_of_row", "fused_shift", "merge_rows",
-                          "merge_partials_list", "shifts_of_rows", "fused_shifts"}) {
+  for (const char* op : {"accumulate", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -37,8 +37,10 @@ def check_and_load() -> dict:
 def build_info() -> dict:
     """What the installed extension was built with: ``torch_version``,
     ``torch_cuda``, ``cuda`` (True if CUDA kernels were compiled), ``cuda_reason``,
-    ``cuda_home``, ``arch_list``, ``cxx_flags``, ``nvcc_flags``, ``cxx_abi``, plus
-    ``cpu_isa`` (the CPU loop selected at run time)."""
+    ``cuda_home``, ``arch_list`` (the GPU archs compiled for, ``+PTX``: also as PTX the
+    driver compiles for newer GPUs), ``cxx_flags``, ``nvcc_flags``, ``cxx_abi``,
+    ``build_seconds`` (wall seconds the extension's build took) and ``build_jobs`` (its
+    parallel compile jobs), plus ``cpu_isa`` (the CPU loop selected at run time)."""
     meta = dict(_read_meta())
     meta["cpu_isa"] = _cpu_isa()
     return meta

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import torch
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _raw = list(torch.ops.hookcap.layout())
 if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer entries
@@ -60,19 +60,6 @@ if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer
     S3,
     S4,
     MOMENTS4_FLAG,  # added to the op's hist_kind for moments=4
-    # Monitor(fused=True): the rows of the float64 [PARTIALS, blocks] partials
-    # a compiled graph computes for one tensor (stats_math.h PartialCol), and
-    # their number.
-    P_NAN,
-    P_POSINF,
-    P_NEGINF,
-    P_ZEROS,
-    P_FINITE,
-    P_S1,
-    P_S2,
-    P_MIN,
-    P_MAX,
-    PARTIALS,
 ) = _raw
 CUDA_BUILT = bool(_cuda)
 

@@ -77,65 +77,6 @@ def record(x: torch.Tensor, sink: int, rid: int) -> None:
     _ops.record(x, sink, rid)
 
 
-def merge_row(partials: torch.Tensor, shift: torch.Tensor, ring: torch.Tensor, state: torch.Tensor,
-              row: int) -> None:
-    """Merge one tensor's fused partials into ``ring[state.slot, row]``, as
-    :func:`accumulate` would merge that tensor. ``partials``: contiguous
-    float64 [PARTIALS, blocks] on the ring's device, one column per block of
-    the tensor, rows in ``hookcap._layout.P_*`` order (NaN/+Inf/-Inf/zero/
-    finite counts, the finite values' sum and sum of squares about ``shift``,
-    their min and max); ``shift``: float64 0-dim. Nothing happens when
-    ``state[1] == 0``. No host sync (one block on CUDA)."""
-    _ops.merge_row(partials, shift, ring, state, row)
-
-
-def merge_partials(partials: torch.Tensor, shift: torch.Tensor, sink: int, rid: int) -> None:
-    """:func:`merge_row` into the row ``rid`` of a Monitor's sink ``sink``,
-    read when it runs, the write logged (as :func:`record` does for a
-    tensor). What code compiled with ``Monitor(fused=True)`` calls; effectful."""
-    _ops.merge_partials(partials, shift, sink, rid)
-
-
-def shift_of_row(ring: torch.Tensor, state: torch.Tensor, row: int) -> torch.Tensor:
-    """float64 0-dim on the ring's device: the shift fused partials of ``row``
-    are summed about (the row's shift in slot ``state[2]`` if a write set it,
-    else its finite values' mean in the slot before, else 0). No host sync."""
-    return _ops.shift_of_row(ring, state, row)
-
-
-def fused_shift(like: torch.Tensor, sink: int, rid: int) -> torch.Tensor:
-    """:func:`shift_of_row` of the row ``rid`` of sink ``sink`` (0 on ``like``'s
-    device where there is none): what code compiled with ``fused=True`` calls."""
-    return _ops.fused_shift(like, sink, rid)
-
-
-def merge_rows(partials: list, shifts: list, ring: torch.Tensor, state: torch.Tensor, rows: list) -> None:
-    """:func:`merge_row` of each ``(partials[i], shifts[i], rows[i])``, in
-    order, into one ring: one launch per 32 on CUDA (the pointers travel in
-    the kernel's parameters; no copy, no host sync)."""
-    _ops.merge_rows(partials, shifts, ring, state, rows)
-
-
-def merge_partials_list(partials: list, shifts: list, sink: int, rids: list) -> None:
-    """:func:`merge_partials` of each ``(partials[i], shifts[i], rids[i])``, in
-    order, through one :func:`merge_rows` per run of row ids in one ring
-    (each write logged; a run that fails is an error of each of its rows).
-    What a compiled graph's run of merges becomes (``_fused_batch``); effectful."""
-    _ops.merge_partials_list(partials, shifts, sink, rids)
-
-
-def shifts_of_rows(ring: torch.Tensor, state: torch.Tensor, rows: list) -> torch.Tensor:
-    """float64 [len(rows)]: :func:`shift_of_row` of each row, one launch per
-    256 on CUDA. No host sync."""
-    return _ops.shifts_of_rows(ring, state, rows)
-
-
-def fused_shifts(like: torch.Tensor, sink: int, rids: list) -> torch.Tensor:
-    """float64 [len(rids)] on ``like``'s device: :func:`fused_shift` of each
-    row id (one :func:`shifts_of_rows` where they share a ring)."""
-    return _ops.fused_shifts(like, sink, rids)
-
-
 def _register_record_effectful() -> bool:
     """Without an effect, graph passes would drop an op that returns
     nothing and mutates no argument. False where torch has no effect API."""
@@ -150,8 +91,6 @@ def _register_record_effectful() -> bool:
         except ImportError:
             return False
     register(_ops.record.default, _EffectType.ORDERED)
-    register(_ops.merge_partials.default, _EffectType.ORDERED)
-    register(_ops.merge_partials_list.default, _EffectType.ORDERED)
     return True
 
 

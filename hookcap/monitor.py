@@ -1,7 +1,7 @@
 """Monitor: attach to any model, record per-layer stats every step.
 
 The Monitor is a facade over parts that data flows through one way:
-hooks (hookcap._capture: hooks, timing, compile, fused) -> recorder (rows of
+hooks (hookcap._capture: hooks, timing, compile, taps) -> recorder (rows of
 the device rings, hookcap._rows) -> drain (hookcap._host.drain) -> consumers
 (history store, detectors, anomalies, sinks; rank merging in front of the
 sinks: hookcap._host.consumers, ranks).
@@ -115,9 +115,8 @@ class Monitor:
         moments: 2 (default) or 4: also the third and fourth central moments and
             ``skew``, ``kurtosis`` (Pearson, not excess) of captured tensors, in the
             same pass (``hookcap.MOMENT_NAMES``, docs/statistics.md).
-        fused: under ``torch.compile``, compute the statistics of CUDA float32/bf16/fp16
-            captures as reductions in the compiled graph (fusable into the model's kernels);
-            with ``histogram=None`` only. Eager calls unchanged; docs/compile-and-distributed.md.
+        fused: retired; only ``False`` is accepted (``True`` raises ``ValueError``): compiled
+            code records through the op, docs/design.md says why.
         grad_scaler: the ``torch.amp.GradScaler`` of the loop (with ``optimizer=``): its
             ``update()`` closes steps, so an iteration whose optimizer step it skipped is a
             step too (``update`` 0, ``History.skipped``); docs/loss-spikes.md.
@@ -155,10 +154,13 @@ class Monitor:
         placements: dict | None = None,
         grad_scaler=None,
     ):
+        if fused is not False:
+            raise ValueError("fused: Monitor(fused=True) is retired: statistics fused into compiled "
+                             "kernels measured slower than the op's own pass (docs/design.md); drop the argument")
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
         config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks, eval_forwards,
-                             update_snapshot, moments, fused, placements)
+                             update_snapshot, moments, placements)
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
             raise ValueError(f"start_step: expected an int >= 0 (the number of the first step), got {start_step!r}")
         if optimizer is not None and not callable(getattr(innermost_optimizer(optimizer), "step", None)):
@@ -203,8 +205,6 @@ class Monitor:
 
     sinks = property(lambda self: self._sinks.active,
                      doc="The active sinks (a sink that raised moves to ``failed_sinks``).")
-    fused = property(lambda self: self._config.fused,
-                     doc="Whether compiled code computes the statistics in the graph (``fused=True`` in effect).")
 
     @property
     def on_anomaly(self):

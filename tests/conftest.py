@@ -1,13 +1,11 @@
 import logging
 import os
-from unittest import mock
 
 import numpy as np
 import torch
 from hypothesis import HealthCheck, settings
 
 import hookcap
-import hookcap._capture.fused
 
 
 settings.register_profile(
@@ -217,27 +215,3 @@ def draw(kind: str, n: int, seed: int) -> torch.Tensor:
         "halves": lambda: np.concatenate([g.standard_normal(n // 2), 1e3 + g.standard_normal(n - n // 2)]),
     }[kind]()
     return torch.from_numpy(x)
-
-
-def assert_fused_matches_op(op, fused):
-    """Histories of the same compiled values recorded by the op and by
-    ``fused=True``: same metrics; counts and extrema equal; sums of squares,
-    std and l2norm within 1e-5; a sum within 1e-6 of the sum of |x| (bounded
-    by sqrt(n) * l2norm: a sum that cancels is as exact as its terms)."""
-    assert sorted(fused.names) == sorted(op.names) and list(fused.steps) == list(op.steps)
-    for name in op.names:
-        a, b = op.column(name), fused.column(name)
-        for stat in ("count", "nan", "posinf", "neginf", "zeros", "finite", "min", "max", "absmax"):
-            np.testing.assert_array_equal(fused[stat][:, b], op[stat][:, a], err_msg=f"{name} {stat}")
-        for stat in ("sumsq", "std", "l2norm"):
-            np.testing.assert_allclose(fused[stat][:, b], op[stat][:, a], rtol=1e-5, err_msg=f"{name} {stat}")
-        abs_sum = np.sqrt(op["count"][:, a]) * np.nan_to_num(op["l2norm"][:, a])
-        diff = np.abs(np.nan_to_num(fused["sum"][:, b]) - np.nan_to_num(op["sum"][:, a]))
-        np.testing.assert_array_less(diff, 1e-6 * abs_sum + 1e-30, err_msg=name)
-
-
-def triton_partials(x, k, rows=False, strided=False):
-    """``hookcap._capture.fused.partials`` in the form it takes under Triton (the
-    blocked one), computed on the CPU."""
-    with mock.patch.object(hookcap._capture.fused, "_triton", lambda device: True):
-        return hookcap._capture.fused.partials(x, k, rows, strided)

@@ -52,6 +52,5 @@ def test_cuda_launches_go_through_the_checked_launcher():
     # join's wait, the join's record on the previous step's stream
     assert code.count("cudaGetLastError") == 4
     # accumulate and accumulate_update (with their dynamic shared memory), reset_rows, advance
-    # (reset, then state), time_mark, merge_row and shift_of_row (fused=True), and their
-    # gathered forms merge_rows and shifts_of_rows
-    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 10
+    # (reset, then state), time_mark
+    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 6

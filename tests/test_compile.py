@@ -11,21 +11,14 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import hookcap
-import hookcap._capture.fused
 from conftest import assert_recorded
 from hookcap import Monitor
 from hookcap._capture import compile as _compile
 from hookcap.models import TinyResNet, TinyTransformer
 
 
-# The two ways compiled code records: the accumulate op, and statistics as
-# reductions of the graph itself (fused=True, with histogram=None).
-PATHS = {"op": {}, "fused": {"histogram": None, "fused": True}}
-
-
 @pytest.fixture(autouse=True)
-def fresh_dynamo(monkeypatch):
-    monkeypatch.setattr(hookcap._capture.fused, "DEVICE_TYPES", {"cuda", "cpu"})  # fused=True on CPU tensors too
+def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -92,16 +85,14 @@ def train_run(model, xs, compiled, every=1, compiled_autograd=False, **kw):
     return mon.history(), graphs
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("compiled_autograd", [False, True])
-def test_gradient_kinds_under_compile_match_eager(compiled_autograd, path):
+def test_gradient_kinds_under_compile_match_eager(compiled_autograd):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     xs = [torch.randn(5, 4) for _ in range(5)]
-    eager, _ = train_run(model, xs, compiled=False, every=2, **PATHS[path])
+    eager, _ = train_run(model, xs, compiled=False, every=2)
     torch._dynamo.reset()
-    comp, graphs = train_run(model, xs, compiled=True, every=2, compiled_autograd=compiled_autograd,
-                             **PATHS[path])
+    comp, graphs = train_run(model, xs, compiled=True, every=2, compiled_autograd=compiled_autograd)
     if not compiled_autograd:
         assert graphs[0] == graphs[-1]  # cadence: no recompiles across on/off steps
     assert comp.steps.tolist() == eager.steps.tolist() == [0, 2, 4]
@@ -115,8 +106,7 @@ def test_gradient_kinds_under_compile_match_eager(compiled_autograd, path):
         for stat in ("mean", "std", "min", "max", "l2norm"):
             np.testing.assert_allclose(comp[stat][:, c], eager[stat][:, e], rtol=1e-4, atol=1e-6,
                                        err_msg=f"{name} {stat}")
-        if path == "op":
-            np.testing.assert_array_equal(comp.histogram(name), eager.histogram(name), err_msg=name)
+        np.testing.assert_array_equal(comp.histogram(name), eager.histogram(name), err_msg=name)
 
 
 def test_gradient_kinds_under_compile_equal_float64_reference():
@@ -245,19 +235,18 @@ def assert_same_history(comp, eager):
             np.testing.assert_array_equal(comp.histogram(name), eager.histogram(name), err_msg=name)
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("brk", ["graph_break", "item", "print"])
 @pytest.mark.parametrize("capture", [("output", "grad_output"), hookcap.CAPTURE_KINDS])
-def test_graph_breaks_train_and_equal_eager(brk, capture, path):
+def test_graph_breaks_train_and_equal_eager(brk, capture):
     torch.manual_seed(0)
     model = Breaky(brk)
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(5, 4, generator=g) for _ in range(4)]
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    eager, *_ = break_run(model, xs, False, capture, every=2, **PATHS[path])
+    eager, *_ = break_run(model, xs, False, capture, every=2)
     torch._dynamo.reset()
     model.load_state_dict(state)
-    comp, outs, grads, graphs = break_run(model, xs, True, capture, every=2, **PATHS[path])
+    comp, outs, grads, graphs = break_run(model, xs, True, capture, every=2)
     assert_same_history(comp, eager)
     # Telemetry changes nothing: a compiled twin without a Monitor, bit for
     # bit. It has a no-op forward hook on every module: with any forward hook
@@ -276,8 +265,7 @@ def test_graph_breaks_train_and_equal_eager(brk, capture, path):
         assert all(torch.equal(x, y) for x, y in zip(ga, gb))
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_hf_gpt2_with_cache_compiled_trains_and_equals_eager(path):
+def test_hf_gpt2_with_cache_compiled_trains_and_equals_eager():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=True)
@@ -287,7 +275,7 @@ def test_hf_gpt2_with_cache_compiled_trains_and_equals_eager(path):
     xs = [torch.randint(97, (2, 12), generator=g) for _ in range(2)]
 
     def steps(compiled):
-        mon = Monitor(model, **PATHS[path]).attach()
+        mon = Monitor(model).attach()
         fn = torch.compile(model) if compiled else model
         logits = []
         for x in xs:

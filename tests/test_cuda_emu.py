@@ -20,7 +20,7 @@ import torch
 import torch.utils.cpp_extension as cpp_ext
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import abs_sum, assert_moments, assert_stats_match, assert_wide_match, draw, triton_partials
+from conftest import abs_sum, assert_moments, assert_stats_match, assert_wide_match, draw
 
 import hookcap
 from hookcap import Histogram, _layout, _ops
@@ -936,74 +936,6 @@ def test_reset_rows_matches_cpu(emu, begin, end, grid, block):
     changed = (ring != before).any(dim=2)
     assert changed.nonzero().tolist() == [[1, r] for r in range(begin, end)]
     assert ring[1, begin:end, _layout.STEP_TAG].tolist() == [4] * (end - begin)
-
-
-def test_fused_merge_and_shift_kernels_match_cpu(emu):
-    """fused=True's CUDA kernels (one block combining the partials' columns
-    and merging them into a row; one thread reading the shift from the ring)
-    write and read what the CPU ops do, bit for bit, across rebased writes,
-    non-finite values, one to thousands of columns, a disabled state and slot
-    changes."""
-    g = torch.Generator().manual_seed(5)
-    xs = [torch.randn(700, generator=g) * 3 + 1e3, torch.tensor([float("nan"), 2.0, float("-inf"), 0.0]),
-          (torch.randn(64, 9, generator=g) * 1e-20).to(torch.bfloat16), torch.empty(0),
-          torch.randn(33, generator=g).to(torch.float16) - 7, torch.randn(3000, 7, generator=g),
-          torch.randn(1031, generator=g)]
-    ring = torch.zeros((3, 3, _layout.HEADER), dtype=torch.int64)
-    ring[:, :, _layout.STEP_TAG] = -(1 << 62)
-    st = torch.tensor([0, 1, 0])
-    OPS.reset_slot(ring, st)
-    cpu = ring.clone()
-    for step in range(4):
-        for i, x in enumerate(xs):
-            row = i % 3
-            k_emu, k_cpu = emu.shift_of_row(ring, st, row), OPS.shift_of_row(cpu, st, row)
-            assert torch.equal(k_emu, k_cpu), (step, i)
-            p = triton_partials(x, k_cpu, rows=i == 5)  # 3000 columns: one per row
-            emu.merge_row(p, k_cpu, ring, st, row)
-            OPS.merge_row(p, k_cpu, cpu, st, row)
-            assert torch.equal(ring, cpu), (step, i)
-        st_emu = st.clone()
-        emu.advance(ring, st_emu, 2, 32, 1)
-        OPS.advance(cpu, st, 2)
-        assert torch.equal(st_emu, st) and torch.equal(ring, cpu)
-    assert int(st[1]) == 1 and ring[:, :, _layout.CALLS].sum() > 0
-
-
-def test_gathered_merge_and_shift_kernels_match_one_by_one(emu):
-    """The gathered forms (a compiled graph's run of merges: a block per
-    capture, 32 per launch; its shifts: a thread per row, 256 per launch)
-    write and read what merge_row and shift_of_row do one by one on the CPU,
-    bit for bit: 40 captures (two launches) into 3 rows, rebased, with
-    non-finite values, over slot changes; 300 shifts (two launches)."""
-    g = torch.Generator().manual_seed(7)
-    xs = [torch.randn(int(n), generator=g) * 3 + (i % 5) for i, n in enumerate(torch.randint(1, 3000, (40,),
-                                                                                              generator=g))]
-    xs[3][0], xs[11][-1] = float("nan"), float("-inf")
-    ring = torch.zeros((3, 3, _layout.HEADER), dtype=torch.int64)
-    ring[:, :, _layout.STEP_TAG] = -(1 << 62)
-    st = torch.tensor([0, 1, 0])
-    OPS.reset_slot(ring, st)
-    cpu = ring.clone()
-    rows = [i % 3 for i in range(len(xs))]
-    for step in range(3):
-        ks = OPS.shifts_of_rows(cpu, st, rows)
-        assert torch.equal(emu.shifts_of_rows(ring, st, rows), ks)
-        assert torch.equal(ks, torch.stack([OPS.shift_of_row(cpu, st, r) for r in rows]))
-        many = [r % 3 for r in range(300)]
-        assert torch.equal(emu.shifts_of_rows(ring, st, many), OPS.shifts_of_rows(cpu, st, many))
-        ps, k1 = [triton_partials(x, ks[i]) for i, x in enumerate(xs)], list(ks.unbind())
-        gathered = cpu.clone()
-        for p, k, r in zip(ps, k1, rows):
-            OPS.merge_row(p, k, cpu, st, r)
-        OPS.merge_rows(ps, k1, gathered, st, rows)  # the CPU's gathered form
-        emu.merge_rows(ps, k1, ring, st, rows)
-        assert torch.equal(gathered, cpu) and torch.equal(ring, cpu), step
-        st_emu = st.clone()
-        emu.advance(ring, st_emu, 1, 32, 1)
-        OPS.advance(cpu, st, 1)
-        assert torch.equal(st_emu, st) and torch.equal(ring, cpu)
-    assert int(ring[:, :, _layout.CALLS].sum()) == 2 * len(xs)  # the third advance reset the first step's slot
 
 
 @pytest.mark.parametrize("every,block,grid", [(1, 1024, 1), (3, 256, 2), (3, 64, 3), (1, 32, 1)])

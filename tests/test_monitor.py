@@ -566,3 +566,16 @@ def test_detach_closes_an_open_step_that_holds_records():
     mon.attach()  # an open step with nothing in it stays open
     mon.detach()
     assert mon.current_step == 2 and mon.history().steps.tolist() == [0, 1]
+
+
+def test_the_retired_fused_argument_is_refused_with_its_reason():
+    """``Monitor(fused=True)`` (statistics inside compiled kernels) is retired:
+    a ValueError that says why; ``fused=False`` is still accepted."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="retired.*slower than the op"):
+        hookcap.Monitor(model, fused=True)
+    mon = hookcap.Monitor(model, fused=False).attach()
+    model(torch.randn(3, 2))
+    mon.step()
+    mon.detach()
+    assert mon.history().names  # recorded as usual

@@ -79,31 +79,6 @@ def test_opcheck_record_and_its_effect():
     assert hookcap._ops.RECORD_IS_EFFECTFUL  # compiled graphs keep it
     with pytest.raises(RuntimeError, match="no ring"):
         torch.ops.hookcap.record(torch.randn(2), rec.fast.id, 5 << 32)
-    # fused=True's pair: the shift read from the row, and the partials merged into it
-    from hookcap._capture.fused import partials
-
-    torch.library.opcheck(torch.ops.hookcap.fused_shift.default, (torch.empty(0), rec.fast.id, rid))
-    k = torch.ops.hookcap.fused_shift(torch.empty(0), rec.fast.id, rid)
-    torch.library.opcheck(torch.ops.hookcap.merge_partials.default,
-                          (partials(torch.randn(2, 3), k), k, rec.fast.id, rid))
-    with pytest.raises(RuntimeError, match="no ring"):
-        torch.ops.hookcap.merge_partials(partials(torch.randn(2), k), k, rec.fast.id, 5 << 32)
-    # their gathered forms (a graph's run of merges; its shifts)
-    rids = [rid, rid, rid]
-    torch.library.opcheck(torch.ops.hookcap.fused_shifts.default, (torch.empty(0), rec.fast.id, rids))
-    ks = torch.ops.hookcap.fused_shifts(torch.empty(0), rec.fast.id, rids)
-    assert ks.shape == (3,) and ks.dtype == torch.float64
-    xs = [torch.randn(2, 3), torch.randn(7), torch.randn(4, 5)]
-    torch.library.opcheck(torch.ops.hookcap.merge_partials_list.default,
-                          ([partials(x, ks[i]) for i, x in enumerate(xs)], list(ks.unbind()), rec.fast.id, rids))
-    with pytest.raises(RuntimeError, match="no ring"):
-        torch.ops.hookcap.merge_partials_list([partials(xs[0], k)], [k], rec.fast.id, [5 << 32])
-    with pytest.raises(RuntimeError, match="one partials matrix and one shift per row id"):
-        torch.ops.hookcap.merge_partials_list([partials(xs[0], k)], [k, k], rec.fast.id, rids[:1])
-    ring, st = ring_for(None), new_state("cpu")
-    torch.library.opcheck(torch.ops.hookcap.shifts_of_rows.default, (ring, st, [0, 0]))
-    torch.library.opcheck(torch.ops.hookcap.merge_rows.default,
-                          ([partials(xs[0], k), partials(xs[1], k)], [k, k], ring, st, [0, 0]))
     mon.detach()
 
 

@@ -184,49 +184,8 @@ static void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::T
   accumulate_tensor_cpu(x_in, row, h);
 }
 
-static void merge_row_cpu(const at::Tensor& partials, const at::Tensor& shift, at::Tensor& ring,
-                          const at::Tensor& state, int64_t row_index) {
-  check_merge_row(partials, shift, ring, state, row_index);
-  const int64_t* st = state.data_ptr<int64_t>();
-  if (st[kStateEnabled] == 0) return;
-  const int64_t slot = state_slot(ring, st);
-  double lanes[kMergeLanes][kPartials];
-  partials_combine_host(partials.const_data_ptr<double>(), partials.size(1), lanes);
-  row_merge_partials<HostAtomics>(ring.data_ptr<int64_t>() + (slot * ring.size(1) + row_index) * ring.size(2),
-                                  lanes[0], *shift.const_data_ptr<double>());
-}
-
-static at::Tensor shift_of_row_cpu(const at::Tensor& ring, const at::Tensor& state, int64_t row_index) {
-  check_shift_of_row(ring, state, row_index);
-  at::Tensor out = at::empty({}, ring.options().dtype(at::kDouble));
-  *out.data_ptr<double>() = ring_row_center(ring.const_data_ptr<int64_t>(), state.data_ptr<int64_t>()[kStateSlot],
-                                             ring.size(0), ring.size(1), ring.size(2), row_index);
-  return out;
-}
-
-static void merge_rows_cpu(at::TensorList partials, at::TensorList shifts, at::Tensor& ring, const at::Tensor& state,
-                           at::IntArrayRef rows) {
-  check_merge_rows(partials, shifts, ring, state, rows);
-  for (size_t i = 0; i < rows.size(); ++i) merge_row_cpu(partials[i], shifts[i], ring, state, rows[i]);
-}
-
-static at::Tensor shifts_of_rows_cpu(const at::Tensor& ring, const at::Tensor& state, at::IntArrayRef rows) {
-  check_shifts_of_rows(ring, state, rows);
-  at::Tensor out = at::empty({static_cast<int64_t>(rows.size())}, ring.options().dtype(at::kDouble));
-  double* o = out.data_ptr<double>();
-  for (size_t i = 0; i < rows.size(); ++i) {
-    o[i] = ring_row_center(ring.const_data_ptr<int64_t>(), state.data_ptr<int64_t>()[kStateSlot], ring.size(0),
-                           ring.size(1), ring.size(2), rows[i]);
-  }
-  return out;
-}
-
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("accumulate", &accumulate_cpu);
-  m.impl("merge_rows", &merge_rows_cpu);
-  m.impl("shifts_of_rows", &shifts_of_rows_cpu);
-  m.impl("shift_of_row", &shift_of_row_cpu);
-  m.impl("merge_row", &merge_row_cpu);
   m.impl("reset_slot", &reset_slot_cpu);
   m.impl("reset_rows", &reset_rows_cpu);
   m.impl("advance", &advance_cpu);

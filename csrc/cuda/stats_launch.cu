@@ -469,68 +469,9 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   seal_ring_write(ring.device().index(), stream);
 }
 
-void merge_row_cuda(const at::Tensor& partials, const at::Tensor& shift, at::Tensor& ring, const at::Tensor& state,
-                    int64_t row) {
-  check_merge_row(partials, shift, ring, state, row);
-  c10::cuda::CUDAGuard guard(ring.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  note_capture(stream, ring.data_ptr());
-  launch("hookcap.merge_row", &kernels::merge_row_kernel, dim3(1), dim3(kernels::kMergeThreads), stream,
-         ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), partials.const_data_ptr<double>(),
-         partials.size(1), shift.const_data_ptr<double>(), ring.size(0), ring.size(1), ring.size(2), row);
-  seal_ring_write(ring.device().index(), stream);
-}
-
-at::Tensor shift_of_row_cuda(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
-  check_shift_of_row(ring, state, row);
-  c10::cuda::CUDAGuard guard(ring.device());
-  at::Tensor out = at::empty({}, ring.options().dtype(at::kDouble));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  note_capture(stream, ring.data_ptr());  // a captured read keeps the buffer, as a captured write does
-  launch("hookcap.shift_of_row", &kernels::shift_of_row_kernel, dim3(1), dim3(1), stream, ring.const_data_ptr<int64_t>(),
-         state.const_data_ptr<int64_t>(), out.data_ptr<double>(), ring.size(0), ring.size(1), ring.size(2), row);
-  return out;
-}
-
-// A run of merges into one ring: kernels::kMergeBatch captures per launch.
-void merge_rows_cuda(at::TensorList partials, at::TensorList shifts, at::Tensor& ring, const at::Tensor& state,
-                     at::IntArrayRef rows) {
-  check_merge_rows(partials, shifts, ring, state, rows);
-  c10::cuda::CUDAGuard guard(ring.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  note_capture(stream, ring.data_ptr());
-  kernels::for_each_merge_batch(partials, shifts, rows.data(), static_cast<int64_t>(rows.size()),
-                                [&](const kernels::MergeBatch& batch, int m) {
-    launch("hookcap.merge_rows", &kernels::merge_rows_kernel, dim3(m), dim3(kernels::kMergeThreads), stream,
-           ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), batch, m, ring.size(0), ring.size(1),
-           ring.size(2));
-  });
-  seal_ring_write(ring.device().index(), stream);
-}
-
-// The shifts of several rows: kernels::kShiftBatch rows per launch.
-at::Tensor shifts_of_rows_cuda(const at::Tensor& ring, const at::Tensor& state, at::IntArrayRef rows) {
-  check_shifts_of_rows(ring, state, rows);
-  c10::cuda::CUDAGuard guard(ring.device());
-  const auto n = static_cast<int64_t>(rows.size());
-  at::Tensor out = at::empty({n}, ring.options().dtype(at::kDouble));
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(ring.device().index()).stream();
-  note_capture(stream, ring.data_ptr());
-  kernels::for_each_row_batch(rows.data(), n, [&](const kernels::RowBatch& batch, int64_t first, int m) {
-    launch("hookcap.shifts_of_rows", &kernels::shifts_of_rows_kernel, dim3(1), dim3(kernels::kShiftBatch), stream,
-           ring.const_data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), out.data_ptr<double>() + first, batch,
-           m, ring.size(0), ring.size(1), ring.size(2));
-  });
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
-  m.impl("shift_of_row", &shift_of_row_cuda);
-  m.impl("shifts_of_rows", &shifts_of_rows_cuda);
-  m.impl("merge_rows", &merge_rows_cuda);
-  m.impl("merge_row", &merge_row_cuda);
   m.impl("accumulate", &accumulate_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);
   m.impl("accumulate_updates", &accumulate_updates_cuda);

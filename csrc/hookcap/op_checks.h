@@ -58,64 +58,6 @@ inline void check_time_mark(const at::Tensor& ring, const at::Tensor& state, int
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
-// One tensor's fused partials (stats_math.h PartialCol): a contiguous
-// float64 matrix [kPartials, blocks >= 1], and the shift its sums are about
-// (float64, one value, on the partials' device). `op` names the op.
-inline void check_partials(const at::Tensor& partials, const at::Tensor& shift, const char* op) {
-  TORCH_CHECK(partials.scalar_type() == at::kDouble && partials.dim() == 2 && partials.is_contiguous(),
-              op, ": partials must be a contiguous float64 matrix, got ", partials.scalar_type(),
-              " with shape ", partials.sym_sizes());
-  TORCH_SYM_CHECK(partials.sym_size(0).sym_eq(static_cast<int64_t>(kPartials)), op, ": partials must have ",
-                  static_cast<int64_t>(kPartials), " rows, got shape ", partials.sym_sizes());
-  TORCH_SYM_CHECK(partials.sym_size(1).sym_gt(0), op, ": partials must have a column, got shape ",
-                  partials.sym_sizes());
-  TORCH_CHECK(shift.scalar_type() == at::kDouble && shift.dim() == 0, op,
-              ": shift must be a float64 0-dim tensor, got ", shift.scalar_type(), " with shape ", shift.sym_sizes());
-  TORCH_CHECK(shift.device() == partials.device(), op, ": shift is on ", shift.device(), " but the partials on ",
-              partials.device());
-}
-
-// merge_row: one tensor's fused partials into a row.
-inline void check_merge_row(const at::Tensor& partials, const at::Tensor& shift, const at::Tensor& ring,
-                            const at::Tensor& state, int64_t row) {
-  check_ring_state(ring, state);
-  check_partials(partials, shift, "hookcap.merge_row");
-  TORCH_CHECK(partials.device() == ring.device(), "hookcap.merge_row: partials are on ",
-              partials.device(), " but the ring is on ", ring.device());
-  TORCH_CHECK(row >= 0, "hookcap.merge_row: row must be >= 0, got ", row);
-  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row), "hookcap.merge_row: row ", row,
-                  " out of range for a ring with ", ring.sym_size(1), " rows");
-}
-
-// shift_of_row: a row's center for fused partials.
-inline void check_shift_of_row(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
-  check_ring_state(ring, state);
-  TORCH_CHECK(row >= 0, "hookcap.shift_of_row: row must be >= 0, got ", row);
-  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row), "hookcap.shift_of_row: row ", row,
-                  " out of range for a ring with ", ring.sym_size(1), " rows");
-}
-
-// Gathered merges: one partials matrix and one shift per target (`what`:
-// "row" or "row id"), `n` targets.
-inline void check_one_partials_per(at::TensorList partials, at::TensorList shifts, size_t n, const char* op,
-                                   const char* what) {
-  TORCH_CHECK(partials.size() == n && shifts.size() == n, op, ": one partials matrix and one shift per ", what,
-              ", got ", partials.size(), " and ", shifts.size(), " for ", n);
-}
-
-// merge_rows: several tensors' fused partials, each into its row of one ring.
-inline void check_merge_rows(at::TensorList partials, at::TensorList shifts, const at::Tensor& ring,
-                             const at::Tensor& state, at::IntArrayRef rows) {
-  check_one_partials_per(partials, shifts, rows.size(), "hookcap.merge_rows", "row");
-  for (size_t i = 0; i < rows.size(); ++i) check_merge_row(partials[i], shifts[i], ring, state, rows[i]);
-}
-
-// shifts_of_rows: several rows' centers.
-inline void check_shifts_of_rows(const at::Tensor& ring, const at::Tensor& state, at::IntArrayRef rows) {
-  for (int64_t row : rows) check_shift_of_row(ring, state, row);
-  if (rows.empty()) check_ring_state(ring, state);
-}
-
 // At most this many bins of a log2 histogram between 2**lo and 2**hi, so
 // that its counts (signed: about twice) fit any GPU's shared memory.
 constexpr int64_t kMaxLog2Octaves = 2200;

@@ -22,8 +22,6 @@ Process-global state, all of it:
 - ``_compiled_autograd_config``: ``torch._dynamo.config.compiled_autograd`` as of
   the last ``attach()``/recording ``step()`` (reading it costs ~5 us: too
   much per hook).
-- ``hookcap._capture.fused.DEVICE_TYPES``: the device types whose tensors take the
-  ``fused=True`` path (CUDA; tests and benchmarks add the CPU).
 - ``PYTHON_GRAD_HOOKS``: ``HOOKCAP_PYTHON_GRAD_HOOKS=1`` at import sends
   gradients through Python tensor hooks instead of the C++ ones (an escape
   hatch).
@@ -47,7 +45,6 @@ import weakref
 
 import torch
 
-from . import fused as _fused
 from .._rows.fastpath import row_of
 from .._ops import RECORD_IS_EFFECTFUL
 from .tree import tensor_leaves
@@ -211,14 +208,6 @@ def _record_grad(sink: int, rid: int, grad):
     return grad
 
 
-def _fused_grad(sink: int, rid: int, rows: bool, grad):
-    """``_record_grad`` of ``Monitor(fused=True)``: the gradient's statistics
-    as reductions of the backward graph, merged by ``merge_partials``."""
-    if grad is not None:
-        _fused.merge(grad, sink, rid, rows)
-    return grad
-
-
 def _grad_hook_on_ring(ring, row: int, hist_args: tuple, grad):
     """``_record_grad`` where torch cannot keep the record op (no effect API):
     the ring is captured, which is exact only for a graph without breaks."""
@@ -241,9 +230,7 @@ def write_all(hooks, name: str, kind: str, obj, mtype: str) -> None:
         rid = _row(hooks, name, kind, path, t, mtype)
         if rid < 0:
             continue
-        if RECORD_IS_EFFECTFUL and _fused.fusable(rec.config, t):
-            _fused.merge(t, rec.fast.id, rid, _fused.row_wise(kind, mtype), strided=True)
-        elif RECORD_IS_EFFECTFUL:
+        if RECORD_IS_EFFECTFUL:
             _RECORD(t, rec.fast.id, rid)
         else:
             ring = rec.ring_of(rid)
@@ -259,9 +246,7 @@ def grad_hooks(hooks, name: str, kind: str, obj, mtype: str, path: str | None = 
         rid = _row(hooks, name, kind, p, t, mtype) if t.requires_grad else -1
         if rid < 0:
             continue
-        if RECORD_IS_EFFECTFUL and _fused.fusable(rec.config, t):
-            t.register_hook(functools.partial(_fused_grad, rec.fast.id, rid, _fused.row_wise(kind, mtype)))
-        elif RECORD_IS_EFFECTFUL:
+        if RECORD_IS_EFFECTFUL:
             t.register_hook(functools.partial(_record_grad, rec.fast.id, rid))
         else:
             t.register_hook(functools.partial(_grad_hook_on_ring, rec.ring_of(rid), row_of(rid),

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import compile as _compile, fused as _fused, portable as _portable
+from . import compile as _compile, portable as _portable
 from .parallel_plan import output_placements
 from .._rows.config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example_names, metric_name,
                             parametrization_internals)
@@ -64,14 +64,10 @@ def _by_mode(train, ev):
 
 
 def _give_back_guard(guard: list) -> None:
-    """Release a hook set's hold on dynamo's hook guards and on the fused
-    path's graph pass, once each."""
+    """Release a hook set's hold on dynamo's hook guards, once."""
     if guard[0]:
         guard[0] = False
         _compile.release_hook_guards()
-    if guard[1]:
-        guard[1] = False
-        _fused.release_pass()
 
 
 class Hooks:
@@ -112,9 +108,9 @@ class Hooks:
         # The model as last seen (to follow replaced parameters and added modules), and the
         # watched parameters' gradient hooks.
         self.watch = ModelWatch()
-        # [guards held, pass held]: whether this set holds _compile.hold_hook_guards and
-        # _fused.hold_pass (while attached); a set dropped without remove() gives them back when collected.
-        self._guard = [False, False]
+        # [guards held]: whether this set holds _compile.hold_hook_guards (while attached);
+        # a set dropped without remove() gives them back when collected.
+        self._guard = [False]
         weakref.finalize(self, _give_back_guard, self._guard)
 
     # -- registration -------------------------------------------------------------
@@ -138,9 +134,6 @@ class Hooks:
         if self.handles and not self._guard[0]:
             _compile.hold_hook_guards()
             self._guard[0] = True
-        if self.handles and cfg.fused and not self._guard[1]:
-            _fused.hold_pass()
-            self._guard[1] = True
         self._bind_params()
         self.keep_last()
         if not self.handles and not self.grads.handles and not (self.params and {"param", "optim_state", "update", "adam_ratio"} & set(cfg.capture)):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,7 +78,6 @@ class Config:
     width: int  # int64 values per ring row: header + bins
     update_snapshot: bool = False  # "update" of other optimizers from a copy taken before their step
     moments: int = 2  # 4: also the third and fourth moments (hist_args carries the op's flag)
-    fused: bool = False  # compiled code computes float stats as graph reductions (hookcap._capture.fused)
     placements: tuple[tuple[str, str], ...] = ()  # (metric glob, placement): Monitor(placements=...)
 
     @property
@@ -89,8 +87,7 @@ class Config:
 
 
 def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks,
-                eval_forwards="separate", update_snapshot=False, moments=2, fused=False,
-                placements=None) -> Config:
+                eval_forwards="separate", update_snapshot=False, moments=2, placements=None) -> Config:
     """Validate the Monitor's arguments; ``ValueError`` naming the argument."""
     if isinstance(capture, str):
         capture = (capture,)
@@ -123,17 +120,11 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
                          f"metrics), 'skip' or 'merge', got {eval_forwards!r}")
     if not isinstance(update_snapshot, bool):
         raise ValueError(f"update_snapshot: expected True or False, got {update_snapshot!r}")
-    if not isinstance(fused, bool):
-        raise ValueError(f"fused: expected True or False, got {fused!r}")
-    fused_applies = histogram is None and moments == 2
-    if fused and not fused_applies:
-        warnings.warn("hookcap: fused=True applies with histogram=None and moments=2 only; this Monitor's "
-                      "captures are recorded by the accumulate op's single pass", stacklevel=3)
     hist_args = _ops.hist_args(histogram, check_moments(moments))
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
                   module_filter(modules), hist_args, width, update_snapshot, moments,
-                  fused and fused_applies, check_placements(placements))
+                  check_placements(placements))
 
 
 def check_placements(placements) -> tuple[tuple[str, str], ...]:

@@ -178,54 +178,6 @@ void reset_rows(at::Tensor& ring, const at::Tensor& state, int64_t begin, int64_
                           ring.size(1), ring.size(2), begin, end, g, b);
 }
 
-// fused=True's two kernels (merge_row_kernel: one block; shift_of_row_kernel: one thread).
-void merge_row(const at::Tensor& partials, const at::Tensor& shift, at::Tensor& ring, const at::Tensor& state,
-               int64_t row) {
-  check_merge_row(partials, shift, ring, state, row);
-  check_cpu(ring);
-  py::gil_scoped_release nogil;
-  hookcap_emu::merge_row(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), partials.const_data_ptr<double>(),
-                         partials.size(1), shift.const_data_ptr<double>(), ring.size(0), ring.size(1), ring.size(2),
-                         row);
-}
-
-at::Tensor shift_of_row(const at::Tensor& ring, const at::Tensor& state, int64_t row) {
-  check_shift_of_row(ring, state, row);
-  check_cpu(ring);
-  at::Tensor out = at::empty({}, ring.options().dtype(at::kDouble));
-  py::gil_scoped_release nogil;
-  hookcap_emu::shift_of_row(ring.const_data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), out.data_ptr<double>(),
-                            ring.size(0), ring.size(1), ring.size(2), row);
-  return out;
-}
-
-// The batched forms, as the launcher splits them (kMergeBatch captures,
-// kShiftBatch rows per launch).
-void merge_rows(std::vector<at::Tensor> partials, std::vector<at::Tensor> shifts, at::Tensor& ring,
-                const at::Tensor& state, std::vector<int64_t> rows) {
-  check_merge_rows(partials, shifts, ring, state, rows);
-  check_cpu(ring);
-  py::gil_scoped_release nogil;
-  kernels::for_each_merge_batch(partials, shifts, rows.data(), static_cast<int64_t>(rows.size()),
-                                [&](const kernels::MergeBatch& batch, int m) {
-    hookcap_emu::merge_rows(ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), batch, m, ring.size(0),
-                            ring.size(1), ring.size(2));
-  });
-}
-
-at::Tensor shifts_of_rows(const at::Tensor& ring, const at::Tensor& state, std::vector<int64_t> rows) {
-  check_shifts_of_rows(ring, state, rows);
-  check_cpu(ring);
-  const auto n = static_cast<int64_t>(rows.size());
-  at::Tensor out = at::empty({n}, ring.options().dtype(at::kDouble));
-  py::gil_scoped_release nogil;
-  kernels::for_each_row_batch(rows.data(), n, [&](const kernels::RowBatch& batch, int64_t first, int m) {
-    hookcap_emu::shifts_of_rows(ring.const_data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
-                                out.data_ptr<double>() + first, batch, m, ring.size(0), ring.size(1), ring.size(2));
-  });
-  return out;
-}
-
 void advance(at::Tensor& ring, at::Tensor& state, int64_t every, int64_t block, int64_t grid) {
   check_ring_state(ring, state);
   check_cpu(ring);
@@ -543,10 +495,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate_updates", &accumulate_updates);
   m.def("set_fault", &set_fault);
   m.def("reset_rows", &reset_rows);
-  m.def("merge_row", &merge_row);
-  m.def("shift_of_row", &shift_of_row);
-  m.def("merge_rows", &merge_rows);
-  m.def("shifts_of_rows", &shifts_of_rows);
   m.def("advance", &advance, py::arg("ring"), py::arg("state"), py::arg("every"), py::arg("block"),
         py::arg("grid") = 1);
   m.def("configure", &configure, py::arg("order") = 0, py::arg("seed") = 0,

@@ -52,28 +52,4 @@ inline void advance(int64_t* ring, int64_t* state, int64_t slots, int64_t rows, 
   emu::launch(hookcap::kernels::advance_state_kernel, dim3(1), dim3(1), 0, state, slots, every);
 }
 
-inline void merge_row(int64_t* ring, const int64_t* state, const double* partials, int64_t blocks,
-                      const double* shift, int64_t slots, int64_t rows, int64_t width, int64_t row) {
-  emu::launch(hookcap::kernels::merge_row_kernel, dim3(1), dim3(hookcap::kernels::kMergeThreads), 0, ring, state,
-              partials, blocks, shift, slots, rows, width, row);
-}
-
-inline void shift_of_row(const int64_t* ring, const int64_t* state, double* out, int64_t slots, int64_t rows,
-                         int64_t width, int64_t row) {
-  emu::launch(hookcap::kernels::shift_of_row_kernel, dim3(1), dim3(1), 0, ring, state, out, slots, rows, width,
-              row);
-}
-
-inline void merge_rows(int64_t* ring, const int64_t* state, const hookcap::kernels::MergeBatch& batch, int n,
-                       int64_t slots, int64_t rows, int64_t width) {
-  emu::launch(hookcap::kernels::merge_rows_kernel, dim3(n), dim3(hookcap::kernels::kMergeThreads), 0, ring, state,
-              batch, n, slots, rows, width);
-}
-
-inline void shifts_of_rows(const int64_t* ring, const int64_t* state, double* out,
-                           const hookcap::kernels::RowBatch& batch, int n, int64_t slots, int64_t rows, int64_t width) {
-  emu::launch(hookcap::kernels::shifts_of_rows_kernel, dim3(1), dim3(hookcap::kernels::kShiftBatch), 0, ring, state,
-              out, batch, n, slots, rows, width);
-}
-
 }  // namespace hookcap_emu
