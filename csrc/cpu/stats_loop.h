@@ -86,6 +86,13 @@ constexpr int kHistLog2Fine = 4;
 // local table; a table built from log2_key_bin maps them to bins per chunk.
 constexpr int kHistLog2Key = 5;
 constexpr int64_t kExpBins = 256;
+// The loops compiled for the baseline ISA (CPUs without AVX2/FMA/F16C): one
+// per kind of bins, the generic ones. The exponent, key and plain log2 tags
+// are AVX2-only speedups of the same bins (log2_bin_fine with s = 0 is
+// log2_bin); compiling them twice made the baseline loops 58 % of each
+// dtype's build.
+template <int kHist>
+constexpr bool kBaselineLoop = kHist == kHistNone || kHist == kHistLog2Fine || kHist == kHistLinear;
 // Below this many elements a histogram counts straight into the ring (one
 // atomic add per element); from here on into local copies merged once, when
 // the copies are no more than twice as many entries as elements (clearing
@@ -838,10 +845,14 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
       moments4_init(m4[c]);
       const HistSink hs{&h, local_hist ? local : nullptr, row + kHeader, cs, mult, copies,
                         h.moments4 ? &m4[c] : nullptr};
-      if (avx2) {
-        chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
+      if constexpr (kBaselineLoop<kHist>) {
+        if (avx2) {
+          chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
+        } else {
+          chunk_base<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
+        }
       } else {
-        chunk_base<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
+        chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);  // accumulate_read: AVX2 only
       }
       pending += e - b;
       zeros += partial[c].nzero;
@@ -881,7 +892,9 @@ void accumulate_read(const T* x, bool flat, const StridedDesc& d, int64_t n, int
   switch (h.kind) {
     case kHistNone: accumulate_typed<T, kHistNone>(x, flat, d, n, mult, row, h); break;
     case kHistLog2:
-      if ((h.sub_shift || h.sign) && kFloatWork && h.lo_exp >= -126) {
+      if (!use_avx2()) {  // kBaselineLoop: the generic log2 loop
+        accumulate_typed<T, kHistLog2Fine>(x, flat, d, n, mult, row, h);
+      } else if ((h.sub_shift || h.sign) && kFloatWork && h.lo_exp >= -126) {
         accumulate_typed<T, kFloatWork ? kHistLog2Key : kHistLog2Fine>(x, flat, d, n, mult, row, h);
       } else if (h.sub_shift || h.sign) {
         accumulate_typed<T, kHistLog2Fine>(x, flat, d, n, mult, row, h);
