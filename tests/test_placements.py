@@ -230,8 +230,17 @@ def _per_rank_params(rank, log):
     default.step()
     declared.detach()
     default.detach()
+    values = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    # The optimizer kinds follow the declaration too: each rank's own update.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    updates = Monitor(model, capture="update", optimizer=opt, placements={"*": "per_rank"}).attach()
+    model(torch.randn(5, 4)).square().sum().backward()
+    opt.step()
+    updates.detach()
     return {"declared": declared.history(all_ranks=True), "default": default.history(all_ranks=True),
-            "values": {n: p.detach().double().clone() for n, p in model.named_parameters()},
+            "updates": updates.history(all_ranks=True), "values": values,
+            # SGD's step recomputed from the gradient (float32 parameters: the intended Δw)
+            "deltas": {n: -0.1 * p.grad.double() for n, p in model.named_parameters()},
             "log": list(log.messages)}
 
 
@@ -439,4 +448,6 @@ def test_per_rank_parameters_declared_per_rank_are_summed(results):
             assert g["declared"].meta(f"{name}/param")["placement"] == "per_rank"
             assert_recorded(g["declared"], 0, f"{name}/param", values)  # every rank's copy
             assert_recorded(g["default"], 0, f"{name}/param", values[:1])  # a replica: rank 0's
+            assert g["updates"].meta(f"{name}/update")["placement"] == "per_rank"
+            assert_recorded(g["updates"], 0, f"{name}/update", [r["deltas"][name] for r in got])
     assert [m for m in got[0]["log"] if "differ" in m]  # ... and said so

@@ -426,13 +426,9 @@ class Recorder:
                 key = (name, out[0], out[1], p.device, 0)
                 rid = self.rows.get(key)
                 if rid is None:
-                    layout = placement_of(out[0], orig)
-                    try:
-                        if layout["placement"] == "partial":
-                            self.skip_call(metric_name(*key[:3]), PARTIAL_SKIP.format(**layout))
-                            rid = SKIPPED
-                        else:
-                            rid = self.register(key, p.detach(), mtype, layout=layout)
+                    try:  # a DTensor's placements, else Monitor(placements=...), as every other kind
+                        layout = self.new_row_layout(*key[:3], orig)
+                        rid = SKIPPED if layout is None else self.register(key, p.detach(), mtype, layout=layout)
                     except Exception as e:  # telemetry must never take the run down
                         self.skip_call(metric_name(*key[:3]), f"{type(e).__name__}: {e}")
                         rid = SKIPPED
