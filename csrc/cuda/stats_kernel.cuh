@@ -658,11 +658,11 @@ __device__ __noinline__ void wide_value_to_ring(int64_t* row, double v, int b, i
 // s1, s2 (three instructions per element), flushed to double about the
 // thread's shift (moments4_add_run) and merged like the moments, rebased
 // by shift_rebase4.
-// Blocks per SM a specialisation's registers are bounded for. Two opt-in
-// kinds, moments=4 (the third and fourth sums) and float8 inputs' log2
-// bins per octave, spilled inside their loops at 64 registers
-// (bench_sass.py): they get 128 and keep fewer blocks per SM. The defaults
-// keep kMinBlocks.
+// Blocks per SM a specialisation's registers are bounded for. moments=4
+// (the third and fourth sums), float8 inputs' log2 bins per octave and
+// float64 with a histogram spilled inside their loops at 64 registers
+// (bench_sass.py): they get 128 and keep fewer blocks per SM. The other
+// specialisations keep kMinBlocks.
 template <typename T, int kMode, bool kM4>
 constexpr int kMinBlocksOf = kM4 || (sizeof(T) == 1 && kMode == kModeLog2Fine) ||
                                      (sizeof(T) == 8 && kMode != kModeNone)
