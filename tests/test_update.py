@@ -492,3 +492,63 @@ def test_a_duck_typed_optimizer_with_update_snapshot_records_its_updates():
     for s, per_param in enumerate(deltas):
         for name, delta in per_param.items():
             assert_recorded(h, s, f"{name}/update", [delta])
+
+
+def test_float_arithmetic_falls_back_to_double_outside_floats_range():
+    """A float32 parameter's values are computed in float where every input
+    and result of its block stays a normal float, else in double: a Δw below
+    float's normal range (a tiny first moment) keeps its digits, and a ratio
+    beyond float's largest value (a huge gradient over a zero second moment)
+    stays finite, both as float64 computes them; ordinary blocks agree with
+    float64 to float's rounding."""
+    from hookcap import _layout
+    from hookcap.histogram import NO_HIST_ARGS
+
+    ops = torch.ops.hookcap
+    lr, wd, b1, b2, eps, t = 1e-3, 0.1, 0.9, 0.999, 1e-8, 3
+    hyper = [lr, wd, 0, b1, b2, eps, 4, t]  # AdamW (decoupled), step 3
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * 2048 + 5
+
+    def case(tiny_block, huge_ratio):
+        w = torch.randn(n, generator=gen) * 0.02
+        g = torch.randn(n, generator=gen) * 1e-3
+        a = torch.randn(n, generator=gen) * 1e-4
+        b = torch.rand(n, generator=gen) * 1e-6
+        if tiny_block:  # every Δw of the first block ~1e-40: float subnormals
+            a[:2048], b[:2048], w[:2048] = 1e-35, 1.0, 0.0
+        if huge_ratio:
+            g[3000], b[3000] = 1e31, 0.0  # ratio 1e39: beyond float
+        return w, g, a, b
+
+    def reference(w, g, a, b):
+        w, g, a, b = (x.double() for x in (w, g, a, b))
+        inv = 1 / (b.sqrt() / (1 - b2 ** t) ** 0.5 + eps)
+        adam = -lr / (1 - b1 ** t) * a * inv
+        w0 = (w - adam) / (1 - lr * wd)
+        return adam - lr * wd * w0, g * inv
+
+    for tiny, huge in ((False, False), (True, False), (False, True)):
+        w, g, a, b = case(tiny, huge)
+        ring = torch.full((1, 2, _layout.HEADER), -7, dtype=torch.int64)
+        ops.reset_slot(ring, torch.tensor([0, 1, 0]))
+        ops.accumulate_update(w, g, a, b, None, hyper, 1, ring, torch.tensor([0, 1, 0]), [0, -1, 1, -1, -1],
+                              *NO_HIST_ARGS)
+        want_dw, want_ratio = reference(w, g, a, b)
+        for row, want in ((0, want_dw), (1, want_ratio)):
+            got = {k: float(v) for k, v in _layout.decode(ring[0, row].numpy()).items()}
+            assert got["count"] == n and got["finite"] == n, (tiny, huge, row)
+            np.testing.assert_allclose(got["l2norm"], float(want.norm()), rtol=1e-6)
+            np.testing.assert_allclose([got["min"], got["max"]], [float(want.min()), float(want.max())], rtol=1e-6)
+        if tiny:  # the first block alone, all in double
+            ring = torch.full((1, 1, _layout.HEADER), -7, dtype=torch.int64)
+            ops.reset_slot(ring, torch.tensor([0, 1, 0]))
+            ops.accumulate_update(w[:2048], None, a[:2048], b[:2048], None, hyper, 1, ring, torch.tensor([0, 1, 0]),
+                                  [0, -1, -1, -1, -1], *NO_HIST_ARGS)
+            got = {k: float(v) for k, v in _layout.decode(ring[0, 0].numpy()).items()}
+            assert 0 < abs(got["max"]) < 1e-38
+            np.testing.assert_allclose([got["l2norm"], got["sum"]], [float(want_dw[:2048].norm()),
+                                                                     float(want_dw[:2048].sum())], rtol=1e-12)
+        if huge:
+            assert np.isfinite(got["max"]) and got["max"] > 9.9e38
+            np.testing.assert_allclose(got["max"], float(want_ratio.max()), rtol=1e-12)

@@ -84,6 +84,12 @@ int64_t state_slot(const at::Tensor& ring, const int64_t* st) {
 
 bool cpu_avx2() { return use_avx2(); }
 
+double row_shift(int64_t* row, double cand) {
+  int64_t expected = kShiftUnset;
+  __atomic_compare_exchange_n(row + kShift, &expected, dbits(cand), false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return expected == kShiftUnset ? cand : bitsd(expected);
+}
+
 namespace {
 
 static_assert(kDoublesLocalWords == kHistCopies * (kLocalBins + 1), "stats_cpu.h's local histogram size");
@@ -126,11 +132,7 @@ void doubles_begin(DoublesPartial& p, int64_t* row, const HistSpec& h, uint32_t*
 void doubles_push(DoublesPartial& p, const double* x, int64_t n) {
   if (n == 0) return;
   if (!p.started) {
-    const double cand = shift_candidate([&](int64_t i) { return x[i]; }, n);
-    int64_t expected = kShiftUnset;
-    __atomic_compare_exchange_n(p.row + kShift, &expected, dbits(cand), false, __ATOMIC_RELAXED,
-                                __ATOMIC_RELAXED);
-    p.shift = expected == kShiftUnset ? cand : bitsd(expected);
+    p.shift = row_shift(p.row, shift_candidate([&](int64_t i) { return x[i]; }, n));
     p.started = true;
   }
   switch (p.h->kind) {

@@ -40,4 +40,27 @@ void doubles_begin(DoublesPartial& p, int64_t* row, const HistSpec& h, uint32_t*
 void doubles_push(DoublesPartial& p, const double* x, int64_t n);
 void doubles_flush(DoublesPartial& p);
 
+// The same for floats, with the float32 statistics op's loop (float sums
+// per block, the exponent and key histogram paths): accumulate_f32.cpp.
+struct FloatsPartial {
+  Acc acc;
+  WideAcc wide;
+  int64_t* row;
+  const HistSpec* h;
+  uint32_t* local;  // kDoublesLocalWords counters, or null: bins count straight into the row
+  int kind;         // the loop variant (stats_loop.h's with_loop_kind)
+  int copies;       // local copies of the histogram, each `cs` entries
+  int64_t cs;
+  int64_t pending;  // values counted in `local` since its last flush
+  int64_t zeros;    // zeros among them
+  double shift;
+  bool started;
+};
+void floats_begin(FloatsPartial& p, int64_t* row, const HistSpec& h, uint32_t* local);
+void floats_push(FloatsPartial& p, const float* x, int64_t n);
+void floats_flush(FloatsPartial& p);
+
+// The row's shift: `cand` if this writer is the first, else the one fixed.
+double row_shift(int64_t* row, double cand);
+
 }  // namespace hookcap

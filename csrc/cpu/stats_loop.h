@@ -738,6 +738,88 @@ void merge_local_bins(const uint32_t* local, int copies, int64_t cs, int64_t nbi
   }
 }
 
+// Exponent field -> bin (kHistLog2Exp), this thread's table, rebuilt only
+// when the histogram range changes (one Monitor uses one range).
+inline const int32_t* exp_bin_table(const HistSpec& h) {
+  thread_local int32_t exp_bin[kExpBins];
+  thread_local int64_t exp_bin_lo = 1, exp_bin_hi = 0;  // empty: built on first use
+  if (exp_bin_lo != h.lo_exp || exp_bin_hi != h.hi_exp) {
+    const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
+    for (int e = 1; e < 255; ++e) exp_bin[e] = log2_bin(std::ldexp(1.0f, e - 127), lo, hi);
+    exp_bin_lo = h.lo_exp;
+    exp_bin_hi = h.hi_exp;
+  }
+  return exp_bin;
+}
+
+// Key -> bin (kHistLog2Key; -1: NaN/Inf), this thread's table, rebuilt when
+// the histogram changes.
+inline const int32_t* key_bin_table(const HistSpec& h) {
+  thread_local std::vector<int32_t> key_bin;
+  thread_local int64_t key_spec[4] = {1, 0, -1, -1};
+  const int64_t spec[4] = {h.lo_exp, h.hi_exp, h.sub_shift, h.sign};
+  if (!std::equal(spec, spec + 4, key_spec)) {
+    const int64_t nkeys = log2_keys(h);
+    key_bin.resize(nkeys);
+    for (int64_t k = 0; k < nkeys; ++k) {
+      key_bin[k] = log2_key_bin(static_cast<uint32_t>(k), static_cast<int32_t>(h.lo_exp),
+                                static_cast<int32_t>(h.hi_exp), static_cast<int32_t>(h.sub_shift), h.sign != 0);
+    }
+    std::copy(spec, spec + 4, key_spec);
+  }
+  return key_bin.data();
+}
+
+// Entries per local copy of loop kind kHist, and how many copies.
+template <int kHist>
+int64_t local_copy_size(const HistSpec& h) {
+  return kHist == kHistLog2Exp ? kExpBins : kHist == kHistLog2Key ? log2_keys(h) : h.nbins + 1;
+}
+template <int kHist>
+int local_copies(int64_t cs, bool avx2) {
+  // The AVX2 exponent counter writes copy 0 only; keys take as many copies as fit.
+  const int64_t room = kHistCopies * (kLocalBins + 1) / cs;
+  TORCH_CHECK(kHist != kHistLog2Key || room >= 1, "hookcap: log2 key table of ", cs, " entries exceeds the local array");
+  if (kHist == kHistLog2Exp && avx2) return 1;
+  if (kHist != kHistLog2Key) return kHistCopies;
+  return room >= 4 ? 4 : room >= 2 ? 2 : 1;
+}
+
+// A worker's local counts (`copies` of `cs` entries, each count times
+// `mult`) into the row's bins; `zeros`: the zeros among them (times mult),
+// counted exactly by the stats. The caller clears the copies.
+template <int kHist>
+void flush_local_counts(const uint32_t* local, int copies, int64_t cs, int64_t zeros, int64_t mult, int64_t* row,
+                        const HistSpec& h, const int32_t* bin_of_exp, const int32_t* bin_of_key) {
+  auto total_of = [&](int64_t k) { return local_total(local, copies, cs, k) * mult; };
+  if constexpr (kHist == kHistLog2Exp) {
+    // Exponent field 0 holds zeros and float subnormals (underflow when
+    // lo >= -126); 255 is NaN/Inf.
+    if (zeros) HostAtomics::add_i64(row + kHeader + 0, zeros);
+    const int64_t sub = total_of(0) - zeros;
+    if (sub) HostAtomics::add_i64(row + kHeader + 1, sub);
+    for (int k = 1; k < 255; ++k) {
+      const int64_t cnt = total_of(k);
+      if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_exp[k], cnt);
+    }
+  } else if constexpr (kHist == kHistLog2Key) {
+    // Every key's count to its bin (log2_key_bin); the zeros, counted
+    // with the positive underflow under key 0, move to the zero bin.
+    for (int64_t k = 0; k < cs; ++k) {
+      const int64_t cnt = bin_of_key[k] >= 0 ? total_of(k) : 0;
+      if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_key[k], cnt);
+    }
+    if (zeros) {
+      const int64_t zero_bin = log2_zero_bin(static_cast<int32_t>(h.lo_exp), static_cast<int32_t>(h.hi_exp),
+                                             static_cast<int32_t>(h.sub_shift), h.sign != 0);
+      HostAtomics::add_i64(row + kHeader + zero_bin, zeros);
+      HostAtomics::add_i64(row + kHeader + zero_bin + 1, -zeros);
+    }
+  } else {
+    merge_local_bins(local, copies, cs, h.nbins, mult, row);
+  }
+}
+
 template <typename T, int kHist>
 void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, int64_t mult,
                       int64_t* row, const HistSpec& h) {
@@ -757,44 +839,14 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   // Tiny tensors count straight into the ring: clearing and merging local
   // copies would cost more than the elements themselves.
   constexpr bool kKey = kHist == kHistLog2Key;
-  const int64_t nkeys = log2_keys(h);
-  const int64_t cs = kExp ? kExpBins : kKey ? nkeys : h.nbins + 1;
+  const int64_t cs = local_copy_size<kHist>(h);
   // Keys always count locally (idx holds keys, not bins): as many copies as fit.
   const bool local_hist = kKey || (kHist != kHistNone && (kExp || h.nbins <= kLocalBins) &&
                                    n >= kDirectHistBelow && n >= (kExp ? 1 : kHistCopies) * cs / 2);
-  // Exponent field -> bin (kExp only), rebuilt only when the histogram
-  // range changes (one Monitor uses one range).
-  thread_local int32_t exp_bin[kExpBins];
-  thread_local int64_t exp_bin_lo = 1, exp_bin_hi = 0;  // empty: built on first use
-  if constexpr (kExp) {
-    if (exp_bin_lo != h.lo_exp || exp_bin_hi != h.hi_exp) {
-      const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
-      for (int e = 1; e < 255; ++e) exp_bin[e] = log2_bin(std::ldexp(1.0f, e - 127), lo, hi);
-      exp_bin_lo = h.lo_exp;
-      exp_bin_hi = h.hi_exp;
-    }
-  }
-  const int32_t* bin_of_exp = exp_bin;  // this thread's table, read by the workers too
-  // Key -> bin (kKey only; -1: NaN/Inf), rebuilt when the histogram changes.
-  thread_local std::vector<int32_t> key_bin;
-  thread_local int64_t key_spec[4] = {1, 0, -1, -1};
-  if constexpr (kKey) {
-    const int64_t spec[4] = {h.lo_exp, h.hi_exp, h.sub_shift, h.sign};
-    if (!std::equal(spec, spec + 4, key_spec)) {
-      key_bin.resize(nkeys);
-      for (int64_t k = 0; k < nkeys; ++k) {
-        key_bin[k] = log2_key_bin(static_cast<uint32_t>(k), static_cast<int32_t>(h.lo_exp),
-                                  static_cast<int32_t>(h.hi_exp), static_cast<int32_t>(h.sub_shift), h.sign != 0);
-      }
-      std::copy(spec, spec + 4, key_spec);
-    }
-  }
-  const int32_t* bin_of_key = key_bin.data();
+  const int32_t* bin_of_exp = kExp ? exp_bin_table(h) : nullptr;  // this thread's table, read by the workers too
+  const int32_t* bin_of_key = kKey ? key_bin_table(h) : nullptr;
   const bool avx2 = use_avx2();
-  // The AVX2 exponent counter writes copy 0 only: clear and sum just that one.
-  const int64_t room = kHistCopies * (kLocalBins + 1) / cs;  // key tables that fit the local array
-  const int copies = kExp && avx2 ? 1 : !kKey ? kHistCopies : room >= 4 ? 4 : room >= 2 ? 2 : 1;
-  TORCH_CHECK(!kKey || room >= 1, "hookcap: log2 key table of ", cs, " entries exceeds the local array");
+  const int copies = local_copies<kHist>(cs, avx2);
   Acc partial[kMaxChunks];
   WideAcc wide[kMaxChunks];
   Moments4 m4[kMaxChunks];
@@ -807,34 +859,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
     // `zeros`: the zeros among them, counted exactly by the stats.
     int64_t pending = 0, zeros = 0;
     auto flush = [&] {
-      auto total_of = [&](int64_t k) { return local_total(local, copies, cs, k) * mult; };
-      const int64_t z = zeros * mult;
-      if constexpr (kExp) {
-        // Exponent field 0 holds zeros and float subnormals (underflow when
-        // lo >= -126); 255 is NaN/Inf.
-        if (z) HostAtomics::add_i64(row + kHeader + 0, z);
-        const int64_t sub = total_of(0) - z;
-        if (sub) HostAtomics::add_i64(row + kHeader + 1, sub);
-        for (int k = 1; k < 255; ++k) {
-          const int64_t cnt = total_of(k);
-          if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_exp[k], cnt);
-        }
-      } else if constexpr (kKey) {
-        // Every key's count to its bin (log2_key_bin); the zeros, counted
-        // with the positive underflow under key 0, move to the zero bin.
-        for (int64_t k = 0; k < nkeys; ++k) {
-          const int64_t cnt = bin_of_key[k] >= 0 ? total_of(k) : 0;
-          if (cnt) HostAtomics::add_i64(row + kHeader + bin_of_key[k], cnt);
-        }
-        if (z) {
-          const int64_t zero_bin = log2_zero_bin(static_cast<int32_t>(h.lo_exp), static_cast<int32_t>(h.hi_exp),
-                                                 static_cast<int32_t>(h.sub_shift), h.sign != 0);
-          HostAtomics::add_i64(row + kHeader + zero_bin, z);
-          HostAtomics::add_i64(row + kHeader + zero_bin + 1, -z);
-        }
-      } else {
-        merge_local_bins(local, copies, cs, h.nbins, mult, row);
-      }
+      flush_local_counts<kHist>(local, copies, cs, zeros * mult, mult, row, h, bin_of_exp, bin_of_key);
       std::memset(local, 0, sizeof(uint32_t) * copies * cs);
       pending = zeros = 0;
     };
@@ -881,6 +906,31 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
 
 }  // namespace
 
+// Calls f(std::integral_constant<int, kHist>{}) with the loop variant the
+// histogram and dtype call for (n: the elements one call reads).
+template <typename T, typename F>
+void with_loop_kind(const HistSpec& h, int64_t n, F&& f) {
+  constexpr bool kFloatWork = !std::is_same_v<T, double>;
+  using std::integral_constant;
+  switch (h.kind) {
+    case kHistNone: f(integral_constant<int, kHistNone>{}); break;
+    case kHistLog2:
+      if (!use_avx2()) {  // kBaselineLoop: the generic log2 loop
+        f(integral_constant<int, kHistLog2Fine>{});
+      } else if ((h.sub_shift || h.sign) && kFloatWork && h.lo_exp >= -126) {
+        f(integral_constant<int, kFloatWork ? kHistLog2Key : kHistLog2Fine>{});
+      } else if (h.sub_shift || h.sign) {
+        f(integral_constant<int, kHistLog2Fine>{});
+      } else if (kFloatWork && h.lo_exp >= -126 && n >= kDirectHistBelow) {
+        f(integral_constant<int, kFloatWork ? kHistLog2Exp : kHistLog2>{});
+      } else {
+        f(integral_constant<int, kHistLog2>{});
+      }
+      break;
+    default: f(integral_constant<int, kHistLinear>{}); break;
+  }
+}
+
 // Merges the n values at x (flat, or walked through d) into `row`, each
 // counted `mult` times (count and calls excepted), with the loop variant
 // the histogram and dtype call for. Instantiated once per dtype
@@ -888,24 +938,9 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
 template <typename T>
 void accumulate_read(const T* x, bool flat, const StridedDesc& d, int64_t n, int64_t mult, int64_t* row,
                      const HistSpec& h) {
-  constexpr bool kFloatWork = !std::is_same_v<T, double>;
-  switch (h.kind) {
-    case kHistNone: accumulate_typed<T, kHistNone>(x, flat, d, n, mult, row, h); break;
-    case kHistLog2:
-      if (!use_avx2()) {  // kBaselineLoop: the generic log2 loop
-        accumulate_typed<T, kHistLog2Fine>(x, flat, d, n, mult, row, h);
-      } else if ((h.sub_shift || h.sign) && kFloatWork && h.lo_exp >= -126) {
-        accumulate_typed<T, kFloatWork ? kHistLog2Key : kHistLog2Fine>(x, flat, d, n, mult, row, h);
-      } else if (h.sub_shift || h.sign) {
-        accumulate_typed<T, kHistLog2Fine>(x, flat, d, n, mult, row, h);
-      } else if (kFloatWork && h.lo_exp >= -126 && n >= kDirectHistBelow) {
-        accumulate_typed<T, kFloatWork ? kHistLog2Exp : kHistLog2>(x, flat, d, n, mult, row, h);
-      } else {
-        accumulate_typed<T, kHistLog2>(x, flat, d, n, mult, row, h);
-      }
-      break;
-    default: accumulate_typed<T, kHistLinear>(x, flat, d, n, mult, row, h); break;
-  }
+  with_loop_kind<T>(h, n, [&](auto kind) {
+    accumulate_typed<T, decltype(kind)::value>(x, flat, d, n, mult, row, h);
+  });
 }
 
 // accumulate_read<T>'s signature, for the explicit instantiations below and

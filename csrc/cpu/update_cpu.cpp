@@ -1,8 +1,9 @@
 // accumulate_update on the CPU: the optimizer's per-element update, the
-// parameter before the step and Adam's ratio, recomputed in blocks of
-// doubles (update_math.h) and merged by the statistics loop; the state
-// tensors by the statistics op's loop. No tensor is made: each block lives
-// in this thread's buffer.
+// parameter before the step and Adam's ratio, recomputed block by block
+// (update_math.h: in float for narrower parameters where every value of the
+// block allows it, else in double) and merged by the float or double
+// statistics loop; the state tensors by the statistics op's loop. No tensor
+// is made: each block lives in this thread's buffer.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,27 +20,65 @@
 namespace hookcap {
 namespace {
 
-// Values per block: three blocks of doubles and their local histograms
-// (3 x 16 KB) on the stack.
-constexpr int64_t kUpdateBlock = 1024;
+// Values per block (the float statistics loop's own block): three blocks of
+// floats, and of doubles where a block takes the exact path.
+constexpr int64_t kUpdateBlock = 2048;
 
-// One block's Δw, w before and (kRatio) Adam's ratio: a loop without
-// branches on the outputs, so that the compiler vectorises the division and
-// square root.
+// One block's Δw, w before and (kRatio) Adam's ratio of a parameter narrower
+// than double, in float (update_value_of<kRule, float>). Returns whether every
+// element passes update_narrow_ok, that is whether these are
+// update_value_for's values; else the caller takes fill_block. No branch on
+// the values, so that the compiler vectorises the division and square root.
 template <int kRule, bool kRatio, typename T>
-__attribute__((always_inline)) inline void fill_block(const UpdateRule& r, const T* w, const T* g, const T* a, const T* b, int64_t m,
-                                 double* value, double* base, double* ratio) {
+__attribute__((always_inline)) inline bool fill_block_narrow(const UpdateRule& r, const T* __restrict w, const T* g,
+                                                             const T* a, const T* b, int64_t m,
+                                                             float* __restrict value, float* __restrict base,
+                                                             float* __restrict ratio) {
+  // An absent input reads zeros: loads without a branch, so the loop vectorises.
+  static const T kZeros[kUpdateBlock] = {};
+  const T* __restrict gz = g ? g : kZeros;
+  const T* __restrict az = a ? a : kZeros;
+  const T* __restrict bz = b ? b : kZeros;
+  int bad = 0;
   for (int64_t i = 0; i < m; ++i) {
-    const UpdateValue u = update_value_of<kRule>(r, static_cast<double>(w[i]), g ? static_cast<double>(g[i]) : 0.0,
-                                                 a ? static_cast<double>(a[i]) : 0.0,
-                                                 b ? static_cast<double>(b[i]) : 0.0, kRatio);
+    const float wf = static_cast<float>(w[i]), gf = static_cast<float>(gz[i]), af = static_cast<float>(az[i]),
+                bf = static_cast<float>(bz[i]);
+    const UpdateValueT<float> u = update_value_of<kRule, float>(r, wf, gf, af, bf, kRatio);
+    value[i] = u.value;
+    base[i] = u.base;
+    if constexpr (kRatio) ratio[i] = u.ratio;
+    bad |= !update_narrow_ok(wf, gf, af, bf, u);
+  }
+  return bad == 0;
+}
+
+// update_value_for's values of one block, in doubles (vectorised for
+// float64 parameters; narrower ones come here only for blocks with values
+// outside float's range, element by element).
+template <int kRule, bool kRatio, typename T>
+__attribute__((always_inline)) inline void fill_block(const UpdateRule& r, const T* w, const T* g, const T* a,
+                                                      const T* b, int64_t m, double* value, double* base,
+                                                      double* ratio) {
+  static const T kZeros[kUpdateBlock] = {};
+  const T* __restrict gz = g ? g : kZeros;
+  const T* __restrict az = a ? a : kZeros;
+  const T* __restrict bz = b ? b : kZeros;
+  for (int64_t i = 0; i < m; ++i) {
+    const UpdateValue u = update_value_for<kRule, T>(r, static_cast<double>(w[i]), static_cast<double>(gz[i]),
+                                                     static_cast<double>(az[i]), static_cast<double>(bz[i]), kRatio);
     value[i] = u.value;
     base[i] = u.base;
     if constexpr (kRatio) ratio[i] = u.ratio;
   }
 }
 
-// The same loop for AVX2 (no FMA: the values match the baseline build's).
+// The same loops for AVX2 (no FMA: the values match the baseline build's).
+template <int kRule, bool kRatio, typename T>
+__attribute__((target("avx2"))) bool fill_block_narrow_avx2(const UpdateRule& r, const T* w, const T* g, const T* a,
+                                                            const T* b, int64_t m, float* value, float* base,
+                                                            float* ratio) {
+  return fill_block_narrow<kRule, kRatio>(r, w, g, a, b, m, value, base, ratio);
+}
 template <int kRule, bool kRatio, typename T>
 __attribute__((target("avx2"))) void fill_block_avx2(const UpdateRule& r, const T* w, const T* g, const T* a,
                                                      const T* b, int64_t m, double* value, double* base,
@@ -85,28 +124,49 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
       // the rows once per run: the double sums' last bits may depend on the
       // order the threads finish in.
       const int64_t nblocks = (n + kUpdateBlock - 1) / kUpdateBlock;
+      // Narrower parameters in float where the rule allows it, block by block.
+      const bool narrow = !std::is_same_v<scalar_t, double> && rule_c.narrow_ok;
       // grain: small parameters stay on this thread (a parallel region costs more)
-      at::parallel_for(0, nblocks, 16, [&](int64_t c0, int64_t c1) {
-        double vals[3][kUpdateBlock];  // Δw, w before, ratio (kOutUpdate..kOutRatio)
-        uint32_t local[3][kDoublesLocalWords];
-        DoublesPartial part[3];
+      at::parallel_for(0, nblocks, 8, [&](int64_t c0, int64_t c1) {
+        float fvals[3][kUpdateBlock];   // Δw, w before, ratio (kOutUpdate..kOutRatio)
+        double dvals[3][kUpdateBlock];  // the same on the exact path
+        uint32_t flocal[3][kDoublesLocalWords], dlocal[3][kDoublesLocalWords];
+        FloatsPartial fpart[3];
+        DoublesPartial dpart[3];
+        bool dstarted = false;  // the doubles' partials begin with their first block
         for (int k = 0; k < 3; ++k) {
-          if (row_of[k]) doubles_begin(part[k], row_of[k], h, local[k]);
+          if (row_of[k] && narrow) floats_begin(fpart[k], row_of[k], h, flocal[k]);
         }
         for (int64_t c = c0; c < c1; ++c) {
           const int64_t b0 = c * kUpdateBlock, m = std::min(kUpdateBlock, n - b0);
           auto at = [&](const scalar_t* p) { return p ? p + b0 : nullptr; };
+          if (narrow && (avx2 ? fill_block_narrow_avx2<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m,
+                                                                      fvals[0], fvals[1], fvals[2])
+                              : fill_block_narrow<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m,
+                                                                 fvals[0], fvals[1], fvals[2]))) {
+            for (int k = 0; k < 3; ++k) {
+              if (row_of[k]) floats_push(fpart[k], fvals[k], m);
+            }
+            continue;
+          }
+          if (!dstarted) {
+            for (int k = 0; k < 3; ++k) {
+              if (row_of[k]) doubles_begin(dpart[k], row_of[k], h, dlocal[k]);
+            }
+            dstarted = true;
+          }
           if (avx2) {
-            fill_block_avx2<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m, vals[0], vals[1], vals[2]);
+            fill_block_avx2<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m, dvals[0], dvals[1], dvals[2]);
           } else {
-            fill_block<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m, vals[0], vals[1], vals[2]);
+            fill_block<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m, dvals[0], dvals[1], dvals[2]);
           }
           for (int k = 0; k < 3; ++k) {
-            if (row_of[k]) doubles_push(part[k], vals[k], m);
+            if (row_of[k]) doubles_push(dpart[k], dvals[k], m);
           }
         }
         for (int k = 0; k < 3; ++k) {
-          if (row_of[k]) doubles_flush(part[k]);
+          if (row_of[k] && narrow) floats_flush(fpart[k]);
+          if (row_of[k] && dstarted) doubles_flush(dpart[k]);
         }
       });
     };

@@ -6,10 +6,10 @@
 // harness (tests/cuda_emu).
 //
 // Parameters are read once per recorded step, so this kernel is simple
-// rather than tuned: double arithmetic per element (the values match a
-// float64 recomputation of the step), one merge into the ring per block and
-// row, histogram counts in shared memory per block, one shared atomic per
-// value.
+// rather than tuned: update_value_for's arithmetic per element (float for
+// narrower parameters where it is exact to float rounding, else double),
+// sums in double, one merge into the ring per block and row, histogram
+// counts in shared memory per block, one shared atomic per value.
 #pragma once
 
 #include "cuda/stats_kernel.cuh"
@@ -74,7 +74,7 @@ __device__ __forceinline__ UpdateValue update_at(const UpdateRule& r, const Upda
                                                  const UpdateOuts& o, int64_t i, double& a, double& b) {
   a = in.a ? as_double(in.a[i]) : 0.0;
   b = in.b ? as_double(in.b[i]) : 0.0;
-  return o.step ? update_value(r, as_double(in.w[i]), in.g ? as_double(in.g[i]) : 0.0, a, b, o.ratio)
+  return o.step ? update_value<T>(r, as_double(in.w[i]), in.g ? as_double(in.g[i]) : 0.0, a, b, o.ratio)
                 : UpdateValue{0.0, 0.0, 0.0};
 }
 
@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(kThreads, kWideUpdate<T> ? 1 : 2)
   if (t.step_f != nullptr) update_set_step(r, static_cast<double>(*t.step_f));
   if (t.step_d != nullptr) update_set_step(r, *t.step_d);
   if (HOOKCAP_EMU_FAULT(update_bias)) r.step_size = r.lr;  // the harness's planted bug: no bias correction
+  r.narrow_ok = update_rule_narrow_ok(r);
   int64_t* out[kRows];
 #pragma unroll
   for (int k = 0; k < kRows; ++k) out[k] = ring + (slot * rows + t.row[k]) * width;
