@@ -10,6 +10,9 @@ the CPU), with
                      exp_avg_sq), one pass, no copy, no host sync
   bare_norm        + torch._foreach_norm of the parameters after the step: one
                      read of each, the floor of any per-tensor statistic
+  read_floor       + torch._foreach_norm of every tensor hookcap's pass reads
+                     (update: w, exp_avg, exp_avg_sq; adam_ratio: also .grad;
+                     optim_state: exp_avg, exp_avg_sq): the floor of its bytes
   foreach_norm     + the peers' cheapest way to one norm per tensor of the same
                      quantities: copy the parameters before the step
                      (torch._foreach_copy_ into buffers allocated once), then
@@ -19,7 +22,8 @@ the CPU), with
                      (adam_ratio). Norms only.
 
 Configurations are timed round-robin (drift hits them alike); medians per step.
-Prints the time each adds over "step only" and their ratio.
+Prints the time each adds over "step only" (the median of the rounds' paired
+differences) and their ratios.
 
   PYTHONPATH=. python benchmarks/bench_update.py [--device cuda] [--layers N] [--histogram log2|none]
       [--capture update,optim_state,adam_ratio] [--json PATH]
@@ -101,6 +105,19 @@ def main() -> None:
         opt.step()
         return torch._foreach_norm(params)  # one read of each parameter: the floor of any per-tensor statistic
 
+    def read_set():
+        states = [opt.state[p] for p in params]
+        out = []
+        if "update" in kinds or "adam_ratio" in kinds:
+            out += params
+        if "adam_ratio" in kinds:
+            out += [p.grad for p in params]
+        return out + [s["exp_avg"] for s in states] + [s["exp_avg_sq"] for s in states]
+
+    def step_read_floor():
+        opt.step()
+        return torch._foreach_norm(read_set())  # each tensor the pass reads, read once
+
     def step_foreach_norm():
         if "update" in kinds:
             torch._foreach_copy_(copies, params)
@@ -121,7 +138,7 @@ def main() -> None:
         return norms
 
     configs = {"step only": step_only, "hookcap": step_hookcap, "bare_norm": step_bare_norm,
-               "foreach_norm": step_foreach_norm}
+               "read_floor": step_read_floor, "foreach_norm": step_foreach_norm}
     times = {k: [] for k in configs}
     steps_per_round = 5
     for rnd in range(args.rounds + 2):
@@ -139,8 +156,10 @@ def main() -> None:
             if rnd >= 2:  # warm-up rounds
                 times[name].append(dt)
     med = {k: statistics.median(v) for k, v in times.items()}
-    base = med["step only"]
-    added = {k: med[k] - base for k in configs if k != "step only"}
+    # Added time: the median over rounds of each round's difference from the
+    # same round's "step only" (pairs share the machine's state of the moment).
+    added = {k: statistics.median(t - b for t, b in zip(times[k], times["step only"]))
+             for k in configs if k != "step only"}
     n_params = sum(p.numel() for p in params)
     machine = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
     print(f"GPT-2 {layers} layers, {len(params)} parameter tensors, {n_params / 1e6:.1f} M values, "
@@ -152,7 +171,11 @@ def main() -> None:
         print(f"| {k} | {med[k]:.3f} | {'-' if k == 'step only' else f'{added[k]:+.3f} ms'} |")
     ratio = added["hookcap"] / added["foreach_norm"] if added["foreach_norm"] > 0 else float("nan")
     bare = added["hookcap"] / added["bare_norm"] if added["bare_norm"] > 0 else float("nan")
+    floor = added["hookcap"] / added["read_floor"] if added["read_floor"] > 0 else float("nan")
+    floor_bare = added["read_floor"] / added["bare_norm"] if added["bare_norm"] > 0 else float("nan")
     print(f"hookcap adds {bare:.2f} x what bare_norm adds (one torch._foreach_norm of the parameters)")
+    print(f"hookcap adds {floor:.2f} x what read_floor adds (one norm of each tensor it reads: "
+          f"{len(read_set())} tensors, {floor_bare:.2f} x bare_norm)")
     print(f"hookcap adds {ratio:.2f} x what foreach_norm adds (copy + sub + norms of the same kinds: norms only)")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -172,7 +195,8 @@ def main() -> None:
                        "layers": layers,
                        "tensors": len(params),
                        "values": n_params, "median_ms": med, "added_ms": added, "ratio": ratio,
-                       "ratio_bare_norm": bare,
+                       "ratio_bare_norm": bare, "ratio_read_floor": floor,
+                       "read_floor_over_bare_norm": floor_bare,
                        "torch": torch.__version__}, f, indent=1)
 
 
