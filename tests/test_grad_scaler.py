@@ -58,8 +58,14 @@ def _run(kind, pass_scaler):
     return mon.history(), ref
 
 
-@pytest.mark.parametrize("kind", ["adamw-fused", "adamw", "sgd-fused", "sgd"])
-def test_skipped_steps_record_update_zero_and_one_step_per_iteration(kind):
+@pytest.mark.parametrize("kind,flag_on_device", [("adamw-fused", False), ("adamw", False), ("sgd-fused", False),
+                                                  ("sgd", False), ("adamw-fused", True), ("sgd-fused", True)])
+def test_skipped_steps_record_update_zero_and_one_step_per_iteration(kind, flag_on_device, monkeypatch):
+    """flag_on_device: a fused step's found_inf treated as a GPU's, never
+    read on the host: update against copies, adam_ratio in calls that
+    record nothing where found_inf is set (DeviceRing.gated_state)."""
+    if flag_on_device:
+        monkeypatch.setattr(hookcap._capture.scaler, "flag_on_host", lambda found_inf: False)
     h, ref = _run(kind, pass_scaler=True)
     assert h.steps.tolist() == list(range(ITERATIONS))
     assert h.skipped.tolist() == [i in SKIP_AT for i in range(ITERATIONS)]

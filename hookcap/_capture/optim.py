@@ -10,6 +10,7 @@ import logging
 import torch
 
 from .._rows.recorder import Recorder
+from . import scaler as _scaler
 from .scaler import found_inf_of, record_skip
 
 log = logging.getLogger("hookcap")
@@ -310,7 +311,7 @@ class OptimUpdates:
         # A fused step under GradScaler on a GPU: whether it was skipped is known
         # on the device only, so Δw is read against copies (0 where skipped).
         every = (self.snapshot and not self._recomputes(opt)) or \
-            (found_inf is not None and found_inf.device.type != "cpu")
+            (found_inf is not None and not _scaler.flag_on_host(found_inf))
         with torch.no_grad():
             for pname, p in params:
                 if not (every or p.dtype in _STORED_LOW):
@@ -350,19 +351,19 @@ class OptimUpdates:
         stepped = [k for k in ("update", "adam_ratio") if k in self.kinds]
         found_inf = found_inf_of(opt)
         # A fused step under GradScaler unscales .grad in place, unless it skipped the step.
+        ratio_gate = None
         if found_inf is not None:
             record_skip(self.recorder, found_inf, "GradScaler")
             self.skip_recorded = True
-            if found_inf.device.type == "cpu":  # a host read costs no device sync here
+            if _scaler.flag_on_host(found_inf):  # a host read costs no device sync here
                 if float(found_inf) != 0.0:
                     self.record_skipped(params)
                     return covered
-            elif want_ratio:
-                want_ratio = False
-                self.recorder.warn_once(("update", "scaled"), (
-                    "hookcap: adam_ratio is not recorded for a fused optimizer's step under GradScaler on a GPU: "
-                    "whether the step was skipped (and its gradients still scaled) is known on the device only "
-                    "(reading it would sync the host); update is read against a copy"))
+            else:
+                # Known on the device only: Δw is read against copies (0 where
+                # skipped), and the ratio, whose gradients a skipped step leaves
+                # scaled, goes to calls that record nothing where found_inf is set.
+                ratio_gate = found_inf
         # One op call per (rule, hyper-parameters): a parameter group's
         # parameters, each with its rows; the loop over them runs in C++.
         batches: dict[tuple, list] = {}
@@ -370,7 +371,7 @@ class OptimUpdates:
             # Δw against a copy (update_snapshot, 16-bit parameters): exactly what the step changed.
             for pname, p in params:
                 if pname in self._copied and (not recomputed or p.grad is not None):
-                    batches.setdefault((_RULE_DIFF, (0.0,) * 8), []).append(
+                    batches.setdefault((_RULE_DIFF, (0.0,) * 8, False), []).append(
                         (pname, p, None, self._copies[pname], None, None, _UPDATE_OUTS))
             if recomputed:
                 names = {id(p): pname for pname, p in params}
@@ -402,10 +403,14 @@ class OptimUpdates:
                                 if key is not None and _same_layout(t, p):
                                     outs[i] = ("optim_state", key)
                                     covered.add((pname, key))
+                        if ratio_gate is not None and outs[2] is not None:
+                            gated = [None, None, outs[2], None, None]
+                            batches.setdefault((g[1], hyper, True), []).append((pname, p, grad, a, b, step, gated))
+                            outs[2] = None
                         if any(outs):
-                            batches.setdefault((g[1], hyper), []).append((pname, p, grad, a, b, step, outs))
-            for (rule, hyper), items in batches.items():
-                self.recorder.write_updates(mtype, rule, list(hyper), items)
+                            batches.setdefault((g[1], hyper, False), []).append((pname, p, grad, a, b, step, outs))
+            for (rule, hyper, gated), items in batches.items():
+                self.recorder.write_updates(mtype, rule, list(hyper), items, gate=ratio_gate if gated else None)
         return covered
 
 

@@ -25,6 +25,11 @@ def found_inf_of(optimizer) -> torch.Tensor | None:
     return found_inf if isinstance(found_inf, torch.Tensor) else None
 
 
+def flag_on_host(found_inf: torch.Tensor) -> bool:
+    """Whether reading ``found_inf`` costs no device sync (a CPU tensor)."""
+    return found_inf.device.type == "cpu"
+
+
 def found_infs(scaler, optimizer) -> list[torch.Tensor]:
     """The scaler's per-device inf flags for ``optimizer`` this iteration
     (empty before its ``step``, or with the scaler disabled)."""

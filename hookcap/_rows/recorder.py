@@ -404,14 +404,15 @@ class Recorder:
             self._order[rid] = None
             self.fast.note_python_write()
 
-    def write_updates(self, mtype, rule, hyper, items) -> None:
+    def write_updates(self, mtype, rule, hyper, items, gate: torch.Tensor | None = None) -> None:
         """The optimizer's step on each parameter of ``items`` = [(name, p,
         grad, a, b, step, outs)] (``hookcap._capture.optim``; one rule and one set of
         hyper-parameters): ``outs`` names, for each output of the
         ``accumulate_updates`` op (Δw, w before the step, Adam's ratio, the
         state tensors a and b), the ``(kind, path)`` of its row or None. One
         op call per ring; where it fails, each parameter alone (so one bad
-        tensor skips only its own metrics)."""
+        tensor skips only its own metrics). ``gate``: a device flag, nonzero
+        where the calls must record nothing (DeviceRing.gated_state)."""
         per_ring: dict[int, list] = {}
         for name, p, grad, a, b, step, outs in items:
             orig = p
@@ -442,14 +443,15 @@ class Recorder:
                 per_ring.setdefault(ring, []).append((name, p, grad, a, b, step, rows, rids, outs))
         for ring_i, batch in per_ring.items():
             ring = self.ring_list[ring_i]
+            state = ring.state if gate is None else ring.gated_state(gate)
             cols = list(zip(*batch))
             try:
                 _OP_UPDATES(list(cols[1]), list(cols[2]), list(cols[3]), list(cols[4]), list(cols[5]), hyper, rule,
-                            ring.ring, ring.state, [r for rows in cols[6] for r in rows], *self.config.hist_args)
+                            ring.ring, state, [r for rows in cols[6] for r in rows], *self.config.hist_args)
             except Exception:
                 for name, p, grad, a, b, step, rows, rids, outs in batch:
                     try:
-                        _OP_UPDATE(p, grad, a, b, step, hyper, rule, ring.ring, ring.state, rows,
+                        _OP_UPDATE(p, grad, a, b, step, hyper, rule, ring.ring, state, rows,
                                    *self.config.hist_args)
                     except Exception as e:  # telemetry must never take the run down
                         for out in outs:

@@ -135,6 +135,7 @@ class DeviceRing:
         self.ring = torch.empty((slots, rows, width), dtype=torch.int64, device=device)
         self._host_view = None if self.is_cuda else self.ring.numpy()  # CPU: the ring as numpy
         self.state = new_state(device)
+        self._gated = self._keep = None  # gated_state's buffers
         self._state_view = None if self.is_cuda else self.state.numpy()
         # CPU: steps whose slot the host has wholly reset after reading it
         # (reset_read); advance() opens them without visiting the rows.
@@ -216,6 +217,19 @@ class DeviceRing:
         for buf in (self.ring, *self.retired):
             buf[:, :, _layout.STEP_TAG] = _UNTAGGED
             _ops.reset_slot(buf, self.state)
+
+    def gated_state(self, skip: torch.Tensor) -> torch.Tensor:
+        """This ring's state with writing off where ``skip`` (a one-element
+        flag, nonzero: off; GradScaler's ``found_inf``) says so, made on the
+        device from buffers kept between calls: an op given it records
+        nothing on a skipped step, with no host read."""
+        if self._gated is None:
+            self._gated = torch.empty_like(self.state)
+            self._keep = torch.empty((), dtype=torch.bool, device=self.state.device)
+        torch.eq(skip.detach().reshape(()).to(self.state.device, non_blocking=True), 0, out=self._keep)
+        self._gated.copy_(self.state)
+        self._gated[1].mul_(self._keep)
+        return self._gated
 
     def set_enabled(self, enabled: bool) -> None:
         """Whether the kernels write this step (also code compiled with the
