@@ -106,6 +106,13 @@ void accumulate_meta(const at::Tensor& x, at::Tensor& ring, const at::Tensor& st
   check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
 }
 
+void accumulate_groups_meta(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
+                            int64_t dim, int64_t size, int64_t hist_kind, double hist_lo, double hist_hi,
+                            int64_t hist_bins) {
+  check_groups(x, ring, state, rows, dim, size);
+  check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
+}
+
 void accumulate_update_meta(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                             const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
                             const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
@@ -158,6 +165,12 @@ TORCH_LIBRARY(hookcap, m) {
   m.def(
       "accumulate(Tensor x, Tensor(a!) ring, Tensor state, int row, int hist_kind, "
       "float hist_lo, float hist_hi, int hist_bins) -> ()");
+  // x split along `dim` into groups of `size` slices (heads, experts,
+  // channels), each group into its own row (`rows`, one per group; -1: not
+  // recorded), in one call.
+  m.def(
+      "accumulate_groups(Tensor x, Tensor(a!) ring, Tensor state, int[] rows, int dim, int size, "
+      "int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
   // The optimizer's step per element (update_math.h), recomputed from the
   // parameter and its state after the step, in one pass: `rows` holds the
   // rows of Δw, w before the step, Adam's ratio and the state tensors a and
@@ -184,6 +197,7 @@ TORCH_LIBRARY(hookcap, m) {
 
 TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("accumulate", &accumulate_meta);
+  m.impl("accumulate_groups", &accumulate_groups_meta);
   m.impl("accumulate_update", &accumulate_update_meta);
   m.impl("accumulate_updates", &accumulate_updates_each<&accumulate_update_meta>);
   m.impl("reset_slot", &reset_slot_meta);
@@ -196,7 +210,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
+  for (const char* op : {"accumulate", "accumulate_groups", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

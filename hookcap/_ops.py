@@ -33,6 +33,26 @@ def accumulate(
     _ops.accumulate(x, ring, state, row, *hist_args(histogram, moments))
 
 
+def accumulate_groups(
+    x: torch.Tensor,
+    ring: torch.Tensor,
+    state: torch.Tensor,
+    rows: list[int],
+    dim: int,
+    size: int,
+    histogram: Histogram | None,
+    moments: int = 2,
+) -> None:
+    """Split ``x`` along ``dim`` into groups of ``size`` consecutive slices
+    (heads of a projection's output, experts, channels) and merge group
+    ``g``'s statistics into ``ring[state.slot, rows[g]]`` (-1: not
+    recorded), each row exactly as :func:`accumulate` of that group's view
+    would. ``size`` must divide ``x.shape[dim]``; ``len(rows)`` is the
+    number of groups. One call, no copy, no allocation, no host sync.
+    """
+    _ops.accumulate_groups(x, ring, state, rows, dim, size, *hist_args(histogram, moments))
+
+
 def hist_args(histogram: Histogram | None, moments: int = 2) -> tuple:
     """(hist_kind, hist_lo, hist_hi, hist_bins) of the accumulate op: the
     histogram's (``NO_HIST_ARGS`` for none), with the moments=4 flag added

@@ -469,10 +469,24 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   seal_ring_write(ring.device().index(), stream);
 }
 
+// accumulate_groups: one launch of the statistics kernel per group's view
+// (no copy), on the current stream.
+void accumulate_groups_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
+                            int64_t dim, int64_t size, int64_t hist_kind, double hist_lo, double hist_hi,
+                            int64_t hist_bins) {
+  check_groups(x, ring, state, rows, dim, size);
+  for (int64_t g = 0; g < static_cast<int64_t>(rows.size()); ++g) {
+    if (rows[g] >= 0) {
+      accumulate_cuda(x.narrow(dim, g * size, size), ring, state, rows[g], hist_kind, hist_lo, hist_hi, hist_bins);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate", &accumulate_cuda);
+  m.impl("accumulate_groups", &accumulate_groups_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);
   m.impl("accumulate_updates", &accumulate_updates_cuda);
   m.impl("reset_slot", &reset_slot_cuda);

@@ -166,6 +166,25 @@ inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
+// accumulate_groups: x split along `dim` into groups of `size` slices, one
+// row per group (`rows`, -1: not recorded).
+inline void check_groups(const at::Tensor& x, const at::Tensor& ring, const at::Tensor& state,
+                         c10::IntArrayRef rows, int64_t dim, int64_t size) {
+  check_accumulate(x, ring, state, 0);
+  TORCH_CHECK(x.dim() >= 1, "hookcap.accumulate_groups: x must have at least one dimension");
+  TORCH_CHECK(dim >= -x.dim() && dim < x.dim(), "hookcap.accumulate_groups: dim ", dim,
+              " out of range for a tensor of ", x.dim(), " dimensions");
+  const int64_t extent = x.size(dim < 0 ? dim + x.dim() : dim);
+  TORCH_CHECK(size >= 1 && extent % size == 0, "hookcap.accumulate_groups: size ", size,
+              " must divide dimension ", dim, " (", extent, ")");
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == extent / size, "hookcap.accumulate_groups: ",
+              extent / size, " groups but ", rows.size(), " rows");
+  for (const int64_t r : rows) {
+    TORCH_CHECK(r >= -1 && r < ring.size(1), "hookcap.accumulate_groups: row ", r,
+                " out of range for a ring with ", ring.size(1), " rows");
+  }
+}
+
 // How a kernel reads x (strided.h): dense inputs (contiguous in some
 // dimension order, no overlap) are a flat run of numel elements starting at
 // data_ptr (torch strides are never negative, so the lowest address); other

@@ -1,0 +1,126 @@
+"""accumulate_groups: a tensor split along one dimension into groups of
+consecutive slices (heads, experts, channels), each group's statistics in
+its own row from one call, equal to float64 statistics of the group's slice
+(counts, extrema and bins exactly, as the statistics op on that slice's
+view; sums to the float loop's rounding), on both CPU paths: a view per
+group (long runs, strided inputs, moments=4) and the gathered blocks (short
+runs of a contiguous tensor: heads)."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import abs_sum, assert_stats_match
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hookcap import Histogram, _layout, _ops
+from hookcap.functional import new_state
+from hookcap.reference import tensor_stats
+
+OPS = torch.ops.hookcap
+
+
+def ring_for(rows, h):
+    ring = torch.zeros(1, rows, _layout.HEADER + (h.nbins if h else 0), dtype=torch.int64)
+    OPS.reset_slot(ring, new_state("cpu"))
+    return ring
+
+
+def decoded(ring, row, h):
+    raw = ring[0, row].numpy()
+    out = {k: float(v) for k, v in _layout.decode(raw).items()}
+    if h is not None:
+        out["hist"] = raw[_layout.HEADER:].copy()
+        out["bin_edges"] = h.bin_edges
+    return out
+
+
+EXACT_COLS = [getattr(_layout, c) for c in ("COUNT", "NAN", "POSINF", "NEGINF", "ZEROS", "MIN", "MAX", "ABSMAX",
+                                             "CALLS")]
+
+
+@settings(max_examples=80, deadline=None)
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=4), data=st.data(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       hist=st.sampled_from([None, Histogram.log2(), Histogram.linear(-2, 2, 16),
+                             Histogram.log2(-20, 8, sub=4, signed=True)]),
+       transpose=st.booleans(), big=st.booleans(), moments=st.sampled_from([2, 4]))
+def test_groups_equal_float64_of_each_slice(shape, data, dtype, hist, transpose, big, moments):
+    """Every group's row equals float64 statistics of its slice (counts,
+    extrema and bins exactly, as the statistics op on the slice's view), for
+    any dim and group size, dtype and strided input. ``big``: a leading
+    dimension of 3,000 (several gathered blocks per group, several threads).
+    moments=4 reads a view per group: then rows equal the op's bit for bit."""
+    if big:
+        shape = [3000] + shape[:2]
+    g = torch.Generator().manual_seed(len(shape) * 7 + shape[0])
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    if transpose and x.dim() >= 2:
+        x = x.transpose(0, -1)  # a strided view: no copy is made
+    dim = data.draw(st.integers(-x.dim(), x.dim() - 1))
+    extent = x.shape[dim]
+    size = data.draw(st.sampled_from([d for d in range(1, extent + 1) if extent % d == 0]))
+    groups = extent // size
+    ring, each = ring_for(groups + 1, hist), ring_for(groups, hist)
+    rows = list(range(1, groups + 1))  # row 0 left untouched
+    _ops.accumulate_groups(x, ring, new_state("cpu"), rows, dim, size, hist, moments)
+    for gi in range(groups):
+        part = x.narrow(dim, gi * size, size)
+        _ops.accumulate(part, each, new_state("cpu"), gi, hist, moments)
+        got_raw, want_raw = ring[0, gi + 1].numpy(), each[0, gi].numpy()
+        assert np.array_equal(got_raw[EXACT_COLS], want_raw[EXACT_COLS]), gi
+        assert np.array_equal(got_raw[_layout.HEADER:], want_raw[_layout.HEADER:]), gi
+        if moments == 4:
+            assert np.array_equal(got_raw, want_raw), gi
+        got = decoded(ring, gi + 1, hist)
+        assert_stats_match(got, tensor_stats(part, hist), abs_sum=abs_sum(part))
+    assert decoded(ring, 0, hist)["count"] == 0
+
+
+def test_heads_of_a_projection_in_one_call():
+    """The use it is for: [batch, tokens, heads * head_dim] split per head
+    (dim -1, size head_dim), a planted outlier head seen in its own row,
+    rows -1 skipped, and the whole tensor's row is the merge of the
+    groups' rows (what the drain does with rows of one metric)."""
+    torch.manual_seed(0)
+    b, t, heads, hd = 2, 5, 4, 8
+    x = torch.randn(b, t, heads * hd)
+    x[..., 2 * hd:3 * hd] *= 100.0  # head 2
+    ring = ring_for(heads, None)
+    _ops.accumulate_groups(x, ring, new_state("cpu"), [0, 1, 2, -1], -1, hd, None)
+    absmax = [decoded(ring, r, None)["absmax"] for r in range(3)]
+    assert int(np.argmax(absmax)) == 2
+    for r in range(3):
+        assert absmax[r] == float(x[..., r * hd:(r + 1) * hd].abs().max())
+    assert decoded(ring, 3, None)["count"] == 0  # group 3: not recorded
+    whole = ring_for(1, None)
+    _ops.accumulate_groups(x, whole, new_state("cpu"), [0], -1, heads * hd, None)
+    _, merged = _layout.merge_groups(ring[0, :3].numpy(), np.zeros(3, dtype=np.int64))
+    three = x[..., :3 * hd]
+    got = {k: float(v) for k, v in _layout.decode(merged[0]).items()}
+    assert_stats_match(got, tensor_stats(three, None), abs_sum=abs_sum(three))
+
+
+def test_disabled_state_and_bad_arguments():
+    x = torch.randn(3, 8)
+    ring = ring_for(2, None)
+    off = new_state("cpu")
+    off[1] = 0
+    _ops.accumulate_groups(x, ring, off, [0, 1], 1, 4, None)
+    assert decoded(ring, 0, None)["count"] == 0
+    for rows, dim, size, match in (([0, 1], 1, 3, "must divide"), ([0], 1, 4, "2 groups but 1 rows"),
+                                   ([0, 9], 1, 4, "out of range"), ([0, 1], 2, 4, "dim 2 out of range")):
+        with pytest.raises(RuntimeError, match=match):
+            _ops.accumulate_groups(x, ring, new_state("cpu"), rows, dim, size, None)
+
+
+@pytest.mark.parametrize("x,dim,size,h", [
+    (torch.randn(4, 12), -1, 3, Histogram.log2()),
+    (torch.randn(6, 5).t(), 0, 5, None),
+    (torch.randn(2, 3, 8).to(torch.bfloat16), 2, 2, Histogram.linear(-1, 1, 5)),
+])
+def test_opcheck_accumulate_groups(x, dim, size, h):
+    groups = x.shape[dim] // size
+    ring = ring_for(groups, h)
+    args = (x, ring, new_state("cpu"), list(range(groups)), dim, size) + (h.op_args() if h else (0, 0.0, 0.0, 0))
+    torch.library.opcheck(torch.ops.hookcap.accumulate_groups.default, args)
