@@ -125,6 +125,18 @@ class History:
         except KeyError:
             raise KeyError(f"unknown metric {name!r}") from None
 
+    def groups(self, name: str, stat: str) -> np.ndarray:
+        """np.float64 [S, G]: statistic ``stat`` of each group of metric
+        ``name`` (``Monitor(groups=...)``: group ``g`` is metric
+        ``f"{name}[{g}]"``), NaN where not recorded; ``self[stat]`` keeps
+        ``name``'s own column, the whole tensor's value. ``KeyError`` if
+        ``name`` was not recorded by groups."""
+        cols = sorted((m["group"], self._index[n]) for n, m in self._metas.items()
+                      if m.get("group_of") == name and n in self._index)
+        if not cols:
+            raise KeyError(f"{name!r} has no groups (Monitor(groups={{glob: hookcap.Groups(dim, size)}}))")
+        return self[stat][:, [c for _, c in cols]]
+
     def update_ratio(self, param: str) -> np.ndarray:
         """np.float64 [S]: ``‖Δw‖ / ‖w_before‖`` of parameter ``param`` (its
         qualified name) at each step, from ``capture="update"``'s

@@ -115,14 +115,15 @@ class Monitor:
         moments: 2 (default) or 4: also the third and fourth central moments and
             ``skew``, ``kurtosis`` (Pearson, not excess) of captured tensors, in the
             same pass (``hookcap.MOMENT_NAMES``, docs/statistics.md).
-        fused: retired; only ``False`` is accepted (``True`` raises ``ValueError``): compiled
-            code records through the op, docs/design.md says why.
+        fused: retired: ``True`` raises ``ValueError`` (docs/design.md says why).
         grad_scaler: the ``torch.amp.GradScaler`` of the loop (with ``optimizer=``): its
             ``update()`` closes steps, so an iteration whose optimizer step it skipped is a
             step too (``update`` 0, ``History.skipped``); docs/loss-spikes.md.
         placements: ``{metric glob: "replicated" | "sharded" | "per_rank"}``: how plain
             tensors lie across ranks, for merged histories (first match wins): identical
             copies count once, or parts are summed; docs/compile-and-distributed.md.
+        groups: ``{metric glob: hookcap.Groups(dim, size)}``: each group of slices (heads,
+            experts) also recorded as ``f"{metric}[{g}]"`` (``History.groups``); docs/attention-moe.md.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -153,6 +154,7 @@ class Monitor:
         fused: bool = False,
         placements: dict | None = None,
         grad_scaler=None,
+        groups: dict | None = None,
     ):
         if fused is not False:
             raise ValueError("fused: Monitor(fused=True) is retired: statistics fused into compiled "
@@ -160,7 +162,7 @@ class Monitor:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
         config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks, eval_forwards,
-                             update_snapshot, moments, placements)
+                             update_snapshot, moments, placements, groups)
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
             raise ValueError(f"start_step: expected an int >= 0 (the number of the first step), got {start_step!r}")
         if optimizer is not None and not callable(getattr(innermost_optimizer(optimizer), "step", None)):

@@ -6,14 +6,18 @@ view; sums to the float loop's rounding), on both CPU paths: a view per
 group (long runs, strided inputs, moments=4) and the gathered blocks (short
 runs of a contiguous tensor: heads)."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 from conftest import abs_sum, assert_stats_match
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hookcap import Histogram, _layout, _ops
+import hookcap
+from hookcap import Histogram, Monitor, _layout, _ops
 from hookcap.functional import new_state
 from hookcap.reference import tensor_stats
 
@@ -124,3 +128,86 @@ def test_opcheck_accumulate_groups(x, dim, size, h):
     ring = ring_for(groups, h)
     args = (x, ring, new_state("cpu"), list(range(groups)), dim, size) + (h.op_args() if h else (0, 0.0, 0.0, 0))
     torch.library.opcheck(torch.ops.hookcap.accumulate_groups.default, args)
+
+
+class _Proj(nn.Module):
+    """A q projection ([batch, tokens, 4 heads x 8]) feeding an output layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(16, 32)
+        self.o = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.o(torch.tanh(self.q(x)))
+
+
+def _check_group(got: dict, want: torch.Tensor):
+    ref = tensor_stats(want, None)
+    assert got["count"] == ref["count"] and got["min"] == ref["min"] and got["max"] == ref["max"]
+    assert got["absmax"] == ref["absmax"]
+    np.testing.assert_allclose(got["l2norm"], ref["l2norm"], rtol=1e-6)
+    np.testing.assert_allclose(got["mean"], ref["mean"], rtol=1e-5, atol=1e-6 * ref["absmax"])
+
+
+def test_monitor_records_heads_and_the_whole_tensor(tmp_path):
+    """Monitor(groups=...) on a projection's output and its gradient: each
+    head's metric equals float64 statistics of its slice of the real tensor,
+    the metric itself those of the whole tensor (each value counted once), a
+    planted large head is the one with the largest absmax, and the groups
+    survive a save and load."""
+    torch.manual_seed(0)
+    model = _Proj()
+    with torch.no_grad():
+        model.q.weight[8:16] *= 40.0  # head 1
+    seen = []
+
+    def keep(mod, args, out):
+        seen.append([out.detach().double().clone(), None])
+        out.register_hook(lambda g: seen[-1].__setitem__(1, g.double().clone()))
+
+    model.q.register_forward_hook(keep)
+    groups = {"q/output": hookcap.Groups(dim=-1, size=8), "q/grad_output": hookcap.Groups(-1, 8)}
+    mon = Monitor(model, groups=groups, histogram=Histogram.log2()).attach()
+    for _ in range(3):
+        model(torch.randn(4, 5, 16)).pow(2).mean().backward()
+        mon.step()
+    mon.detach()
+    h = mon.history()
+    assert [n for n in h.names if n.startswith("q/output")] == ["q/output"] + [f"q/output[{g}]" for g in range(4)]
+    for s, (out, grad) in enumerate(seen):
+        for metric, full in (("q/output", out), ("q/grad_output", grad)):
+            stats = {k: h.groups(metric, k)[s] for k in ("count", "min", "max", "absmax", "l2norm", "mean")}
+            for g in range(4):
+                _check_group({k: float(v[g]) for k, v in stats.items()}, full[..., 8 * g:8 * (g + 1)])
+            _check_group({k: float(h[k][s, h.column(metric)]) for k in stats}, full)
+        assert int(np.argmax(h.groups("q/output", "absmax")[s])) == 1
+    whole_hist = h.histogram("q/output")[-1]
+    assert whole_hist.sum() == seen[-1][0].numel()
+    path = tmp_path / "h.hookcap"
+    h.save(path)
+    np.testing.assert_array_equal(hookcap.load(path).groups("q/output", "l2norm"), h.groups("q/output", "l2norm"))
+    with pytest.raises(KeyError, match="no groups"):
+        h.groups("o/output", "max")
+
+
+def test_groups_argument_errors_and_a_size_that_does_not_divide(caplog):
+    for bad, match in (({"q/output": 8}, "expected hookcap.Groups"), ([("q", 1)], "expected a dict"),
+                       ({"": hookcap.Groups()}, "non-empty")):
+        with pytest.raises(ValueError, match=match):
+            Monitor(_Proj(), groups=bad)
+    for kw, match in (({"size": 0}, "size must be >= 1"), ({"dim": 1.5}, "dim must be an int")):
+        with pytest.raises(ValueError, match=match):
+            hookcap.Groups(**kw)
+    model = _Proj()
+    with caplog.at_level(logging.WARNING, logger="hookcap"):
+        mon = Monitor(model, groups={"q/output": hookcap.Groups(-1, 5)}).attach()
+        x = torch.randn(2, 16)
+        model(x)
+        mon.step()
+        mon.detach()
+    assert "recorded whole, not by groups" in caplog.text and "size 5 does not divide" in caplog.text
+    h = mon.history()
+    assert h["count"][0, h.column("q/output")] == 2 * 32
+    with pytest.raises(KeyError):
+        h.groups("q/output", "max")

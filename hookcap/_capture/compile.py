@@ -45,6 +45,7 @@ import weakref
 
 import torch
 
+from .._rows.config import metric_name
 from .._rows.fastpath import row_of
 from .._ops import RECORD_IS_EFFECTFUL
 from .tree import tensor_leaves
@@ -101,6 +102,10 @@ def _compiled_row(key: int, name: str, kind: str, path: str, device: str, shape:
         return -1
     dev = torch.device(device)
     rec = hooks.recorder
+    metric = metric_name(name, kind, path)
+    if rec.grouped.specs and rec.grouped.matches(metric):
+        rec.warn_once(("groups-compiled", metric), f"hookcap: {metric}: recorded whole inside torch.compile "
+                      "(Monitor(groups=...) splits eager captures only)")
     return rec.register_row((name, kind, path, dev, 0), dev, shape, dtype, mtype,
                             layout=rec.plain_layout(name, kind, path))
 

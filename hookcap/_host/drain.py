@@ -34,6 +34,10 @@ class _StepPlan:
     calls: np.ndarray  # metric of every call, in execution order
     order: np.ndarray  # metrics in first-execution order
     groups: _layout.GroupPlan
+    # Grouped metrics (Monitor(groups=...)): which rows also count for their whole
+    # metric, the whole metric's key of each, and whether it is group 0 (which
+    # alone brings the call count).
+    wholes: tuple | None = None
 
 
 class Drain:
@@ -154,7 +158,24 @@ class Drain:
         call_rows = ring_offset[ring_index_of(order)] + row_of(order)
         calls = keys[call_rows] if len(call_rows) else np.empty(0, np.int64)
         _, first = np.unique(calls, return_index=True)
-        plan = _StepPlan(keys.copy(), call_rows, calls, calls[np.sort(first)], _layout.GroupPlan(keys))
+        order = calls[np.sort(first)]
+        wholes, merge_keys = None, keys
+        index = self.catalog.group_index()
+        if index is not None:
+            whole, group = index
+            in_range = (keys >= 0) & (keys < len(whole))
+            w = np.where(in_range, whole[np.where(in_range, keys, 0)], -1)
+            rows_of = np.flatnonzero(w >= 0)
+            if len(rows_of):
+                wholes = (rows_of, w[rows_of], group[keys[rows_of]] == 0)
+                merge_keys = np.concatenate([keys, w[rows_of]])
+                # Each whole metric just before its first group in the order.
+                ow = np.where((order >= 0) & (order < len(whole)), whole[np.clip(order, 0, len(whole) - 1)], -1)
+                both = np.stack([ow, order], axis=1).ravel()
+                both = both[both >= 0]
+                _, f = np.unique(both, return_index=True)
+                order = both[np.sort(f)]
+        plan = _StepPlan(keys.copy(), call_rows, calls, order, _layout.GroupPlan(merge_keys), wholes)
         if len(self._plans) >= 8:  # patterns keep changing: keep only the newest
             self._plans.clear()
         self._plans[key] = plan
@@ -172,6 +193,11 @@ class Drain:
         plan = self._step_plan(order, chunks, keys)
         # Which calls saw NaN/Inf (one entry per call-row, in execution order).
         calls_bad = ((rows[:, _layout.NAN] | rows[:, _layout.POSINF] | rows[:, _layout.NEGINF]) != 0)[plan.call_rows]
+        if plan.wholes is not None:  # a grouped metric's rows count for it too
+            at, whole_keys, first = plan.wholes
+            extra = rows[at].copy()
+            extra[~first, _layout.CALLS] = 0
+            keys, rows = np.concatenate([keys, whole_keys]), np.concatenate([rows, extra])
         if not plan.groups.trivial:  # several calls or devices per metric
             keys, rows = _layout.merge_groups(rows, keys, plan.groups)
         timed = keys >= _TIMER_KEY

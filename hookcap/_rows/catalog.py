@@ -27,6 +27,28 @@ class UpdateBases:
         return self._bases
 
 
+class GroupIndex:
+    """Of an append-only list of metric names and their metas: for each
+    group metric (``f"{metric}[{g}]"``, meta ``group_of``) the index of its
+    whole metric and its group number; -1 for every other metric.
+    Recomputed only when the list has grown."""
+
+    def __init__(self, names: list[str], metas: dict[str, dict]) -> None:
+        self.names, self.metas = names, metas
+        self._n = -1
+        self.whole = self.group = np.empty(0, dtype=np.int64)
+
+    def __call__(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(whole index, group number) per metric, or None while no metric is a group."""
+        if len(self.names) != self._n:
+            index = {n: i for i, n in enumerate(self.names)}
+            of = [self.metas.get(n, {}).get("group_of") for n in self.names]
+            self.whole = np.array([index.get(w, -1) if w is not None else -1 for w in of], dtype=np.int64)
+            self.group = np.array([self.metas.get(n, {}).get("group", -1) for n in self.names], dtype=np.int64)
+            self._n = len(self.names)
+        return (self.whole, self.group) if (self.whole >= 0).any() else None
+
+
 class Catalog:
     """``names[i]`` is metric ``i`` (first-execution order); ``metas[name]``
     its ``module_type``/``kind``/``shape``/``dtype`` as first seen;
@@ -43,6 +65,7 @@ class Catalog:
         self._time_of_metric = np.empty(0, dtype=np.int64)
         self._time_of_metric_key = (0, 0)
         self.update_bases = UpdateBases(self.names)
+        self.group_index = GroupIndex(self.names, self.metas)
 
     def index(self, metric: str) -> int | None:
         return self._index.get(metric)

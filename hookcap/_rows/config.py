@@ -12,6 +12,7 @@ import numpy as np
 from torch import nn
 
 from .. import _layout, _ops
+from ..groups import check_groups
 from ..histogram import Histogram
 
 CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad", "optim_state",
@@ -79,6 +80,7 @@ class Config:
     update_snapshot: bool = False  # "update" of other optimizers from a copy taken before their step
     moments: int = 2  # 4: also the third and fourth moments (hist_args carries the op's flag)
     placements: tuple[tuple[str, str], ...] = ()  # (metric glob, placement): Monitor(placements=...)
+    groups: tuple = ()  # (metric glob, hookcap.Groups): Monitor(groups=...)
 
     @property
     def all_params(self) -> bool:
@@ -87,7 +89,8 @@ class Config:
 
 
 def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks,
-                eval_forwards="separate", update_snapshot=False, moments=2, placements=None) -> Config:
+                eval_forwards="separate", update_snapshot=False, moments=2, placements=None,
+                groups=None) -> Config:
     """Validate the Monitor's arguments; ``ValueError`` naming the argument."""
     if isinstance(capture, str):
         capture = (capture,)
@@ -124,7 +127,7 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
                   module_filter(modules), hist_args, width, update_snapshot, moments,
-                  check_placements(placements))
+                  check_placements(placements), check_groups(groups))
 
 
 def check_placements(placements) -> tuple[tuple[str, str], ...]:

@@ -25,6 +25,7 @@ from .. import _C
 
 ROW_BITS: int = _C.ROW_BITS
 NO_ROW = -1  # a part of a module call that is not recorded (FastPath.learn)
+SKIPPED = -1  # Recorder.register's answer for a call that is not recorded
 _ROW_MASK = (1 << ROW_BITS) - 1
 
 

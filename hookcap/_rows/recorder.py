@@ -20,12 +20,12 @@ from torch import nn
 from .._capture import compile as _compile
 from .catalog import Catalog
 from .config import EVAL_PREFIX, PARAM_KINDS, SLOTS, Config, metric_name
-from .fastpath import NO_ROW, FastPath, ring_index_of, row_id, row_of
+from .fastpath import NO_ROW, SKIPPED, FastPath, ring_index_of, row_id, row_of
+from .grouped import GroupedRows
 from .ring import UNNAMED, DeviceRing, capturing
 
 log = logging.getLogger("hookcap")
 
-SKIPPED = -1  # Recorder.register's answer for a call that is not recorded
 CAPTURE_SKIP = ("first seen while a CUDA graph was being captured: its row cannot be created inside the "
                 "capture (run the model eagerly once before capturing; the graph's replays do not record "
                 "this call)")
@@ -171,6 +171,7 @@ class Recorder:
         self.plan_layout = lambda name: None
         # Whether the Monitor's model is in eval mode (taps then go to eval/...); set by Hooks.
         self.in_eval = lambda: False
+        self.grouped = GroupedRows(self)
 
     # -- state ------------------------------------------------------------------
     def set_attached(self, attached: bool) -> None:
@@ -308,20 +309,22 @@ class Recorder:
                        f"hookcap: {metric}: a call was not recorded: {reason} (warned once per metric "
                        "and reason; other calls are recorded)")
 
-    def register_row(self, key, device, shape, dtype, mtype, defer_name=False, layout: dict | None = None) -> int:
+    def register_row(self, key, device, shape, dtype, mtype, defer_name=False, layout: dict | None = None,
+                     metric: str | None = None, extra: dict | None = None) -> int:
         """The row id of a metric's call, created on first use.
         ``defer_name``: a row whose first write happens in C++ (a gradient)
         gets its metric name when that write is seen (``take_order``), so
         metrics never written stay out of ``names``, and names keep their
         first-execution order. ``layout``: the metric's placement
-        (``placement_of``; default per_rank)."""
+        (``placement_of``; default per_rank). ``metric``: the row's metric
+        where it is not ``key``'s (a group's); ``extra``: more of its meta."""
         name, kind, path = key[:3]
-        metric = metric_name(name, kind, path)
+        metric = metric_name(name, kind, path) if metric is None else metric
         if capturing(device):
             self.skip_call(metric, CAPTURE_SKIP)
             return SKIPPED
         meta = {"module_type": mtype, "kind": kind, "shape": shape, "dtype": dtype,
-                **(layout or {"placement": "per_rank"})}
+                **(layout or {"placement": "per_rank"}), **(extra or {})}
         with self._lock:
             if key in self.rows:
                 return self.rows[key]
@@ -373,6 +376,8 @@ class Recorder:
         if type(t) is not torch.Tensor:
             t = plain_tensor(t)
         key = (name, kind, path, t.device, ci)
+        if self.grouped.specs and type(orig) is torch.Tensor and self.grouped.write(key, t, mtype):
+            return
         rid = self.rows.get(key)
         if rid is None:  # the placement only when the row is made (a DTensor's, before to_local)
             layout = self.new_row_layout(name, kind, path, orig, placement)
@@ -469,6 +474,9 @@ class Recorder:
         tensor hook. The row is registered now, from the output's metadata
         (its gradient has the same shape, dtype and device); rows a backward
         never writes are left out of the step's record."""
+        if self.grouped.specs and self.grouped.matches(metric_name(name, "grad_output", path)):
+            t.register_hook(self.grouped.grad_hook(name, path, mtype, ci))
+            return
         key = (name, "grad_output", path, t.device, ci)
         reason = skip_reason(t)
         if reason is not None:
