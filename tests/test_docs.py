@@ -69,3 +69,16 @@ def test_loss_spike_page_grad_scaler_snippet(capsys):
     assert upd[2] == 0 and np.all(upd[[0, 1, 3]] > 0)
     assert np.isnan(h["count"][2, h.column("weight/adam_ratio")])
     ns["mon"].detach()
+
+
+def test_attention_moe_page_example_names_the_grown_head(capsys):
+    """docs/attention-moe.md's example runs as written and shows what its
+    comments say: head 1 has the largest absmax, and the whole tensor's
+    absmax is the largest of its heads'."""
+    import numpy as np
+
+    ns = {"__name__": "__docs__"}
+    exec(compile(snippets("attention-moe.md")[0], "docs/attention-moe.md snippet", "exec"), ns)
+    absmax = ns["absmax"]
+    assert absmax.shape == (5, 4) and int(np.argmax(absmax[-1])) == 1
+    assert capsys.readouterr().out.strip().endswith("True")
