@@ -211,3 +211,42 @@ def test_groups_argument_errors_and_a_size_that_does_not_divide(caplog):
     assert h["count"][0, h.column("q/output")] == 2 * 32
     with pytest.raises(KeyError):
         h.groups("q/output", "max")
+
+
+class _Experts(nn.Module):
+    """Four experts stacked along dim 0: [experts, tokens, hidden]; expert 2 is dead (ReLU of negatives)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 6, 6))
+
+    def forward(self, x):  # x: [tokens, 6]
+        h = torch.einsum("td,edh->eth", x, self.w)
+        h = torch.cat([h[:2], -h[2:3].abs() - 1.0, h[3:]])
+        return torch.relu(h)
+
+
+def test_detectors_name_the_group():
+    """A group is a metric to the detectors: Dead names the dead expert,
+    Spike the head whose activations jump, not its neighbours."""
+    torch.manual_seed(0)
+    experts, proj = _Experts(), _Proj()
+    model = nn.ModuleDict({"experts": experts, "proj": proj})
+    mon = Monitor(model, capture=("output",), groups={"experts/output": hookcap.Groups(dim=0, size=1),
+                                                       "proj.q/output": hookcap.Groups(-1, 8)},
+                  detectors=[hookcap.Dead(zero_frac=0.99, steps=3), hookcap.Spike("absmax", z=6, warmup=5,
+                                                                                   metrics="proj.q/output?*")],
+                  on_anomaly=None).attach()
+    for step in range(12):
+        if step == 10:
+            with torch.no_grad():
+                proj.q.weight[24:32] *= 50.0  # head 3 jumps
+        experts(torch.randn(5, 6))
+        proj(torch.randn(2, 5, 16))
+        mon.step()
+    mon.detach()
+    found = {(a.kind, a.name) for a in mon.history().anomalies}
+    assert ("dead", "experts/output[2]") in found
+    assert not any(k == "dead" and n in {f"experts/output[{g}]" for g in (0, 1, 3)} for k, n in found)
+    spiked = {n for k, n in found if k == "spike"}
+    assert "proj.q/output[3]" in spiked and not spiked & {f"proj.q/output[{g}]" for g in (0, 1, 2)}
