@@ -910,7 +910,7 @@ def test_optimizer_updates_on_the_device(dev, which):
     of capturable/fused Adam read on the device, no host sync. On CUDA, torch's
     fused and capturable Adam compute their bias corrections in float32
     (1 − 0.999f is 1.3e-5 off 1e-3), so the update they apply differs from the
-    step's formula, which hookcap recomputes in double, by up to ~7e-6 relative."""
+    step's formula, which hookcap recomputes (update_math.h), by up to ~7e-6 relative."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4)).to(dev)
     opt = OPTIMIZER_STEPS[which](model.parameters(), dev)
@@ -960,3 +960,39 @@ def test_moments4_match_reference(dev, dtype, kind):
     for v, ref, values in memo(moments4_cases, kind, dtype):
         got = stats(dev, v.to(device_of(dev)), Histogram.log2(), moments=4)
         assert_moments(got, ref, values)
+
+
+GROUP_CASES = {  # x (made on the CPU), dim, size
+    "heads": (lambda dt: (torch.randn(3000, 96) * 3).to(dt), -1, 8),
+    "experts": (lambda dt: torch.randn(4, 500, 16).to(dt), 0, 1),
+    "strided": (lambda dt: torch.randn(96, 300).to(dt).t(), 1, 12),
+}
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(GROUP_CASES))
+def test_groups_on_the_device(dev, dtype, case):
+    """accumulate_groups on the tensor's device: each group's row holds the
+    CPU op's counts, extrema and bins exactly (the CPU's view of the group
+    with the statistics op on the CPU case) and float64's sums."""
+    make, dim, size = GROUP_CASES[case]
+    h = Histogram.log2()
+    x = make(dtype)
+    groups = x.shape[dim] // size
+    width = _layout.HEADER + h.nbins
+    ring = torch.zeros(1, groups, width, dtype=torch.int64, device=device_of(dev))
+    _ops.reset_slot(ring, new_state(device_of(dev)))
+    _ops.accumulate_groups(x.to(device_of(dev)), ring, new_state(device_of(dev)), list(range(groups)), dim, size, h)
+    got = ring.cpu().numpy()
+    exact = [getattr(_layout, c) for c in ("COUNT", "NAN", "POSINF", "NEGINF", "ZEROS", "MIN", "MAX", "ABSMAX")]
+    for g in range(groups):
+        part = x.narrow(dim, g * size, size)
+        one = torch.zeros(1, 1, width, dtype=torch.int64)
+        _ops.reset_slot(one, new_state("cpu"))
+        _ops.accumulate(part, one, new_state("cpu"), 0, h)
+        np.testing.assert_array_equal(got[0, g, exact], one[0, 0, exact].numpy())
+        np.testing.assert_array_equal(got[0, g, _layout.HEADER:], one[0, 0, _layout.HEADER:].numpy())
+        dec = {k: float(v) for k, v in _layout.decode(got[0, g]).items()}
+        dec["hist"], dec["bin_edges"] = got[0, g, _layout.HEADER:], h.bin_edges
+        assert_stats_match(dec, hookcap.reference.tensor_stats(part, h), abs_sum=abs_sum(part))
