@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -47,10 +48,17 @@ class AnomalyError(RuntimeError):
         self.anomaly = anomaly
 
 
+# Attention internals (capture "attention"): -inf there is a masked logit, or
+# a query row with no allowed key, by construction, not a fault.
+_MASKED_NEGINF = re.compile(r"/attn\.(logit|lse|entropy)(\[\d+\])?$")
+
+
 class NonFinite:
     """NaN or +-Inf values. Reports the FIRST metric in execution order that
     holds any (forward kinds in hook order, then backward kinds in backward
     order), i.e. where the non-finite values appeared, not where they spread.
+    In attention internals (``{module}/attn.logit``, ``.lse``, ``.entropy``)
+    -Inf marks masked positions and is not counted.
 
     Each metric is reported once, at the first step it is that first
     offender; a run that stays diverged adds no anomaly per step. ``counts``
@@ -68,8 +76,18 @@ class NonFinite:
         self.counts = {str(k): int(v) for k, v in state["counts"].items()}
         self.reported = set(state["reported"])
 
+    def _masked(self, names) -> np.ndarray:
+        """bool per metric: an attention internal (-Inf there is masked)."""
+        key = (id(names), len(names))
+        if getattr(self, "_masked_key", None) != key:
+            self._masked_key = key
+            self._masked_of = np.array([bool(_MASKED_NEGINF.search(n)) for n in names], dtype=bool)
+        return self._masked_of
+
     def __call__(self, step: DrainedStep):
-        bad = np.flatnonzero((step.stats["nan"] + step.stats["inf"]) > 0)
+        masked = self._masked(step.names)
+        neginf = np.where(masked, 0, step.stats["neginf"]) if masked.any() else step.stats["neginf"]
+        bad = np.flatnonzero((step.stats["nan"] + step.stats["posinf"] + neginf) > 0)
         if bad.size == 0:
             return None
         for i in bad:
@@ -78,6 +96,9 @@ class NonFinite:
         # Per-call order first: a module called twice is placed where the
         # call that produced the NaN ran, not where its first call ran.
         hit = np.flatnonzero(step.calls_nonfinite)
+        if masked.any():  # calls whose only non-finite values are masked logits
+            named = {step.names[i] for i in bad}
+            hit = hit[[step.calls[j] in named for j in hit]] if hit.size else hit
         first = step.calls[hit[0]] if hit.size else step.names[bad[0]]
         if first in self.reported:
             return None

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from . import compile as _compile, portable as _portable
+from .attention import AttentionCapture
 from .parallel_plan import output_placements
 from .._rows.config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example_names, metric_name,
                             parametrization_internals)
@@ -95,6 +96,7 @@ class Hooks:
         self.park_ok = True
         self.open_calls: list[list] = []  # per pre/post hook pair: its forward calls in flight
         self.timing = Timing(recorder, self.open_calls, self.key)
+        self.attention = AttentionCapture(recorder) if "attention" in config.capture else None
         self.params: list[tuple[str, torch.Tensor]] = []
         self.grads = ParamGrads(recorder)  # param_grad
         # Monitor.everything: module -> name, and per-class counters for unnamed modules.
@@ -120,10 +122,15 @@ class Hooks:
             self._attach_global()
             return
         cfg = self.config
+        if self.attention is not None:
+            self.attention.install()
         internals = parametrization_internals(self.model) if cfg.modules is None else set()
         matched = 0
         for qual, mod in self.model.named_modules():
             name = qual or ROOT_NAME
+            if self.attention is not None and id(mod) not in internals:  # every module: which calls attention
+                self._add(mod.register_forward_pre_hook(self.attention.module_hooks(name)[0]))
+                self._add(mod.register_forward_hook(self.attention.module_hooks(name)[1], always_call=True))
             if id(mod) not in internals and cfg.select(name, mod):
                 self._hook_module(name, mod)
                 matched += 1
@@ -141,6 +148,8 @@ class Hooks:
                                     f"{cfg.capture!r}, modules={cfg.modules!r}): it will record nothing")
 
     def remove(self) -> None:
+        if self.attention is not None:
+            self.attention.uninstall()
         for h in self.handles:
             h.remove()
         self.handles.clear()

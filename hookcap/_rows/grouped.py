@@ -50,12 +50,12 @@ class GroupedRows:
 
         return hook
 
-    def write(self, key: tuple, t: torch.Tensor, mtype: str) -> bool:
-        """Record ``t`` (capture ``key``) by groups; False where its metric
-        is not grouped (the caller records it whole)."""
+    def write(self, key: tuple, t: torch.Tensor, mtype: str, spec=None) -> bool:
+        """Record ``t`` (capture ``key``) by groups: ``spec``'s, else a glob's;
+        False where it is not grouped (the caller records it whole)."""
         e = self._entries.get(key, _NONE)
         if e is _NONE:
-            e = self._entries[key] = self._make(key, t, mtype)
+            e = self._entries[key] = self._make(key, t, mtype, spec)
         if e is None:
             return False
         rec = self.rec
@@ -75,11 +75,12 @@ class GroupedRows:
             rec.fast.note_python_write()
         return True
 
-    def _make(self, key: tuple, t: torch.Tensor, mtype: str) -> _Entry | None:
+    def _make(self, key: tuple, t: torch.Tensor, mtype: str, spec=None) -> _Entry | None:
         rec = self.rec
         name, kind, path, device = key[:4]
         metric = metric_name(name, kind, path)
-        spec = next((g for glob, g in self.specs if fnmatch.fnmatchcase(metric, glob)), None)
+        if spec is None:
+            spec = next((g for glob, g in self.specs if fnmatch.fnmatchcase(metric, glob)), None)
         if spec is None or not t.is_floating_point():
             return None
         try:

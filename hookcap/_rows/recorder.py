@@ -366,17 +366,21 @@ class Recorder:
         return row_id(ring.index, row)
 
     # -- writes (hot path) --------------------------------------------------------
-    def write(self, name, kind, path, t, mtype, ci, replace=False, via_op=False, placement=None) -> None:
+    def write(self, name, kind, path, t, mtype, ci, replace=False, via_op=False, placement=None,
+              groups=None) -> None:
         """Merge ``t`` into its row. ``replace``: the row keeps only the last
         write of the step (``param_grad``). ``via_op``: through the dispatcher
         op, traceable by compiled autograd (gradient hooks), logged here;
         else through the C++ sink, which logs it. ``placement``: declared
-        by the caller (``tap(placement=...)``), used when the row is made."""
+        by the caller (``tap(placement=...)``), used when the row is made.
+        ``groups``: a ``hookcap.Groups`` the write is split by (else a
+        ``Monitor(groups=...)`` glob's, if one matches)."""
         orig = t
         if type(t) is not torch.Tensor:
             t = plain_tensor(t)
         key = (name, kind, path, t.device, ci)
-        if self.grouped.specs and type(orig) is torch.Tensor and self.grouped.write(key, t, mtype):
+        if (groups is not None or self.grouped.specs) and type(orig) is torch.Tensor and \
+                self.grouped.write(key, t, mtype, groups):
             return
         rid = self.rows.get(key)
         if rid is None:  # the placement only when the row is made (a DTensor's, before to_local)

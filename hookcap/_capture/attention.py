@@ -1,0 +1,141 @@
+"""Capture kind ``"attention"``: inside every ``F.scaled_dot_product_attention``
+call that a watched module makes on a recorded step, per head, the
+statistics of the pre-softmax logits the mask allows (``{module}/attn.logit``,
+whose ``max`` is the head's max logit), and over query rows each row's
+logsumexp (``{module}/attn.lse``) and attention entropy in nats
+(``{module}/attn.entropy``). One group per head (``History.groups``).
+
+The logits are recomputed from ``q`` and ``k`` in float32, a tile of query
+rows at a time (at most ``TILE_VALUES`` logits in memory), on the tensors'
+device with no host sync; masked positions are ``-inf`` (counted in
+``neginf``: every other statistic of ``attn.logit`` is over the allowed
+logits). While a Monitor capturing ``"attention"`` is attached,
+``torch.nn.functional.scaled_dot_product_attention`` is wrapped (code that
+imported the function itself before is not seen)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..groups import Groups
+
+TILE_VALUES = 1 << 22  # logits per tile (16 MiB in float32)
+_PER_HEAD = Groups(dim=1, size=1)
+_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_ORIGINAL = F.scaled_dot_product_attention
+_ACTIVE: list[AttentionCapture] = []
+
+
+def _wrapped(*args, **kwargs):
+    out = _ORIGINAL(*args, **kwargs)
+    if _ACTIVE and not torch.compiler.is_compiling():
+        a = dict(zip(_ARGS, args), **kwargs)
+        for capture in list(_ACTIVE):
+            capture.observe(a["query"], a["key"], a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale"))
+    return out
+
+
+def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal: bool = False, scale=None,
+                    tile_values: int = TILE_VALUES):
+    """Yield, per tile of query rows, ``(logits, lse, entropy)``: float32
+    ``[B, H, rows, Tk]`` logits ``q·kᵀ·scale`` (plus a float mask's finite
+    values; ``-inf`` where the causal mask, a boolean mask or a float mask's
+    ``-inf`` or lowest value forbids), and ``[B, H, rows]`` logsumexp
+    and entropy (nats) of each row's softmax (``-inf`` both for a row the
+    mask leaves no key). ``q``: ``[B, H, Tq, D]`` or
+    ``[H, Tq, D]``; ``k``: the same with ``Hk`` heads dividing ``H`` (grouped
+    query attention); masks as ``F.scaled_dot_product_attention`` takes them."""
+    if q.dim() == 3:
+        q, k = q.unsqueeze(0), k.unsqueeze(0)
+    b, h, tq, d = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    rep = h // hk
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qg = q.reshape(b, hk, rep, tq, d)
+    kf = k.float()
+    rows = max(1, tile_values // max(1, b * h * tk))
+    keys = torch.arange(tk, device=q.device)
+    for q0 in range(0, tq, rows):
+        q1 = min(tq, q0 + rows)
+        logits = torch.einsum("bgrqd,bgkd->bgrqk", qg[..., q0:q1, :].float(), kf).reshape(b, h, q1 - q0, tk)
+        logits.mul_(scale)
+        allowed = None
+        if is_causal:  # top-left aligned, as F.scaled_dot_product_attention's is_causal
+            allowed = torch.arange(q0, q1, device=q.device)[:, None] >= keys[None, :]
+        if attn_mask is not None:
+            m = attn_mask[..., q0:q1, :] if attn_mask.shape[-2] != 1 else attn_mask
+            if m.dtype != torch.bool:  # additive; -inf or the dtype's lowest value (HF's) forbids
+                mf = m.float()
+                ok = mf > torch.finfo(m.dtype).min / 2
+                logits.add_(torch.where(ok, mf, torch.zeros((), device=mf.device)))
+                m = ok
+            allowed = m if allowed is None else allowed & m
+        if allowed is not None:
+            logits.masked_fill_(~allowed, float("-inf"))
+        # About the row's max m, d = l − m ≤ 0: lse = m + s with s = log1p(the
+        # other terms), and entropy = Σ p·(s − d), a sum of non-negative terms
+        # (lse − Σ p·l would cancel to float32's noise in a peaked row).
+        zero = torch.zeros((), device=q.device)
+        m = logits.amax(dim=-1, keepdim=True)
+        d = logits - m
+        e = torch.exp(d)
+        others = torch.where(d < 0, e, zero).sum(-1) + ((d == 0).sum(-1) - 1)
+        s = torch.log1p(others)
+        lse = m.squeeze(-1) + s
+        p = torch.exp(d - s.unsqueeze(-1))
+        entropy = torch.where(p > 0, p * (s.unsqueeze(-1) - d), zero).sum(-1)
+        no_key = m.squeeze(-1) == float("-inf")  # a row the mask leaves no key: both -inf
+        lse = lse.masked_fill(no_key, float("-inf"))
+        yield logits, lse, entropy.masked_fill(no_key, float("-inf"))
+
+
+class AttentionCapture:
+    """One Monitor's attention capture: the watched modules being run (a
+    stack kept by their pre and post forward hooks), and the writes."""
+
+    def __init__(self, recorder) -> None:
+        self.rec = recorder
+        self.stack: list[str] = []
+
+    def install(self) -> None:
+        if self not in _ACTIVE:
+            _ACTIVE.append(self)
+        F.scaled_dot_product_attention = _wrapped
+
+    def uninstall(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        if not _ACTIVE and F.scaled_dot_product_attention is _wrapped:
+            F.scaled_dot_product_attention = _ORIGINAL
+        self.stack.clear()
+
+    def module_hooks(self, name: str):
+        """(pre, post) forward hooks of watched module ``name``."""
+        stack = self.stack
+
+        def pre(mod, args):
+            stack.append(name)
+
+        def post(mod, args, output):
+            if stack and stack[-1] == name:
+                stack.pop()
+
+        return pre, post
+
+    def observe(self, q, k, attn_mask, is_causal: bool, scale) -> None:
+        rec = self.rec
+        if not (rec.recording and self.stack) or rec.in_eval():
+            return
+        if q.dim() not in (3, 4) or k.dim() != q.dim() or q.shape[-3] % k.shape[-3]:
+            rec.warn_once(("attention", self.stack[-1]), f"hookcap: {self.stack[-1]}/attn.*: query and key of "
+                          f"shapes {tuple(q.shape)}, {tuple(k.shape)} are not recorded (3 or 4 dimensions, "
+                          "heads at -3)")
+            return
+        name = self.stack[-1]
+        with torch.no_grad():
+            for logits, lse, entropy in attention_tiles(q.detach(), k.detach(), attn_mask, is_causal, scale):
+                for path, t in (("logit", logits), ("lse", lse), ("entropy", entropy)):
+                    rec.write(name, "attn", path, t, "attention", 0, groups=_PER_HEAD)

@@ -1,0 +1,134 @@
+"""Capture kind "attention": per head, the max logit and statistics of the
+allowed pre-softmax logits, and per query row the logsumexp and entropy,
+inside F.scaled_dot_product_attention, against float64 from the same q, k
+and mask: causal, padded, additive, grouped-query and cross attention, in
+tiles; a planted large-logit head in HF GPT-2 is the one flagged."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hookcap
+from hookcap import Monitor
+
+
+class _Attn(nn.Module):
+    """Calls F.scaled_dot_product_attention with the q, k, v it is given."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        self.kw = kw
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **self.kw)
+
+
+def _reference(q, k, mask, causal, scale=None):
+    """float64 per head: max, min and count of allowed logits; lse min/max; entropy mean/min."""
+    if q.dim() == 3:
+        q, k = q[None], k[None]
+    q, k = q.double(), k.double()
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    logits = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    if causal:
+        allowed &= torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed &= mask
+        else:
+            ok = mask > torch.finfo(mask.dtype).min / 2
+            allowed &= ok
+            logits = logits + torch.where(ok, mask.double(), 0.0)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    p = torch.softmax(logits, -1)
+    ent = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
+    per_head = lambda t: t.transpose(0, 1).reshape(t.shape[1], -1)  # noqa: E731
+    lf, lsef, entf = per_head(logits), per_head(lse), per_head(ent)
+    fin = torch.isfinite(lf)
+    return {"max": lf.amax(1), "min": torch.where(fin, lf, float("inf")).amin(1), "finite": fin.sum(1).double(),
+            "lse_min": lsef.amin(1), "lse_max": lsef.amax(1), "ent_mean": entf.mean(1), "ent_min": entf.amin(1)}
+
+
+CASES = {  # q shape, k shape, sdpa kwargs, mask maker
+    "causal": ((2, 4, 9, 8), (2, 4, 9, 8), {"is_causal": True}, None),
+    "padded": ((2, 4, 7, 8), (2, 4, 7, 8), {}, lambda: torch.tensor([[1] * 7, [1] * 4 + [0] * 3],
+                                                                    dtype=torch.bool)[:, None, None, :]),
+    "additive": ((1, 2, 6, 16), (1, 2, 6, 16), {}, lambda: torch.where(
+        torch.ones(6, 6, dtype=torch.bool).tril(), torch.randn(6, 6), torch.finfo(torch.float32).min)),
+    "gqa": ((2, 8, 5, 8), (2, 2, 5, 8), {"is_causal": True, "enable_gqa": True}, None),
+    "cross": ((3, 2, 4, 8), (3, 2, 11, 8), {}, None),
+    "3d": ((4, 6, 8), (4, 6, 8), {"is_causal": True}, None),
+}
+
+
+@pytest.mark.parametrize("tile", [1 << 22, 40])
+@pytest.mark.parametrize("case", list(CASES))
+def test_per_head_logits_lse_entropy_match_float64(case, tile, monkeypatch):
+    import hookcap._capture.attention as att
+
+    monkeypatch.setattr(att, "TILE_VALUES", tile)  # 40: a tile of one or two query rows
+    torch.manual_seed(0)
+    qs, ks, kw, make_mask = CASES[case]
+    mask = make_mask() if make_mask else None
+    if mask is not None:
+        kw = {**kw, "attn_mask": mask}
+    q, k = torch.randn(qs) * 2, torch.randn(ks) * 2
+    v = torch.randn(ks[:-1] + (4,))
+    model = nn.ModuleDict({"0": _Attn(**kw)})
+    mon = Monitor(model, capture=("attention",)).attach()
+    model["0"](q, k, v)
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    ref = _reference(q, k, mask, kw.get("is_causal", False))
+    got = lambda m, s: h.groups(f"0/attn.{m}", s)[0]  # noqa: E731
+    np.testing.assert_allclose(got("logit", "max"), ref["max"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got("logit", "min"), ref["min"].numpy(), rtol=1e-5)
+    np.testing.assert_array_equal(got("logit", "finite"), ref["finite"].numpy())
+    np.testing.assert_allclose(got("lse", "min"), ref["lse_min"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got("lse", "max"), ref["lse_max"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got("entropy", "mean"), ref["ent_mean"].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got("entropy", "min"), ref["ent_min"].numpy(), rtol=1e-5, atol=1e-6)
+    assert not h.anomalies  # masked logits are -inf by construction, not a fault
+    assert F.scaled_dot_product_attention is hookcap._capture.attention._ORIGINAL  # unwrapped at detach
+
+
+def test_hf_gpt2_sdpa_flags_the_planted_head():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, n_positions=16,
+                                  attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # layer 1, head 2: its queries (c_attn's first n_embd outputs) x 8
+        model.transformer.h[1].attn.c_attn.weight[:, 16:24] *= 8.0
+    mon = Monitor(model, capture=("output", "attention"), every=2).attach()
+    for _ in range(3):
+        model(torch.randint(0, 50, (2, 12)), labels=torch.randint(0, 50, (2, 12))).loss.backward()
+        mon.step()
+    mon.detach()
+    h = mon.history()
+    assert h.steps.tolist() == [0, 2]  # off-steps record nothing
+    for layer in (0, 1):
+        assert h.groups(f"transformer.h.{layer}.attn/attn.logit", "max").shape == (2, 4)
+    assert (np.argmax(h.groups("transformer.h.1.attn/attn.logit", "max"), axis=1) == 2).all()
+    assert not h.anomalies
+
+
+def test_a_query_row_with_no_allowed_key_is_minus_inf_not_a_fault():
+    q = torch.randn(1, 2, 3, 8)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    mask[..., 1, :] = False  # query row 1 sees no key (sdpa's output there is NaN)
+    model = nn.ModuleDict({"0": _Attn(attn_mask=mask)})
+    mon = Monitor(model, capture=("attention",)).attach()
+    model["0"](q, q, q)
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    for metric in ("0/attn.lse", "0/attn.entropy"):
+        assert h.groups(metric, "neginf")[0].tolist() == [1, 1] and h.groups(metric, "nan")[0].tolist() == [0, 0]
+    assert not h.anomalies
