@@ -132,3 +132,22 @@ def test_a_query_row_with_no_allowed_key_is_minus_inf_not_a_fault():
     for metric in ("0/attn.lse", "0/attn.entropy"):
         assert h.groups(metric, "neginf")[0].tolist() == [1, 1] and h.groups(metric, "nan")[0].tolist() == [0, 0]
     assert not h.anomalies
+
+
+def test_multihead_attention_without_weights():
+    """nn.MultiheadAttention(need_weights=False) goes through
+    F.scaled_dot_product_attention: its heads' max logits equal float64 from
+    its own in-projection."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    model = nn.ModuleDict({"mha": mha})
+    x = torch.randn(2, 5, 16)
+    mon = Monitor(model, capture=("attention",)).attach()
+    mha(x, x, x, need_weights=False)
+    mon.step()
+    mon.detach()
+    w, b = mha.in_proj_weight.double(), mha.in_proj_bias.double()
+    q = (x.double() @ w[:16].T + b[:16]).view(2, 5, 4, 4).transpose(1, 2)
+    k = (x.double() @ w[16:32].T + b[16:32]).view(2, 5, 4, 4).transpose(1, 2)
+    want = (q @ k.transpose(-1, -2) / 2.0).amax(dim=(0, 2, 3))
+    np.testing.assert_allclose(mon.history().groups("mha/attn.logit", "max")[0], want.detach().numpy(), rtol=1e-5)
