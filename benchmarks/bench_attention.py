@@ -1,0 +1,91 @@
+"""Cost of capture kind "attention": HF GPT-2 (sdpa attention) training steps
+with the Monitor recording outputs and gradients every step, with and
+without "attention", and with no Monitor, timed round-robin in one process.
+Prints ms per step and what "attention" adds.
+
+  PYTHONPATH=. python benchmarks/bench_attention.py [--device cuda] [--layers 2] [--embd 256]
+      [--batch 4] [--tokens 256] [--rounds 9] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+
+import hookcap
+
+
+def machine(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.machine()
+    return f"{name}, {os.cpu_count()} CPUs"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--embd", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.embd, n_head=args.heads, vocab_size=1000,
+                                  n_positions=args.tokens, attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(cfg).to(dev)
+    ids = torch.randint(0, 1000, (args.batch, args.tokens), device=dev)
+    monitors = {"no Monitor": None,
+                "output, grad_output": hookcap.Monitor(model, capture=("output", "grad_output"), detectors=[]),
+                "+ attention": hookcap.Monitor(model, capture=("output", "grad_output", "attention"), detectors=[])}
+    times = {k: [] for k in monitors}
+    for rnd in range(args.rounds + 2):
+        for name, mon in monitors.items():
+            if mon is not None:
+                mon.attach()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                model(ids, labels=ids).loss.backward()
+                model.zero_grad(set_to_none=True)
+                if mon is not None:
+                    mon.step()
+            sync()
+            if mon is not None:
+                mon.detach()
+            if rnd >= 2:
+                times[name].append((time.perf_counter() - t0) / 3 * 1e3)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    base = med["no Monitor"]
+    print(f"GPT-2 {args.layers} layers x {args.embd}, {args.heads} heads, batch {args.batch} x {args.tokens} tokens, "
+          f"{dev.type} ({machine(dev)}), torch {torch.__version__}, {args.rounds} rounds x 3 steps")
+    print("| config | ms per step | vs no Monitor |")
+    print("|---|---:|---:|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.1f} | {'-' if k == 'no Monitor' else f'{(v / base - 1) * 100:+.1f} %'} |")
+    added = med["+ attention"] - med["output, grad_output"]
+    print(f"attention adds {added:.1f} ms per step ({added / base * 100:.1f} % of the step)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(dev), "device": dev.type, "torch": torch.__version__, "args": vars(args),
+                       "median_ms": med, "attention_added_ms": added}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
