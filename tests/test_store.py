@@ -160,8 +160,9 @@ def test_gpt2_like_run_stores_under_250_bytes_per_metric_step_and_decodes_exactl
     cells = sum(len(p.metrics) for p in store.steps)
     h = mon.history()
     n_params = len(list(model.parameters()))
-    # every capture kind: 744 metrics, and SGD's update of each parameter (update, update.base)
-    assert len(h.names) == 744 + 2 * n_params and len(h) == 4
+    # every capture kind: 744 metrics, SGD's update of each parameter (update, update.base), and
+    # per layer attn.logit, attn.lse and attn.entropy, each whole and per head (2)
+    assert len(h.names) == 744 + 2 * n_params + 12 * 3 * (1 + 2) and len(h) == 4
     assert store.nbytes / cells <= 250
     _assert_history_matches_raw(h, raw)
     # The stats are also right, not only preserved: one metric against float64.
