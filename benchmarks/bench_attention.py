@@ -11,26 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 
 import torch
 import transformers
+from _machine import machine
 
 import hookcap
-
-
-def machine(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.machine()
-    return f"{name}, {os.cpu_count()} CPUs"
 
 
 def main() -> None:

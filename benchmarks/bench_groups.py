@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 
 import torch
+from _machine import machine
 
 from hookcap import Histogram, _layout, _ops
 from hookcap.functional import new_state
@@ -29,17 +28,6 @@ CASES = {  # name: (shape from tokens, dim, group size)
     "experts 8": (lambda t: (8, t // 8, 768), 0, 1),
     "channels 768 x 1": (lambda t: (t, 768), -1, 1),
 }
-
-
-def machine(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        name = platform.machine()
-    return f"{name}, {os.cpu_count()} CPUs"
 
 
 def main() -> None:

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -43,19 +41,9 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _gpt2 import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from _machine import machine  # noqa: E402
 
 import hookcap  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} CPUs"
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def main() -> None:
@@ -161,9 +149,9 @@ def main() -> None:
     added = {k: statistics.median(t - b for t, b in zip(times[k], times["step only"]))
              for k in configs if k != "step only"}
     n_params = sum(p.numel() for p in params)
-    machine = torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_name()
+    machine_name = machine(dev)
     print(f"GPT-2 {layers} layers, {len(params)} parameter tensors, {n_params / 1e6:.1f} M values, "
-          f"{params[0].dtype}, AdamW {'fused' if 'fused' in kw else 'foreach'}, {dev.type} ({machine}), "
+          f"{params[0].dtype}, AdamW {'fused' if 'fused' in kw else 'foreach'}, {dev.type} ({machine_name}), "
           f"{args.rounds} rounds x {steps_per_round} steps, histogram {args.histogram}, capture {','.join(kinds)}")
     print("| config | ms per step | added over step only |")
     print("|---|---:|---:|")
@@ -191,7 +179,7 @@ def main() -> None:
         print(prof.key_averages().table(sort_by=key, row_limit=12))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": dev.type, "histogram": args.histogram, "capture": list(kinds), "machine": machine,
+            json.dump({"device": dev.type, "histogram": args.histogram, "capture": list(kinds), "machine": machine_name,
                        "layers": layers,
                        "tensors": len(params),
                        "values": n_params, "median_ms": med, "added_ms": added, "ratio": ratio,

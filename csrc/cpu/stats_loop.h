@@ -827,11 +827,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   auto load = [&](int64_t i) -> double {
     return flat ? load_double(x + i) : load_double(x + strided_offset(d, i));
   };
-  const double cand = shift_candidate(load, n);
-  int64_t expected = kShiftUnset;
-  __atomic_compare_exchange_n(row + kShift, &expected, dbits(cand), false, __ATOMIC_RELAXED,
-                              __ATOMIC_RELAXED);
-  const double shift = expected == kShiftUnset ? cand : bitsd(expected);
+  const double shift = row_shift(row, shift_candidate(load, n));
 
   const int64_t chunk = std::max(kMinChunk, (n + kMaxChunks - 1) / kMaxChunks);
   const int64_t nchunks = (n + chunk - 1) / chunk;

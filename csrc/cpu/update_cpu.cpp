@@ -24,6 +24,14 @@ namespace {
 // floats, and of doubles where a block takes the exact path.
 constexpr int64_t kUpdateBlock = 2048;
 
+// An input of the block, or a block of zeros where the step has none: the
+// loops below then load without a branch, so they vectorise.
+template <typename T>
+inline const T* or_zeros(const T* p) {
+  static const T kZeros[kUpdateBlock] = {};
+  return p ? p : kZeros;
+}
+
 // One block's Δw, w before and (kRatio) Adam's ratio of a parameter narrower
 // than double, in float (update_value_of<kRule, float>). Returns whether every
 // element passes update_narrow_ok, that is whether these are
@@ -34,11 +42,9 @@ __attribute__((always_inline)) inline bool fill_block_narrow(const UpdateRule& r
                                                              const T* a, const T* b, int64_t m,
                                                              float* __restrict value, float* __restrict base,
                                                              float* __restrict ratio) {
-  // An absent input reads zeros: loads without a branch, so the loop vectorises.
-  static const T kZeros[kUpdateBlock] = {};
-  const T* __restrict gz = g ? g : kZeros;
-  const T* __restrict az = a ? a : kZeros;
-  const T* __restrict bz = b ? b : kZeros;
+  const T* __restrict gz = or_zeros(g);
+  const T* __restrict az = or_zeros(a);
+  const T* __restrict bz = or_zeros(b);
   int bad = 0;
   for (int64_t i = 0; i < m; ++i) {
     const float wf = static_cast<float>(w[i]), gf = static_cast<float>(gz[i]), af = static_cast<float>(az[i]),
@@ -59,10 +65,9 @@ template <int kRule, bool kRatio, typename T>
 __attribute__((always_inline)) inline void fill_block(const UpdateRule& r, const T* w, const T* g, const T* a,
                                                       const T* b, int64_t m, double* value, double* base,
                                                       double* ratio) {
-  static const T kZeros[kUpdateBlock] = {};
-  const T* __restrict gz = g ? g : kZeros;
-  const T* __restrict az = a ? a : kZeros;
-  const T* __restrict bz = b ? b : kZeros;
+  const T* __restrict gz = or_zeros(g);
+  const T* __restrict az = or_zeros(a);
+  const T* __restrict bz = or_zeros(b);
   for (int64_t i = 0; i < m; ++i) {
     const UpdateValue u = update_value_for<kRule, T>(r, static_cast<double>(w[i]), static_cast<double>(gz[i]),
                                                      static_cast<double>(az[i]), static_cast<double>(bz[i]), kRatio);

@@ -129,8 +129,9 @@ class Hooks:
         for qual, mod in self.model.named_modules():
             name = qual or ROOT_NAME
             if self.attention is not None and id(mod) not in internals:  # every module: which calls attention
-                self._add(mod.register_forward_pre_hook(self.attention.module_hooks(name)[0]))
-                self._add(mod.register_forward_hook(self.attention.module_hooks(name)[1], always_call=True))
+                pre, post = self.attention.module_hooks(name)
+                self._add(mod.register_forward_pre_hook(pre))
+                self._add(mod.register_forward_hook(post, always_call=True))
             if id(mod) not in internals and cfg.select(name, mod):
                 self._hook_module(name, mod)
                 matched += 1
