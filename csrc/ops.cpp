@@ -113,6 +113,13 @@ void accumulate_groups_meta(const at::Tensor& x, at::Tensor& ring, const at::Ten
   check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
 }
 
+void accumulate_bins_meta(const at::Tensor& index, const c10::optional<at::Tensor>& weight, at::Tensor& ring,
+                          const at::Tensor& state, c10::IntArrayRef rows, int64_t hist_kind, double hist_lo,
+                          double hist_hi, int64_t hist_bins) {
+  check_bins(index, weight, ring, state, rows);
+  check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
+}
+
 void accumulate_update_meta(const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                             const c10::optional<at::Tensor>& a, const c10::optional<at::Tensor>& b,
                             const c10::optional<at::Tensor>& step, c10::ArrayRef<double> hyper,
@@ -171,6 +178,12 @@ TORCH_LIBRARY(hookcap, m) {
   m.def(
       "accumulate_groups(Tensor x, Tensor(a!) ring, Tensor state, int[] rows, int dim, int size, "
       "int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
+  // Each element of the integer tensor `index` adds its weight (or 1) to
+  // the row of the bin it names (rows[index]; an index outside [0,
+  // len(rows)) is in no bin): a bin's count is torch.bincount's.
+  m.def(
+      "accumulate_bins(Tensor index, Tensor? weight, Tensor(a!) ring, Tensor state, int[] rows, "
+      "int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
   // The optimizer's step per element (update_math.h), recomputed from the
   // parameter and its state after the step, in one pass: `rows` holds the
   // rows of Δw, w before the step, Adam's ratio and the state tensors a and
@@ -198,6 +211,7 @@ TORCH_LIBRARY(hookcap, m) {
 TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("accumulate", &accumulate_meta);
   m.impl("accumulate_groups", &accumulate_groups_meta);
+  m.impl("accumulate_bins", &accumulate_bins_meta);
   m.impl("accumulate_update", &accumulate_update_meta);
   m.impl("accumulate_updates", &accumulate_updates_each<&accumulate_update_meta>);
   m.impl("reset_slot", &reset_slot_meta);
@@ -210,7 +224,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_groups", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
+  for (const char* op : {"accumulate", "accumulate_groups", "accumulate_bins", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

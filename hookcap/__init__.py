@@ -14,7 +14,7 @@ from .functional import tensor_stats  # noqa: E402
 from .groups import Groups  # noqa: E402
 from .histogram import Histogram  # noqa: E402
 from . import sinks  # noqa: E402
-from .anomaly import Anomaly, AnomalyError, Dead, NonFinite, Spike, Underflow  # noqa: E402
+from .anomaly import Anomaly, AnomalyError, Dead, NonFinite, Spike, Threshold, Underflow  # noqa: E402
 from .drained import DrainedStep  # noqa: E402
 from .history import History, load  # noqa: E402
 from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
@@ -32,6 +32,7 @@ __all__ = [
     "Groups",
     "NonFinite",
     "Spike",
+    "Threshold",
     "Underflow",
     "sinks",
     "Histogram",

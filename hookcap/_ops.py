@@ -53,6 +53,25 @@ def accumulate_groups(
     _ops.accumulate_groups(x, ring, state, rows, dim, size, *hist_args(histogram, moments))
 
 
+def accumulate_bins(
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    ring: torch.Tensor,
+    state: torch.Tensor,
+    rows: list[int],
+    histogram: Histogram | None,
+) -> None:
+    """Each element of the contiguous integer tensor ``index`` adds its value
+    (``weight``'s element of the same position, or 1.0 without ``weight``)
+    to ``ring[state.slot, rows[index]]``, so bin ``b``'s ``count`` is exactly
+    ``(index == b).sum()`` (``torch.bincount``) and its other statistics are
+    those of the weights naming it. An index outside ``[0, len(rows))`` is
+    in no bin; ``rows[b] == -1``: bin ``b`` not recorded. One call, no
+    allocation, no host sync.
+    """
+    _ops.accumulate_bins(index, weight, ring, state, rows, *hist_args(histogram))
+
+
 def hist_args(histogram: Histogram | None, moments: int = 2) -> tuple:
     """(hist_kind, hist_lo, hist_hi, hist_bins) of the accumulate op: the
     histogram's (``NO_HIST_ARGS`` for none), with the moments=4 flag added

@@ -20,7 +20,7 @@ from .drained import DrainedStep
 @dataclass
 class Anomaly:
     """One finding: at ``step``, metric ``name`` showed ``kind``
-    (``"nonfinite"``, ``"spike"``, ``"underflow"``, ``"dead"`` or a custom string);
+    (``"nonfinite"``, ``"spike"``, ``"underflow"``, ``"dead"``, ``"threshold"`` or a custom string);
     ``stats`` are that metric's stats at that step."""
 
     step: int
@@ -111,37 +111,65 @@ class NonFinite:
                        f"{int(s['count'])}){more}", s)
 
 
+_GROUP = re.compile(r"(.*)\[\d+\]")  # a group's metric name: f"{metric}[{g}]"
+
+
+class _Watch:
+    """Which metric names a detector watches: ``metrics``, a glob or list of
+    globs (fnmatch; None: all), and ``groups``: None for metrics and groups
+    alike (globs over their names), True for the groups of the metrics the
+    globs match (each head, each expert), False for whole metrics only.
+    Decided once per name."""
+
+    def __init__(self, who: str, metrics, groups) -> None:
+        if isinstance(metrics, str):
+            metrics = [metrics]
+        if metrics is not None and not (isinstance(metrics, (list, tuple)) and all(isinstance(m, str) for m in metrics)):
+            raise ValueError(f"{who}: metrics must be None, a glob or a list of globs, got {metrics!r}")
+        if groups not in (None, True, False):
+            raise ValueError(f"{who}: groups must be None, True or False, got {groups!r}")
+        self.metrics = None if metrics is None else tuple(metrics)
+        self.groups = groups
+        self._seen: dict[str, bool] = {}
+
+    def __call__(self, name: str) -> bool:
+        w = self._seen.get(name)
+        if w is None:
+            g = _GROUP.fullmatch(name)
+            if self.groups is not None and (g is not None) != self.groups:
+                w = False
+            else:
+                target = g.group(1) if self.groups else name
+                w = self.metrics is None or any(fnmatch.fnmatchcase(target, m) for m in self.metrics)
+            self._seen[name] = w
+        return w
+
+
 class Spike:
     """A metric's ``stat`` jumps more than ``z`` robust standard deviations
     (1.4826 x median absolute deviation) above the median of its last
     ``window`` recorded values; silent for the first ``warmup`` values.
     ``metrics``: a glob or list of globs over metric names (fnmatch) that it
     watches, e.g. ``Spike("max", metrics="loss")`` for a tapped loss; None:
-    every metric. ``Spike("update_ratio")`` watches ``‖Δw‖ / ‖w_before‖`` of
-    each parameter recorded with ``capture="update"``."""
+    every metric. ``groups``: None (default) watches metrics and their groups
+    (``f"{metric}[{g}]"``) alike; True the groups of the metrics ``metrics``
+    matches (``Spike("max", metrics="*/attn.logit", groups=True)``: each
+    head's max logit); False whole metrics only. ``Spike("update_ratio")``
+    watches ``‖Δw‖ / ‖w_before‖`` of each parameter recorded with
+    ``capture="update"``."""
 
     def __init__(self, stat: str = "l2norm", z: float = 6.0, window: int = 100, warmup: int = 20,
-                 metrics: str | list[str] | None = None):
+                 metrics: str | list[str] | None = None, groups: bool | None = None):
         from ._layout import STAT_NAMES
 
         if stat not in STAT_NAMES + ("update_ratio",):
             raise ValueError(f"Spike: stat must be one of {', '.join(STAT_NAMES)} or update_ratio, got {stat!r}")
         if z <= 0 or window < 2 or warmup < 1 or warmup > window:
             raise ValueError("Spike: need z > 0, window >= 2 and 1 <= warmup <= window")
-        if isinstance(metrics, str):
-            metrics = [metrics]
-        if metrics is not None and not (isinstance(metrics, (list, tuple)) and all(isinstance(m, str) for m in metrics)):
-            raise ValueError(f"Spike: metrics must be None, a glob or a list of globs, got {metrics!r}")
         self.stat, self.z, self.window, self.warmup = stat, z, window, warmup
-        self.metrics = None if metrics is None else tuple(metrics)
-        self._watched: dict[str, bool] = {}  # name -> whether `metrics` matches it
+        self._watches = _Watch("Spike", metrics, groups)
+        self.metrics = self._watches.metrics
         self._hist: dict[str, deque] = {}
-
-    def _watches(self, name: str) -> bool:
-        w = self._watched.get(name)
-        if w is None:
-            w = self._watched[name] = self.metrics is None or any(fnmatch.fnmatchcase(name, m) for m in self.metrics)
-        return w
 
     def state_dict(self) -> dict:
         """Each metric's window of recent values (a resumed run continues them)."""
@@ -239,6 +267,61 @@ class Dead:
                                        f"zeros for {n} recorded steps", step.stats_of(name)))
             else:
                 self._run[name] = 0
+        return out
+
+
+class Threshold:
+    """A metric's ``stat`` above ``above`` or below ``below`` for ``steps``
+    consecutive recorded steps; fires once per run of such steps (again
+    after a step back inside the bounds). ``metrics`` and ``groups`` select
+    what it watches as :class:`Spike`'s do. E.g. ``Threshold("max",
+    above=100, metrics="*/attn.logit", groups=True)`` (a head's max logit
+    past MuonClip's τ), ``Threshold("count", below=1, steps=50,
+    metrics="*/router.tokens", groups=True)`` (an expert no token reached
+    for 50 recorded steps). A NaN ``stat`` (no finite value) is outside no
+    bound."""
+
+    def __init__(self, stat: str, above: float | None = None, below: float | None = None,
+                 metrics: str | list[str] | None = None, groups: bool | None = None, steps: int = 1):
+        from ._layout import MOMENT_NAMES, STAT_NAMES
+
+        if stat not in STAT_NAMES + MOMENT_NAMES:
+            raise ValueError(f"Threshold: stat must be one of {', '.join(STAT_NAMES + MOMENT_NAMES)}, got {stat!r}")
+        if above is None and below is None:
+            raise ValueError("Threshold: give above=, below= or both")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"Threshold: steps must be an int >= 1, got {steps!r}")
+        self.stat, self.above, self.below, self.steps = stat, above, below, steps
+        self._watches = _Watch("Threshold", metrics, groups)
+        self._run: dict[str, int] = {}
+
+    def state_dict(self) -> dict:
+        return {"run": dict(self._run)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._run = {str(k): int(v) for k, v in state["run"].items()}
+
+    def __call__(self, step: DrainedStep):
+        if self.stat not in step.stats:
+            return []
+        out = []
+        vals = step.stats[self.stat]
+        for i, name in enumerate(step.names):
+            if not self._watches(name):
+                continue
+            v = float(vals[i])
+            side = "above" if self.above is not None and v > self.above else \
+                "below" if self.below is not None and v < self.below else None
+            if side is None:
+                self._run[name] = 0
+                continue
+            n = self._run[name] = self._run.get(name, 0) + 1
+            if n == self.steps:
+                bound = self.above if side == "above" else self.below
+                more = f" for {n} recorded steps" if n > 1 else ""
+                out.append(Anomaly(step.step, name, "threshold",
+                                   f"step {step.step}: {name} {self.stat} = {v:.4g}, {side} {bound:.4g}{more}",
+                                   step.stats_of(name)))
         return out
 
 

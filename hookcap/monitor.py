@@ -62,7 +62,8 @@ class Monitor:
             ``.grad`` when the backward ends, after DDP's reduction), ``"optim_state"``
             (``optimizer``'s state tensors after its step: ``{param}/state.{key}``), ``"update"``
             (``Δw`` of its step: ``{param}/update``; ``w`` before it: ``{param}/update.base``),
-            ``"adam_ratio"`` (``g / (√v̂ + ε)`` of an Adam step): see docs/monitor.md.
+            ``"adam_ratio"`` (``g / (√v̂ + ε)`` of an Adam step), ``"attention"`` (inside each
+            ``scaled_dot_product_attention``, per head) and ``"router"`` (MoE routing): docs/monitor.md.
         histogram: ``Histogram.log2()`` (default), ``Histogram.linear(...)`` or None.
         capacity: how much history the host keeps: a size in bytes (``"256MiB"``,
             ``"512MB"``, ``"2GiB"``; the default) or a number of recorded steps.
@@ -111,8 +112,7 @@ class Monitor:
             under ``no_grad`` count as training (``mon.paused()`` leaves them out).
         start_step: the number of the first step (a resumed run; see also
             :meth:`state_dict`).
-        update_snapshot: ``"update"`` of optimizers other than SGD, Adam, AdamW from a copy.
-        moments: 2 (default) or 4: also the third and fourth central moments and
+        update_snapshot: ``"update"`` of optimizers other than SGD, Adam, AdamW from a copy. moments: 2 (default) or 4: also the third and fourth central moments and
             ``skew``, ``kurtosis`` (Pearson, not excess) of captured tensors, in the
             same pass (``hookcap.MOMENT_NAMES``, docs/statistics.md).
         fused: retired: ``True`` raises ``ValueError`` (docs/design.md says why).

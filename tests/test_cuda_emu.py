@@ -1482,3 +1482,42 @@ def test_planted_moments4_rebase_bug_is_caught(emu):
         emu.set_fault(0)
     assert abs(got["m4"] - want["m4"]) > 1e-3 * want["m4"]
     check4(emu, x, LOG2, 2)  # without the fault: within the bound
+
+
+# ---------------------------------------------------------------------------
+# accumulate_bins (MoE routing: bins_kernel.cuh)
+
+
+@pytest.mark.parametrize("idx_dtype,w_dtype,grid,h", [
+    (torch.int64, torch.float32, 2, Histogram.log2()),
+    (torch.int32, None, 1, None),
+    (torch.uint8, torch.bfloat16, 1, Histogram.linear(0, 1, 8)),
+    (torch.int64, torch.float64, 1, Histogram.log2(-1100, 1000)),  # 2103 bins: counted into the ring
+])
+def test_bins_kernel_matches_the_cpu_op(emu, idx_dtype, w_dtype, grid, h):
+    """Each bin's row from the kernel (a block per bin and grid.x, elements
+    outside [0, bins) in none, a -1 row skipped) equals the CPU op's:
+    counts, extrema and histogram exactly, sums to double rounding."""
+    g = torch.Generator().manual_seed(3)
+    n, bins = 3000, 3
+    index = torch.randint(0, bins + 2, (n,), generator=g).to(idx_dtype)  # bins, bins + 1: in no bin
+    weight = None if w_dtype is None else torch.rand(n, generator=g).to(w_dtype)
+    if weight is not None:
+        weight[5] = float("nan")
+    rows = [0, -1, 1]
+    got, cpu = new_ring(1, 2, h), new_ring(1, 2, h)
+    state = torch.tensor([0, 1, 0])
+    emu.accumulate_bins(index, weight, got, state, rows, *hist_args(h), grid, THREADS)
+    OPS.accumulate_bins(index, weight, cpu, state, rows, *hist_args(h))
+    for r, b in ((0, 0), (1, 2)):
+        g_, c_ = got[0, r].numpy(), cpu[0, r].numpy()
+        for c in EXACT_COLS:
+            assert g_[getattr(_layout, c)] == c_[getattr(_layout, c)], (r, c)
+        np.testing.assert_array_equal(g_[_layout.HEADER:], c_[_layout.HEADER:])
+        assert g_[_layout.COUNT] == int((index.long() == b).sum())
+        gs, cs = row_stats(g_, None), row_stats(c_, None)
+        for k in ("sum", "l2norm", "std"):
+            np.testing.assert_allclose(gs[k], cs[k], rtol=1e-12)
+    off = new_ring(1, 2, h)
+    emu.accumulate_bins(index, weight, off, torch.tensor([0, 0, 0]), rows, *hist_args(h), 1, THREADS)
+    assert (off[0, :, _layout.CALLS] == 0).all()

@@ -20,6 +20,7 @@
 #include <vector>
 #include <cuda/ptx>
 
+#include "cuda/bins_kernel.cuh"
 #include "cuda/stats_kernel.cuh"
 #include "cuda/update_plan.h"
 #include "hookcap/op_checks.h"
@@ -482,9 +483,47 @@ void accumulate_groups_cuda(const at::Tensor& x, at::Tensor& ring, const at::Ten
   }
 }
 
+// accumulate_bins: a launch per kBinsPerLaunch bins (their rows travel in
+// the arguments), grid.y one bin each, on the current stream.
+void accumulate_bins_cuda(const at::Tensor& index, const c10::optional<at::Tensor>& weight, at::Tensor& ring,
+                          const at::Tensor& state, c10::IntArrayRef rows, int64_t hist_kind, double hist_lo,
+                          double hist_hi, int64_t hist_bins) {
+  check_bins(index, weight, ring, state, rows);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  c10::cuda::CUDAGuard guard(ring.device());
+  const int device = ring.device().index();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  note_capture(stream, ring.data_ptr());
+  const int64_t n = index.numel(), bins = static_cast<int64_t>(rows.size());
+  const int64_t blocks = std::clamp<int64_t>((n + kThreads * kPerThread - 1) / (kThreads * kPerThread), 1, 64);
+  const int64_t smem = kernels::bins_smem_bytes(h.kind == kHistNone ? 0 : h.nbins);
+  const bool weighted = weight.has_value() && weight->defined();
+  auto run = [&](auto* w) {
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
+    AT_DISPATCH_INTEGRAL_TYPES(index.scalar_type(), "hookcap_bins_cuda", [&] {
+      kernels::for_bins_launch(rows.data(), bins, [&](const kernels::BinsRows& r, int64_t b0, int64_t nb) {
+        launch_smem("hookcap.accumulate_bins", &kernels::bins_kernel<scalar_t, W>,
+                    dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(nb)), dim3(kThreads),
+                    static_cast<size_t>(smem), stream, index.const_data_ptr<scalar_t>(), w, n, r, b0, bins,
+                    ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1),
+                    ring.size(2), h);
+      });
+    });
+  };
+  if (!weighted) {
+    run(static_cast<const float*>(nullptr));
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight->scalar_type(), "hookcap_bins_cuda_w", [&] {
+      run(weight->const_data_ptr<scalar_t>());
+    });
+  }
+  seal_ring_write(device, stream);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
+  m.impl("accumulate_bins", &accumulate_bins_cuda);
   m.impl("accumulate", &accumulate_cuda);
   m.impl("accumulate_groups", &accumulate_groups_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);

@@ -185,6 +185,39 @@ inline void check_groups(const at::Tensor& x, const at::Tensor& ring, const at::
   }
 }
 
+// accumulate_bins: integer indices (any shape, strided or not: the kernels
+// read them through contiguous() only when dense) and optional weights of the
+// same shape, one row per bin (`rows`, -1: not recorded).
+inline void check_bins(const at::Tensor& index, const c10::optional<at::Tensor>& weight, const at::Tensor& ring,
+                       const at::Tensor& state, c10::IntArrayRef rows) {
+  check_ring_state(ring, state);
+  const at::ScalarType t = index.scalar_type();
+  TORCH_CHECK(t == at::kLong || t == at::kInt || t == at::kShort || t == at::kChar || t == at::kByte,
+              "hookcap.accumulate_bins: index must be an integer tensor (int64, int32, int16, int8 or uint8), got ",
+              t);
+  TORCH_CHECK(index.layout() == at::kStrided && index.is_contiguous(),
+              "hookcap.accumulate_bins: index must be a contiguous strided tensor");
+  TORCH_CHECK(index.device() == ring.device(), "hookcap.accumulate_bins: index is on ", index.device(),
+              " but the ring is on ", ring.device());
+  if (weight.has_value() && weight->defined()) {
+    const at::ScalarType w = weight->scalar_type();
+    TORCH_CHECK(w == at::kFloat || w == at::kDouble || w == at::kHalf || w == at::kBFloat16,
+                "hookcap.accumulate_bins: weight must be float16, bfloat16, float32 or float64, got ", w);
+    TORCH_CHECK(weight->layout() == at::kStrided && weight->is_contiguous(),
+                "hookcap.accumulate_bins: weight must be a contiguous strided tensor");
+    TORCH_CHECK(weight->device() == ring.device(), "hookcap.accumulate_bins: weight is on ", weight->device(),
+                " but the ring is on ", ring.device());
+    TORCH_SYM_CHECK(weight->sym_numel().sym_eq(index.sym_numel()),
+                    "hookcap.accumulate_bins: weight must have index's number of elements");
+  }
+  TORCH_CHECK(!rows.empty(), "hookcap.accumulate_bins: rows needs one row per bin, got none");
+  for (const int64_t r : rows) {
+    TORCH_CHECK(r >= -1, "hookcap.accumulate_bins: a row must be >= 0 or -1, got ", r);
+    TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(r), "hookcap.accumulate_bins: row ", r,
+                    " out of range for a ring with ", ring.sym_size(1), " rows");
+  }
+}
+
 // How a kernel reads x (strided.h): dense inputs (contiguous in some
 // dimension order, no overlap) are a flat run of numel elements starting at
 // data_ptr (torch strides are never negative, so the lowest address); other

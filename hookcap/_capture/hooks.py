@@ -16,6 +16,7 @@ from torch import nn
 
 from . import compile as _compile, portable as _portable
 from .attention import AttentionCapture
+from .router import RouterCapture
 from .parallel_plan import output_placements
 from .._rows.config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example_names, metric_name,
                             parametrization_internals)
@@ -55,12 +56,8 @@ def _skip(*args):
 
 def _by_mode(train, ev):
     """A hook running ``train`` for modules in train mode, else ``ev`` (None: nothing)."""
-    if ev is None:
-        def hook(mod, *args):
-            return train(mod, *args) if mod.training else None
-    else:
-        def hook(mod, *args):
-            return train(mod, *args) if mod.training else ev(mod, *args)
+    def hook(mod, *args):
+        return train(mod, *args) if mod.training else None if ev is None else ev(mod, *args)
     return hook
 
 
@@ -97,6 +94,7 @@ class Hooks:
         self.open_calls: list[list] = []  # per pre/post hook pair: its forward calls in flight
         self.timing = Timing(recorder, self.open_calls, self.key)
         self.attention = AttentionCapture(recorder) if "attention" in config.capture else None
+        self.router = RouterCapture(recorder) if "router" in config.capture else None
         self.params: list[tuple[str, torch.Tensor]] = []
         self.grads = ParamGrads(recorder)  # param_grad
         # Monitor.everything: module -> name, and per-class counters for unnamed modules.
@@ -132,6 +130,8 @@ class Hooks:
                 pre, post = self.attention.module_hooks(name)
                 self._add(mod.register_forward_pre_hook(pre))
                 self._add(mod.register_forward_hook(post, always_call=True))
+            if self.router is not None and id(mod) not in internals and (cfg.modules is None or cfg.select(name, mod)):
+                self._add(mod.register_forward_hook(self._phased(self.router.hook, name, type(mod).__name__)))
             if id(mod) not in internals and cfg.select(name, mod):
                 self._hook_module(name, mod)
                 matched += 1

@@ -16,7 +16,7 @@ from ..groups import check_groups
 from ..histogram import Histogram
 
 CAPTURE_KINDS = ("input", "output", "grad_input", "grad_output", "param", "param_grad", "optim_state",
-                 "update", "adam_ratio", "attention")
+                 "update", "adam_ratio", "attention", "router")
 # Kinds read from the parameters at step() (no module hook).
 PARAM_KINDS = ("param", "param_grad", "optim_state", "update", "adam_ratio")
 DEFAULT_HISTOGRAM = Histogram.log2()

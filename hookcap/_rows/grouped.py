@@ -15,10 +15,14 @@ from .config import metric_name
 from .fastpath import SKIPPED, row_of
 
 _OP_GROUPS = torch.ops.hookcap.accumulate_groups.default
+_OP_BINS = torch.ops.hookcap.accumulate_bins.default
 _NONE = object()  # a key not looked at yet
 
 
 class _Entry:
+    """A grouped capture's rows: ``extent`` groups (bins), each ``size``
+    slices along ``dim`` (None for bins)."""
+
     __slots__ = ("extent", "dim", "size", "rows", "rids")
 
     def __init__(self, extent, dim, size, rows, rids):
@@ -59,21 +63,49 @@ class GroupedRows:
         if e is None:
             return False
         rec = self.rec
-        if t.shape[e.dim] != e.extent:  # another number of groups than the rows hold
-            rec.skip_call(metric_name(*key[:3]), f"groups: dimension {e.dim} is {t.shape[e.dim]}, was {e.extent}")
+        if t.shape[e.dim] != e.extent * e.size:  # another number of groups than the rows hold
+            rec.skip_call(metric_name(*key[:3]), f"groups: dimension {e.dim} is {t.shape[e.dim]}, was {e.extent * e.size}")
             return True
+        self._call(key, e, _OP_GROUPS, t, e.dim, e.size)
+        return True
+
+    def write_bins(self, key: tuple, index: torch.Tensor, weight: torch.Tensor | None, bins: int, mtype: str,
+                   placement: str | None = None) -> None:
+        """Record ``index`` (capture ``key``: integer, e.g. a router's top-k
+        expert choices) as ``bins`` groups: group ``b`` gets the values
+        (``weight``'s, or 1.0) of the elements equal to ``b``, so its count
+        is the bincount."""
+        e = self._entries.get(key, _NONE)
+        if e is _NONE:
+            dtype = str((weight if weight is not None else index).dtype)
+            e = self._entries[key] = self._register(key, bins, tuple(index.shape), dtype, mtype, placement=placement)
+        if e is None:
+            return
+        if e.extent != bins:
+            self.rec.skip_call(metric_name(*key[:3]), f"bins: {bins}, was {e.extent}")
+            return
+        if not index.is_contiguous():
+            index = index.contiguous()  # router choices: tokens x k integers, small
+        if weight is not None and not weight.is_contiguous():
+            weight = weight.contiguous()
+        self._call(key, e, _OP_BINS, index, weight)
+
+    def _call(self, key: tuple, e: _Entry, op, *args) -> None:
+        rec = self.rec
         ring = rec.ring_of(e.rids[0])
         try:
-            _OP_GROUPS(t, ring.ring, ring.state, e.rows, e.dim, e.size, *rec.config.hist_args)
+            if op is _OP_BINS:
+                op(args[0], args[1], ring.ring, ring.state, e.rows, *rec.config.hist_args)
+            else:
+                op(args[0], ring.ring, ring.state, e.rows, *args[1:], *rec.config.hist_args)
         except Exception as ex:  # telemetry must never take the run down
             rec.skip_call(metric_name(*key[:3]), f"{type(ex).__name__}: {ex}")
-            return True
+            return
         order = rec._order
         if e.rids[0] not in order:
             for rid in e.rids:
                 order[rid] = None
             rec.fast.note_python_write()
-        return True
 
     def _make(self, key: tuple, t: torch.Tensor, mtype: str, spec=None) -> _Entry | None:
         rec = self.rec
@@ -88,19 +120,33 @@ class GroupedRows:
         except ValueError as ex:
             rec.warn_once(("groups", metric), f"hookcap: {metric}: recorded whole, not by groups: {ex}")
             return None
-        layout = rec.plain_layout(name, kind, path)
         dim = spec.dim % t.dim()
         shape = tuple(t.shape[:dim]) + (spec.size,) + tuple(t.shape[dim + 1:])
-        # The whole metric first (names keep first-execution order), with no row of its own.
-        rec.catalog.add(metric, {"module_type": mtype, "kind": kind, "shape": tuple(t.shape), "dtype": str(t.dtype),
+        e = self._register(key, count, tuple(t.shape), str(t.dtype), mtype, shape)
+        if e is not None:
+            e.dim, e.size = dim, spec.size
+        return e
+
+    def _register(self, key: tuple, count: int, shape: tuple, dtype: str, mtype: str,
+                  group_shape: tuple | None = None, placement: str | None = None) -> _Entry | None:
+        """The whole metric of capture ``key`` (no row of its own) and a row
+        per group (meta shape ``group_shape``, else the whole's: a bin's
+        elements are picked from all of it); None where a row cannot be made
+        (a CUDA graph capture)."""
+        rec = self.rec
+        name, kind, path, device = key[:4]
+        metric = metric_name(name, kind, path)
+        layout = rec.plain_layout(name, kind, path, placement)
+        # The whole metric first (names keep first-execution order).
+        rec.catalog.add(metric, {"module_type": mtype, "kind": kind, "shape": shape, "dtype": dtype,
                                  "groups": count, **layout})
         rec.catalog.module_of[metric] = name
         rids = []
         for g in range(count):
             gm = group_metric(metric, g)
-            rid = rec.register_row((*key, "group", g), device, shape, str(t.dtype), mtype, layout=layout,
+            rid = rec.register_row((*key, "group", g), device, group_shape or shape, dtype, mtype, layout=layout,
                                    metric=gm, extra={"group_of": metric, "group": g})
             if rid == SKIPPED:
                 return None
             rids.append(rid)
-        return _Entry(t.shape[dim], dim, spec.size, [row_of(r) for r in rids], rids)
+        return _Entry(count, None, None, [row_of(r) for r in rids], rids)

@@ -413,6 +413,13 @@ class Recorder:
             self._order[rid] = None
             self.fast.note_python_write()
 
+    def write_bins(self, name, kind, path, index, weight, bins: int, mtype, ci, placement=None) -> None:
+        """Record integer ``index`` as ``bins`` groups (``accumulate_bins``):
+        group ``b`` holds the values (``weight``'s, else 1.0) of the elements
+        equal to ``b``. Tensor subclasses are read through their local part."""
+        index, weight = (t if t is None or type(t) is torch.Tensor else plain_tensor(t) for t in (index, weight))
+        self.grouped.write_bins((name, kind, path, index.device, ci), index, weight, bins, mtype, placement)
+
     def write_updates(self, mtype, rule, hyper, items, gate: torch.Tensor | None = None) -> None:
         """The optimizer's step on each parameter of ``items`` = [(name, p,
         grad, a, b, step, outs)] (``hookcap._capture.optim``; one rule and one set of

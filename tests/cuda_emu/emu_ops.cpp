@@ -155,6 +155,38 @@ void accumulate_update(const at::Tensor& param, const c10::optional<at::Tensor>&
                      hist_kind, hist_lo, hist_hi, hist_bins, grid, block, step_on_device);
 }
 
+// bins_kernel as accumulate_bins_cuda launches it, with `grid` blocks per bin.
+void accumulate_bins(const at::Tensor& index, const c10::optional<at::Tensor>& weight, at::Tensor& ring,
+                     const at::Tensor& state, std::vector<int64_t> rows, int64_t hist_kind, double hist_lo,
+                     double hist_hi, int64_t hist_bins, int64_t grid, int64_t block) {
+  check_bins(index, weight, ring, state, rows);
+  check_cpu(index);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const dim3 bl = dim(block, "block");
+  dim(grid, "grid");
+  const int64_t smem = kernels::bins_smem_bytes(h.kind == kHistNone ? 0 : h.nbins);
+  const int64_t n = index.numel(), bins = static_cast<int64_t>(rows.size());
+  auto run = [&](auto* w) {
+    using W = std::remove_cv_t<std::remove_pointer_t<decltype(w)>>;
+    AT_DISPATCH_INTEGRAL_TYPES(index.scalar_type(), "emu_bins", [&] {
+      const scalar_t* idx = index.const_data_ptr<scalar_t>();
+      py::gil_scoped_release nogil;
+      kernels::for_bins_launch(rows.data(), bins, [&](const kernels::BinsRows& r, int64_t b0, int64_t nb) {
+        emu::launch(kernels::bins_kernel<scalar_t, W>, dim3(static_cast<unsigned>(grid), static_cast<unsigned>(nb)),
+                    bl, static_cast<size_t>(smem), idx, w, n, r, b0, bins, ring.data_ptr<int64_t>(),
+                    state.const_data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2), h);
+      });
+    });
+  };
+  if (!(weight.has_value() && weight->defined())) {
+    run(static_cast<const float*>(nullptr));
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight->scalar_type(), "emu_bins_w", [&] {
+      run(weight->const_data_ptr<scalar_t>());
+    });
+  }
+}
+
 // The fault the kernels commit from now on (cuda_emu.h Fault, by number; 0: none).
 void set_fault(int64_t f) { emu::fault() = static_cast<emu::Fault>(f); }
 
@@ -493,6 +525,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset_slot", &reset_slot);
   m.def("accumulate_update", &accumulate_update);
   m.def("accumulate_updates", &accumulate_updates);
+  m.def("accumulate_bins", &accumulate_bins);
   m.def("set_fault", &set_fault);
   m.def("reset_rows", &reset_rows);
   m.def("advance", &advance, py::arg("ring"), py::arg("state"), py::arg("every"), py::arg("block"),

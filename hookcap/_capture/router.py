@@ -1,0 +1,92 @@
+"""Capture kind ``"router"``: the routing of a mixture-of-experts layer, read
+from a watched module that returns a router's outputs: its logits
+``[..., E]`` and its top-k expert choices (an integer tensor ``[..., k]`` over
+the same tokens), with or without their routing weights ``[..., k]``, in any
+order inside a tuple (HF Mixtral, OLMoE and Qwen-MoE routers return
+``(logits, weights, indices)``). On recorded steps, per router module:
+
+- ``{module}/router.tokens``: one group per expert (``History.groups``):
+  ``count`` = tokens routed to the expert (top-k choices naming it, exactly);
+  the values are the routing weights of those choices (``mean``: the
+  expert's mean routing weight), or 1.0 without weights.
+- ``{module}/router.load``: the E per-expert counts as one tensor: ``max /
+  mean`` is the load's max over mean, ``std / mean`` its coefficient of
+  variation, ``zeros`` the experts that got no token (dead this step).
+- ``{module}/router.z``: each token's ``logsumexp(logits)²``; ``mean`` is the
+  router z-loss (Zoph et al. 2022, ST-MoE).
+- ``{module}/router.entropy``: each token's entropy of ``softmax(logits)``
+  in nats (``ln E`` at most: uniform routing).
+
+Computed on the tensors' device with no host sync (a few small temporaries
+of E or tokens values, on recorded steps only); under ``torch.compile`` the
+router is not recorded (warned once)."""
+
+from __future__ import annotations
+
+import torch
+
+_COMPILE_WARNING = ("hookcap: capture kind 'router' records routers in eager mode only; under torch.compile "
+                    "they are not recorded")
+
+
+def router_parts(out) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+    """``(logits, weights or None, indices)`` of a router's output, or None
+    where ``out`` is no router's: a tuple or list holding an integer tensor
+    ``[..., k]`` and a floating tensor ``[..., E]`` over the same tokens
+    (``E > k``); weights: a floating tensor of the indices' shape."""
+    if not isinstance(out, (tuple, list)):
+        return None
+    ts = [t for t in out if isinstance(t, torch.Tensor) and t.dim() >= 1]
+    idx = next((t for t in ts if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool), None)
+    if idx is None or idx.numel() == 0:
+        return None
+    k = idx.shape[-1]
+    tokens = idx.numel() // k
+    logits = next((t for t in ts if t.is_floating_point() and t.shape[-1] > k and t.numel() == tokens * t.shape[-1]),
+                  None)
+    if logits is None:
+        return None
+    weights = next((t for t in ts if t.is_floating_point() and t.shape == idx.shape), None)
+    return logits, weights, idx
+
+
+class RouterCapture:
+    """One Monitor's router capture: a forward hook per watched module."""
+
+    def __init__(self, recorder) -> None:
+        self.rec = recorder
+
+    def hook(self, name: str, mtype: str):
+        """The forward hook recording module ``name``'s routing, if its output is a router's."""
+        rec = self.rec
+
+        def post(mod, args, out):
+            if not rec.recording:
+                return
+            parts = router_parts(out)
+            if parts is None:
+                return
+            if torch.compiler.is_compiling():
+                rec.warn_once(("router", "compile"), _COMPILE_WARNING)
+                return
+            with torch.no_grad():
+                record_router(rec, name, mtype, *parts)
+
+        return post
+
+
+def record_router(rec, name: str, mtype: str, logits: torch.Tensor, weights: torch.Tensor | None,
+                  indices: torch.Tensor) -> None:
+    """Write one router call's metrics (module docstring) into ``rec``."""
+    experts = logits.shape[-1]
+    idx = indices.detach()
+    rec.write_bins(name, "router", "tokens", idx, None if weights is None else weights.detach(), experts, mtype, 0)
+    flat = idx.reshape(-1).long()
+    # Choices outside [0, E) (a capacity router's dropped marker) count in an extra last slot, left out.
+    slot = torch.where((flat >= 0) & (flat < experts), flat, experts)
+    counts = torch.zeros(experts + 1, dtype=torch.float64, device=flat.device)
+    counts.index_add_(0, slot, torch.ones((), dtype=torch.float64, device=flat.device).expand(flat.numel()))
+    rec.write(name, "router", "load", counts[:experts], mtype, 0)
+    lf = logits.detach().float().reshape(-1, experts)
+    rec.write(name, "router", "z", torch.logsumexp(lf, dim=-1).square_(), mtype, 0)
+    rec.write(name, "router", "entropy", torch.special.entr(torch.softmax(lf, dim=-1)).sum(-1), mtype, 0)
