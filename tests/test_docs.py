@@ -82,3 +82,16 @@ def test_attention_moe_page_example_names_the_grown_head(capsys):
     absmax = ns["absmax"]
     assert absmax.shape == (5, 4) and int(np.argmax(absmax[-1])) == 1
     assert capsys.readouterr().out.strip().endswith("True")
+
+
+def test_attention_moe_page_router_example_names_the_dead_expert(capsys):
+    """docs/attention-moe.md's router example runs as written: expert 5 gets
+    no token, and Threshold names its group."""
+    ns = {"__name__": "__docs__"}
+    code = next(s for s in snippets("attention-moe.md") if "TopKRouter" in s)
+    exec(compile(code, "docs/attention-moe.md router snippet", "exec"), ns)
+    h = ns["h"]
+    counts = h.groups("./router.tokens", "count")
+    assert counts.shape == (4, 8) and (counts[:, 5] == 0).all() and (counts.sum(1) == 128).all()
+    assert [a.name for a in h.anomalies] == ["./router.tokens[5]"]
+    assert "['./router.tokens[5]']" in capsys.readouterr().out

@@ -313,3 +313,29 @@ def test_hf_moe_with_the_trainer_callback_names_a_planted_dead_expert(tmp_path):
             assert np.isfinite(h["mean"][:, h.column(name.replace("tokens", m))]).all()
     assert (h.groups(names[1], "count")[:, 3] == 0).all()
     assert {(a.name, a.kind) for a in h.anomalies} == {(names[1] + "[3]", "threshold")}
+
+
+def test_compiled_router_runs_and_a_compiled_bins_tap_records():
+    """Inside torch.compile: a router is not recorded (and changes nothing),
+    while tap(bins=) runs eagerly and records the exact counts."""
+    torch.manual_seed(0)
+    model = TinyMoE()
+    x = torch.randn(2, 5, 8)
+    want = model(x)
+    mon = Monitor(model, capture="router").attach()
+    got = torch.compile(model)(x)
+    mon.step()
+    torch.testing.assert_close(got, want)
+
+    @torch.compile
+    def choose(logits):
+        idx = torch.topk(logits, 2, dim=-1).indices
+        hookcap.tap(idx, "choice", bins=6)
+        return idx * 1
+
+    idx = choose(torch.randn(10, 6))
+    mon.step()
+    h = mon.history()
+    mon.detach()
+    assert not any("/router." in n for n in h.names)
+    np.testing.assert_array_equal(h.groups("choice", "count")[-1], torch.bincount(idx.reshape(-1), minlength=6))

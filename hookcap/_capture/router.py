@@ -18,16 +18,12 @@ order inside a tuple (HF Mixtral, OLMoE and Qwen-MoE routers return
   in nats (``ln E`` at most: uniform routing).
 
 Computed on the tensors' device with no host sync (a few small temporaries
-of E or tokens values, on recorded steps only); under ``torch.compile`` the
-router is not recorded (warned once)."""
+of E or tokens values, on recorded steps only); inside ``torch.compile``d
+code routers are not recorded."""
 
 from __future__ import annotations
 
 import torch
-
-_COMPILE_WARNING = ("hookcap: capture kind 'router' records routers in eager mode only; under torch.compile "
-                    "they are not recorded")
-
 
 def router_parts(out) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """``(logits, weights or None, indices)`` of a router's output, or None
@@ -61,13 +57,12 @@ class RouterCapture:
         rec = self.rec
 
         def post(mod, args, out):
-            if not rec.recording:
+            # Compiled code: nothing read here (a guard on `recording` would
+            # recompile at every change of it).
+            if torch.compiler.is_compiling() or not rec.recording:
                 return
             parts = router_parts(out)
             if parts is None:
-                return
-            if torch.compiler.is_compiling():
-                rec.warn_once(("router", "compile"), _COMPILE_WARNING)
                 return
             with torch.no_grad():
                 record_router(rec, name, mtype, *parts)
