@@ -98,11 +98,12 @@ def test_per_head_logits_lse_entropy_match_float64(case, tile, monkeypatch):
     assert F.scaled_dot_product_attention is hookcap._capture.attention._ORIGINAL  # unwrapped at detach
 
 
-def test_hf_gpt2_sdpa_flags_the_planted_head():
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_hf_gpt2_flags_the_planted_head(impl):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, n_positions=16,
-                                  attn_implementation="sdpa")
+                                  attn_implementation=impl)
     model = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():  # layer 1, head 2: its queries (c_attn's first n_embd outputs) x 8
         model.transformer.h[1].attn.c_attn.weight[:, 16:24] *= 8.0
@@ -151,3 +152,54 @@ def test_multihead_attention_without_weights():
     k = (x.double() @ w[16:32].T + b[16:32]).view(2, 5, 4, 4).transpose(1, 2)
     want = (q @ k.transpose(-1, -2) / 2.0).amax(dim=(0, 2, 3))
     np.testing.assert_allclose(mon.history().groups("mha/attn.logit", "max")[0], want.detach().numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_hf_llama_gqa_matches_float64_with_padding(impl, monkeypatch):
+    """A Llama-style model with grouped-query attention (4 query heads, 2 key
+    heads), one sequence right-padded: per head, the max logit, logsumexp
+    range and mean entropy equal float64 from the q and k HF's attention
+    received (sdpa: through F.scaled_dot_product_attention; eager: the
+    model's own function, through transformers' AttentionInterface)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_utils import AttentionInterface
+    from transformers.models.llama import modeling_llama
+
+    seen = []
+
+    def recording(fn):
+        def rec(module, query, key, *args, **kwargs):
+            seen.append((query.detach().clone(), key.detach().clone()))
+            return fn(module, query, key, *args, **kwargs)
+        return rec
+
+    if impl == "eager":
+        monkeypatch.setattr(modeling_llama, "eager_attention_forward",
+                            recording(modeling_llama.eager_attention_forward))
+    else:
+        monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa",
+                            recording(AttentionInterface._global_mapping["sdpa"]))
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   attn_implementation=impl)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 10))
+    pad = torch.ones(2, 10, dtype=torch.long)
+    pad[1, 6:] = 0  # sequence 1: 6 tokens, then padding
+    mon = Monitor(model, capture="attention").attach()
+    model(ids, attention_mask=pad, labels=ids).loss.backward()
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    assert len(seen) == 2
+    allowed = torch.ones(10, 10, dtype=torch.bool).tril()[None, None] & pad.bool()[:, None, None, :]
+    for layer, (q, k) in enumerate(seen):
+        ref = _reference(q, k, allowed, False)
+        got = lambda m, stat: h.groups(f"model.layers.{layer}.self_attn/attn.{m}", stat)[0]  # noqa: E731
+        np.testing.assert_allclose(got("logit", "max"), ref["max"].numpy(), rtol=1e-5)
+        np.testing.assert_array_equal(got("logit", "finite"), ref["finite"].numpy())
+        np.testing.assert_allclose(got("lse", "max"), ref["lse_max"].numpy(), rtol=1e-5)
+        np.testing.assert_allclose(got("lse", "min"), ref["lse_min"].numpy(), rtol=1e-5)
+        np.testing.assert_allclose(got("entropy", "mean"), ref["ent_mean"].numpy(), rtol=1e-5, atol=1e-6)
+    assert AttentionInterface.__dict__["get_interface"] is not hookcap._capture.attention._hf_get_interface  # detached

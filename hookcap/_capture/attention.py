@@ -11,11 +11,15 @@ device with no host sync; masked positions are ``-inf`` (counted in
 ``neginf``: every other statistic of ``attn.logit`` is over the allowed
 logits). While a Monitor capturing ``"attention"`` is attached,
 ``torch.nn.functional.scaled_dot_product_attention`` is wrapped (code that
-imported the function itself before is not seen)."""
+imported the function itself before is not seen), and so is transformers'
+``AttentionInterface.get_interface`` where transformers is loaded: a model's
+own eager attention is observed with the mask it applies."""
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -26,15 +30,43 @@ TILE_VALUES = 1 << 22  # logits per tile (16 MiB in float32)
 _PER_HEAD = Groups(dim=1, size=1)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _ORIGINAL = F.scaled_dot_product_attention
+_HF_ORIGINAL: list = [None]  # AttentionInterface.get_interface while wrapped
 _ACTIVE: list[AttentionCapture] = []
+
+
+def _observe(q, k, attn_mask, is_causal, scale) -> None:
+    for capture in list(_ACTIVE):
+        capture.observe(q, k, attn_mask, is_causal, scale)
+
+
+def _hf_eager(fn, module, query, key, value, attention_mask, *args, **kwargs):
+    """A transformers model's own eager attention ``fn``, observed: the mask
+    it is given is all it applies (additive, the dtype's lowest value forbids)."""
+    out = fn(module, query, key, value, attention_mask, *args, **kwargs)
+    if _ACTIVE and not torch.compiler.is_compiling():
+        _observe(query, key, attention_mask, False, kwargs.get("scaling"))
+    return out
+
+
+def _hf_get_interface(self, attn_implementation, default):
+    fn = _HF_ORIGINAL[0](self, attn_implementation, default)
+    # Only the model's own eager function (the default): every other
+    # implementation HF registers ("sdpa": F.scaled_dot_product_attention,
+    # seen there) is left as it is.
+    return functools.partial(_hf_eager, fn) if fn is default and _ACTIVE else fn
+
+
+def _hf_interface():
+    """transformers' AttentionInterface class where transformers is loaded (never imported here)."""
+    mod = sys.modules.get("transformers.modeling_utils")
+    return getattr(mod, "AttentionInterface", None)
 
 
 def _wrapped(*args, **kwargs):
     out = _ORIGINAL(*args, **kwargs)
     if _ACTIVE and not torch.compiler.is_compiling():
         a = dict(zip(_ARGS, args), **kwargs)
-        for capture in list(_ACTIVE):
-            capture.observe(a["query"], a["key"], a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale"))
+        _observe(a["query"], a["key"], a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale"))
     return out
 
 
@@ -104,12 +136,19 @@ class AttentionCapture:
         if self not in _ACTIVE:
             _ACTIVE.append(self)
         F.scaled_dot_product_attention = _wrapped
+        hf = _hf_interface()
+        if hf is not None and _HF_ORIGINAL[0] is None:
+            _HF_ORIGINAL[0] = hf.get_interface
+            hf.get_interface = _hf_get_interface
 
     def uninstall(self) -> None:
         if self in _ACTIVE:
             _ACTIVE.remove(self)
         if not _ACTIVE and F.scaled_dot_product_attention is _wrapped:
             F.scaled_dot_product_attention = _ORIGINAL
+        hf = _hf_interface()
+        if not _ACTIVE and hf is not None and _HF_ORIGINAL[0] is not None:
+            hf.get_interface, _HF_ORIGINAL[0] = _HF_ORIGINAL[0], None
         self.stack.clear()
 
     def module_hooks(self, name: str):
