@@ -11,7 +11,7 @@ _BUILD_META = check_and_load()
 from . import reference  # noqa: E402
 from ._layout import MOMENT_NAMES, STAT_NAMES  # noqa: E402
 from .functional import tensor_stats  # noqa: E402
-from .groups import Groups  # noqa: E402
+from .groups import Channels, Groups  # noqa: E402
 from .histogram import Histogram  # noqa: E402
 from . import sinks  # noqa: E402
 from .anomaly import Anomaly, AnomalyError, Dead, NonFinite, Spike, Threshold, Underflow  # noqa: E402
@@ -29,6 +29,7 @@ __all__ = [
     "CAPTURE_KINDS",
     "Dead",
     "DrainedStep",
+    "Channels",
     "Groups",
     "NonFinite",
     "Spike",

@@ -51,6 +51,8 @@ class AnomalyError(RuntimeError):
 # Attention internals (capture "attention"): -inf there is a masked logit, or
 # a query row with no allowed key, by construction, not a fault.
 _MASKED_NEGINF = re.compile(r"/attn\.(logit|lse|entropy)(\[\d+\])?$")
+# Channels' top/median ratio: +inf where the median channel is all zeros.
+_RATIO_POSINF = re.compile(r"\.top_over_median$")
 
 
 class NonFinite:
@@ -58,7 +60,8 @@ class NonFinite:
     holds any (forward kinds in hook order, then backward kinds in backward
     order), i.e. where the non-finite values appeared, not where they spread.
     In attention internals (``{module}/attn.logit``, ``.lse``, ``.entropy``)
-    -Inf marks masked positions and is not counted.
+    -Inf marks masked positions and is not counted, nor is +Inf in
+    ``Channels``' ``.top_over_median`` (a median channel of zeros).
 
     Each metric is reported once, at the first step it is that first
     offender; a run that stays diverged adds no anomaly per step. ``counts``
@@ -76,18 +79,21 @@ class NonFinite:
         self.counts = {str(k): int(v) for k, v in state["counts"].items()}
         self.reported = set(state["reported"])
 
-    def _masked(self, names) -> np.ndarray:
-        """bool per metric: an attention internal (-Inf there is masked)."""
+    def _masked(self, names) -> tuple[np.ndarray, np.ndarray]:
+        """bool per metric: whether its -Inf, and its +Inf, are by design."""
         key = (id(names), len(names))
         if getattr(self, "_masked_key", None) != key:
             self._masked_key = key
-            self._masked_of = np.array([bool(_MASKED_NEGINF.search(n)) for n in names], dtype=bool)
+            self._masked_of = tuple(np.array([bool(p.search(n)) for n in names], dtype=bool)
+                                    for p in (_MASKED_NEGINF, _RATIO_POSINF))
         return self._masked_of
 
     def __call__(self, step: DrainedStep):
-        masked = self._masked(step.names)
-        neginf = np.where(masked, 0, step.stats["neginf"]) if masked.any() else step.stats["neginf"]
-        bad = np.flatnonzero((step.stats["nan"] + step.stats["posinf"] + neginf) > 0)
+        neg_ok, pos_ok = self._masked(step.names)
+        masked = neg_ok | pos_ok
+        neginf = np.where(neg_ok, 0, step.stats["neginf"]) if neg_ok.any() else step.stats["neginf"]
+        posinf = np.where(pos_ok, 0, step.stats["posinf"]) if pos_ok.any() else step.stats["posinf"]
+        bad = np.flatnonzero((step.stats["nan"] + posinf + neginf) > 0)
         if bad.size == 0:
             return None
         for i in bad:

@@ -7,7 +7,10 @@ metric itself is the merge of its groups' rows (no second read).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,61 @@ class Groups:
         return extent // self.size
 
 
+@dataclass(frozen=True)
+class Channels:
+    """Outlier channels ("massive activations"): the channels along ``dim``
+    (hidden units of ``[batch, tokens, hidden]``) summarised per step, for
+    thousands of them, without a row each. With ``Monitor(groups={glob:
+    Channels(dim=-1, top=8)})`` each matching capture ``m`` (recorded whole as
+    usual) also gets, on recorded steps:
+
+    - ``f"{m}.channel_absmax"``: the per-channel max ``|x|`` (one value per
+      channel: ``max`` is the largest channel's, the histogram their spread);
+    - ``f"{m}.channel_rms"``: the per-channel root mean square;
+    - ``f"{m}.top_channels"``: group ``r`` holds the id of the channel ranked
+      ``r`` by absmax (``History.groups(name, "max")``: ``[steps, top]`` ids);
+    - ``f"{m}.top_absmax"``: group ``r`` its absmax;
+    - ``f"{m}.top_over_median"``: the largest channel absmax over the median
+      channel's (the lower middle one for an even count; +Inf where it is 0).
+
+    Computed on the tensor's device with no host sync: two reductions over
+    the tensor (max ``|x|`` and sum of squares per channel) and a top-k."""
+
+    dim: int = -1
+    top: int = 8
+
+    def __post_init__(self) -> None:
+        for field, value in (("dim", self.dim), ("top", self.top)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Channels: {field} must be an int, got {value!r}")
+        if self.top < 1:
+            raise ValueError(f"Channels: top must be >= 1, got {self.top}")
+
+    def summarize(self, x: torch.Tensor) -> list[tuple[str, torch.Tensor, bool]]:
+        """``(suffix, tensor, by_rank)`` to record for capture ``x``:
+        ``by_rank`` tensors are recorded one group per element (rank r).
+        ``ValueError`` where ``dim`` is out of range."""
+        if not -x.dim() <= self.dim < x.dim():
+            raise ValueError(f"dim {self.dim} out of range for a tensor of shape {tuple(x.shape)}")
+        d = self.dim % x.dim()
+        other = [i for i in range(x.dim()) if i != d]
+        per = max(1, x.numel() // max(1, x.shape[d]))  # values per channel
+        absmax = torch.linalg.vector_norm(x, ord=math.inf, dim=other, dtype=torch.float32)
+        rms = torch.linalg.vector_norm(x, ord=2, dim=other, dtype=torch.float32).div_(math.sqrt(per))
+        top, ids = torch.topk(absmax, min(self.top, absmax.numel()))
+        ratio = top[:1] / absmax.median()
+        return [("channel_absmax", absmax, False), ("channel_rms", rms, False),
+                ("top_channels", ids.to(torch.float32), True), ("top_absmax", top, True),
+                ("top_over_median", ratio, False)]
+
+
 def group_metric(metric: str, g: int) -> str:
     """The name of group ``g`` of ``metric``: ``f"{metric}[{g}]"``."""
     return f"{metric}[{g}]"
 
 
 def check_groups(groups) -> tuple[tuple[str, Groups], ...]:
-    """``Monitor(groups={metric glob: Groups})`` as (glob, Groups) pairs,
+    """``Monitor(groups={metric glob: Groups or Channels})`` as (glob, spec) pairs,
     first match wins; ``ValueError`` naming what is wrong."""
     if groups is None:
         return ()
@@ -56,6 +107,7 @@ def check_groups(groups) -> tuple[tuple[str, Groups], ...]:
     for glob, spec in groups.items():
         if not isinstance(glob, str) or not glob:
             raise ValueError(f"groups: keys are globs over metric names (non-empty str), got {glob!r}")
-        if not isinstance(spec, Groups):
-            raise ValueError(f"groups[{glob!r}]: expected hookcap.Groups(dim, size), got {type(spec).__name__}")
+        if not isinstance(spec, (Groups, Channels)):
+            raise ValueError(f"groups[{glob!r}]: expected hookcap.Groups(dim, size) or hookcap.Channels(dim, top), "
+                             f"got {type(spec).__name__}")
     return tuple(groups.items())

@@ -122,8 +122,8 @@ class Monitor:
         placements: ``{metric glob: "replicated" | "sharded" | "per_rank"}``: how plain
             tensors lie across ranks, for merged histories (first match wins): identical
             copies count once, or parts are summed; docs/compile-and-distributed.md.
-        groups: ``{metric glob: hookcap.Groups(dim, size)}``: each group of slices (heads,
-            experts) also recorded as ``f"{metric}[{g}]"`` (``History.groups``); docs/attention-moe.md.
+        groups: ``{metric glob: hookcap.Groups(dim, size)}``: each group of slices (heads, experts) also
+            recorded as ``f"{metric}[{g}]"`` (``History.groups``); ``hookcap.Channels(dim, top)``: outlier channels.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,

@@ -250,3 +250,73 @@ def test_detectors_name_the_group():
     assert not any(k == "dead" and n in {f"experts/output[{g}]" for g in (0, 1, 3)} for k, n in found)
     spiked = {n for k, n in found if k == "spike"}
     assert "proj.q/output[3]" in spiked and not spiked & {f"proj.q/output[{g}]" for g in (0, 1, 2)}
+
+
+def test_channels_name_the_massive_activation_channel():
+    """Channels(dim=-1, top=3) on a projection whose output channel 5 is
+    planted 300x larger: each step, top_channels rank 0 is channel 5, and
+    the per-channel absmax/rms, top-k values and top/median ratio equal
+    float64 of the output; the output itself is still recorded whole."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 32)
+    with torch.no_grad():
+        model.weight[5] *= 300.0
+    outs = []
+    model.register_forward_hook(lambda m, a, o: outs.append(o.detach().double()))
+    mon = Monitor(model, capture="output", groups={"./output": hookcap.Channels(dim=-1, top=3)}).attach()
+    for _ in range(3):
+        model(torch.randn(4, 10, 16))
+        mon.step()
+    mon.detach()
+    h = mon.history()
+    for s, o in enumerate(outs):
+        absmax = o.abs().amax(dim=(0, 1))
+        rms = o.pow(2).mean(dim=(0, 1)).sqrt()
+        top, ids = torch.topk(absmax, 3)
+        assert h.groups("./output.top_channels", "max")[s].tolist() == ids.tolist() and ids[0] == 5
+        np.testing.assert_allclose(h.groups("./output.top_absmax", "max")[s], top.numpy(), rtol=1e-6)
+        col = lambda n, stat: h[stat][s, h.column(n)]  # noqa: E731
+        assert col("./output.channel_absmax", "count") == 32
+        assert col("./output.channel_absmax", "max") == pytest.approx(absmax.max().item(), rel=1e-6)
+        assert col("./output.channel_rms", "mean") == pytest.approx(rms.mean().item(), rel=1e-5)
+        median = absmax.sort().values[15]  # the lower middle of 32
+        assert col("./output.top_over_median", "max") == pytest.approx((top[0] / median).item(), rel=1e-5)
+        assert col("./output", "count") == o.numel()  # the whole output, as without Channels
+    assert not h.anomalies
+
+
+def test_channels_bad_arguments():
+    with pytest.raises(ValueError, match="top must be"):
+        hookcap.Channels(top=0)
+    with pytest.raises(ValueError, match="Channels"):
+        hookcap.Channels(dim="x")
+
+
+def test_channels_of_a_gradient_every_step():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 12)
+    grads = []
+    model.register_full_backward_hook(lambda m, gi, go: grads.append(go[0].detach().double()))
+    mon = Monitor(model, capture=("output", "grad_output"),
+                  groups={"./grad_output": hookcap.Channels(top=2)}).attach()
+    for _ in range(3):
+        model(torch.randn(5, 8)).pow(3).sum().backward()
+        mon.step()
+    mon.detach()
+    h = mon.history()
+    want = [torch.topk(g.abs().amax(0), 2).indices.tolist() for g in grads]
+    assert h.groups("./grad_output.top_channels", "max").tolist() == want
+
+
+def test_channels_ratio_is_inf_when_the_median_channel_is_zero_and_no_anomaly():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    with torch.no_grad():
+        model[0].bias[:6] = -100.0  # 6 of 8 channels dead: the median channel is 0
+    mon = Monitor(model, capture="output", groups={"1/output": hookcap.Channels(top=2)}).attach()
+    model(torch.randn(3, 4))
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    assert h["posinf"][0, h.column("1/output.top_over_median")] == 1  # +inf: no finite max
+    assert np.isnan(h["max"][0, h.column("1/output.top_over_median")])
+    assert not h.anomalies

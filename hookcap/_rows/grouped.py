@@ -10,13 +10,15 @@ import fnmatch
 
 import torch
 
-from ..groups import group_metric
+from ..groups import Channels, Groups, group_metric
 from .config import metric_name
 from .fastpath import SKIPPED, row_of
 
 _OP_GROUPS = torch.ops.hookcap.accumulate_groups.default
 _OP_BINS = torch.ops.hookcap.accumulate_bins.default
 _NONE = object()  # a key not looked at yet
+WHOLE = object()  # write(..., spec=WHOLE): not grouped, whatever the globs say
+_PER_ELEMENT = Groups(dim=0, size=1)
 
 
 class _Entry:
@@ -57,11 +59,16 @@ class GroupedRows:
     def write(self, key: tuple, t: torch.Tensor, mtype: str, spec=None) -> bool:
         """Record ``t`` (capture ``key``) by groups: ``spec``'s, else a glob's;
         False where it is not grouped (the caller records it whole)."""
+        if spec is WHOLE:
+            return False
         e = self._entries.get(key, _NONE)
         if e is _NONE:
             e = self._entries[key] = self._make(key, t, mtype, spec)
         if e is None:
             return False
+        if isinstance(e, Channels):
+            self._channels(key, t, mtype, e)
+            return False  # the tensor itself is recorded whole as well
         rec = self.rec
         if t.shape[e.dim] != e.extent * e.size:  # another number of groups than the rows hold
             rec.skip_call(metric_name(*key[:3]), f"groups: dimension {e.dim} is {t.shape[e.dim]}, was {e.extent * e.size}")
@@ -90,6 +97,20 @@ class GroupedRows:
             weight = weight.contiguous()
         self._call(key, e, _OP_BINS, index, weight)
 
+    def _channels(self, key: tuple, t: torch.Tensor, mtype: str, spec: Channels) -> None:
+        """``spec.summarize(t)``'s metrics, ``f"{metric}.{suffix}"`` (a
+        top-k's one group per rank)."""
+        name, kind, path, _, ci = key[:5]
+        try:
+            with torch.no_grad():
+                parts = spec.summarize(t.detach())
+        except Exception as ex:  # telemetry must never take the run down
+            self.rec.skip_call(metric_name(name, kind, path), f"channels: {type(ex).__name__}: {ex}")
+            return
+        for suffix, v, by_rank in parts:
+            self.rec.write(name, kind, f"{path}.{suffix}" if path else suffix, v, mtype, ci,
+                           groups=_PER_ELEMENT if by_rank else WHOLE)
+
     def _call(self, key: tuple, e: _Entry, op, *args) -> None:
         rec = self.rec
         ring = rec.ring_of(e.rids[0])
@@ -115,6 +136,8 @@ class GroupedRows:
             spec = next((g for glob, g in self.specs if fnmatch.fnmatchcase(metric, glob)), None)
         if spec is None or not t.is_floating_point():
             return None
+        if isinstance(spec, Channels):
+            return spec
         try:
             count = spec.count(tuple(t.shape))
         except ValueError as ex:

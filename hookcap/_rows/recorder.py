@@ -519,6 +519,8 @@ class Recorder:
         training step every Python line runs on cold caches)."""
         if not t.is_floating_point():
             return
+        if self.grouped.specs and any(self.grouped.matches(metric_name(name, k, "")) for k in ("output", "grad_output")):
+            return  # Channels: each recorded call computes more than the row
         dev = t.device
         out = self.rows.get((name, "output", "", dev, ci), SKIPPED) if want_out else None
         grad = self.rows.get((name, "grad_output", "", dev, ci), SKIPPED) if want_grad else None
