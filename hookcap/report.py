@@ -25,6 +25,8 @@ Plots (matplotlib, Agg canvas; the caller's pyplot backend is not touched):
   ``||dw|| / ||w_before||`` and its Adam ratio RMS, one thin line per
   parameter and the largest across parameters in bold, with the steps of the
   ``spike`` anomalies marked.
+- ``attention.png``, ``experts.png``, ``channels.png``: per-head max logits,
+  expert load and outlier channels, when recorded (``hookcap.report_inside``).
 - ``index.html``: shows them, with the file, steps, metrics and anomalies.
 """
 
@@ -42,6 +44,8 @@ from ._layout import MOMENT_NAMES, STAT_NAMES
 from .histogram import Histogram
 from .sinks.jsonl import full_histogram
 from .history import History, load
+from ._plot import heatmap_figure, import_mpl, label_axes
+from .report_inside import plot_attention, plot_channels, plot_experts
 
 
 @dataclass
@@ -158,35 +162,6 @@ def _nonfinite_counts(run: RunData):
     return None
 
 
-def _import_mpl():
-    try:
-        import matplotlib  # noqa: F401
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise ImportError("hookcap report needs matplotlib: pip install matplotlib  "
-                          "(or pip install 'hookcap[plot]')") from e
-    return Figure
-
-
-def _figure(Figure, rows: int, cols: int):
-    height = min(max(2.5 + 0.16 * rows, 3.5), 40.0)
-    width = min(max(6.0 + 0.03 * cols, 10.0), 24.0)
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
-
-
-def _label_axes(ax, run: RunData, labels: list[str]):
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
-
-    steps = run.steps
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
-    ax.xaxis.set_major_formatter(FuncFormatter(
-        lambda x, _: str(int(steps[int(round(x))])) if 0 <= round(x) < len(steps) else ""))
-    ax.set_xlabel("step")
-    k = max(1, math.ceil(len(labels) / 150))  # at most ~150 readable labels
-    ax.set_yticks(range(0, len(labels), k))
-    ax.set_yticklabels(labels[::k], fontsize=7 if len(labels) > 30 else 8)
-
-
 def _norm(values: np.ndarray):
     """Log colour scale; symmetric log when there are negative values."""
     from matplotlib.colors import LogNorm, Normalize, SymLogNorm
@@ -228,7 +203,7 @@ def no_finite_cells(run: RunData) -> np.ndarray | None:
 
 
 def plot_heatmap(run: RunData, stat: str, path: str) -> str:
-    Figure = _import_mpl()
+    Figure = import_mpl()
     import matplotlib
     from matplotlib.colors import ListedColormap
 
@@ -240,7 +215,7 @@ def plot_heatmap(run: RunData, stat: str, path: str) -> str:
     shown = v.copy()
     if isinstance(norm, matplotlib.colors.LogNorm):
         shown[shown <= 0] = norm.vmin / 2  # zeros drawn in the 'under' colour, not as missing
-    fig = _figure(Figure, len(run.names), len(run.steps))
+    fig = heatmap_figure(Figure, len(run.names), len(run.steps))
     ax = fig.add_subplot()
     im = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", cmap=cmap, norm=norm)
     fig.colorbar(im, ax=ax, extend="min" if isinstance(norm, matplotlib.colors.LogNorm) else "neither",
@@ -251,7 +226,7 @@ def plot_heatmap(run: RunData, stat: str, path: str) -> str:
         ax.imshow(np.ma.masked_where(~dead.T, np.ones(v.shape)), aspect="auto",
                   cmap=ListedColormap([_NO_FINITE_COLOUR]), vmin=0, vmax=1, interpolation="nearest")
         magenta = ", magenta: no finite value"
-    _label_axes(ax, run, run.names)
+    label_axes(ax, run, run.names)
     ax.set_title(f"{stat} per metric and step ({how}; grey: not recorded"
                  f"{', white: 0' if isinstance(norm, matplotlib.colors.LogNorm) else ''}{magenta})")
     fig.savefig(path)
@@ -261,7 +236,7 @@ def plot_heatmap(run: RunData, stat: str, path: str) -> str:
 def plot_nonfinite(run: RunData, path: str, first) -> str | None:
     """Markers rather than an image: a single NaN step among thousands must
     not vanish when columns are downsampled to pixels."""
-    Figure = _import_mpl()
+    Figure = import_mpl()
     import matplotlib
     from matplotlib.colors import ListedColormap, LogNorm
 
@@ -269,7 +244,7 @@ def plot_nonfinite(run: RunData, path: str, first) -> str | None:
     if bad is None:
         return None
     v = np.where(np.isnan(bad), 0.0, bad)  # [S, M]
-    fig = _figure(Figure, len(run.names), len(run.steps))
+    fig = heatmap_figure(Figure, len(run.names), len(run.steps))
     ax = fig.add_subplot()
     si, mi = np.nonzero(v > 0)
     if si.size:
@@ -329,7 +304,7 @@ def default_metric(run: RunData, stat: str) -> str:
 def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
     if not run.has_histograms():
         return None
-    Figure = _import_mpl()
+    Figure = import_mpl()
     import matplotlib
     from matplotlib.colors import ListedColormap, LogNorm
 
@@ -341,7 +316,7 @@ def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
     tot = counts.sum(axis=1, keepdims=True)
     share = np.divide(counts, tot, out=np.zeros_like(counts), where=tot > 0)[:, a:b].T  # [B', S]
     labels = bin_labels(run.hist_spec)[a:b]
-    fig = _figure(Figure, len(labels), len(run.steps))
+    fig = heatmap_figure(Figure, len(labels), len(run.steps))
     ax = fig.add_subplot()
     cmap = matplotlib.colormaps["magma"].with_extremes(bad="white")
     pos = share[share > 0]
@@ -355,7 +330,7 @@ def plot_histogram(run: RunData, metric: str, path: str) -> str | None:
         ax.imshow(np.ma.masked_where(~cols, np.ones(share.shape)), aspect="auto", origin="lower",
                   cmap=ListedColormap([_NO_FINITE_COLOUR]), vmin=0, vmax=1, interpolation="nearest")
         magenta = ", magenta: no finite value"
-    _label_axes(ax, run, labels)
+    label_axes(ax, run, labels)
     what = ("log2 bins of |x|" if run.hist_spec.magnitudes else "signed log2 bins"
             if run.hist_spec.kind == "log2" else "linear bins")
     ax.set_ylabel("bin (lower edge)")
@@ -370,7 +345,7 @@ def plot_quantiles(run: RunData, metric: str, path: str) -> str | None:
         return None
     from .quantiles import from_stats
 
-    Figure = _import_mpl()
+    Figure = import_mpl()
     j = run.names.index(metric)
     log2 = run.hist_spec.magnitudes
     st = run.stats
@@ -429,7 +404,7 @@ def plot_signals(run: RunData, path: str) -> str | None:
     sig = spike_signals(run)
     if "update_ratio" not in sig and "adam_ratio" not in sig:
         return None
-    Figure = _import_mpl()
+    Figure = import_mpl()
     titles = {"loss": "loss (tapped)", "update_ratio": "update ratio ||dw|| / ||w_before||",
               "adam_ratio": "Adam ratio RMS  g / (sqrt(v_hat) + eps)"}
     keys = [k for k in titles if k in sig]
@@ -468,7 +443,7 @@ def report(source, out=None, stat: str = "l2norm", metric: str | None = None) ->
     extension). Returns ``{"index", "heatmap", "nonfinite", "histogram",
     "quantiles", "crest", "kurtosis", "signals"}``
     -> path written (None for a plot the data cannot make)."""
-    _import_mpl()
+    import_mpl()
     run = load_run(source)
     if stat not in run.stats:
         raise ValueError(f"--stat {stat!r}: not in {run.source}; available: {', '.join(run.stats)}")
@@ -491,6 +466,9 @@ def report(source, out=None, stat: str = "l2norm", metric: str | None = None) ->
         "kurtosis": (plot_heatmap(run, "kurtosis", os.path.join(out, "kurtosis.png"))
                      if np.isfinite(run.stats.get("kurtosis", np.nan)).any() else None),
         "signals": plot_signals(run, os.path.join(out, "signals.png")),
+        "attention": plot_attention(run, os.path.join(out, "attention.png")),
+        "experts": plot_experts(run, os.path.join(out, "experts.png")),
+        "channels": plot_channels(run, os.path.join(out, "channels.png")),
     }
     files["index"] = _write_index(run, out, stat, metric, first, files)
     return files
@@ -520,13 +498,18 @@ def _write_index(run: RunData, out: str, stat: str, metric: str, first, files: d
         "crest": "crest factor (absmax / rms) per metric and step: outliers standing out from the bulk",
         "kurtosis": "kurtosis (Pearson; 3 for a normal distribution) per metric and step: heavy tails",
         "signals": "loss-spike signals: loss, update ratio and Adam ratio per parameter (bold: largest)",
+        "attention": "max logit per attention head: layers x heads at the latest step, and over steps",
+        "experts": "tokens per expert over steps, relative to the layer's mean (black: no token)",
+        "channels": "outlier channels: the top channels by absmax at each step, and largest / median",
     }
     missing = {
         "nonfinite": "no non-finite timeline: the file has no nan/inf columns",
         "histogram": f"no histogram plot: {e(run.source)} holds no histograms for this metric",
     }
-    for key in ("signals", "heatmap", "nonfinite", "histogram", "quantiles", "crest", "kurtosis"):
-        if key in ("signals", "quantiles", "crest", "kurtosis") and not files.get(key):
+    optional = ("signals", "quantiles", "crest", "kurtosis", "attention", "experts", "channels")
+    for key in ("signals", "heatmap", "nonfinite", "histogram", "quantiles", "crest", "kurtosis", "attention",
+                "experts", "channels"):
+        if key in optional and not files.get(key):
             continue  # nothing recorded for it: nothing to say
         if files.get(key):
             name = os.path.basename(files[key])

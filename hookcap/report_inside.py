@@ -1,0 +1,141 @@
+"""The report's plots of attention, mixture-of-experts and outlier-channel
+metrics (docs/attention-moe.md), from the groups in a run:
+
+- ``attention.png``: each head's max logit (``{module}/attn.logit[h]``'s
+  ``max``), layers x heads at the latest recorded step, and every (layer,
+  head) over the steps.
+- ``experts.png``: tokens per expert (``{router}/router.tokens[e]``'s
+  ``count``) over the steps, as a share of the layer's mean load (1: balanced,
+  0: no token, marked).
+- ``channels.png``: per summarised tensor (``hookcap.Channels``), the ids of
+  its top channels at each step (largest first, darker) and the largest over
+  the median channel's absmax.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from ._plot import heatmap_figure, import_mpl, label_axes
+
+_GROUP = re.compile(r"(.*)\[(\d+)\]")
+
+
+def grouped(run, base_pattern: str) -> dict[str, list[int]]:
+    """``{metric: [column of group 0, 1, ...]}`` for the grouped metrics of
+    ``run`` whose name matches ``base_pattern`` (a regex, whole name), in
+    first-execution order; groups missing from the run are left out."""
+    cols: dict[str, dict[int, int]] = {}
+    pattern = re.compile(base_pattern)
+    for i, name in enumerate(run.names):
+        m = _GROUP.fullmatch(name)
+        if m and pattern.fullmatch(m.group(1)):
+            cols.setdefault(m.group(1), {})[int(m.group(2))] = i
+    return {base: [c[g] for g in sorted(c)] for base, c in cols.items()}
+
+
+def _last_recorded(values: np.ndarray) -> int | None:
+    """The last row (step) of ``values`` [S, G] with a finite value."""
+    ok = np.flatnonzero(np.isfinite(values).any(axis=1))
+    return int(ok[-1]) if ok.size else None
+
+
+def plot_attention(run, path: str) -> str | None:
+    """Per-head max logits (module docstring), or None without attention groups."""
+    if "max" not in run.stats:
+        return None
+    layers = grouped(run, r".*/attn\.logit")
+    if not layers:
+        return None
+    Figure = import_mpl()
+    mx = run.stats["max"]
+    heads = max(len(c) for c in layers.values())
+    grid = np.full((len(layers), heads), np.nan)
+    rows, labels = [], []
+    for li, (base, cols) in enumerate(layers.items()):
+        v = mx[:, cols]
+        s = _last_recorded(v)
+        if s is not None:
+            grid[li, :len(cols)] = v[s]
+        rows.extend(v.T)
+        labels.extend(f"{base.removesuffix('/attn.logit')} h{h}" for h in range(len(cols)))
+    fig = heatmap_figure(Figure, len(rows), len(run.steps))
+    left, right = fig.subplots(1, 2, width_ratios=[1, 2])
+    im = left.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="magma")
+    fig.colorbar(im, ax=left, label="max logit")
+    left.set_xlabel("head")
+    left.set_yticks(range(len(layers)))
+    left.set_yticklabels([b.removesuffix("/attn.logit") for b in layers], fontsize=7)
+    left.set_title("max logit per head, latest step")
+    im = right.imshow(np.ma.masked_invalid(np.array(rows)), aspect="auto", cmap="magma")
+    fig.colorbar(im, ax=right, label="max logit")
+    label_axes(right, run, labels)
+    right.set_title("max logit per (layer, head) and step (grey: not recorded)")
+    fig.savefig(path)
+    return path
+
+
+def plot_experts(run, path: str) -> str | None:
+    """Expert load over time (module docstring), or None without routers."""
+    if "count" not in run.stats:
+        return None
+    routers = grouped(run, r".*/router\.tokens")
+    if not routers:
+        return None
+    from matplotlib.colors import ListedColormap
+
+    Figure = import_mpl()
+    count = run.stats["count"]
+    rows, labels = [], []
+    for base, cols in routers.items():
+        v = count[:, cols]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = v / v.mean(axis=1, keepdims=True)
+        rows.extend(share.T)
+        labels.extend(f"{base.removesuffix('/router.tokens')} e{e}" for e in range(len(cols)))
+    share = np.array(rows)
+    fig = heatmap_figure(Figure, len(rows), len(run.steps))
+    ax = fig.add_subplot()
+    top = max(2.0, float(np.nanmax(share)) if np.isfinite(share).any() else 2.0)
+    im = ax.imshow(np.ma.masked_invalid(share), aspect="auto", cmap="RdBu_r", vmin=0, vmax=top)
+    fig.colorbar(im, ax=ax, label="tokens / the layer's mean per expert")
+    dead = share == 0
+    if dead.any():
+        ax.imshow(np.ma.masked_where(~dead, np.ones(share.shape)), aspect="auto",
+                  cmap=ListedColormap(["black"]), vmin=0, vmax=1, interpolation="nearest")
+    label_axes(ax, run, labels)
+    ax.set_title("expert load per (router, expert) and step (1: balanced; black: no token; grey: not recorded)")
+    fig.savefig(path)
+    return path
+
+
+def plot_channels(run, path: str, most: int = 6) -> str | None:
+    """Top channel ids over time (module docstring), or None without them."""
+    if "max" not in run.stats:
+        return None
+    tensors = grouped(run, r".*\.top_channels")
+    if not tensors:
+        return None
+    Figure = import_mpl()
+    shown = list(tensors.items())[:most]
+    fig = Figure(figsize=(12, 2.6 * len(shown)), dpi=100, layout="constrained")
+    axes = fig.subplots(len(shown), 1, squeeze=False)[:, 0]
+    mx = run.stats["max"]
+    for ax, (base, cols) in zip(axes, shown):
+        ids = mx[:, cols]
+        for r in range(ids.shape[1]):
+            ax.scatter(run.steps, ids[:, r], s=14 if r == 0 else 6, color=str(0.6 * r / max(1, ids.shape[1] - 1)),
+                       label="largest" if r == 0 else None)
+        ax.set_ylabel("channel id")
+        name = base.removesuffix(".top_channels")
+        ratio = name + ".top_over_median"
+        if ratio in run.names:
+            twin = ax.twinx()
+            twin.plot(run.steps, mx[:, run.names.index(ratio)], color="tab:red", lw=1)
+            twin.set_ylabel("largest / median", color="tab:red")
+        ax.set_title(f"{name}: top channels by absmax (black: the largest)")
+    axes[-1].set_xlabel("step")
+    fig.savefig(path)
+    return path
