@@ -996,3 +996,91 @@ def test_groups_on_the_device(dev, dtype, case):
         dec = {k: float(v) for k, v in _layout.decode(got[0, g]).items()}
         dec["hist"], dec["bin_edges"] = got[0, g, _layout.HEADER:], h.bin_edges
         assert_stats_match(dec, hookcap.reference.tensor_stats(part, h), abs_sum=abs_sum(part))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("bins", [6, 300])  # 300: two launches of the CUDA kernel (256 bins each)
+def test_bins_on_the_device(dev, weighted, bins):
+    """accumulate_bins on the device, with no host sync: each bin's row has
+    the CPU op's counts (torch.bincount), extrema and bins exactly, and its
+    sums to double rounding; choices outside [0, bins) are in no bin."""
+    g = torch.Generator().manual_seed(bins)
+    index = torch.randint(-1, bins + 1, (20_000,), generator=g)
+    weight = torch.rand(20_000, generator=g).to(torch.bfloat16) if weighted else None
+    h = Histogram.log2()
+    width = _layout.HEADER + h.nbins
+    rows = list(range(bins))
+    got = torch.zeros(1, bins, width, dtype=torch.int64, device=device_of(dev))
+    want = torch.zeros(1, bins, width, dtype=torch.int64)
+    _ops.reset_slot(got, new_state(device_of(dev)))
+    _ops.reset_slot(want, new_state("cpu"))
+    w = None if weight is None else weight.to(device_of(dev))
+    with no_sync(dev):
+        _ops.accumulate_bins(index.to(device_of(dev)), w, got, new_state(device_of(dev)), rows, h)
+    _ops.accumulate_bins(index, weight, want, new_state("cpu"), rows, h)
+    got, want = got.cpu().numpy(), want.numpy()
+    exact = [getattr(_layout, c) for c in ("COUNT", "NAN", "ZEROS", "MIN", "MAX", "ABSMAX", "CALLS")]
+    np.testing.assert_array_equal(got[0, :, exact].T, want[0, :, exact].T)
+    np.testing.assert_array_equal(got[0, :, _layout.COUNT],
+                                  torch.bincount(index[(index >= 0) & (index < bins)], minlength=bins).numpy())
+    np.testing.assert_array_equal(got[0, :, _layout.HEADER:], want[0, :, _layout.HEADER:])
+    for b in range(0, bins, 37):
+        gs, ws = (_layout.decode(r[0, b]) for r in (got, want))
+        np.testing.assert_allclose(float(gs["sum"]), float(ws["sum"]), rtol=1e-9)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_attention_router_and_channels_record_without_a_sync(dev):
+    """A step with capture "attention" and "router", Channels and a bins tap
+    runs its forward and backward with no host sync on CUDA, and records
+    what the CPU records for the same model and input."""
+    torch.manual_seed(0)
+
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(32, 4)
+
+        def forward(self, a):
+            logits = self.gate(a.reshape(-1, 32))
+            w, idx = torch.topk(logits.softmax(-1), 2, dim=-1)
+            hookcap.tap(idx, "choice", bins=4, weights=w)
+            return logits, w, idx
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(32, 96)
+            self.router = Router()
+            self.out = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            a = a.transpose(1, 2).reshape(b, t, 32)
+            return self.out(a), self.router(a)
+
+    def run(device):
+        torch.manual_seed(0)
+        model = Block().to(device)
+        mon = hookcap.Monitor(model, capture=("output", "attention", "router"),
+                              groups={"out/output": hookcap.Channels(top=2)}).attach()
+        x = torch.randn(2, 16, 32, device=device)
+        for _ in range(2):  # the second step is steady state: its rows exist
+            with no_sync(device if device == "cuda" else "cpu"):
+                out, _ = model(x)
+                out.sum().backward()
+            mon.step()
+        mon.detach()
+        return mon.history()
+
+    h = run(device_of(dev))
+    ref = run("cpu")
+    assert sorted(h.names) == sorted(ref.names)
+    for name in ("./attn.logit", "router/router.z", "router/router.load", "out/output.top_over_median", "choice"):
+        for stat in ("count", "max", "mean"):
+            np.testing.assert_allclose(h[stat][:, h.column(name)], ref[stat][:, ref.column(name)], rtol=1e-4,
+                                       err_msg=f"{name} {stat}")
+    np.testing.assert_array_equal(h.groups("choice", "count"), ref.groups("choice", "count"))
