@@ -30,23 +30,17 @@ CASES = {  # name: (shape from tokens, dim, group size)
 }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tokens", type=int, default=8 * 1024)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    dev = torch.device(args.device)
+def measure(dev: torch.device, tokens: int, rounds: int, say=print) -> list[dict]:
+    """Median ms per call of the ungrouped and grouped op on each case's
+    tensor, timed round-robin; ``say``: each table line."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    out = {"machine": machine(dev), "device": dev.type, "torch": torch.__version__, "cases": []}
-    print(f"{out['machine']}, torch {torch.__version__}, {args.rounds} rounds, medians per call")
-    print("| case | dtype | histogram | groups | ungrouped | grouped | grouped / ungrouped |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    say("| case | dtype | histogram | groups | ungrouped | grouped | grouped / ungrouped |")
+    say("|---|---|---|---:|---:|---:|---:|")
+    rows_out = []
     for name, (shape_of, dim, size) in CASES.items():
         for dtype in (torch.float32, torch.bfloat16):
             for hname, h in (("none", None), ("log2", Histogram.log2())):
-                x = torch.randn(*shape_of(args.tokens), device=dev).to(dtype)
+                x = torch.randn(*shape_of(tokens), device=dev).to(dtype)
                 groups = x.shape[dim] // size
                 width = _layout.HEADER + (h.nbins if h else 0)
                 ring = torch.zeros(1, groups, width, dtype=torch.int64, device=dev)
@@ -55,7 +49,7 @@ def main() -> None:
                 fns = {"ungrouped": lambda: _ops.accumulate(x, ring, state, 0, h),
                        "grouped": lambda: _ops.accumulate_groups(x, ring, state, rows, dim, size, h)}
                 times = {k: [] for k in fns}
-                for rnd in range(args.rounds + 2):
+                for rnd in range(rounds + 2):
                     for k, fn in fns.items():
                         sync()
                         t0 = time.perf_counter()
@@ -66,10 +60,24 @@ def main() -> None:
                             times[k].append((time.perf_counter() - t0) / 5 * 1e3)
                 med = {k: statistics.median(v) for k, v in times.items()}
                 ratio = med["grouped"] / med["ungrouped"]
-                print(f"| {name} | {str(dtype)[6:]} | {hname} | {groups} | {med['ungrouped']:.3f} ms | "
-                      f"{med['grouped']:.3f} ms | {ratio:.2f} |")
-                out["cases"].append({"case": name, "dtype": str(dtype), "histogram": hname, "groups": groups,
-                                     "shape": list(x.shape), "ms": med, "ratio": ratio})
+                say(f"| {name} | {str(dtype)[6:]} | {hname} | {groups} | {med['ungrouped']:.3f} ms | "
+                    f"{med['grouped']:.3f} ms | {ratio:.2f} |")
+                rows_out.append({"case": name, "dtype": str(dtype), "histogram": hname, "groups": groups,
+                                 "shape": list(x.shape), "ms": med, "ratio": ratio})
+    return rows_out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=int, default=8 * 1024)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    out = {"machine": machine(dev), "device": dev.type, "torch": torch.__version__}
+    print(f"{out['machine']}, torch {torch.__version__}, {args.rounds} rounds, medians per call")
+    out["cases"] = measure(dev, args.tokens, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -147,16 +147,17 @@ class Baseline(Config):
 
 
 class Hookcap(Config):
-    def __init__(self, name, block_merge=None, **kw):
+    def __init__(self, name, block_merge=None, capture=("output", "grad_output"), **kw):
         """block_merge: hookcap._ops.block_merge's kind while attached (CUDA), else the default."""
         super().__init__(name)
         self.kw = kw
+        self.capture = capture
         self.mon = None
         self.block_merge, self.merge_before = block_merge, None
 
     def attach(self, model):
         if self.mon is None:
-            self.mon = hookcap.Monitor(model, capture=("output", "grad_output"), **self.kw)
+            self.mon = hookcap.Monitor(model, capture=self.capture, **self.kw)
         if self.block_merge:
             self.merge_before = hookcap._ops.block_merge(self.block_merge)
         self.mon.attach()
@@ -260,6 +261,7 @@ def configs(skip, only=None):
           if torch.cuda.is_available() else []),
         Hookcap("hookcap histogram=None", histogram=None),
         Hookcap("hookcap every=1 log2 + timing", timing=True),
+        Hookcap("hookcap every=1 + attention", capture=("output", "grad_output", "attention")),
         HFDebug("HF DebugUnderflowOverflow"),
         DetectAnomaly("detect_anomaly"),
         WandbWatch("wandb.watch(log=all)"),
@@ -604,6 +606,11 @@ def main(argv=None):
         print(table(rows, f"\n## {w} ({extra['model']})"))
         if "sync_check" in extra:
             print(f"sync check: {extra['sync_check']}")
+    if not args.configs or "groups" in args.configs:
+        import bench_groups
+
+        print("\n## grouped op vs the ungrouped op on the same tensor (target: <= 1.3 x; bench_groups.py)")
+        result["groups_op"] = bench_groups.measure(device, 8 * 1024, 7)
     hooks = per_hook_cost(device)
     result["per_hook_us"] = hooks
     print("\n## per-hook host cost (tiny tensor, steady state; target: hook <= 10 µs)")

@@ -21,7 +21,8 @@ a failing step does not stop the later ones:
                the kernel, plus strided views; each dtype's results checked at 1e6 elements
                against the CPU op and the float64 reference (OUTDIR/kernel.log).
   overhead     GPT-2 124M (B=8, T=1024, AdamW, bf16 autocast) training step: no telemetry vs
-               hookcap every=1 and every=10, interleaved round by round; the steady-state steps
+               hookcap every=1, every=10 and every=1 with capture "attention", interleaved round by
+               round, and the grouped op against the ungrouped one (bench_groups); the steady-state steps
                run under torch.cuda.set_sync_debug_mode("error") (OUTDIR/overhead.log); then
                no telemetry and every=1 profiled, device time per step by kernel.
                transformers' GPT2LMHeadModel if importable and sync-free on its own, else the
@@ -648,7 +649,7 @@ def overhead_stage(args) -> dict:
         desc += " (transformers' GPT-2 syncs the host in its own step)"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     skip = {}
-    cfgs = bench_overhead.configs(skip, only=["every=1 log2 hist", "every=10"])
+    cfgs = bench_overhead.configs(skip, only=["every=1 log2 hist", "every=10", "attention"])
     clock = bench_overhead.timer(device)
     times = {c.name: [] for c in cfgs}
     by_round = {c.name: [] for c in cfgs}
@@ -708,7 +709,8 @@ def overhead_stage(args) -> dict:
     # Extras of their own: a failure here is recorded, never loses the rows above.
     for key, fn in (("read_floor", lambda: read_floor(model, cfgs, autocast, loss_fn, opt, clock, cuda)),
                     ("pipelined", lambda: pipelined(model, cfgs, autocast, loss_fn, opt, clock, rounds=2)),
-                    ("profile", lambda: profile_configs(cfgs[:2], model, autocast, loss_fn, opt, device))):
+                    ("profile", lambda: profile_configs(cfgs[:2], model, autocast, loss_fn, opt, device)),
+                    ("groups_op", lambda: groups_op(device, args.quick))):
         try:
             details[key] = fn()
         except Exception:
@@ -719,6 +721,13 @@ def overhead_stage(args) -> dict:
         first = "\n".join(next(iter(sync_errors.values())).strip().splitlines()[-15:])
         raise StepFailed(f"host sync under set_sync_debug_mode('error') in: {who}{hint}\n{first}", details)
     return details
+
+
+def groups_op(device, quick: bool) -> list:
+    """bench_groups: accumulate_groups against accumulate on the same tensor (target <= 1.3 x)."""
+    import bench_groups
+
+    return bench_groups.measure(device, 8 * 1024, 3 if quick else 7, say=lambda line: log("  " + line))
 
 
 def profile_configs(cfgs, model, autocast, loss_fn, opt, device) -> dict:

@@ -54,7 +54,10 @@ def test_cpu_quick_run_records_every_step(tmp_path):
 
     overhead = steps["overhead"]
     assert [r["config"] for r in overhead["rows"]] == ["no telemetry", "hookcap every=1 log2 hist",
-                                                       "hookcap every=10"]
+                                                       "hookcap every=10", "hookcap every=1 + attention"]
+    groups_op = overhead["groups_op"]  # the grouped op against the ungrouped one, each case
+    assert {r["case"] for r in groups_op} == {"heads 12 x 64", "experts 8", "channels 768 x 1"}
+    assert all(r["ratio"] > 0 for r in groups_op)
     assert all(r["median_ms"] > 0 and r["samples"] > 0 for r in overhead["rows"])
     pipelined = overhead["pipelined"]
     assert [r["config"] for r in pipelined["rows"]] == [r["config"] for r in overhead["rows"]]
