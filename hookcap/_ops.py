@@ -116,9 +116,10 @@ def record(x: torch.Tensor, sink: int, rid: int) -> None:
     _ops.record(x, sink, rid)
 
 
-def _register_record_effectful() -> bool:
-    """Without an effect, graph passes would drop an op that returns
-    nothing and mutates no argument. False where torch has no effect API."""
+def make_effectful(op) -> bool:
+    """Register ``op`` as an ordered side effect: without one, graph passes
+    would drop an op that returns nothing and mutates no argument. False
+    where torch has no effect API."""
     try:
         from torch._higher_order_ops.effects import _EffectType
     except ImportError:
@@ -129,11 +130,11 @@ def _register_record_effectful() -> bool:
             from torch._higher_order_ops.effects import _register_effectful_op as register
         except ImportError:
             return False
-    register(_ops.record.default, _EffectType.ORDERED)
+    register(op, _EffectType.ORDERED)
     return True
 
 
-RECORD_IS_EFFECTFUL = _register_record_effectful()
+RECORD_IS_EFFECTFUL = make_effectful(_ops.record.default)
 
 
 def layout() -> list[int]:

@@ -203,3 +203,44 @@ def test_hf_llama_gqa_matches_float64_with_padding(impl, monkeypatch):
         np.testing.assert_allclose(got("lse", "min"), ref["lse_min"].numpy(), rtol=1e-5)
         np.testing.assert_allclose(got("entropy", "mean"), ref["ent_mean"].numpy(), rtol=1e-5, atol=1e-6)
     assert AttentionInterface.__dict__["get_interface"] is not hookcap._capture.attention._hf_get_interface  # detached
+
+
+def test_compiled_attention_records_per_head_like_eager():
+    """Under torch.compile(fullgraph=True) (no graph break), the attention
+    internals are recorded per head for the innermost watched module, equal
+    to eager's, on recorded steps only (every=2: no recompile)."""
+    torch._dynamo.reset()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48)
+            self.attn = _Attn(is_causal=True)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 6, 3, 4, 4).permute(2, 0, 3, 1, 4)
+            return self.attn(q, k, v).sum()
+
+    def run(compiled):
+        torch.manual_seed(0)
+        net = Net()
+        mon = Monitor(net, capture="attention", every=2).attach()
+        fn = torch.compile(net, fullgraph=True) if compiled else net
+        for _ in range(4):
+            fn(torch.randn(2, 6, 16)).backward()
+            mon.step()
+        mon.detach()
+        return mon.history()
+
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    eager, comp = run(False), run(True)
+    assert comp.steps.tolist() == eager.steps.tolist() == [0, 2]
+    assert sorted(comp.names) == sorted(eager.names) and "attn/attn.logit[3]" in comp.names
+    for stat in ("count", "max", "mean", "min"):
+        np.testing.assert_allclose(comp.groups("attn/attn.logit", stat), eager.groups("attn/attn.logit", stat),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(comp.groups("attn/attn.entropy", stat), eager.groups("attn/attn.entropy", stat),
+                                   rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for recorded and off-steps alike

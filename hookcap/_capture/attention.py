@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .._ops import make_effectful
 from ..groups import Groups
 
 TILE_VALUES = 1 << 22  # logits per tile (16 MiB in float32)
@@ -62,11 +63,34 @@ def _hf_interface():
     return getattr(mod, "AttentionInterface", None)
 
 
+@torch.library.custom_op("hookcap::observe_attention", mutates_args=())
+def _observe_op(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+                scale: float | None, module: str) -> None:
+    """Compiled code's observation: opaque to the compiler, so it runs as
+    eager code at each call (the Monitors' state is read then, never
+    guarded), for the module named when the graph was traced."""
+    for capture in list(_ACTIVE):
+        capture.observe(q, k, attn_mask, is_causal, scale, module)
+
+
+@_observe_op.register_fake
+def _(q, k, attn_mask, is_causal, scale, module) -> None:
+    return None
+
+
+_OBSERVE_IN_GRAPHS = make_effectful(torch.ops.hookcap.observe_attention.default)
+
+
 def _wrapped(*args, **kwargs):
     out = _ORIGINAL(*args, **kwargs)
-    if _ACTIVE and not torch.compiler.is_compiling():
+    if _ACTIVE:
         a = dict(zip(_ARGS, args), **kwargs)
-        _observe(a["query"], a["key"], a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale"))
+        q, k, mask, causal, scale = (a["query"], a["key"], a.get("attn_mask"), bool(a.get("is_causal", False)),
+                                     a.get("scale"))
+        if not torch.compiler.is_compiling():
+            _observe(q, k, mask, causal, scale)
+        elif _OBSERVE_IN_GRAPHS and _ACTIVE[0].stack:
+            _observe_op(q, k, mask, causal, None if scale is None else float(scale), _ACTIVE[0].stack[-1])
     return out
 
 
@@ -128,9 +152,12 @@ class AttentionCapture:
     """One Monitor's attention capture: the watched modules being run (a
     stack kept by their pre and post forward hooks), and the writes."""
 
-    def __init__(self, recorder) -> None:
+    def __init__(self, recorder, on_traced=lambda: None) -> None:
+        """``on_traced``: called when dynamo traces a hook (the Monitor then
+        keeps its hooks in place on off-steps: no recompile)."""
         self.rec = recorder
         self.stack: list[str] = []
+        self.on_traced = on_traced
 
     def install(self) -> None:
         if self not in _ACTIVE:
@@ -153,9 +180,11 @@ class AttentionCapture:
 
     def module_hooks(self, name: str):
         """(pre, post) forward hooks of watched module ``name``."""
-        stack = self.stack
+        stack, on_traced = self.stack, self.on_traced
 
         def pre(mod, args):
+            if torch.compiler.is_compiling():
+                on_traced()
             stack.append(name)
 
         def post(mod, args, output):
@@ -164,16 +193,20 @@ class AttentionCapture:
 
         return pre, post
 
-    def observe(self, q, k, attn_mask, is_causal: bool, scale) -> None:
+    def observe(self, q, k, attn_mask, is_causal: bool, scale, module: str | None = None) -> None:
+        """Record one attention call of the innermost running watched module
+        (``module``: compiled code's, named when traced)."""
         rec = self.rec
-        if not (rec.recording and self.stack) or rec.in_eval():
+        if module is None and self.stack:
+            module = self.stack[-1]
+        if not (rec.recording and module) or rec.in_eval():
             return
         if q.dim() not in (3, 4) or k.dim() != q.dim() or q.shape[-3] % k.shape[-3]:
-            rec.warn_once(("attention", self.stack[-1]), f"hookcap: {self.stack[-1]}/attn.*: query and key of "
+            rec.warn_once(("attention", module), f"hookcap: {module}/attn.*: query and key of "
                           f"shapes {tuple(q.shape)}, {tuple(k.shape)} are not recorded (3 or 4 dimensions, "
                           "heads at -3)")
             return
-        name = self.stack[-1]
+        name = module
         with torch.no_grad():
             for logits, lse, entropy in attention_tiles(q.detach(), k.detach(), attn_mask, is_causal, scale):
                 for path, t in (("logit", logits), ("lse", lse), ("entropy", entropy)):

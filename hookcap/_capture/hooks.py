@@ -93,8 +93,10 @@ class Hooks:
         self.park_ok = True
         self.open_calls: list[list] = []  # per pre/post hook pair: its forward calls in flight
         self.timing = Timing(recorder, self.open_calls, self.key)
-        self.attention = AttentionCapture(recorder) if "attention" in config.capture else None
-        self.router = RouterCapture(recorder) if "router" in config.capture else None
+        self.attention = (AttentionCapture(recorder, lambda: _compile.hooks_traced(self.key))
+                          if "attention" in config.capture else None)
+        self.router = (RouterCapture(recorder, lambda: _compile.hooks_traced(self.key))
+                       if "router" in config.capture else None)
         self.params: list[tuple[str, torch.Tensor]] = []
         self.grads = ParamGrads(recorder)  # param_grad
         # Monitor.everything: module -> name, and per-class counters for unnamed modules.

@@ -18,12 +18,17 @@ order inside a tuple (HF Mixtral, OLMoE and Qwen-MoE routers return
   in nats (``ln E`` at most: uniform routing).
 
 Computed on the tensors' device with no host sync (a few small temporaries
-of E or tokens values, on recorded steps only); inside ``torch.compile``d
-code routers are not recorded."""
+of E or tokens values, on recorded steps only). Inside ``torch.compile``d
+code an opaque op in the graph does the same at run time."""
 
 from __future__ import annotations
 
+import weakref
+from typing import Optional
+
 import torch
+
+from .._ops import make_effectful
 
 def router_parts(out) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
     """``(logits, weights or None, indices)`` of a router's output, or None
@@ -46,20 +51,50 @@ def router_parts(out) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] 
     return logits, weights, idx
 
 
-class RouterCapture:
-    """One Monitor's router capture: a forward hook per watched module."""
+_CAPTURES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> RouterCapture
 
-    def __init__(self, recorder) -> None:
+
+@torch.library.custom_op("hookcap::observe_router", mutates_args=())
+def _observe_op(logits: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, capture: int,
+                module: str, mtype: str) -> None:
+    """Compiled code's router call: opaque to the compiler, so it runs as
+    eager code at each call and reads the Monitor's state then (no guard)."""
+    c = _CAPTURES.get(capture)
+    if c is not None and c.rec.recording:
+        with torch.no_grad():
+            record_router(c.rec, module, mtype, logits, weights, indices)
+
+
+@_observe_op.register_fake
+def _(logits, weights, indices, capture, module, mtype) -> None:
+    return None
+
+
+_OBSERVE_IN_GRAPHS = make_effectful(torch.ops.hookcap.observe_router.default)
+
+
+class RouterCapture:
+    """One Monitor's router capture: a forward hook per watched module.
+    ``on_traced``: called when dynamo traces a hook (the Monitor then keeps
+    its hooks in place on off-steps: no recompile)."""
+
+    def __init__(self, recorder, on_traced=lambda: None) -> None:
         self.rec = recorder
+        self.on_traced = on_traced
+        _CAPTURES[id(self)] = self
 
     def hook(self, name: str, mtype: str):
         """The forward hook recording module ``name``'s routing, if its output is a router's."""
-        rec = self.rec
+        rec, me = self.rec, id(self)
 
         def post(mod, args, out):
-            # Compiled code: nothing read here (a guard on `recording` would
-            # recompile at every change of it).
-            if torch.compiler.is_compiling() or not rec.recording:
+            if torch.compiler.is_compiling():
+                parts = router_parts(out)  # the output's structure: a constant of the graph
+                if parts is not None and _OBSERVE_IN_GRAPHS:
+                    self.on_traced()
+                    _observe_op(*parts, me, name, mtype)
+                return
+            if not rec.recording:
                 return
             parts = router_parts(out)
             if parts is None:
