@@ -1521,3 +1521,39 @@ def test_bins_kernel_matches_the_cpu_op(emu, idx_dtype, w_dtype, grid, h):
     off = new_ring(1, 2, h)
     emu.accumulate_bins(index, weight, off, torch.tensor([0, 0, 0]), rows, *hist_args(h), 1, THREADS)
     assert (off[0, :, _layout.CALLS] == 0).all()
+
+
+# ---------------------------------------------------------------------------
+# accumulate_groups in one launch (grid rows: op_checks.h group_launch)
+
+
+@pytest.mark.parametrize("case", ["heads", "experts", "strided", "uneven_rows", "misaligned"])
+@pytest.mark.parametrize("dtype,h", [(torch.float32, LOG2), (torch.bfloat16, Histogram.linear(-3, 3, 12)),
+                                     (torch.float64, None)])
+def test_groups_in_one_launch_match_the_cpu_op(emu, case, dtype, h):
+    """Every group's row from the kernel equals the CPU op's (counts,
+    extrema, histogram exactly; sums to rounding), whether its groups share
+    one launch (heads, experts, strided views: grid rows) or not (rows not
+    evenly spaced, groups 16-byte misaligned: a launch each)."""
+    g = torch.Generator().manual_seed(7)
+    x, dim, size, rows = {
+        "heads": lambda: ((torch.randn(300, 32, generator=g) * 3), -1, 8, [1, 2, 3, 4]),
+        "experts": lambda: (torch.randn(3, 200, 8, generator=g), 0, 1, [0, 2, 4]),
+        "strided": lambda: (torch.randn(40, 96, generator=g).t(), 0, 24, [3, 2, 1, 0]),
+        "uneven_rows": lambda: (torch.randn(100, 16, generator=g), -1, 4, [0, 1, 3, 2]),
+        "misaligned": lambda: (torch.randn(100, 15, generator=g), -1, 5, [0, 1, 2]),
+    }[case]()
+    x = x.to(dtype)
+    got, cpu = new_ring(1, max(rows) + 1, h), new_ring(1, max(rows) + 1, h)
+    state = torch.tensor([0, 1, 0])
+    one = emu.accumulate_groups(x, got, state, rows, dim, size, *hist_args(h), 2, THREADS)
+    assert one == (case in ("heads", "experts", "strided"))
+    OPS.accumulate_groups(x, cpu, state, rows, dim, size, *hist_args(h))
+    for r in rows:
+        g_, c_ = got[0, r].numpy(), cpu[0, r].numpy()
+        for c in EXACT_COLS:
+            assert g_[getattr(_layout, c)] == c_[getattr(_layout, c)], (r, c)
+        np.testing.assert_array_equal(g_[_layout.HEADER:], c_[_layout.HEADER:])
+        gs, cs = row_stats(g_, None), row_stats(c_, None)
+        for k, rtol in (("sum", 1e-5), ("l2norm", 1e-5), ("std", 1e-4)):  # float runs per thread, as the CPU's
+            np.testing.assert_allclose(gs[k], cs[k], rtol=rtol, atol=1e-6 * cs["l2norm"])

@@ -320,3 +320,34 @@ def test_channels_ratio_is_inf_when_the_median_channel_is_zero_and_no_anomaly():
     assert h["posinf"][0, h.column("1/output.top_over_median")] == 1  # +inf: no finite max
     assert np.isnan(h["max"][0, h.column("1/output.top_over_median")])
     assert not h.anomalies
+
+
+def test_compiled_module_outputs_are_grouped_like_eager():
+    """Inside torch.compile (fullgraph), a grouped output and a Channels
+    summary are recorded by groups as eagerly (an opaque op in the graph),
+    on recorded steps only, with no recompile."""
+    from torch._dynamo.utils import counters
+
+    def run(compiled):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        mon = Monitor(model, capture="output", every=2,
+                      groups={"0/output": hookcap.Groups(-1, 4), "1/output": hookcap.Channels(top=2)}).attach()
+        fn = torch.compile(model, fullgraph=True) if compiled else model
+        graphs = []
+        for _ in range(4):
+            fn(torch.randn(5, 8))
+            graphs.append(counters["stats"]["unique_graphs"])
+            mon.step()
+        mon.detach()
+        return mon.history(), graphs
+
+    (eager, _), (comp, graphs) = run(False), run(True)
+    assert len(set(graphs)) == 1
+    assert comp.steps.tolist() == eager.steps.tolist() == [0, 2]
+    for name, stat in (("0/output", "max"), ("0/output", "count"), ("1/output.top_channels", "max")):
+        np.testing.assert_allclose(comp.groups(name, stat), eager.groups(name, stat), rtol=1e-6)
+    np.testing.assert_allclose(comp["l2norm"][:, comp.column("0/output")], eager["l2norm"][:, eager.column("0/output")],
+                               rtol=1e-6)

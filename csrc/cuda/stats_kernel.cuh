@@ -93,6 +93,11 @@ struct RowTarget {
   int64_t mult;   // logical elements each element read stands for (stride-0 dimensions)
   int64_t* scratch;  // tree_scratch_words(grid) words for the tree merge (launch_plan.cuh), or null:
                      // every block merges into the ring
+  // Groups in one launch (accumulate_groups): the blocks of grid row
+  // blockIdx.y read from x + blockIdx.y * x_step into row + blockIdx.y *
+  // row_step (0, 0: one row). Such launches pass no scratch.
+  int64_t row_step;
+  int64_t x_step;
 };
 
 template <typename T>
@@ -690,7 +695,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
   const int64_t slot = tgt.state[kStateSlot];
   if (enabled == 0) return;  // off-step: uniform early exit
   if (slot < 0 || slot >= tgt.slots) return;  // corrupt state: never write out of bounds
-  int64_t* row = tgt.ring + (slot * tgt.rows + tgt.row) * tgt.width;
+  const int64_t gy = blockIdx.y;  // the group: 0 unless the launch holds several
+  x += gy * tgt.x_step;
+  int64_t* row = tgt.ring + (slot * tgt.rows + tgt.row + gy * tgt.row_step) * tgt.width;
   int64_t* hrow = row + kHeader;
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;

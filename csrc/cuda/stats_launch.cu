@@ -315,11 +315,11 @@ void allow_dynamic_smem(const void* kernel, int device, int64_t bytes) {
   allowed.push_back({kernel, device, want});
 }
 
-void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
-                     int64_t row, int64_t hist_kind, double hist_lo, double hist_hi,
-                     int64_t hist_bins) {
-  check_accumulate(x_in, ring, state, row);
-  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+// The statistics kernel over x_in into `row`; with groups > 1, in the same
+// launch (grid rows), group g's view at x_in + g * x_step into row + g *
+// row_step, x_in being group 0's view (each group's view alike).
+void launch_accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
+                       const HistSpec& h, int64_t groups = 1, int64_t row_step = 0, int64_t x_step = 0) {
   const int64_t n = x_in.numel();
   c10::cuda::CUDAGuard guard(x_in.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
@@ -333,10 +333,11 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
   const int device = x_in.device().index();
   auto blocks_for = [&](int64_t visit) {
     const int64_t want = (visit + kThreads * kPerThread - 1) / (kThreads * kPerThread);
-    return std::max<int64_t>(1, std::min(want, max_blocks(device)));
+    return std::max<int64_t>(1, std::min(want, std::max<int64_t>(1, max_blocks(device) / groups)));
   };
   const int64_t blocks = blocks_for(plan.visit);
-  int64_t* scratch = tree_scratch(x_in.device(), stream, blocks);
+  // The tree merge's tickets serve one row per launch.
+  int64_t* scratch = groups == 1 ? tree_scratch(x_in.device(), stream, blocks) : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_accumulate_cuda", [&] {
@@ -357,15 +358,23 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
                   const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                                row, ring.size(1), ring.size(2), ring.size(0),
                                                once ? n : 0, once ? 1 : 0, plan.mult,
-                                               nblocks >= 2 ? scratch : nullptr};
-                  launch_smem("hookcap.accumulate", kernel, dim3(nblocks), dim3(kThreads),
-                              static_cast<size_t>(hp.smem), stream, p + offset + skip, visit, desc, tgt, h,
-                              hp.lin);
+                                               nblocks >= 2 ? scratch : nullptr, row_step, x_step};
+                  launch_smem("hookcap.accumulate", kernel,
+                              dim3(static_cast<unsigned>(nblocks), static_cast<unsigned>(groups)),
+                              dim3(kThreads), static_cast<size_t>(hp.smem), stream, p + offset + skip, visit, desc,
+                              tgt, h, hp.lin);
                 });
               });
         });
       });
   seal_ring_write(device, stream);
+}
+
+void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
+                     int64_t row, int64_t hist_kind, double hist_lo, double hist_hi,
+                     int64_t hist_bins) {
+  check_accumulate(x_in, ring, state, row);
+  launch_accumulate(x_in, ring, state, row, make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2)));
 }
 
 // accumulate_updates: check_updates, then one launch per run of up to
@@ -470,16 +479,21 @@ void time_mark_cuda(at::Tensor& ring, const at::Tensor& state, int64_t row, int6
   seal_ring_write(ring.device().index(), stream);
 }
 
-// accumulate_groups: one launch of the statistics kernel per group's view
-// (no copy), on the current stream.
+// accumulate_groups: one launch of the statistics kernel for every group
+// (grid rows, group_launch), on the current stream; else one per group's view.
+// Neither copies.
 void accumulate_groups_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
                             int64_t dim, int64_t size, int64_t hist_kind, double hist_lo, double hist_hi,
                             int64_t hist_bins) {
   check_groups(x, ring, state, rows, dim, size);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const GroupLaunch one = group_launch(x, rows, dim, size);
+  if (one.ok) {
+    launch_accumulate(x.narrow(dim, 0, size), ring, state, rows[0], h, one.groups, one.row_step, one.x_step);
+    return;
+  }
   for (int64_t g = 0; g < static_cast<int64_t>(rows.size()); ++g) {
-    if (rows[g] >= 0) {
-      accumulate_cuda(x.narrow(dim, g * size, size), ring, state, rows[g], hist_kind, hist_lo, hist_hi, hist_bins);
-    }
+    if (rows[g] >= 0) launch_accumulate(x.narrow(dim, g * size, size), ring, state, rows[g], h);
   }
 }
 

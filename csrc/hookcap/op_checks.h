@@ -185,6 +185,25 @@ inline void check_groups(const at::Tensor& x, const at::Tensor& ring, const at::
   }
 }
 
+// Whether accumulate_groups' groups can share one launch of the statistics
+// kernel (grid rows): every group recorded, their rows evenly spaced, at
+// most 65,535 of them, and each group's first element 16 bytes apart from
+// the previous one's times a whole number, so that every group's view reads
+// as group 0's does (the same vector plan).
+struct GroupLaunch {
+  bool ok;
+  int64_t groups, row_step, x_step;
+};
+inline GroupLaunch group_launch(const at::Tensor& x, c10::IntArrayRef rows, int64_t dim, int64_t size) {
+  const int64_t groups = static_cast<int64_t>(rows.size());
+  const int64_t d = dim < 0 ? dim + x.dim() : dim;
+  const int64_t x_step = size * x.stride(d);
+  const int64_t row_step = groups > 1 ? rows[1] - rows[0] : 0;
+  bool ok = groups >= 1 && groups <= 65535 && (x_step * static_cast<int64_t>(x.element_size())) % 16 == 0;
+  for (int64_t g = 0; ok && g < groups; ++g) ok = rows[g] >= 0 && rows[g] == rows[0] + g * row_step;
+  return {ok, groups, row_step, x_step};
+}
+
 // accumulate_bins: integer indices (any shape, strided or not: the kernels
 // read them through contiguous() only when dense) and optional weights of the
 // same shape, one row per bin (`rows`, -1: not recorded).

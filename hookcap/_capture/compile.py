@@ -47,7 +47,7 @@ import torch
 
 from .._rows.config import metric_name
 from .._rows.fastpath import row_of
-from .._ops import RECORD_IS_EFFECTFUL
+from .._ops import RECORD_IS_EFFECTFUL, make_effectful
 from .tree import tensor_leaves
 
 _HOOKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> Hooks
@@ -105,7 +105,7 @@ def _compiled_row(key: int, name: str, kind: str, path: str, device: str, shape:
     metric = metric_name(name, kind, path)
     if rec.grouped.specs and rec.grouped.matches(metric):
         rec.warn_once(("groups-compiled", metric), f"hookcap: {metric}: recorded whole inside torch.compile "
-                      "(Monitor(groups=...) splits eager captures only)")
+                      "(Monitor(groups=...) splits module outputs there, not gradients or taps)")
     return rec.register_row((name, kind, path, dev, 0), dev, shape, dtype, mtype,
                             layout=rec.plain_layout(name, kind, path))
 
@@ -228,10 +228,38 @@ def _row(hooks, name, kind, path, t, mtype) -> int:
     return _compiled_row(hooks.key, name, kind, path, str(t.device), (-1,) * t.dim(), str(t.dtype), mtype)
 
 
+@torch._dynamo.assume_constant_result
+def _grouped(key: int, metric: str) -> bool:
+    """Whether ``metric`` is grouped (``Monitor(groups=...)``); run at trace time."""
+    hooks = _HOOKS.get(key)
+    return hooks is not None and bool(hooks.recorder.grouped.specs) and hooks.recorder.grouped.matches(metric)
+
+
+@torch.library.custom_op("hookcap::write_grouped", mutates_args=())
+def _write_grouped(t: torch.Tensor, key: int, name: str, kind: str, path: str, mtype: str) -> None:
+    """A grouped capture in compiled code: opaque to the compiler, so it runs
+    the eager write (its groups, Channels) at each call, on recorded steps."""
+    hooks = _HOOKS.get(key)
+    if hooks is not None and hooks.recorder.recording:
+        hooks.recorder.write(name, kind, path, t.detach(), mtype, 0)
+
+
+@_write_grouped.register_fake
+def _(t, key, name, kind, path, mtype) -> None:
+    return None
+
+
+_GROUPED_IN_GRAPHS = make_effectful(torch.ops.hookcap.write_grouped.default)
+
+
 def write_all(hooks, name: str, kind: str, obj, mtype: str) -> None:
-    """Traced: merge every floating tensor of ``obj`` into its row."""
+    """Traced: merge every floating tensor of ``obj`` into its row (a
+    grouped one through ``hookcap::write_grouped``)."""
     rec = hooks.recorder
     for path, t in tensor_leaves(obj, traced=True):
+        if _GROUPED_IN_GRAPHS and _grouped(hooks.key, metric_name(name, kind, path)):
+            _write_grouped(t, hooks.key, name, kind, path, mtype)
+            continue
         rid = _row(hooks, name, kind, path, t, mtype)
         if rid < 0:
             continue

@@ -45,20 +45,20 @@ std::vector<int64_t> tree_tickets() {
 // (vectors: a strided plan read as 16-byte vectors, strided.h vector_read).
 // smem_budget: the device's dynamic shared memory per block (smem_budget();
 // default an H100's), which picks the histogram mode as on that device.
-std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
-    const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
-    int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid,
-    int64_t block, int64_t max_walk, int64_t smem_budget, bool tree) {
-  check_accumulate(x_in, ring, state, row);
-  check_cpu(x_in);
-  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+// groups > 1: one launch for several groups (grid rows), as
+// accumulate_groups_cuda makes it (op_checks.h group_launch): x_in is group
+// 0's view, group g's reads x_step elements on into row + g * row_step.
+std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate_grouped(
+    const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row, const HistSpec& h,
+    int64_t grid, int64_t block, int64_t max_walk, int64_t smem_budget, bool tree, int64_t groups,
+    int64_t row_step, int64_t x_step) {
   const int64_t n = x_in.numel();
   TORCH_CHECK(max_walk >= 1 && max_walk <= kMaxDims, "emu: max_walk must be in [1, ", kMaxDims, "]");
   const DimPlan plan = plan_read(x_in, max_walk);  // the launcher's choice (max_walk = kMaxDims)
-  const dim3 g = dim(grid, "grid"), b = dim(block, "block");
+  const dim3 g(static_cast<unsigned>(dim(grid, "grid").x), static_cast<unsigned>(groups)), b = dim(block, "block");
   int64_t reads = 0;
   ReadKind read = kReadFlat;
-  int64_t* scratch = tree ? tree_scratch(grid) : nullptr;
+  int64_t* scratch = tree && groups == 1 ? tree_scratch(grid) : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_emu_accumulate", [&] {
@@ -74,13 +74,46 @@ std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
             const bool once = counts && first;
             const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(),
                                          row, ring.size(1), ring.size(2), ring.size(0),
-                                         once ? n : 0, once ? 1 : 0, plan.mult, scratch};
+                                         once ? n : 0, once ? 1 : 0, plan.mult, scratch, row_step, x_step};
             hookcap_emu::accumulate<scalar_t>(p + offset + skip, visit, kind, desc, tgt, h, g, b, smem_budget);
             ++reads;
           });
         });
       });
   return {plan.flat, plan.mult, plan.flat ? 0 : plan.desc.ndim, reads, read == kReadVectors};
+}
+
+std::tuple<bool, int64_t, int64_t, int64_t, bool> accumulate(
+    const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
+    int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins, int64_t grid,
+    int64_t block, int64_t max_walk, int64_t smem_budget, bool tree) {
+  check_accumulate(x_in, ring, state, row);
+  check_cpu(x_in);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  return accumulate_grouped(x_in, ring, state, row, h, grid, block, max_walk, smem_budget, tree, 1, 0, 0);
+}
+
+// accumulate_groups as accumulate_groups_cuda does it: one launch for every
+// group where group_launch allows (returns True), else one per group.
+bool accumulate_groups(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, std::vector<int64_t> rows,
+                       int64_t dim_, int64_t size, int64_t hist_kind, double hist_lo, double hist_hi,
+                       int64_t hist_bins, int64_t grid, int64_t block) {
+  check_groups(x, ring, state, rows, dim_, size);
+  check_cpu(x);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const GroupLaunch one = group_launch(x, rows, dim_, size);
+  if (one.ok) {
+    accumulate_grouped(x.narrow(dim_, 0, size), ring, state, rows[0], h, grid, block, kMaxDims,
+                       hookcap_emu::kH100SmemBudget, false, one.groups, one.row_step, one.x_step);
+    return true;
+  }
+  for (int64_t g = 0; g < static_cast<int64_t>(rows.size()); ++g) {
+    if (rows[g] >= 0) {
+      accumulate_grouped(x.narrow(dim_, g * size, size), ring, state, rows[g], h, grid, block, kMaxDims,
+                         hookcap_emu::kH100SmemBudget, true, 1, 0, 0);
+    }
+  }
+  return false;
 }
 
 // (mode, dynamic shared bytes) of kernels::hist_plan for a
@@ -526,6 +559,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate_update", &accumulate_update);
   m.def("accumulate_updates", &accumulate_updates);
   m.def("accumulate_bins", &accumulate_bins);
+  m.def("accumulate_groups", &accumulate_groups);
   m.def("set_fault", &set_fault);
   m.def("reset_rows", &reset_rows);
   m.def("advance", &advance, py::arg("ring"), py::arg("state"), py::arg("every"), py::arg("block"),
