@@ -244,14 +244,11 @@ class Underflow:
         return out
 
 
-class Dead:
-    """A metric stays at ``zero_frac >= zero_frac`` for ``steps`` consecutive
-    recorded steps (e.g. dead ReLUs). Fires once per run of such steps."""
+class _Runs:
+    """A detector that fires once a condition has held for ``steps``
+    consecutive recorded steps: each metric's current run (its state)."""
 
-    def __init__(self, zero_frac: float = 0.99, steps: int = 50):
-        if not 0 < zero_frac <= 1 or steps < 1:
-            raise ValueError("Dead: need 0 < zero_frac <= 1 and steps >= 1")
-        self.zero_frac, self.steps = zero_frac, steps
+    def __init__(self) -> None:
         self._run: dict[str, int] = {}
 
     def state_dict(self) -> dict:
@@ -260,23 +257,34 @@ class Dead:
     def load_state_dict(self, state: dict) -> None:
         self._run = {str(k): int(v) for k, v in state["run"].items()}
 
+    def _extend(self, name: str, holds: bool) -> int:
+        """The run of ``name`` after this step (0 where the condition broke it)."""
+        n = self._run[name] = self._run.get(name, 0) + 1 if holds else 0
+        return n
+
+
+class Dead(_Runs):
+    """A metric stays at ``zero_frac >= zero_frac`` for ``steps`` consecutive
+    recorded steps (e.g. dead ReLUs). Fires once per run of such steps."""
+
+    def __init__(self, zero_frac: float = 0.99, steps: int = 50):
+        if not 0 < zero_frac <= 1 or steps < 1:
+            raise ValueError("Dead: need 0 < zero_frac <= 1 and steps >= 1")
+        super().__init__()
+        self.zero_frac, self.steps = zero_frac, steps
+
     def __call__(self, step: DrainedStep):
         out = []
         zf = step.stats["zero_frac"]
         for i, name in enumerate(step.names):
-            if zf[i] >= self.zero_frac:
-                n = self._run.get(name, 0) + 1
-                self._run[name] = n
-                if n == self.steps:
-                    out.append(Anomaly(step.step, name, "dead",
-                                       f"step {step.step}: {name} has been >= {self.zero_frac:.0%} "
-                                       f"zeros for {n} recorded steps", step.stats_of(name)))
-            else:
-                self._run[name] = 0
+            if self._extend(name, zf[i] >= self.zero_frac) == self.steps:
+                out.append(Anomaly(step.step, name, "dead",
+                                   f"step {step.step}: {name} has been >= {self.zero_frac:.0%} "
+                                   f"zeros for {self.steps} recorded steps", step.stats_of(name)))
         return out
 
 
-class Threshold:
+class Threshold(_Runs):
     """A metric's ``stat`` above ``above`` or below ``below`` for ``steps``
     consecutive recorded steps; fires once per run of such steps (again
     after a step back inside the bounds). ``metrics`` and ``groups`` select
@@ -297,15 +305,9 @@ class Threshold:
             raise ValueError("Threshold: give above=, below= or both")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"Threshold: steps must be an int >= 1, got {steps!r}")
+        super().__init__()
         self.stat, self.above, self.below, self.steps = stat, above, below, steps
         self._watches = _Watch("Threshold", metrics, groups)
-        self._run: dict[str, int] = {}
-
-    def state_dict(self) -> dict:
-        return {"run": dict(self._run)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._run = {str(k): int(v) for k, v in state["run"].items()}
 
     def __call__(self, step: DrainedStep):
         if self.stat not in step.stats:
@@ -318,11 +320,8 @@ class Threshold:
             v = float(vals[i])
             side = "above" if self.above is not None and v > self.above else \
                 "below" if self.below is not None and v < self.below else None
-            if side is None:
-                self._run[name] = 0
-                continue
-            n = self._run[name] = self._run.get(name, 0) + 1
-            if n == self.steps:
+            n = self._extend(name, side is not None)
+            if side is not None and n == self.steps:
                 bound = self.above if side == "above" else self.below
                 more = f" for {n} recorded steps" if n > 1 else ""
                 out.append(Anomaly(step.step, name, "threshold",

@@ -3,7 +3,8 @@ splits each matching captured tensor along ``dim`` into groups of ``size``
 consecutive slices (a projection's heads, stacked experts) and records each
 group as metric ``f"{metric}[{g}]"`` from one op call over the tensor; the
 metric itself is the merge of its groups' rows (no second read).
-``History.groups(metric, stat)`` returns them side by side."""
+``History.groups(metric, stat)`` returns them side by side. ``Channels(dim,
+top)`` in the same dict summarises many channels instead (outliers)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+
+def _check_ints(who: str, dim, **counts) -> None:
+    """``ValueError`` unless ``dim`` and every count are ints, the counts >= 1."""
+    for field, value in (("dim", dim), *counts.items()):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{who}: {field} must be an int, got {value!r}")
+    for field, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{who}: {field} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True)
@@ -24,11 +35,7 @@ class Groups:
     size: int = 1
 
     def __post_init__(self) -> None:
-        for field, value in (("dim", self.dim), ("size", self.size)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"Groups: {field} must be an int, got {value!r}")
-        if self.size < 1:
-            raise ValueError(f"Groups: size must be >= 1, got {self.size}")
+        _check_ints("Groups", dim=self.dim, size=self.size)
 
     def count(self, shape) -> int:
         """How many groups a tensor of ``shape`` splits into; ``ValueError``
@@ -67,11 +74,7 @@ class Channels:
     top: int = 8
 
     def __post_init__(self) -> None:
-        for field, value in (("dim", self.dim), ("top", self.top)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"Channels: {field} must be an int, got {value!r}")
-        if self.top < 1:
-            raise ValueError(f"Channels: top must be >= 1, got {self.top}")
+        _check_ints("Channels", dim=self.dim, top=self.top)
 
     def summarize(self, x: torch.Tensor) -> list[tuple[str, torch.Tensor, bool]]:
         """``(suffix, tensor, by_rank)`` to record for capture ``x``:

@@ -215,3 +215,25 @@ def draw(kind: str, n: int, seed: int) -> torch.Tensor:
         "halves": lambda: np.concatenate([g.standard_normal(n // 2), 1e3 + g.standard_normal(n - n // 2)]),
     }[kind]()
     return torch.from_numpy(x)
+
+
+def ring_for(rows, h):
+    """A CPU ring of one slot with ``rows`` rows, reset, for histogram ``h`` (or None)."""
+    from hookcap import _layout
+    from hookcap.functional import new_state
+
+    ring = torch.zeros(1, rows, _layout.HEADER + (h.nbins if h else 0), dtype=torch.int64)
+    torch.ops.hookcap.reset_slot(ring, new_state("cpu"))
+    return ring
+
+
+def decoded(ring, row, h):
+    """Row ``row`` of slot 0 of ``ring`` as stats (plus its histogram where ``h``)."""
+    from hookcap import _layout
+
+    raw = ring[0, row].numpy()
+    out = {k: float(v) for k, v in _layout.decode(raw).items()}
+    if h is not None:
+        out["hist"] = raw[_layout.HEADER:].copy()
+        out["bin_edges"] = h.bin_edges
+    return out

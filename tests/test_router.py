@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from conftest import assert_stats_match
+from conftest import assert_stats_match, decoded, ring_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,21 +21,6 @@ from hookcap.functional import new_state
 from hookcap.reference import tensor_stats
 
 OPS = torch.ops.hookcap
-
-
-def ring_for(rows, h):
-    ring = torch.zeros(1, rows, _layout.HEADER + (h.nbins if h else 0), dtype=torch.int64)
-    OPS.reset_slot(ring, new_state("cpu"))
-    return ring
-
-
-def decoded(ring, row, h):
-    raw = ring[0, row].numpy()
-    out = {k: float(v) for k, v in _layout.decode(raw).items()}
-    if h is not None:
-        out["hist"] = raw[_layout.HEADER:].copy()
-        out["bin_edges"] = h.bin_edges
-    return out
 
 
 def bin_values(index, weight, b):
