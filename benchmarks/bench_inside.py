@@ -1,10 +1,11 @@
-"""Cost of capture kind "attention": HF GPT-2 (sdpa attention) training steps
-with the Monitor recording outputs and gradients every step, with and
-without "attention", and with no Monitor, timed round-robin in one process.
-Prints ms per step and what "attention" adds.
+"""Cost of capture kind "attention" (--kind attention: HF GPT-2, sdpa) or
+"router" (--kind router: HF OLMoE, top-2 of 8 experts): training steps with
+the Monitor recording outputs and gradients every step, with and without the
+kind, and with no Monitor, timed round-robin in one process. Prints ms per
+step and what the kind adds.
 
-  PYTHONPATH=. python benchmarks/bench_attention.py [--device cuda] [--layers 2] [--embd 256]
-      [--batch 4] [--tokens 256] [--rounds 9] [--json PATH]
+  PYTHONPATH=. python benchmarks/bench_inside.py [--kind attention|router] [--device cuda] [--layers 2]
+      [--embd 256] [--batch 4] [--tokens 256] [--rounds 9] [--json PATH]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import hookcap
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kind", choices=("attention", "router"), default="attention")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--embd", type=int, default=256)
@@ -35,13 +37,21 @@ def main() -> None:
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.embd, n_head=args.heads, vocab_size=1000,
-                                  n_positions=args.tokens, attn_implementation="sdpa")
-    model = transformers.GPT2LMHeadModel(cfg).to(dev)
+    if args.kind == "attention":
+        cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.embd, n_head=args.heads, vocab_size=1000,
+                                      n_positions=args.tokens, attn_implementation="sdpa")
+        model, what = transformers.GPT2LMHeadModel(cfg).to(dev), "GPT-2"
+    else:
+        cfg = transformers.OlmoeConfig(vocab_size=1000, hidden_size=args.embd, intermediate_size=args.embd,
+                                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                       num_key_value_heads=args.heads, num_experts=8, num_experts_per_tok=2,
+                                       max_position_embeddings=args.tokens)
+        model, what = transformers.OlmoeForCausalLM(cfg).to(dev), "OLMoE (8 experts, top-2)"
     ids = torch.randint(0, 1000, (args.batch, args.tokens), device=dev)
+    kind = f"+ {args.kind}"
     monitors = {"no Monitor": None,
                 "output, grad_output": hookcap.Monitor(model, capture=("output", "grad_output"), detectors=[]),
-                "+ attention": hookcap.Monitor(model, capture=("output", "grad_output", "attention"), detectors=[])}
+                kind: hookcap.Monitor(model, capture=("output", "grad_output", args.kind), detectors=[])}
     times = {k: [] for k in monitors}
     for rnd in range(args.rounds + 2):
         for name, mon in monitors.items():
@@ -61,18 +71,18 @@ def main() -> None:
                 times[name].append((time.perf_counter() - t0) / 3 * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["no Monitor"]
-    print(f"GPT-2 {args.layers} layers x {args.embd}, {args.heads} heads, batch {args.batch} x {args.tokens} tokens, "
+    print(f"{what} {args.layers} layers x {args.embd}, {args.heads} heads, batch {args.batch} x {args.tokens} tokens, "
           f"{dev.type} ({machine(dev)}), torch {torch.__version__}, {args.rounds} rounds x 3 steps")
     print("| config | ms per step | vs no Monitor |")
     print("|---|---:|---:|")
     for k, v in med.items():
         print(f"| {k} | {v:.1f} | {'-' if k == 'no Monitor' else f'{(v / base - 1) * 100:+.1f} %'} |")
-    added = med["+ attention"] - med["output, grad_output"]
-    print(f"attention adds {added:.1f} ms per step ({added / base * 100:.1f} % of the step)")
+    added = med[kind] - med["output, grad_output"]
+    print(f"{args.kind} adds {added:.1f} ms per step ({added / base * 100:.1f} % of the step)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine(dev), "device": dev.type, "torch": torch.__version__, "args": vars(args),
-                       "median_ms": med, "attention_added_ms": added}, f, indent=1)
+                       "median_ms": med, f"{args.kind}_added_ms": added}, f, indent=1)
 
 
 if __name__ == "__main__":
