@@ -336,3 +336,23 @@ def test_compiled_module_outputs_are_grouped_like_eager():
         np.testing.assert_allclose(comp.groups(name, stat), eager.groups(name, stat), rtol=1e-6)
     np.testing.assert_allclose(comp["l2norm"][:, comp.column("0/output")], eager["l2norm"][:, eager.column("0/output")],
                                rtol=1e-6)
+
+
+def test_host_bytes_per_group_step_within_a_metrics():
+    """The store keeps a group's step in no more bytes than an ordinary
+    metric's (sparse histograms): heads and one group per channel."""
+    def per_step(groups):
+        torch.manual_seed(0)
+        m = nn.Linear(64, 768)
+        mon = Monitor(m, capture="output", groups=groups).attach()
+        for _ in range(5):
+            m(torch.randn(8, 64, 64))
+            mon.step()
+        mon.detach()
+        return mon.history_bytes / 5
+
+    whole = per_step(None)
+    for size in (64, 1):
+        groups = 768 // size
+        extra = per_step({"./output": hookcap.Groups(-1, size)}) - whole
+        assert 0 < extra / groups <= whole, (size, extra / groups, whole)
