@@ -363,3 +363,39 @@ def test_compiled_router_fullgraph_one_graph_for_every_step():
     for s, x in zip((0, 1), (xs[0], xs[2])):
         idx = router(x)[2]
         np.testing.assert_array_equal(h.groups("./router.tokens", "count")[s], torch.bincount(idx.reshape(-1), minlength=6))
+
+
+def test_hf_switch_transformers_capacity_kept_wanted_and_dropped():
+    """HF Switch Transformers' top-1 router returns a dispatch mask after
+    capacity: router.tokens counts the kept tokens per expert, router.wanted
+    the tokens whose top expert it is (before capacity), router.dropped the
+    tokens none took; all equal the router's own tensors."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.SwitchTransformersConfig(vocab_size=64, d_model=16, d_kv=8, d_ff=16, num_layers=2,
+                                                num_decoder_layers=2, num_heads=2, num_experts=4, expert_capacity=3,
+                                                encoder_sparse_step=1, decoder_sparse_step=1, decoder_start_token_id=0,
+                                                pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersForConditionalGeneration(cfg)
+    routers = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("Top1Router")}
+    assert routers
+    seen = {n: [] for n in routers}
+    for n, m in routers.items():
+        m.register_forward_hook(lambda mod, a, out, n=n: seen[n].append((out[0].detach().clone(),
+                                                                          out[2].detach().clone())))
+    mon = Monitor(model, capture="router").attach()
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    for n in routers:
+        (mask, logits), = seen[n]
+        kept = mask.reshape(-1, 4).sum(0).double().numpy()
+        wanted = torch.bincount(logits.reshape(-1, 4).argmax(-1), minlength=4).double().numpy()
+        dropped = int((mask.reshape(-1, 4).sum(-1) == 0).sum())
+        np.testing.assert_array_equal(h.groups(f"{n}/router.tokens", "count")[0], kept)
+        np.testing.assert_array_equal(h.groups(f"{n}/router.wanted", "count")[0], wanted)
+        assert h["sum"][0, h.column(f"{n}/router.dropped")] == dropped
+        assert h["count"][0, h.column(f"{n}/router.dropped")] == mask.numel() // 4
+    assert any(h["sum"][0, h.column(f"{n}/router.dropped")] > 0 for n in routers)  # capacity 3 of 16 tokens

@@ -17,6 +17,13 @@ order inside a tuple (HF Mixtral, OLMoE and Qwen-MoE routers return
 - ``{module}/router.entropy``: each token's entropy of ``softmax(logits)``
   in nats (``ln E`` at most: uniform routing).
 
+A router returning a dispatch mask after capacity instead of indices (HF
+Switch Transformers: ``(mask [..., E], top weight [..., 1], logits)``) also
+gets ``{module}/router.wanted``: one group per expert, the tokens whose
+largest logit names it (demand before capacity, for top-1 routing), and
+``{module}/router.dropped``: 1.0 per token no expert took (``sum``: dropped
+tokens, ``mean``: their share); ``router.tokens`` counts the kept ones.
+
 Computed on the tensors' device with no host sync (a few small temporaries
 of E or tokens values, on recorded steps only). Inside ``torch.compile``d
 code an opaque op in the graph does the same at run time."""
@@ -30,43 +37,52 @@ import torch
 
 from .._ops import make_effectful
 
-def router_parts(out) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-    """``(logits, weights or None, indices)`` of a router's output, or None
+
+def router_parts(out) -> tuple | None:
+    """``(logits, weights or None, choices)`` of a router's output, or None
     where ``out`` is no router's: a tuple or list holding an integer tensor
-    ``[..., k]`` and a floating tensor ``[..., E]`` over the same tokens
-    (``E > k``); weights: a floating tensor of the indices' shape."""
+    ``[..., k]`` (top-k choices) and a floating tensor ``[..., E]`` over the
+    same tokens (``E > k``), weights a floating tensor of the choices' shape;
+    or a dispatch mask (integer or bool, the logits' shape ``[..., E]``: 1
+    where a token goes to an expert after capacity, as HF Switch
+    Transformers' router returns), weights ``[..., 1]`` or ``[..., E]``."""
     if not isinstance(out, (tuple, list)):
         return None
-    ts = [t for t in out if isinstance(t, torch.Tensor) and t.dim() >= 1]
-    idx = next((t for t in ts if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool), None)
-    if idx is None or idx.numel() == 0:
-        return None
-    k = idx.shape[-1]
-    tokens = idx.numel() // k
-    logits = next((t for t in ts if t.is_floating_point() and t.shape[-1] > k and t.numel() == tokens * t.shape[-1]),
-                  None)
-    if logits is None:
-        return None
-    weights = next((t for t in ts if t.is_floating_point() and t.shape == idx.shape), None)
-    return logits, weights, idx
+    ts = [t for t in out if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.numel() > 0]
+    ints = [t for t in ts if not t.is_floating_point() and not t.is_complex()]
+    floats = [t for t in ts if t.is_floating_point()]
+    idx = next((t for t in ints if t.dtype != torch.bool), None)
+    if idx is not None:
+        k = idx.shape[-1]
+        tokens = idx.numel() // k
+        logits = next((t for t in floats if t.shape[-1] > k and t.numel() == tokens * t.shape[-1]), None)
+        if logits is not None:
+            return logits, next((t for t in floats if t.shape == idx.shape), None), idx
+    for mask in ints:  # no wider logits: a dispatch mask, if one has the logits' shape
+        logits = next((f for f in floats if f.shape == mask.shape and f.shape[-1] >= 2), None)
+        if logits is not None:
+            weights = next((f for f in floats if f is not logits and f.shape[:-1] == mask.shape[:-1]
+                            and f.shape[-1] in (1, mask.shape[-1])), None)
+            return logits, weights, mask
+    return None
 
 
 _CAPTURES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> RouterCapture
 
 
 @torch.library.custom_op("hookcap::observe_router", mutates_args=())
-def _observe_op(logits: torch.Tensor, weights: Optional[torch.Tensor], indices: torch.Tensor, capture: int,
+def _observe_op(logits: torch.Tensor, weights: Optional[torch.Tensor], choices: torch.Tensor, capture: int,
                 module: str, mtype: str) -> None:
     """Compiled code's router call: opaque to the compiler, so it runs as
     eager code at each call and reads the Monitor's state then (no guard)."""
     c = _CAPTURES.get(capture)
     if c is not None and c.rec.recording:
         with torch.no_grad():
-            record_router(c.rec, module, mtype, logits, weights, indices)
+            record_router(c.rec, module, mtype, logits, weights, choices)
 
 
 @_observe_op.register_fake
-def _(logits, weights, indices, capture, module, mtype) -> None:
+def _(logits, weights, choices, capture, module, mtype) -> None:
     return None
 
 
@@ -106,17 +122,26 @@ class RouterCapture:
 
 
 def record_router(rec, name: str, mtype: str, logits: torch.Tensor, weights: torch.Tensor | None,
-                  indices: torch.Tensor) -> None:
-    """Write one router call's metrics (module docstring) into ``rec``."""
+                  choices: torch.Tensor) -> None:
+    """Write one router call's metrics (module docstring) into ``rec``;
+    ``choices``: top-k indices, or a dispatch mask of the logits' shape."""
     experts = logits.shape[-1]
-    idx = indices.detach()
+    lf = logits.detach().float().reshape(-1, experts)
+    if choices.shape == logits.shape:  # a dispatch mask: expert e where set, else -1 (in no group)
+        mask = choices.detach().reshape(-1, experts) != 0
+        idx = torch.where(mask, torch.arange(experts, device=mask.device), -1)
+        if weights is not None:
+            weights = weights.detach().reshape(mask.shape[0], -1).expand(mask.shape)
+        rec.write(name, "router", "dropped", (~mask.any(-1)).to(torch.float32), mtype, 0)
+        rec.write_bins(name, "router", "wanted", lf.argmax(-1), None, experts, mtype, 0)
+    else:
+        idx = choices.detach()
     rec.write_bins(name, "router", "tokens", idx, None if weights is None else weights.detach(), experts, mtype, 0)
     flat = idx.reshape(-1).long()
-    # Choices outside [0, E) (a capacity router's dropped marker) count in an extra last slot, left out.
+    # Choices outside [0, E) (dropped: no expert) count in an extra last slot, left out.
     slot = torch.where((flat >= 0) & (flat < experts), flat, experts)
     counts = torch.zeros(experts + 1, dtype=torch.float64, device=flat.device)
     counts.index_add_(0, slot, torch.ones((), dtype=torch.float64, device=flat.device).expand(flat.numel()))
     rec.write(name, "router", "load", counts[:experts], mtype, 0)
-    lf = logits.detach().float().reshape(-1, experts)
     rec.write(name, "router", "z", torch.logsumexp(lf, dim=-1).square_(), mtype, 0)
     rec.write(name, "router", "entropy", torch.special.entr(torch.softmax(lf, dim=-1)).sum(-1), mtype, 0)
