@@ -107,7 +107,10 @@ def test_hf_gpt2_flags_the_planted_head(impl):
     model = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():  # layer 1, head 2: its queries (c_attn's first n_embd outputs) x 8
         model.transformer.h[1].attn.c_attn.weight[:, 16:24] *= 8.0
-    mon = Monitor(model, capture=("output", "attention"), every=2).attach()
+    # The planted head's max logit is ~0.25, the others' below 0.05 (random init): τ = 0.1.
+    qk_clip = hookcap.Threshold("max", above=0.1, metrics="*/attn.logit", groups=True)
+    mon = Monitor(model, capture=("output", "attention"), every=2,
+                  detectors=[hookcap.NonFinite(), qk_clip]).attach()
     for _ in range(3):
         model(torch.randint(0, 50, (2, 12)), labels=torch.randint(0, 50, (2, 12))).loss.backward()
         mon.step()
@@ -117,7 +120,7 @@ def test_hf_gpt2_flags_the_planted_head(impl):
     for layer in (0, 1):
         assert h.groups(f"transformer.h.{layer}.attn/attn.logit", "max").shape == (2, 4)
     assert (np.argmax(h.groups("transformer.h.1.attn/attn.logit", "max"), axis=1) == 2).all()
-    assert not h.anomalies
+    assert [(a.kind, a.name, a.step) for a in h.anomalies] == [("threshold", "transformer.h.1.attn/attn.logit[2]", 0)]
 
 
 def test_a_query_row_with_no_allowed_key_is_minus_inf_not_a_fault():
