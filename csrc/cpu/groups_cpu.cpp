@@ -1,16 +1,17 @@
 // accumulate_groups on the CPU. Groups whose slices are long contiguous runs
 // (experts along a leading dimension) read through a view per group with the
 // statistics op's loop. Groups of short runs (heads: 64 values of every
-// token) are gathered instead: the tensor is walked once in memory order,
-// each run copied into its group's block buffer, and full blocks go to the
-// float (or double) statistics loop of values produced elsewhere
-// (FloatsPartial / DoublesPartial), as the update op's values do.
+// token) are gathered instead: the tensor is walked in tiles of consecutive
+// rows, each group's runs of a tile copied into one L1-sized buffer and
+// pushed to the float (or double) statistics loop of values produced
+// elsewhere (FloatsPartial / DoublesPartial), as the update op's values are.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -22,18 +23,16 @@
 namespace hookcap {
 namespace {
 
-// Values per group buffer: large enough that each push's fixed cost is
-// amortised, small enough that every group's buffer stays in L2.
-constexpr int64_t kGatherValues = 1 << 16;  // all groups' buffers together
-inline int64_t gather_block(int64_t groups) { return std::clamp<int64_t>(kGatherValues / groups, 2048, 8192); }
+// Values per push: enough that each push's fixed cost is amortised, few
+// enough that the buffer stays in L1 (written, then read by the push).
+constexpr int64_t kGatherTile = 2048;
 constexpr int64_t kGatherRunBelow = 4096;  // runs shorter than this are gathered
 constexpr int64_t kGatherGroups = 64;      // at most this many groups are gathered (buffers per thread)
 
-// One thread's buffers and partials for every group, reused between calls.
+// One thread's buffer and partials for every group, reused between calls.
 template <typename V, typename Partial>
 struct GatherState {
-  std::vector<V> buf;            // groups x gather_block(groups)
-  std::vector<int64_t> fill;     // values waiting per group
+  std::vector<V> buf;            // one tile of one group's runs
   std::vector<uint32_t> local;   // groups x kDoublesLocalWords
   std::vector<Partial> part;
 };
@@ -66,56 +65,69 @@ void partial_flush(PartialOf<V>& p) {
   }
 }
 
+// `rows` runs of `run` values, `step` apart from `x`, into `out` back to back
+// (as float, or double for double input: exact). Built for the baseline ISA
+// and for AVX2 (twice the width), picked once per call.
+template <typename T, typename V>
+C10_ALWAYS_INLINE void copy_runs(const T* x, int64_t rows, int64_t step, int64_t run, V* __restrict out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* __restrict from = x + r * step;
+    V* __restrict to = out + r * run;
+    if constexpr (std::is_same_v<T, V>) {
+      std::memcpy(to, from, sizeof(V) * run);
+    } else {
+      for (int64_t i = 0; i < run; ++i) to[i] = load_float(from + i);
+    }
+  }
+}
+
+template <typename T, typename V>
+void copy_runs_base(const T* x, int64_t rows, int64_t step, int64_t run, V* out) {
+  copy_runs<T, V>(x, rows, step, run, out);
+}
+
+template <typename T, typename V>
+__attribute__((target("avx2,f16c"))) void copy_runs_avx2(const T* x, int64_t rows, int64_t step, int64_t run,
+                                                           V* out) {
+  copy_runs<T, V>(x, rows, step, run, out);
+}
+
 // x contiguous, seen as [outer, groups, run]: group g's values are the runs
 // at (o * groups + g) * run. Threads take ranges of `outer`.
 template <typename T>
 void gather_groups(const T* x, int64_t outer, int64_t groups, int64_t run, int64_t* const* rows, const HistSpec& h) {
   using V = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  auto value_of = [](const T* p) -> V {
-    if constexpr (std::is_same_v<T, double>) {
-      return *p;
-    } else {
-      return load_float(p);  // exact: every input dtype but double fits a float
-    }
-  };
-  at::parallel_for(0, outer, std::max<int64_t>(1, 32768 / (run * groups)),
+  const bool avx2 = cpu_avx2();
+  // Tiles of `tile` consecutive outer rows: each group's runs of a tile are
+  // copied into one buffer of `tile * run` values (L1-sized, reused by every
+  // group), which is pushed whole. The tile's lines are read once, one
+  // group's at a time; no other buffer is written.
+  const int64_t tile = std::max<int64_t>(1, kGatherTile / run);
+  at::parallel_for(0, outer, std::max<int64_t>(tile, 32768 / (run * groups)),
                    [&](int64_t o0, int64_t o1) {
     thread_local GatherState<V, PartialOf<V>> s;
-    const int64_t block = gather_block(groups);
-    s.buf.resize(groups * block);
-    s.fill.assign(groups, 0);
+    s.buf.resize(tile * run);
     s.local.resize(groups * kDoublesLocalWords);
     s.part.resize(groups);
     for (int64_t g = 0; g < groups; ++g) {
       if (rows[g]) partial_begin<V>(s.part[g], rows[g], h, s.local.data() + g * kDoublesLocalWords);
     }
-    for (int64_t o = o0; o < o1; ++o) {
+    V* __restrict b = s.buf.data();
+    for (int64_t t0 = o0; t0 < o1; t0 += tile) {
+      const int64_t t1 = std::min(o1, t0 + tile);
       for (int64_t g = 0; g < groups; ++g) {
         if (!rows[g]) continue;
-        const T* src = x + (o * groups + g) * run;
-        V* b = s.buf.data() + g * block;
-        int64_t done = 0, fill = s.fill[g];
-        while (done < run) {
-          const int64_t take = std::min(run - done, block - fill);
-          V* __restrict dst = b + fill;
-          const T* __restrict from = src + done;
-          // An inline loop: runs are short (a head's 64 values), where a
-          // memcpy call costs more than the copy.
-          for (int64_t i = 0; i < take; ++i) dst[i] = value_of(from + i);
-          fill += take;
-          done += take;
-          if (fill == block) {
-            partial_push<V>(s.part[g], b, block);
-            fill = 0;
-          }
+        const T* from = x + (t0 * groups + g) * run;
+        if (avx2) {
+          copy_runs_avx2<T, V>(from, t1 - t0, groups * run, run, b);
+        } else {
+          copy_runs_base<T, V>(from, t1 - t0, groups * run, run, b);
         }
-        s.fill[g] = fill;
+        partial_push<V>(s.part[g], b, (t1 - t0) * run);
       }
     }
     for (int64_t g = 0; g < groups; ++g) {
-      if (!rows[g]) continue;
-      if (s.fill[g]) partial_push<V>(s.part[g], s.buf.data() + g * block, s.fill[g]);
-      partial_flush<V>(s.part[g]);
+      if (rows[g]) partial_flush<V>(s.part[g]);
     }
   });
 }
