@@ -36,6 +36,15 @@ def grouped(run, base_pattern: str) -> dict[str, list[int]]:
     return {base: [c[g] for g in sorted(c)] for base, c in cols.items()}
 
 
+def _groups_of(run, stat: str, suffix: str) -> list[tuple[str, np.ndarray]]:
+    """``[(owner, stat [S, G])]`` for the grouped metrics ``f"{owner}{suffix}"``
+    of ``run``; empty where it has none, or not ``stat``."""
+    if stat not in run.stats:
+        return []
+    v = run.stats[stat]
+    return [(base.removesuffix(suffix), v[:, cols]) for base, cols in grouped(run, ".*" + re.escape(suffix)).items()]
+
+
 def _last_recorded(values: np.ndarray) -> int | None:
     """The last row (step) of ``values`` [S, G] with a finite value."""
     ok = np.flatnonzero(np.isfinite(values).any(axis=1))
@@ -44,30 +53,24 @@ def _last_recorded(values: np.ndarray) -> int | None:
 
 def plot_attention(run, path: str) -> str | None:
     """Per-head max logits (module docstring), or None without attention groups."""
-    if "max" not in run.stats:
-        return None
-    layers = grouped(run, r".*/attn\.logit")
+    layers = _groups_of(run, "max", "/attn.logit")
     if not layers:
         return None
     Figure = import_mpl()
-    mx = run.stats["max"]
-    heads = max(len(c) for c in layers.values())
-    grid = np.full((len(layers), heads), np.nan)
-    rows, labels = [], []
-    for li, (base, cols) in enumerate(layers.items()):
-        v = mx[:, cols]
+    grid = np.full((len(layers), max(v.shape[1] for _, v in layers)), np.nan)
+    for li, (_, v) in enumerate(layers):
         s = _last_recorded(v)
         if s is not None:
-            grid[li, :len(cols)] = v[s]
-        rows.extend(v.T)
-        labels.extend(f"{base.removesuffix('/attn.logit')} h{h}" for h in range(len(cols)))
+            grid[li, :v.shape[1]] = v[s]
+    rows = [r for _, v in layers for r in v.T]
+    labels = [f"{owner} h{h}" for owner, v in layers for h in range(v.shape[1])]
     fig = heatmap_figure(Figure, len(rows), len(run.steps))
     left, right = fig.subplots(1, 2, width_ratios=[1, 2])
     im = left.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="magma")
     fig.colorbar(im, ax=left, label="max logit")
     left.set_xlabel("head")
     left.set_yticks(range(len(layers)))
-    left.set_yticklabels([b.removesuffix("/attn.logit") for b in layers], fontsize=7)
+    left.set_yticklabels([owner for owner, _ in layers], fontsize=7)
     left.set_title("max logit per head, latest step")
     im = right.imshow(np.ma.masked_invalid(np.array(rows)), aspect="auto", cmap="magma")
     fig.colorbar(im, ax=right, label="max logit")
@@ -79,22 +82,15 @@ def plot_attention(run, path: str) -> str | None:
 
 def plot_experts(run, path: str) -> str | None:
     """Expert load over time (module docstring), or None without routers."""
-    if "count" not in run.stats:
-        return None
-    routers = grouped(run, r".*/router\.tokens")
+    routers = _groups_of(run, "count", "/router.tokens")
     if not routers:
         return None
     from matplotlib.colors import ListedColormap
 
     Figure = import_mpl()
-    count = run.stats["count"]
-    rows, labels = [], []
-    for base, cols in routers.items():
-        v = count[:, cols]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share = v / v.mean(axis=1, keepdims=True)
-        rows.extend(share.T)
-        labels.extend(f"{base.removesuffix('/router.tokens')} e{e}" for e in range(len(cols)))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rows = [r for _, v in routers for r in (v / v.mean(axis=1, keepdims=True)).T]
+    labels = [f"{owner} e{e}" for owner, v in routers for e in range(v.shape[1])]
     share = np.array(rows)
     fig = heatmap_figure(Figure, len(rows), len(run.steps))
     ax = fig.add_subplot()
@@ -113,23 +109,18 @@ def plot_experts(run, path: str) -> str | None:
 
 def plot_channels(run, path: str, most: int = 6) -> str | None:
     """Top channel ids over time (module docstring), or None without them."""
-    if "max" not in run.stats:
-        return None
-    tensors = grouped(run, r".*\.top_channels")
-    if not tensors:
+    shown = _groups_of(run, "max", ".top_channels")[:most]
+    if not shown:
         return None
     Figure = import_mpl()
-    shown = list(tensors.items())[:most]
     fig = Figure(figsize=(12, 2.6 * len(shown)), dpi=100, layout="constrained")
     axes = fig.subplots(len(shown), 1, squeeze=False)[:, 0]
     mx = run.stats["max"]
-    for ax, (base, cols) in zip(axes, shown):
-        ids = mx[:, cols]
+    for ax, (name, ids) in zip(axes, shown):
         for r in range(ids.shape[1]):
             ax.scatter(run.steps, ids[:, r], s=14 if r == 0 else 6, color=str(0.6 * r / max(1, ids.shape[1] - 1)),
                        label="largest" if r == 0 else None)
         ax.set_ylabel("channel id")
-        name = base.removesuffix(".top_channels")
         ratio = name + ".top_over_median"
         if ratio in run.names:
             twin = ax.twinx()

@@ -166,6 +166,13 @@ inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
                   " out of range for a ring with ", ring.sym_size(1), " rows");
 }
 
+// One entry of an op's list of rows: a row of the ring, or -1 (not recorded).
+inline void check_row_or_skip(const char* op, int64_t r, const at::Tensor& ring) {
+  TORCH_CHECK(r >= -1, "hookcap.", op, ": a row must be >= 0 or -1, got ", r);
+  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(r), "hookcap.", op, ": row ", r, " out of range for a ring with ",
+                  ring.sym_size(1), " rows");
+}
+
 // accumulate_groups: x split along `dim` into groups of `size` slices, one
 // row per group (`rows`, -1: not recorded).
 inline void check_groups(const at::Tensor& x, const at::Tensor& ring, const at::Tensor& state,
@@ -179,10 +186,7 @@ inline void check_groups(const at::Tensor& x, const at::Tensor& ring, const at::
               " must divide dimension ", dim, " (", extent, ")");
   TORCH_CHECK(static_cast<int64_t>(rows.size()) == extent / size, "hookcap.accumulate_groups: ",
               extent / size, " groups but ", rows.size(), " rows");
-  for (const int64_t r : rows) {
-    TORCH_CHECK(r >= -1 && r < ring.size(1), "hookcap.accumulate_groups: row ", r,
-                " out of range for a ring with ", ring.size(1), " rows");
-  }
+  for (const int64_t r : rows) check_row_or_skip("accumulate_groups", r, ring);
 }
 
 // Whether accumulate_groups' groups can share one launch of the statistics
@@ -230,11 +234,7 @@ inline void check_bins(const at::Tensor& index, const c10::optional<at::Tensor>&
                     "hookcap.accumulate_bins: weight must have index's number of elements");
   }
   TORCH_CHECK(!rows.empty(), "hookcap.accumulate_bins: rows needs one row per bin, got none");
-  for (const int64_t r : rows) {
-    TORCH_CHECK(r >= -1, "hookcap.accumulate_bins: a row must be >= 0 or -1, got ", r);
-    TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(r), "hookcap.accumulate_bins: row ", r,
-                    " out of range for a ring with ", ring.sym_size(1), " rows");
-  }
+  for (const int64_t r : rows) check_row_or_skip("accumulate_bins", r, ring);
 }
 
 // How a kernel reads x (strided.h): dense inputs (contiguous in some
@@ -269,9 +269,7 @@ inline void check_update(const at::Tensor& param, const c10::optional<at::Tensor
               static_cast<int64_t>(rows.size()));
   int64_t first = -1;
   for (const int64_t r : rows) {
-    TORCH_CHECK(r >= -1, "hookcap.accumulate_update: a row must be >= 0 or -1, got ", r);
-    TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(r), "hookcap.accumulate_update: row ", r,
-                    " out of range for a ring with ", ring.sym_size(1), " rows");
+    check_row_or_skip("accumulate_update", r, ring);
     if (first < 0) first = r;
   }
   TORCH_CHECK(first >= 0, "hookcap.accumulate_update: rows records nothing (every entry is -1)");

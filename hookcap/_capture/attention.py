@@ -35,9 +35,9 @@ _HF_ORIGINAL: list = [None]  # AttentionInterface.get_interface while wrapped
 _ACTIVE: list[AttentionCapture] = []
 
 
-def _observe(q, k, attn_mask, is_causal, scale) -> None:
+def _observe(q, k, attn_mask, is_causal, scale, module: str | None = None) -> None:
     for capture in list(_ACTIVE):
-        capture.observe(q, k, attn_mask, is_causal, scale)
+        capture.observe(q, k, attn_mask, is_causal, scale, module)
 
 
 def _hf_eager(fn, module, query, key, value, attention_mask, *args, **kwargs):
@@ -69,8 +69,7 @@ def _observe_op(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None
     """Compiled code's observation: opaque to the compiler, so it runs as
     eager code at each call (the Monitors' state is read then, never
     guarded), for the module named when the graph was traced."""
-    for capture in list(_ACTIVE):
-        capture.observe(q, k, attn_mask, is_causal, scale, module)
+    _observe(q, k, attn_mask, is_causal, scale, module)
 
 
 @_observe_op.register_fake
@@ -206,8 +205,7 @@ class AttentionCapture:
                           f"shapes {tuple(q.shape)}, {tuple(k.shape)} are not recorded (3 or 4 dimensions, "
                           "heads at -3)")
             return
-        name = module
         with torch.no_grad():
             for logits, lse, entropy in attention_tiles(q.detach(), k.detach(), attn_mask, is_causal, scale):
                 for path, t in (("logit", logits), ("lse", lse), ("entropy", entropy)):
-                    rec.write(name, "attn", path, t, "attention", 0, groups=_PER_HEAD)
+                    rec.write(module, "attn", path, t, "attention", 0, groups=_PER_HEAD)

@@ -103,7 +103,7 @@ def _compiled_row(key: int, name: str, kind: str, path: str, device: str, shape:
     dev = torch.device(device)
     rec = hooks.recorder
     metric = metric_name(name, kind, path)
-    if rec.grouped.specs and rec.grouped.matches(metric):
+    if rec.grouped.matches(metric):
         rec.warn_once(("groups-compiled", metric), f"hookcap: {metric}: recorded whole inside torch.compile "
                       "(Monitor(groups=...) splits module outputs there, not gradients or taps)")
     return rec.register_row((name, kind, path, dev, 0), dev, shape, dtype, mtype,
@@ -232,7 +232,7 @@ def _row(hooks, name, kind, path, t, mtype) -> int:
 def _grouped(key: int, metric: str) -> bool:
     """Whether ``metric`` is grouped (``Monitor(groups=...)``); run at trace time."""
     hooks = _HOOKS.get(key)
-    return hooks is not None and bool(hooks.recorder.grouped.specs) and hooks.recorder.grouped.matches(metric)
+    return hooks is not None and hooks.recorder.grouped.matches(metric)
 
 
 @torch.library.custom_op("hookcap::write_grouped", mutates_args=())

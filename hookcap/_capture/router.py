@@ -104,19 +104,20 @@ class RouterCapture:
         rec, me = self.rec, id(self)
 
         def post(mod, args, out):
-            if torch.compiler.is_compiling():
-                parts = router_parts(out)  # the output's structure: a constant of the graph
-                if parts is not None and _OBSERVE_IN_GRAPHS:
-                    self.on_traced()
-                    _observe_op(*parts, me, name, mtype)
+            # Compiled code reads no Monitor state (a guard on `recording`
+            # would recompile at each change): the op in the graph does.
+            compiling = torch.compiler.is_compiling()
+            if not (compiling or rec.recording):
                 return
-            if not rec.recording:
-                return
-            parts = router_parts(out)
+            parts = router_parts(out)  # compiled: the output's structure, a constant of the graph
             if parts is None:
                 return
-            with torch.no_grad():
-                record_router(rec, name, mtype, *parts)
+            if not compiling:
+                with torch.no_grad():
+                    record_router(rec, name, mtype, *parts)
+            elif _OBSERVE_IN_GRAPHS:
+                self.on_traced()
+                _observe_op(*parts, me, name, mtype)
 
         return post
 

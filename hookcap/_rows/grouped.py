@@ -38,7 +38,7 @@ class GroupedRows:
     def __init__(self, rec) -> None:
         self.rec = rec
         self.specs = rec.config.groups
-        self._entries: dict[tuple, _Entry | None] = {}
+        self._entries: dict[tuple, _Entry | Channels | None] = {}  # None: recorded whole
 
     def matches(self, metric: str) -> bool:
         """Whether ``metric`` is grouped (its glob matches)."""
@@ -73,7 +73,8 @@ class GroupedRows:
         if t.shape[e.dim] != e.extent * e.size:  # another number of groups than the rows hold
             rec.skip_call(metric_name(*key[:3]), f"groups: dimension {e.dim} is {t.shape[e.dim]}, was {e.extent * e.size}")
             return True
-        self._call(key, e, _OP_GROUPS, t, e.dim, e.size)
+        hist = rec.config.hist_args
+        self._call(key, e, lambda ring: _OP_GROUPS(t, ring.ring, ring.state, e.rows, e.dim, e.size, *hist))
         return True
 
     def write_bins(self, key: tuple, index: torch.Tensor, weight: torch.Tensor | None, bins: int, mtype: str,
@@ -85,7 +86,8 @@ class GroupedRows:
         e = self._entries.get(key, _NONE)
         if e is _NONE:
             dtype = str((weight if weight is not None else index).dtype)
-            e = self._entries[key] = self._register(key, bins, tuple(index.shape), dtype, mtype, placement=placement)
+            made = self._register(key, bins, tuple(index.shape), dtype, mtype, placement=placement)
+            e = self._entries[key] = None if made is None else _Entry(bins, None, None, *made)
         if e is None:
             return
         if e.extent != bins:
@@ -95,7 +97,8 @@ class GroupedRows:
             index = index.contiguous()  # router choices: tokens x k integers, small
         if weight is not None and not weight.is_contiguous():
             weight = weight.contiguous()
-        self._call(key, e, _OP_BINS, index, weight)
+        hist = self.rec.config.hist_args
+        self._call(key, e, lambda ring: _OP_BINS(index, weight, ring.ring, ring.state, e.rows, *hist))
 
     def _channels(self, key: tuple, t: torch.Tensor, mtype: str, spec: Channels) -> None:
         """``spec.summarize(t)``'s metrics, ``f"{metric}.{suffix}"`` (a
@@ -111,14 +114,12 @@ class GroupedRows:
             self.rec.write(name, kind, f"{path}.{suffix}" if path else suffix, v, mtype, ci,
                            groups=_PER_ELEMENT if by_rank else WHOLE)
 
-    def _call(self, key: tuple, e: _Entry, op, *args) -> None:
+    def _call(self, key: tuple, e: _Entry, op_on) -> None:
+        """``op_on(ring)``: the op call writing ``e``'s rows of that ring;
+        then its rows join the step's write order."""
         rec = self.rec
-        ring = rec.ring_of(e.rids[0])
         try:
-            if op is _OP_BINS:
-                op(args[0], args[1], ring.ring, ring.state, e.rows, *rec.config.hist_args)
-            else:
-                op(args[0], ring.ring, ring.state, e.rows, *args[1:], *rec.config.hist_args)
+            op_on(rec.ring_of(e.rids[0]))
         except Exception as ex:  # telemetry must never take the run down
             rec.skip_call(metric_name(*key[:3]), f"{type(ex).__name__}: {ex}")
             return
@@ -145,17 +146,15 @@ class GroupedRows:
             return None
         dim = spec.dim % t.dim()
         shape = tuple(t.shape[:dim]) + (spec.size,) + tuple(t.shape[dim + 1:])
-        e = self._register(key, count, tuple(t.shape), str(t.dtype), mtype, shape)
-        if e is not None:
-            e.dim, e.size = dim, spec.size
-        return e
+        made = self._register(key, count, tuple(t.shape), str(t.dtype), mtype, shape)
+        return None if made is None else _Entry(count, dim, spec.size, *made)
 
     def _register(self, key: tuple, count: int, shape: tuple, dtype: str, mtype: str,
-                  group_shape: tuple | None = None, placement: str | None = None) -> _Entry | None:
+                  group_shape: tuple | None = None, placement: str | None = None) -> tuple[list, list] | None:
         """The whole metric of capture ``key`` (no row of its own) and a row
         per group (meta shape ``group_shape``, else the whole's: a bin's
-        elements are picked from all of it); None where a row cannot be made
-        (a CUDA graph capture)."""
+        elements are picked from all of it): ``(rows, row ids)``, or None
+        where a row cannot be made (a CUDA graph capture)."""
         rec = self.rec
         name, kind, path, device = key[:4]
         metric = metric_name(name, kind, path)
@@ -172,4 +171,4 @@ class GroupedRows:
             if rid == SKIPPED:
                 return None
             rids.append(rid)
-        return _Entry(count, None, None, [row_of(r) for r in rids], rids)
+        return [row_of(r) for r in rids], rids
