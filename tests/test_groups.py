@@ -356,3 +356,72 @@ def test_host_bytes_per_group_step_within_a_metrics():
         groups = 768 // size
         extra = per_step({"./output": hookcap.Groups(-1, size)}) - whole
         assert 0 < extra / groups <= whole, (size, extra / groups, whole)
+
+
+HISTS = [None, Histogram.log2(), Histogram.log2(-20, 8, sub=4, signed=True), Histogram.linear(-4, 4, 32)]
+
+
+def planted(shape, dtype, seed):
+    """Normal data with a NaN, +-Inf, zeros, subnormal-sized and large values
+    planted in a few places (several blocks of a 64-value head hold some)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float64) * 2
+    flat = x.view(-1)
+    n = flat.numel()
+    for i, v in zip((3, n // 3, n // 2 + 70, n - 5), (float("nan"), float("inf"), -float("inf"), 1e4)):
+        flat[i] = v
+    flat[n // 5:n // 5 + 300] = 0.0
+    flat[n // 7:n // 7 + 40] = 1e-41 if dtype in (torch.float32, torch.float64) else 0.0
+    return x.to(dtype)
+
+
+def assert_rows_equal_float64(x, got_ring, groups, dim, size, hist, row0=0):
+    """Each group's row: counts, extrema and bins exactly those of the op on a
+    contiguous copy of its slice, the rest float64's to rounding."""
+    each = ring_for(groups, hist)
+    for gi in range(groups):
+        part = x.narrow(dim, gi * size, size)
+        _ops.accumulate(part.contiguous(), each, new_state("cpu"), gi, hist)
+        got_raw, want_raw = got_ring[0, row0 + gi].numpy(), each[0, gi].numpy()
+        assert np.array_equal(got_raw[EXACT_COLS], want_raw[EXACT_COLS]), gi
+        assert np.array_equal(got_raw[_layout.HEADER:], want_raw[_layout.HEADER:]), gi
+        assert_stats_match(decoded(got_ring, row0 + gi, hist), tensor_stats(part, hist), abs_sum=abs_sum(part))
+
+
+@pytest.mark.parametrize("hist", HISTS, ids=["none", "log2", "fine", "linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.float8_e4m3fn])
+@pytest.mark.parametrize("head_dim,tokens", [(64, 1100), (32, 700), (128, 300), (2048, 9), (96, 400), (48, 500), (16, 900), (24, 300)])
+def test_heads_read_in_place_equal_float64(head_dim, tokens, dtype, hist):
+    """Heads whose length is a multiple of 16 values are read in place as
+    rows (no copy; 48, 16: a row ends mid-vector), tile by tile with the next
+    tile fetched ahead; others (24) are copied first: several tiles and
+    threads, a ragged last tile, NaN/Inf/zeros/subnormals in some blocks --
+    exactly the slice's counts, extrema and bins."""
+    heads = 6
+    x = planted((tokens, heads * head_dim), dtype, head_dim + tokens)
+    ring = ring_for(heads, hist)
+    _ops.accumulate_groups(x, ring, new_state("cpu"), list(range(heads)), -1, head_dim, hist)
+    assert_rows_equal_float64(x, ring, heads, -1, head_dim, hist)
+
+
+@pytest.mark.parametrize("hist", HISTS, ids=["none", "log2", "fine", "linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["slice", "ragged stretches", "chunks mid-row", "rows of 48"])
+def test_a_slice_of_the_last_dim_read_as_rows_equals_float64(case, dtype, hist):
+    """The statistics op on a view whose innermost run is a multiple of 16
+    (one head of a projection) reads whole rows per block: a plain slice,
+    a view whose rows are evenly spaced only in stretches (a padded middle
+    dimension), and one large enough that its chunks start mid-row."""
+    if case == "slice":
+        view = planted((900, 384), dtype, 1)[:, 128:192]
+    elif case == "ragged stretches":
+        view = planted((5, 41, 300), dtype, 2)[:, :40, 7:71].transpose(0, 1)
+    elif case == "chunks mid-row":
+        view = planted((20001, 128), dtype, 3)[:, 64:]  # 1.28 M values: chunks of 20,001 values
+    else:
+        view = planted((700, 240), dtype, 4)[:, 96:144]
+    assert not view.is_contiguous()
+    ring = ring_for(1, hist)
+    _ops.accumulate(view, ring, new_state("cpu"), 0, hist)
+    assert_rows_equal_float64(view, ring, 1, 0, view.shape[0], hist)  # the whole view: one group

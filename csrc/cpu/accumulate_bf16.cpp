@@ -4,4 +4,5 @@
 
 namespace hookcap {
 template HOOKCAP_ACCUMULATE_READ(c10::BFloat16);
+HOOKCAP_PARTIAL(c10::BFloat16);
 }  // namespace hookcap

@@ -4,4 +4,5 @@
 
 namespace hookcap {
 template HOOKCAP_ACCUMULATE_READ(c10::Float8_e5m2);
+HOOKCAP_PARTIAL(c10::Float8_e5m2);
 }  // namespace hookcap

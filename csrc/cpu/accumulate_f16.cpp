@@ -4,4 +4,5 @@
 
 namespace hookcap {
 template HOOKCAP_ACCUMULATE_READ(c10::Half);
+HOOKCAP_PARTIAL(c10::Half);
 }  // namespace hookcap

@@ -4,4 +4,5 @@
 
 namespace hookcap {
 template HOOKCAP_ACCUMULATE_READ(double);
+HOOKCAP_PARTIAL(double);
 }  // namespace hookcap

@@ -1,10 +1,10 @@
 // accumulate_groups on the CPU. Groups whose slices are long contiguous runs
 // (experts along a leading dimension) read through a view per group with the
 // statistics op's loop. Groups of short runs (heads: 64 values of every
-// token) are gathered instead: the tensor is walked in tiles of consecutive
-// rows, each group's runs of a tile copied into one L1-sized buffer and
-// pushed to the float (or double) statistics loop of values produced
-// elsewhere (FloatsPartial / DoublesPartial), as the update op's values are.
+// token) are walked in tiles of consecutive rows, each group's runs of a tile
+// pushed to that group's partial statistics (Partial, stats_cpu.h): read in
+// place as rows when the run is a multiple of 16 values (the loop's
+// kWalkRows), else copied into one L1-sized buffer first.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,46 +24,20 @@ namespace hookcap {
 namespace {
 
 // Values per push: enough that each push's fixed cost is amortised, few
-// enough that the buffer stays in L1 (written, then read by the push).
+// enough that a copied tile stays in L1 (written, then read by the push).
 constexpr int64_t kGatherTile = 2048;
-constexpr int64_t kGatherRunBelow = 4096;  // runs shorter than this are gathered
-constexpr int64_t kGatherGroups = 64;      // at most this many groups are gathered (buffers per thread)
+constexpr int64_t kGatherRunBelow = 4096;  // runs shorter than this are walked by tiles
+constexpr int64_t kGatherGroups = 64;      // at most this many groups (partials per thread)
 
 // One thread's buffer and partials for every group, reused between calls.
-template <typename V, typename Partial>
 struct GatherState {
-  std::vector<V> buf;            // one tile of one group's runs
-  std::vector<uint32_t> local;   // groups x kDoublesLocalWords
+  std::vector<char> buf;         // one tile of one group's runs, copied
+  std::vector<uint32_t> local;   // groups x kPartialLocalWords
   std::vector<Partial> part;
 };
 
-template <typename V>
-using PartialOf = std::conditional_t<std::is_same_v<V, double>, DoublesPartial, FloatsPartial>;
-
-template <typename V>
-void partial_begin(PartialOf<V>& p, int64_t* row, const HistSpec& h, uint32_t* local) {
-  if constexpr (std::is_same_v<V, double>) {
-    doubles_begin(p, row, h, local);
-  } else {
-    floats_begin(p, row, h, local);
-  }
-}
-template <typename V>
-void partial_push(PartialOf<V>& p, const V* x, int64_t n) {
-  if constexpr (std::is_same_v<V, double>) {
-    doubles_push(p, x, n);
-  } else {
-    floats_push(p, x, n);
-  }
-}
-template <typename V>
-void partial_flush(PartialOf<V>& p) {
-  if constexpr (std::is_same_v<V, double>) {
-    doubles_flush(p);
-  } else {
-    floats_flush(p);
-  }
-}
+// Whether runs of `run` values are read in place (the loop's rows walk).
+bool rows_in_place(int64_t run) { return run >= 16 && run <= kGatherTile && run % 16 == 0; }
 
 // `rows` runs of `run` values, `step` apart from `x`, into `out` back to back
 // (as float, or double for double input: exact). Built for the baseline ISA
@@ -98,26 +72,37 @@ template <typename T>
 void gather_groups(const T* x, int64_t outer, int64_t groups, int64_t run, int64_t* const* rows, const HistSpec& h) {
   using V = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const bool avx2 = cpu_avx2();
+  const bool in_place = rows_in_place(run);
   // Tiles of `tile` consecutive outer rows: each group's runs of a tile are
-  // copied into one buffer of `tile * run` values (L1-sized, reused by every
-  // group), which is pushed whole. The tile's lines are read once, one
-  // group's at a time; no other buffer is written.
+  // pushed whole (copied first into one buffer of `tile * run` values,
+  // reused by every group, unless read in place). The tile's lines are read
+  // once, one group's at a time.
   const int64_t tile = std::max<int64_t>(1, kGatherTile / run);
   at::parallel_for(0, outer, std::max<int64_t>(tile, 32768 / (run * groups)),
                    [&](int64_t o0, int64_t o1) {
-    thread_local GatherState<V, PartialOf<V>> s;
-    s.buf.resize(tile * run);
-    s.local.resize(groups * kDoublesLocalWords);
+    thread_local GatherState s;
+    s.buf.resize(sizeof(V) * tile * run);
+    s.local.resize(groups * kPartialLocalWords);
     s.part.resize(groups);
     for (int64_t g = 0; g < groups; ++g) {
-      if (rows[g]) partial_begin<V>(s.part[g], rows[g], h, s.local.data() + g * kDoublesLocalWords);
+      if (!rows[g]) continue;
+      uint32_t* local = s.local.data() + g * kPartialLocalWords;
+      if (in_place) {
+        partial_begin<T>(s.part[g], rows[g], h, local);
+      } else {
+        partial_begin<V>(s.part[g], rows[g], h, local);
+      }
     }
-    V* __restrict b = s.buf.data();
+    V* __restrict b = reinterpret_cast<V*>(s.buf.data());
     for (int64_t t0 = o0; t0 < o1; t0 += tile) {
       const int64_t t1 = std::min(o1, t0 + tile);
       for (int64_t g = 0; g < groups; ++g) {
         if (!rows[g]) continue;
         const T* from = x + (t0 * groups + g) * run;
+        if (in_place) {  // fetching this group's runs of the next tile as it goes
+          partial_push_rows<T>(s.part[g], from, t1 - t0, groups * run, run, t1 < o1 ? tile * groups * run : 0);
+          continue;
+        }
         if (avx2) {
           copy_runs_avx2<T, V>(from, t1 - t0, groups * run, run, b);
         } else {
@@ -127,7 +112,12 @@ void gather_groups(const T* x, int64_t outer, int64_t groups, int64_t run, int64
       }
     }
     for (int64_t g = 0; g < groups; ++g) {
-      if (rows[g]) partial_flush<V>(s.part[g]);
+      if (!rows[g]) continue;
+      if (in_place) {
+        partial_flush<T>(s.part[g]);
+      } else {
+        partial_flush<V>(s.part[g]);
+      }
     }
   });
 }

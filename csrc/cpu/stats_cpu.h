@@ -21,33 +21,21 @@ void accumulate_tensor_cpu(const at::Tensor& x, int64_t* row, const HistSpec& h)
 // Whether this CPU runs the AVX2+FMA+F16C builds of the loops.
 bool cpu_avx2();
 
-// One thread's statistics of doubles a kernel produces block by block
-// (accumulate_update) for one row: pushed block by block, merged into the
-// row once by doubles_flush (count and calls excepted: the caller counts its
-// elements and its call). The row's shift is fixed by the first push of any
-// writer (first writer wins, as everywhere).
-constexpr int64_t kDoublesLocalWords = 4 * 2101;  // the local histogram's counters (stats_cpu.cpp)
-struct DoublesPartial {
+// One thread's statistics, for one row, of values pushed piece by piece:
+// values another kernel produces block by block (accumulate_update), or a
+// group's slices of a tensor (accumulate_groups). Merged into the row once by
+// partial_flush (count and calls excepted: the caller counts its elements and
+// its call), with the statistics op's own loop for T (float sums per block,
+// the exponent and key histogram paths). The row's shift is fixed by the
+// first push of any writer (first writer wins, as everywhere). T is each
+// dtype the statistics op reads (instantiated in accumulate_<dtype>.cpp).
+constexpr int64_t kPartialLocalWords = 4 * 2101;  // the local histogram's counters (stats_loop.h)
+struct Partial {
   Acc acc;
   WideAcc wide;
   int64_t* row;
   const HistSpec* h;
-  uint32_t* local;  // kDoublesLocalWords counters, or null: bins count straight into the row
-  double shift;
-  bool started;
-};
-void doubles_begin(DoublesPartial& p, int64_t* row, const HistSpec& h, uint32_t* local);
-void doubles_push(DoublesPartial& p, const double* x, int64_t n);
-void doubles_flush(DoublesPartial& p);
-
-// The same for floats, with the float32 statistics op's loop (float sums
-// per block, the exponent and key histogram paths): accumulate_f32.cpp.
-struct FloatsPartial {
-  Acc acc;
-  WideAcc wide;
-  int64_t* row;
-  const HistSpec* h;
-  uint32_t* local;  // kDoublesLocalWords counters, or null: bins count straight into the row
+  uint32_t* local;  // kPartialLocalWords counters, or null: bins count straight into the row
   int kind;         // the loop variant (stats_loop.h's with_loop_kind)
   int copies;       // local copies of the histogram, each `cs` entries
   int64_t cs;
@@ -56,9 +44,18 @@ struct FloatsPartial {
   double shift;
   bool started;
 };
-void floats_begin(FloatsPartial& p, int64_t* row, const HistSpec& h, uint32_t* local);
-void floats_push(FloatsPartial& p, const float* x, int64_t n);
-void floats_flush(FloatsPartial& p);
+template <typename T>
+void partial_begin(Partial& p, int64_t* row, const HistSpec& h, uint32_t* local);
+// n contiguous values.
+template <typename T>
+void partial_push(Partial& p, const T* x, int64_t n);
+// `rows` runs of `run` contiguous values (a multiple of 16, at most 2,048),
+// the runs `step` elements apart; each value read prefetches the one `ahead`
+// elements after it (0: none), e.g. the same place in the caller's next piece.
+template <typename T>
+void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64_t run, int64_t ahead);
+template <typename T>
+void partial_flush(Partial& p);
 
 // The row's shift: `cand` if this writer is the first, else the one fixed.
 double row_shift(int64_t* row, double cand);

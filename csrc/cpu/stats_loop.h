@@ -114,6 +114,52 @@ struct HistSink {
   Moments4* m4 = nullptr;    // moments=4: the chunk's sums about the row's shift
 };
 
+// How a segment's element i is addressed: x + i (kWalkUnit), x + i * stride
+// (kWalkStrided), or rows of `run` contiguous values `stride` apart
+// (kWalkRows: a slice of the last dimension, e.g. one head of a projection's
+// output, read in whole blocks instead of a block per row). Rows hold a
+// multiple of 16 values (rows_run_ok), so each half of the 32 values the
+// vector loop loads lies in one row; blocks hold whole rows.
+constexpr int kWalkStrided = 0, kWalkUnit = 1, kWalkRows = 2;
+struct Walk {
+  int64_t stride;     // elements between consecutive values (kWalkStrided) or rows (kWalkRows)
+  int64_t run = 0;    // kWalkRows: values per row
+  uint64_t magic = 0; // kWalkRows: i / run as (umul64hi(i, magic) + i) >> shift (strided.h),
+  int32_t shift = 0;  // or as i >> shift where run is a power of 2 (magic 1)
+  int64_t ahead = 0;  // kWalkRows: prefetch the element this many after each one read (0: none)
+};
+
+// Whether rows of `run` contiguous values are read as kWalkRows.
+HC_ALWAYS_INLINE bool rows_run_ok(int64_t run) { return run >= 16 && run <= kBlock && run % 16 == 0; }
+
+inline Walk rows_walk(int64_t stride, int64_t run, int64_t ahead) {
+  // The divisor of the last run asked for, kept: a 128-bit division per push costs.
+  thread_local int64_t last_run = 0;
+  thread_local uint64_t last_magic = 0;
+  thread_local int32_t last_shift = 0;
+  if (run != last_run) {
+    StridedDesc d;
+    set_divisor(d, 0, run);
+    last_run = run;
+    last_magic = d.magic[0];
+    last_shift = d.shift[0];
+  }
+  return Walk{stride, run, last_magic, last_shift, ahead};
+}
+
+template <int kW, typename T>
+HC_ALWAYS_INLINE const T* walk_at(const T* x, const Walk& w, int64_t i) {
+  if constexpr (kW == kWalkUnit) {
+    return x + i;
+  } else if constexpr (kW == kWalkRows) {
+    const uint64_t u = static_cast<uint64_t>(i);
+    const int64_t r = static_cast<int64_t>((w.magic == 1 ? u : umul64hi(u, w.magic) + u) >> w.shift);
+    return x + r * w.stride + (i - r * w.run);
+  } else {
+    return x + i * w.stride;
+  }
+}
+
 template <typename T>
 using work_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
@@ -200,11 +246,11 @@ HC_ALWAYS_INLINE f8 load8(const T* p) {
   return v;
 }
 
-template <typename T, bool kUnit>
-HC_ALWAYS_INLINE void shifted_pass(const T* x, int64_t stride, int64_t n, work_t<T> c,
+template <typename T, int kW>
+HC_ALWAYS_INLINE void shifted_pass(const T* x, const Walk& wk, int64_t n, work_t<T> c,
                                    work_t<T>& s1_out, work_t<T>& s2_out) {
   using V = work_t<T>;
-  auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
+  auto at = [&](int64_t i) -> const T* { return walk_at<kW>(x, wk, i); };
   V s1[kLanes] = {}, s2[kLanes] = {};
   const int64_t nv = n - n % kLanes;
   for (int64_t i = 0; i < nv; i += kLanes) {
@@ -225,21 +271,31 @@ HC_ALWAYS_INLINE void shifted_pass(const T* x, int64_t stride, int64_t n, work_t
 // caller: with the AVX2 exponent counter, exponent field 0 (zeros and
 // subnormals) is counted anyway, and only blocks where it occurs need their
 // zeros counted (count_zeros) -- one compare less per element in the rest.
-template <typename T, bool kUnit, int kHist, bool kAvx2>
-constexpr bool kDeferZeros = kAvx2 && kHist == kHistLog2Exp && kUnit &&
+template <typename T, int kW, int kHist, bool kAvx2>
+constexpr bool kDeferZeros = kAvx2 && kHist == kHistLog2Exp && kW == kWalkUnit &&
                              std::is_same_v<work_t<T>, float>;
 
 // Returns how many leading elements' zeros were left uncounted (0 unless
 // kDeferZeros and the block took the float path).
-template <typename T, bool kUnit, int kHist, bool kAvx2>
-HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, double shift,
+template <typename T, int kW, int kHist, bool kAvx2>
+HC_ALWAYS_INLINE int64_t block_stats(const T* x, const Walk& wk, int64_t n, double shift,
                                      work_t<T>& center, Acc& acc, WideAcc& wacc, const HistSpec& h,
                                      int32_t* idx, uint8_t* eb, work_t<T>& top,
                                      const char* ahead) {
-  constexpr bool kDefer = kDeferZeros<T, kUnit, kHist, kAvx2>;
+  constexpr bool kDefer = kDeferZeros<T, kW, kHist, kAvx2>;
   using Square8 = std::conditional_t<kAvx2, FusedSquare8, AddSquare>;
   using V = work_t<T>;
-  auto at = [&](int64_t i) -> const T* { return kUnit ? x + i : x + i * stride; };
+  auto at = [&](int64_t i) -> const T* { return walk_at<kW>(x, wk, i); };
+  // Calls f(i0, p, len) for runs of contiguous elements covering [0, m):
+  // one run, or (kWalkRows) one per row.
+  auto for_runs = [&](int64_t m, auto&& f) __attribute__((always_inline)) {
+    if constexpr (kW == kWalkRows) {
+      const int64_t len = wk.run;
+      for (int64_t i0 = 0; i0 < m; i0 += len) f(i0, at(i0), std::min(len, m - i0));
+    } else {
+      f(int64_t{0}, x, m);
+    }
+  };
   const int32_t lo = static_cast<int32_t>(h.lo_exp), hi = static_cast<int32_t>(h.hi_exp);
   [[maybe_unused]] const int32_t sub = static_cast<int32_t>(h.sub_shift);
   [[maybe_unused]] const bool sgn = h.sign != 0;
@@ -251,7 +307,8 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
   int64_t head = 0;  // elements done by the explicit-vector loop
   // fp16 takes the explicit vectors only with F16C (the AVX2 build); the
   // baseline build's conversion vectorises only in the lane loop below.
-  if constexpr (std::is_same_v<V, float> && kUnit && (kAvx2 || !std::is_same_v<T, c10::Half>)) {
+  // Rows hold a multiple of 16 values: each 16 of the 32 lie in one row.
+  if constexpr (std::is_same_v<V, float> && kW != kWalkStrided && (kAvx2 || !std::is_same_v<T, c10::Half>)) {
     // Two 8-float vectors per quantity: independent add chains, all in
     // registers (the compiler's own vectorisation of lane arrays spills).
     head = n - n % 32;
@@ -267,16 +324,27 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     auto vector_loop = [&](auto about_zero) __attribute__((always_inline)) {
       const f8 cc = about_zero ? f8{} : cv;
       for (int64_t i = 0; i < head; i += 32) {
+        const T* q = at(i);
+        // Rows of an odd multiple of 16 values: the second half may start a row.
+        const T* q16 = kW == kWalkRows && (wk.run & 16) ? at(i + 16) : q + 16;
         // Two cache lines of the next block per iteration (no histogram:
         // nothing else overlaps the loads); evenly paced, unlike a burst.
-        if constexpr (kHist == kHistNone && std::is_same_v<T, float>) {
-          __builtin_prefetch(ahead + 4 * i);
-          __builtin_prefetch(ahead + 4 * i + 64);
+        // Rows of a few lines each escape the hardware's stream prefetch:
+        // the walk names what to fetch.
+        if constexpr (kW == kWalkRows) {
+          if (wk.ahead) {
+            __builtin_prefetch(q + wk.ahead);
+            __builtin_prefetch(q16 + wk.ahead);
+          }
+        } else if constexpr (kHist == kHistNone && std::is_same_v<T, float>) {
+          const char* a = ahead + 4 * (q - x);  // the same place in the next block
+          __builtin_prefetch(a);
+          __builtin_prefetch(a + 64);
         }
         u8v packed = {};  // baseline: exponent field of element 8k + j in byte k of lane j
         u8v ex[4];        // AVX2: exponent fields, narrowed to bytes by PackBytes4
         for (int k = 0; k < 4; ++k) {
-          const f8 v = load8<kAvx2>(x + i + 8 * k);
+          const f8 v = load8<kAvx2>(k < 2 ? q + 8 * k : q16 + 8 * (k - 2));
           if constexpr (kHist == kHistLog2Key) {  // log2_key_bits, 8 at a time
             u8v bits;
             std::memcpy(&bits, &v, sizeof bits);
@@ -325,9 +393,13 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
     mx = tree8(vmax(vmx[0], vmx[1]), vmax)[0];
     if constexpr (!kDefer) nz = -tree8(vnz[0] + vnz[1], add)[0];  // vector compares count down
     if constexpr (kHist == kHistLog2) {
-      for (int64_t i = 0; i < head; ++i) idx[i] = log2_bin(load_work(at(i)), lo, hi) + 1;
+      for_runs(head, [&](int64_t i0, const T* p, int64_t len) {
+        for (int64_t i = 0; i < len; ++i) idx[i0 + i] = log2_bin(load_work(p + i), lo, hi) + 1;
+      });
     } else if constexpr (kHist == kHistLog2Fine) {
-      for (int64_t i = 0; i < head; ++i) idx[i] = log2_bin_fine(load_work(at(i)), lo, hi, sub, sgn) + 1;
+      for_runs(head, [&](int64_t i0, const T* p, int64_t len) {
+        for (int64_t i = 0; i < len; ++i) idx[i0 + i] = log2_bin_fine(load_work(p + i), lo, hi, sub, sgn) + 1;
+      });
     }
   }
   V s1l[kLanes] = {}, s2l[kLanes] = {}, mnl[kLanes], mxl[kLanes];
@@ -368,7 +440,7 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, int64_t stride, int64_t n, doub
   top = finite ? absmax_of(mn, mx) : static_cast<V>(-1);
   if (finite && !shift_well_conditioned(s1, s2, n)) {
     c = c + s1 / static_cast<V>(n);  // the block mean
-    shifted_pass<T, kUnit>(x, stride, n, c, s1, s2);
+    shifted_pass<T, kW>(x, wk, n, c, s1, s2);
   }
   // Float64 blocks that may hold wide values (may_be_wide) are redone too:
   // their squares need the buckets.
@@ -594,13 +666,13 @@ HC_ALWAYS_INLINE void block_scatter(const int32_t* idx, int64_t n, const HistSin
 // Third and fourth moments of a block's finite values (float64: ordinary
 // ones, as nfin counts them) about the row's shift, in double, into m. The
 // block has just been read by block_stats, so it comes from L1, not memory.
-template <typename T, bool kUnit>
-HC_ALWAYS_INLINE void block_moments4(const T* x, int64_t stride, int64_t n, double shift, Moments4& m) {
+template <typename T, int kW>
+HC_ALWAYS_INLINE void block_moments4(const T* x, const Walk& wk, int64_t n, double shift, Moments4& m) {
   constexpr int kL = 8;
   double s3[kL] = {}, s4[kL] = {};
   int64_t cnt[kL] = {};
   auto one = [&](int64_t i, int j) __attribute__((always_inline)) {
-    const double v = load_double(kUnit ? x + i : x + i * stride);
+    const double v = load_double(walk_at<kW>(x, wk, i));
     const double a = v < 0 ? -v : v;
     bool ok = a < kInf;
     if constexpr (std::is_same_v<T, double>) ok = ok && wide_bucket(a) == 0;
@@ -620,8 +692,8 @@ HC_ALWAYS_INLINE void block_moments4(const T* x, int64_t stride, int64_t n, doub
   }
 }
 
-template <typename T, bool kUnit, int kHist, bool kAvx2>
-HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double shift,
+template <typename T, int kW, int kHist, bool kAvx2>
+HC_ALWAYS_INLINE void run_segment(const T* x, const Walk& wk, int64_t n, double shift,
                                   Acc& acc, WideAcc& wacc, const HistSink& hs) {
   constexpr bool kExp = kHist == kHistLog2Exp;
   int32_t idx[kHist != kHistNone && !kExp ? kBlock : 1];
@@ -629,20 +701,23 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
   int base = 127 - kExpWindow / 2;
   bool wide = false;  // count the wide exponent window (see count_window)
   work_t<T> center = static_cast<work_t<T>>(shift), top;
-  for (int64_t b = 0; b < n; b += kBlock) {
-    const int64_t len = std::min(kBlock, n - b);
-    const T* p = kUnit ? x + b : x + b * stride;
-    const bool pf = kUnit && b + 2 * kBlock <= n;
-    const char* ahead = pf ? reinterpret_cast<const char*>(x + b + kBlock) : nullptr;
+  // Rows: blocks of whole rows (block_stats addresses a block from its first row).
+  const int64_t block = kW == kWalkRows ? kBlock / wk.run * wk.run : kBlock;
+  for (int64_t b = 0; b < n; b += block) {
+    const int64_t len = std::min(block, n - b);
+    const T* p = walk_at<kW>(x, wk, b);
+    const bool pf = kW != kWalkStrided && b + 2 * block <= n;
+    const char* ahead = pf ? reinterpret_cast<const char*>(walk_at<kW>(x, wk, b + block)) : nullptr;
     // The stats loop prefetches unconditionally: without a next block, the
     // current one (already being read) stands in.
-    const int64_t deferred = block_stats<T, kUnit, kHist, kAvx2>(
-        p, stride, len, shift, center, acc, wacc, *hs.spec, idx, eb, top,
+    const int64_t deferred = block_stats<T, kW, kHist, kAvx2>(
+        p, wk, len, shift, center, acc, wacc, *hs.spec, idx, eb, top,
         ahead ? ahead : reinterpret_cast<const char*>(p));
-    if (hs.m4) block_moments4<T, kUnit>(p, stride, len, shift, *hs.m4);
+    if (hs.m4) block_moments4<T, kW>(p, wk, len, shift, *hs.m4);
     if constexpr (kExp && kAvx2) {
       base = exponent_window_base(top, wide ? kExpWindowWide : kExpWindow, base);
-      const ExpCount ec = count_exponents_avx2(eb, len, base, wide, hs.local, ahead,
+      // The counting prefetches the next block as one run: not for rows.
+      const ExpCount ec = count_exponents_avx2(eb, len, base, wide, hs.local, kW == kWalkUnit ? ahead : nullptr,
                                                kBlock * static_cast<int64_t>(sizeof(T)));
       if (ec.field0 && deferred) acc.nzero += count_zeros<kAvx2>(p, deferred);
       wide = ec.missed * 16 > static_cast<uint32_t>(len);
@@ -651,13 +726,15 @@ HC_ALWAYS_INLINE void run_segment(const T* x, int64_t stride, int64_t n, double 
     } else if constexpr (kHist == kHistLog2Key) {
       count_keys(idx, len, hs);
     } else if constexpr (kHist != kHistNone) {
-      block_scatter(idx, len, hs, ahead, kBlock * static_cast<int64_t>(sizeof(T)));
+      block_scatter(idx, len, hs, kW == kWalkUnit ? ahead : nullptr, kBlock * static_cast<int64_t>(sizeof(T)));
     }
   }
 }
 
 // Logical elements [begin, end) of x, walked as runs along the innermost
-// coalesced dimension (dense inputs are a single run).
+// coalesced dimension (dense inputs are a single run). Whole rows of a
+// contiguous innermost dimension that rows_run_ok accepts, evenly spaced along
+// the next dimension, are read as one kWalkRows segment.
 template <typename T, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int64_t begin,
                                 int64_t end, double shift, Acc& acc, WideAcc& wacc,
@@ -665,23 +742,36 @@ HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int
   if (flat || d.ndim <= 1) {
     const int64_t st = flat ? 1 : (d.ndim == 1 ? d.strides[0] : 0);
     if (st == 1) {
-      run_segment<T, true, kHist, kAvx2>(x + begin, 1, end - begin, shift, acc, wacc, hs);
+      run_segment<T, kWalkUnit, kHist, kAvx2>(x + begin, Walk{1, 0}, end - begin, shift, acc, wacc, hs);
     } else {
-      run_segment<T, false, kHist, kAvx2>(x + begin * st, st, end - begin, shift, acc, wacc, hs);
+      run_segment<T, kWalkStrided, kHist, kAvx2>(x + begin * st, Walk{st, 0}, end - begin, shift, acc, wacc, hs);
     }
     return;
   }
   const int64_t inner = d.sizes[d.ndim - 1];
   const int64_t ist = d.strides[d.ndim - 1];
+  const bool rows = ist == 1 && rows_run_ok(inner);
+  const int64_t span = rows ? inner * d.sizes[d.ndim - 2] : inner;  // elements of one evenly spaced stretch
   int64_t i = begin;
   while (i < end) {
     const int64_t in0 = i % inner;
-    const int64_t len = std::min(inner - in0, end - i);
+    int64_t len = std::min(inner - in0, end - i);
     const T* p = x + strided_offset(d, i);
+    if (rows && in0 == 0) {
+      len = std::min(span - i % span, end - i) / inner * inner;  // whole rows of this stretch
+      if (len > inner) {
+        const int64_t step = d.strides[d.ndim - 2];
+        run_segment<T, kWalkRows, kHist, kAvx2>(p, rows_walk(step, inner, kBlock / inner * step), len, shift, acc,
+                                                wacc, hs);
+        i += len;
+        continue;
+      }
+      len = std::min(inner, end - i);
+    }
     if (ist == 1) {
-      run_segment<T, true, kHist, kAvx2>(p, 1, len, shift, acc, wacc, hs);
+      run_segment<T, kWalkUnit, kHist, kAvx2>(p, Walk{1, 0}, len, shift, acc, wacc, hs);
     } else {
-      run_segment<T, false, kHist, kAvx2>(p, ist, len, shift, acc, wacc, hs);
+      run_segment<T, kWalkStrided, kHist, kAvx2>(p, Walk{ist, 0}, len, shift, acc, wacc, hs);
     }
     i += len;
   }
@@ -709,6 +799,23 @@ template <typename T, int kHist>
 void chunk_base(const T* x, bool flat, const StridedDesc& d, int64_t b, int64_t e,
                 double shift, Acc& out, WideAcc& wout, const HistSink& hs) {
   chunk_impl<T, kHist, false>(x, flat, d, b, e, shift, out, wout, hs);
+}
+
+// One segment (run_segment) into fresh partials, for both builds: the
+// partial statistics' pushes (no chunking, no strided walk to set up).
+template <typename T, int kHist, int kW>
+__attribute__((target("avx2,fma,f16c"))) void segment_avx2(const T* x, Walk wk, int64_t n, double shift,
+                                                      Acc& out, WideAcc& wout, const HistSink& hs) {
+  acc_init(out);
+  wide_init(wout);
+  run_segment<T, kW, kHist, true>(x, wk, n, shift, out, wout, hs);
+}
+
+template <typename T, int kHist, int kW>
+void segment_base(const T* x, Walk wk, int64_t n, double shift, Acc& out, WideAcc& wout, const HistSink& hs) {
+  acc_init(out);
+  wide_init(wout);
+  run_segment<T, kW, kHist, false>(x, wk, n, shift, out, wout, hs);
 }
 
 bool use_avx2() {
@@ -938,6 +1045,116 @@ void accumulate_read(const T* x, bool flat, const StridedDesc& d, int64_t n, int
     accumulate_typed<T, decltype(kind)::value>(x, flat, d, n, mult, row, h);
   });
 }
+
+namespace {
+
+// The partial's local counts into the row, then cleared.
+template <int kHist>
+void partial_flush_counts(Partial& p) {
+  flush_local_counts<kHist>(p.local, p.copies, p.cs, p.zeros, 1, p.row, *p.h,
+                            kHist == kHistLog2Exp ? exp_bin_table(*p.h) : nullptr,
+                            kHist == kHistLog2Key ? key_bin_table(*p.h) : nullptr);
+  std::memset(p.local, 0, sizeof(uint32_t) * p.copies * p.cs);
+  p.pending = p.zeros = 0;
+}
+
+template <typename T, int kHist, int kW>
+void partial_run(Partial& p, const T* x, Walk wk, int64_t n) {
+  if (p.local && p.pending + n > int64_t{UINT32_MAX}) partial_flush_counts<kHist>(p);  // a uint32 count could overflow
+  const HistSink hs{p.h, p.local, p.row + kHeader, p.cs, 1, p.copies};
+  Acc a;
+  WideAcc w;
+  if (!kBaselineLoop<kHist> || use_avx2()) {
+    segment_avx2<T, kHist, kW>(x, wk, n, p.shift, a, w, hs);
+  } else if constexpr (kBaselineLoop<kHist>) {
+    segment_base<T, kHist, kW>(x, wk, n, p.shift, a, w, hs);
+  }
+  acc_merge(p.acc, a);
+  wide_merge(p.wide, w);
+  p.pending += n;
+  p.zeros += a.nzero;
+}
+
+template <typename F>
+void with_partial_kind(const Partial& p, F&& f) {
+  switch (p.kind) {
+    case kHistNone: f(std::integral_constant<int, kHistNone>{}); break;
+    case kHistLog2: f(std::integral_constant<int, kHistLog2>{}); break;
+    case kHistLog2Fine: f(std::integral_constant<int, kHistLog2Fine>{}); break;
+    case kHistLog2Exp: f(std::integral_constant<int, kHistLog2Exp>{}); break;
+    case kHistLog2Key: f(std::integral_constant<int, kHistLog2Key>{}); break;
+    default: f(std::integral_constant<int, kHistLinear>{}); break;
+  }
+}
+
+// The row's shift from the first values any writer pushes.
+template <typename T>
+void partial_start(Partial& p, const T* x, int64_t n) {
+  if (p.started) return;
+  p.shift = row_shift(p.row, shift_candidate([&](int64_t i) { return load_double(x + i); }, n));
+  p.started = true;
+}
+
+}  // namespace
+
+template <typename T>
+void partial_begin(Partial& p, int64_t* row, const HistSpec& h, uint32_t* local) {
+  static_assert(kPartialLocalWords == kHistCopies * (kLocalBins + 1), "stats_cpu.h's local histogram size");
+  acc_init(p.acc);
+  wide_init(p.wide);
+  p.row = row;
+  p.h = &h;
+  p.kind = kHistNone;
+  with_loop_kind<T>(h, kDirectHistBelow, [&](auto kind) {
+    constexpr int k = decltype(kind)::value;
+    p.kind = k;
+    p.cs = local_copy_size<k>(h);
+    p.copies = local_copies<k>(p.cs, use_avx2());
+  });
+  // A local histogram where its counters fit (the exponent and key loops
+  // always count locally); wider ones count into the row.
+  const bool fits = p.kind == kHistLog2Exp || p.kind == kHistLog2Key || (h.kind != kHistNone && h.nbins <= kLocalBins);
+  p.local = fits ? local : nullptr;
+  if (p.local) std::memset(p.local, 0, sizeof(uint32_t) * p.copies * p.cs);
+  p.pending = p.zeros = 0;
+  p.shift = 0.0;
+  p.started = false;
+}
+
+template <typename T>
+void partial_push(Partial& p, const T* x, int64_t n) {
+  if (n == 0) return;
+  partial_start(p, x, n);
+  with_partial_kind(p, [&](auto kind) { partial_run<T, decltype(kind)::value, kWalkUnit>(p, x, Walk{1, 0}, n); });
+}
+
+template <typename T>
+void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64_t run, int64_t ahead) {
+  if (rows == 0 || run == 0) return;
+  if (rows == 1 || step == run) return partial_push(p, x, rows * run);
+  TORCH_CHECK(rows_run_ok(run), "hookcap: partial_push_rows reads runs of a multiple of 16 values up to ", kBlock,
+              ", not ", run);
+  partial_start(p, x, run);
+  with_partial_kind(p, [&](auto kind) {
+    partial_run<T, decltype(kind)::value, kWalkRows>(p, x, rows_walk(step, run, ahead), rows * run);
+  });
+}
+
+template <typename T>
+void partial_flush(Partial& p) {
+  if (!p.started) return;
+  row_merge<HostAtomics>(p.row, p.acc);
+  wide_to_row<HostAtomics>(p.row, p.wide, 1);
+  if (!p.local || p.pending == 0) return;
+  with_partial_kind(p, [&](auto kind) { partial_flush_counts<decltype(kind)::value>(p); });
+}
+
+// The partial's functions for T, instantiated in accumulate_<dtype>.cpp.
+#define HOOKCAP_PARTIAL(T)                                                                  \
+  template void partial_begin<T>(Partial&, int64_t*, const HistSpec&, uint32_t*);          \
+  template void partial_push<T>(Partial&, const T*, int64_t);                               \
+  template void partial_push_rows<T>(Partial&, const T*, int64_t, int64_t, int64_t, int64_t); \
+  template void partial_flush<T>(Partial&)
 
 // accumulate_read<T>'s signature, for the explicit instantiations below and
 // in accumulate_<dtype>.cpp.

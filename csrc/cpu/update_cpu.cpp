@@ -135,12 +135,12 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
       at::parallel_for(0, nblocks, 8, [&](int64_t c0, int64_t c1) {
         float fvals[3][kUpdateBlock];   // Δw, w before, ratio (kOutUpdate..kOutRatio)
         double dvals[3][kUpdateBlock];  // the same on the exact path
-        uint32_t flocal[3][kDoublesLocalWords], dlocal[3][kDoublesLocalWords];
-        FloatsPartial fpart[3];
-        DoublesPartial dpart[3];
+        uint32_t flocal[3][kPartialLocalWords], dlocal[3][kPartialLocalWords];
+        Partial fpart[3];
+        Partial dpart[3];
         bool dstarted = false;  // the doubles' partials begin with their first block
         for (int k = 0; k < 3; ++k) {
-          if (row_of[k] && narrow) floats_begin(fpart[k], row_of[k], h, flocal[k]);
+          if (row_of[k] && narrow) partial_begin<float>(fpart[k], row_of[k], h, flocal[k]);
         }
         for (int64_t c = c0; c < c1; ++c) {
           const int64_t b0 = c * kUpdateBlock, m = std::min(kUpdateBlock, n - b0);
@@ -150,13 +150,13 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
                               : fill_block_narrow<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m,
                                                                  fvals[0], fvals[1], fvals[2]))) {
             for (int k = 0; k < 3; ++k) {
-              if (row_of[k]) floats_push(fpart[k], fvals[k], m);
+              if (row_of[k]) partial_push<float>(fpart[k], fvals[k], m);
             }
             continue;
           }
           if (!dstarted) {
             for (int k = 0; k < 3; ++k) {
-              if (row_of[k]) doubles_begin(dpart[k], row_of[k], h, dlocal[k]);
+              if (row_of[k]) partial_begin<double>(dpart[k], row_of[k], h, dlocal[k]);
             }
             dstarted = true;
           }
@@ -166,12 +166,12 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
             fill_block<kRule, kRatio>(rule_c, w + b0, at(g), at(pa), at(pb), m, dvals[0], dvals[1], dvals[2]);
           }
           for (int k = 0; k < 3; ++k) {
-            if (row_of[k]) doubles_push(dpart[k], dvals[k], m);
+            if (row_of[k]) partial_push<double>(dpart[k], dvals[k], m);
           }
         }
         for (int k = 0; k < 3; ++k) {
-          if (row_of[k] && narrow) floats_flush(fpart[k]);
-          if (row_of[k] && dstarted) doubles_flush(dpart[k]);
+          if (row_of[k] && narrow) partial_flush<float>(fpart[k]);
+          if (row_of[k] && dstarted) partial_flush<double>(dpart[k]);
         }
       });
     };
