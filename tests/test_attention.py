@@ -247,3 +247,35 @@ def test_compiled_attention_records_per_head_like_eager():
         np.testing.assert_allclose(comp.groups("attn/attn.entropy", stat), eager.groups("attn/attn.entropy", stat),
                                    rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1  # one graph for recorded and off-steps alike
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_compiled_hf_gpt2_records_attention_like_eager(impl):
+    """HF GPT-2 under torch.compile records each layer's per-head attention
+    metrics as eager does, with sdpa and with the model's own eager attention
+    (the AttentionInterface's function, observed through the opaque op)."""
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    cfg = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, n_positions=16,
+                                  attn_implementation=impl, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    def run(compiled):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg)
+        mon = Monitor(model, capture="attention", every=2).attach()
+        fn = torch.compile(model) if compiled else model
+        for _ in range(3):
+            fn(torch.randint(0, 50, (2, 12)), labels=torch.randint(0, 50, (2, 12))).loss.backward()
+            mon.step()
+        mon.detach()
+        return mon.history()
+
+    eager, comp = run(False), run(True)
+    assert comp.steps.tolist() == eager.steps.tolist() == [0, 2]
+    for layer in (0, 1):
+        name = f"transformer.h.{layer}.attn/attn.logit"
+        assert comp.groups(name, "max").shape == (2, 4)
+        for stat in ("count", "max", "mean"):
+            np.testing.assert_allclose(comp.groups(name, stat), eager.groups(name, stat), rtol=1e-4)
+        np.testing.assert_allclose(comp.groups(f"transformer.h.{layer}.attn/attn.entropy", "min"),
+                                   eager.groups(f"transformer.h.{layer}.attn/attn.entropy", "min"), rtol=1e-4)

@@ -44,9 +44,18 @@ def _hf_eager(fn, module, query, key, value, attention_mask, *args, **kwargs):
     """A transformers model's own eager attention ``fn``, observed: the mask
     it is given is all it applies (additive, the dtype's lowest value forbids)."""
     out = fn(module, query, key, value, attention_mask, *args, **kwargs)
-    if _ACTIVE and not torch.compiler.is_compiling():
-        _observe(query, key, attention_mask, False, kwargs.get("scaling"))
+    if _ACTIVE:
+        _observe_traced_or_now(query, key, attention_mask, False, kwargs.get("scaling"))
     return out
+
+
+def _observe_traced_or_now(q, k, mask, causal: bool, scale) -> None:
+    """Eagerly: observe now. While compiling: put the opaque observation in
+    the graph, for the innermost watched module at trace time."""
+    if not torch.compiler.is_compiling():
+        _observe(q, k, mask, causal, scale)
+    elif _OBSERVE_IN_GRAPHS and _ACTIVE[0].stack:
+        _observe_op(q, k, mask, causal, None if scale is None else float(scale), _ACTIVE[0].stack[-1])
 
 
 def _hf_get_interface(self, attn_implementation, default):
@@ -84,12 +93,8 @@ def _wrapped(*args, **kwargs):
     out = _ORIGINAL(*args, **kwargs)
     if _ACTIVE:
         a = dict(zip(_ARGS, args), **kwargs)
-        q, k, mask, causal, scale = (a["query"], a["key"], a.get("attn_mask"), bool(a.get("is_causal", False)),
-                                     a.get("scale"))
-        if not torch.compiler.is_compiling():
-            _observe(q, k, mask, causal, scale)
-        elif _OBSERVE_IN_GRAPHS and _ACTIVE[0].stack:
-            _observe_op(q, k, mask, causal, None if scale is None else float(scale), _ACTIVE[0].stack[-1])
+        _observe_traced_or_now(a["query"], a["key"], a.get("attn_mask"), bool(a.get("is_causal", False)),
+                               a.get("scale"))
     return out
 
 
