@@ -17,6 +17,7 @@ from . import sinks  # noqa: E402
 from .anomaly import Anomaly, AnomalyError, Dead, NonFinite, Spike, Threshold, Underflow  # noqa: E402
 from .drained import DrainedStep  # noqa: E402
 from .history import History, load  # noqa: E402
+from .skip import SkipStep  # noqa: E402
 from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
 from .summary import ModelSummary, summary  # noqa: E402
 from .taps import tap  # noqa: E402
@@ -35,6 +36,7 @@ __all__ = [
     "Spike",
     "Threshold",
     "Underflow",
+    "SkipStep",
     "sinks",
     "Histogram",
     "History",

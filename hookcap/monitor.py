@@ -29,6 +29,7 @@ from ._rows.recorder import Recorder
 from .anomaly import AnomalyError
 from .histogram import Histogram
 from .history import History
+from .skip import check_skip
 
 __all__ = ["CAPTURE_KINDS", "RANK_HANDSHAKE_TIMEOUT_S", "RANK_MERGE_EVERY", "RANK_SINKS", "ROOT_NAME",
            "Monitor"]
@@ -124,6 +125,8 @@ class Monitor:
             copies count once, or parts are summed; docs/compile-and-distributed.md.
         groups: ``{metric glob: hookcap.Groups(dim, size)}``: each group of slices (heads, experts) also
             recorded as ``f"{metric}[{g}]"`` (``History.groups``); ``hookcap.Channels(dim, top)``: outlier channels.
+        skip: a ``hookcap.SkipStep`` (with ``optimizer=``): skip optimizer steps whose loss or
+            gradient norm spikes, decided on the device; docs/anomalies.md.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -155,6 +158,7 @@ class Monitor:
         placements: dict | None = None,
         grad_scaler=None,
         groups: dict | None = None,
+        skip=None,
     ):
         if fused is not False:
             raise ValueError("fused: Monitor(fused=True) is retired: statistics fused into compiled "
@@ -170,7 +174,8 @@ class Monitor:
                              f"got {type(optimizer).__name__}")
         if grad_scaler is not None and (optimizer is None or not callable(getattr(grad_scaler, "update", None))):
             raise ValueError("grad_scaler: expected a torch.amp.GradScaler, given with optimizer=")
-        self.model, self.optimizer, self.grad_scaler = model, optimizer, grad_scaler
+        check_skip(skip, optimizer)
+        self.model, self.optimizer, self.grad_scaler, self._skip = model, optimizer, grad_scaler, skip
         self._config = config
         self._catalog = Catalog()
         self._recorder = Recorder(config, self._catalog, start_step)
@@ -204,7 +209,6 @@ class Monitor:
                             doc="``(sink, exception)`` of each sink disabled after it raised.")
     dropped_steps = property(lambda self: self._drain.dropped,
                              doc="Recorded steps dropped because the host fell a whole ring behind.")
-
     sinks = property(lambda self: self._sinks.active,
                      doc="The active sinks (a sink that raised moves to ``failed_sinks``).")
 
@@ -258,6 +262,8 @@ class Monitor:
         self._recorder.set_attached(True)
         try:
             self._hooks.attach()
+            if self._skip is not None:  # first: the Monitor's own hooks see the step's found_inf
+                self._hooks.handles.append(self._skip.attach(self.optimizer, self._recorder))
             if self.optimizer is not None:
                 if self._hooks.wants_pre_step:
                     self._hooks.handles.append(before_optimizer_step(self.optimizer,
@@ -268,6 +274,8 @@ class Monitor:
                     self._hooks.follow_optimizer(self.optimizer, pre=False)
                     self._hooks.handles.append(after_optimizer_step(self.optimizer, self._hooks.mark_stepped))
                     self._hooks.handles.append(ScalerUpdate(self.grad_scaler, self._scaler_updated))
+            if self._skip is not None:  # last: puts back what its pre-step hook changed
+                self._hooks.handles.append(self._skip.attach_after(self.optimizer))
         except BaseException:
             self._hooks.remove()
             self._attached = False
@@ -359,8 +367,7 @@ class Monitor:
             raise AnomalyError(anomaly)
 
     def _before_optimizer_step(self, optimizer=None) -> None:
-        """For callbacks that see the optimizer's step coming (HF, Lightning): ``optimizer``
-        feeds the optimizer kinds (hooks.follow_optimizer); reduced param_grad; update copies."""
+        """Callbacks that see the optimizer's step coming (HF, Lightning): follow ``optimizer``."""
         if self._attached:
             if optimizer is not None:
                 self._hooks.follow_optimizer(optimizer)
@@ -382,9 +389,8 @@ class Monitor:
             self._hooks.park_or_unpark(self._attached)
 
     def state_dict(self) -> dict:
-        """What a resumed run needs (plain Python data, picklable and JSON-able):
-        the open step's number, each detector's state (Spike windows, Dead
-        runs, NonFinite counts) and the anomalies so far."""
+        """What a resumed run needs (plain picklable, JSON-able data): the open step's
+        number, each detector's state (Spike windows, Dead runs, ...) and the anomalies."""
         return {"format": "hookcap-monitor", "version": 1, "step": self.current_step,
                 **self._consumers.state_dict()}
 
@@ -392,10 +398,6 @@ class Monitor:
         """Continue from :meth:`state_dict`: the open step takes the saved
         number, the detectors (matched by position) their state, and
         ``anomalies`` becomes the saved list."""
-        if not (isinstance(state, dict) and state.get("format") == "hookcap-monitor"):
-            raise ValueError("state: expected a dict from Monitor.state_dict()")
-        if state.get("version", 0) > 1:
-            raise ValueError(f"state: version {state['version']} is newer than this hookcap (1)")
         self._consumers.load_state_dict(state)
         self._recorder.jump_to(int(state["step"]))
         self._hooks.park_or_unpark(self._attached)
@@ -426,15 +428,13 @@ class Monitor:
         return h
 
     def dump(self, path) -> str:
-        """Write every retained step of every metric, the metadata, execution
-        order and anomalies to one file (read back with ``hookcap.load``).
-        Returns the path written."""
+        """Write every retained step of every metric, the metadata, execution order and
+        anomalies to one file (read back with ``hookcap.load``); returns the path written."""
         self._consume(wait=True)
         return io.write(self._consumers.store.steps, self._catalog.names, self._catalog.metas,
                         self._config.histogram, path, extra=self._dump_extra())
 
     def _dump_extra(self) -> dict:
-        """The header ``dump`` writes beside the steps (``History.extra`` when loaded)."""
         return {"anomalies": [a.to_dict() for a in self.anomalies], "dropped_steps": self.dropped_steps,
                 "evicted_steps": self.evicted_steps, "capture": list(self.capture), "every": self.every}
 

@@ -489,6 +489,12 @@ def _write_index(run: RunData, out: str, stat: str, metric: str, first, files: d
         items.append(f"<li>step {first[0]} <b>nonfinite</b> <code>{e(first[1])}</code>: first metric in "
                      "execution order with NaN/Inf (from the data; the file holds no anomaly list)</li>")
     anomalies = "<ul>" + "".join(items) + "</ul>" if items else "<p>none</p>"
+    skipped = ""
+    if "optimizer/skipped" in run.names and "max" in run.stats:
+        col = np.nan_to_num(run.stats["max"][:, run.names.index("optimizer/skipped")], nan=0.0)
+        at = [int(x) for x in steps[col > 0]]
+        skipped = f"<br>\n<b>skipped optimizer steps</b>: {len(at)}" + (f" (steps {', '.join(map(str, at[:50]))}" +
+                                                                         (" ...)" if len(at) > 50 else ")") if at else "")
     sections = []
     captions = {
         "heatmap": f"{stat} per metric (rows, first-execution order) and step (columns)",
@@ -525,7 +531,7 @@ code{{background:#f3f3f3}}</style></head>
 <p><b>file</b>: <code>{e(run.source)}</code><br>
 <b>steps</b>: {span}<br>
 <b>metrics</b>: {len(run.names)}<br>
-<b>stat</b>: {e(stat)}</p>
+<b>stat</b>: {e(stat)}{skipped}</p>
 <h2>anomalies</h2>
 {anomalies}
 {chr(10).join(sections)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ._capture import compile as _compile
+from ._capture import signals as _signals
 from ._rows.config import check_placement
 from ._rows.recorder import RECORDING
 
@@ -62,7 +63,7 @@ def tap(x: torch.Tensor, name: str, placement: str | None = None, *, bins: int |
     if _is_compiling():
         _compile.write_tap(x, name, placement)
         return
-    if not RECORDING:
+    if not (RECORDING or _signals.WATCHERS):
         return
     if _compile.in_backward() and torch.is_grad_enabled():
         return  # a forward recomputed by activation checkpointing: recorded in the forward
@@ -70,6 +71,8 @@ def tap(x: torch.Tensor, name: str, placement: str | None = None, *, bins: int |
         raise TypeError(f"hookcap.tap: x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(name, str) or not name:
         raise TypeError(f"hookcap.tap: name must be a non-empty str, got {name!r}")
+    if _signals.WATCHERS and bins is None:
+        _signals.saw_tap(name, x)
     w = None if weights is None else weights.detach()
     for ref in list(RECORDING.values()):
         rec = ref()

@@ -170,7 +170,11 @@ class Consumers:
                 "anomalies": [a.to_dict() for a in self.anomalies]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Detectors (matched by position) and anomalies from :meth:`state_dict`."""
+        """Detectors (matched by position) and anomalies from ``Monitor.state_dict()``."""
+        if not (isinstance(state, dict) and state.get("format") == "hookcap-monitor"):
+            raise ValueError("state: expected a dict from Monitor.state_dict()")
+        if state.get("version", 0) > 1:
+            raise ValueError(f"state: version {state['version']} is newer than this hookcap (1)")
         if len(state["detectors"]) != len(self.detectors):
             raise ValueError(f"state: saved with {len(state['detectors'])} detectors, this Monitor "
                              f"has {len(self.detectors)}")
