@@ -149,10 +149,11 @@ class History:
 
     @property
     def skipped(self) -> np.ndarray:
-        """np.bool_ [S]: whether ``torch.amp.GradScaler`` skipped the
-        optimizer's step at each step (metric ``optimizer/skipped``: its max
-        > 0; recorded for fused optimizers, and for any with
-        ``Monitor(grad_scaler=...)``); all False where not recorded."""
+        """np.bool_ [S]: whether ``torch.amp.GradScaler`` or
+        ``hookcap.SkipStep`` skipped the optimizer's step at each step
+        (metric ``optimizer/skipped``: its max > 0; GradScaler's recorded for
+        fused optimizers, and for any with ``Monitor(grad_scaler=...)``); all
+        False where not recorded."""
         if "optimizer/skipped" not in self._index:
             return np.zeros(len(self), dtype=bool)
         return np.nan_to_num(self["max"][:, self.column("optimizer/skipped")], nan=0.0) > 0
