@@ -16,6 +16,7 @@ from .histogram import Histogram  # noqa: E402
 from . import sinks  # noqa: E402
 from .anomaly import Anomaly, AnomalyError, Dead, NonFinite, Spike, Threshold, Underflow  # noqa: E402
 from .drained import DrainedStep  # noqa: E402
+from .movers import Explanation, Mover, explain  # noqa: E402
 from .history import History, load  # noqa: E402
 from .skip import SkipStep  # noqa: E402
 from .monitor import CAPTURE_KINDS, Monitor  # noqa: E402
@@ -29,6 +30,8 @@ __all__ = [
     "AnomalyError",
     "CAPTURE_KINDS",
     "Dead",
+    "Explanation",
+    "Mover",
     "DrainedStep",
     "Channels",
     "Groups",
@@ -45,6 +48,7 @@ __all__ = [
     "STAT_NAMES",
     "MOMENT_NAMES",
     "build_info",
+    "explain",
     "load",
     "reference",
     "summary",

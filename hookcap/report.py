@@ -25,6 +25,8 @@ Plots (matplotlib, Agg canvas; the caller's pyplot backend is not touched):
   ``||dw|| / ||w_before||`` and its Adam ratio RMS, one thin line per
   parameter and the largest across parameters in bold, with the steps of the
   ``spike`` anomalies marked.
+- ``moved.png``: what moved first before the latest anomaly (a dump's), from
+  :func:`hookcap.explain` (hookcap.report_moved).
 - ``attention.png``, ``experts.png``, ``channels.png``: per-head max logits,
   expert load and outlier channels, when recorded (``hookcap.report_inside``).
 - ``index.html``: shows them, with the file, steps, metrics and anomalies.
@@ -46,6 +48,7 @@ from .sinks.jsonl import full_histogram
 from .history import History, load
 from ._plot import heatmap_figure, import_mpl, label_axes
 from .report_inside import plot_attention, plot_channels, plot_experts
+from .report_moved import plot_moved
 
 
 @dataclass
@@ -469,6 +472,7 @@ def report(source, out=None, stat: str = "l2norm", metric: str | None = None) ->
         "attention": plot_attention(run, os.path.join(out, "attention.png")),
         "experts": plot_experts(run, os.path.join(out, "experts.png")),
         "channels": plot_channels(run, os.path.join(out, "channels.png")),
+        "moved": plot_moved(run, os.path.join(out, "moved.png"))[0] if run.anomalies else None,
     }
     files["index"] = _write_index(run, out, stat, metric, first, files)
     return files
@@ -507,13 +511,14 @@ def _write_index(run: RunData, out: str, stat: str, metric: str, first, files: d
         "attention": "max logit per attention head: layers x heads at the latest step, and over steps",
         "experts": "tokens per expert over steps, relative to the layer's mean (black: no token)",
         "channels": "outlier channels: the top channels by absmax at each step, and largest / median",
+        "moved": "what moved first: the first movers before the anomaly, each row by its own z-score",
     }
     missing = {
         "nonfinite": "no non-finite timeline: the file has no nan/inf columns",
         "histogram": f"no histogram plot: {e(run.source)} holds no histograms for this metric",
     }
-    optional = ("signals", "quantiles", "crest", "kurtosis", "attention", "experts", "channels")
-    for key in ("signals", "heatmap", "nonfinite", "histogram", "quantiles", "crest", "kurtosis", "attention",
+    optional = ("moved", "signals", "quantiles", "crest", "kurtosis", "attention", "experts", "channels")
+    for key in ("moved", "signals", "heatmap", "nonfinite", "histogram", "quantiles", "crest", "kurtosis", "attention",
                 "experts", "channels"):
         if key in optional and not files.get(key):
             continue  # nothing recorded for it: nothing to say
