@@ -54,6 +54,15 @@ class Sinks:
         log.error("hookcap: sink %r failed and was disabled: %s: %s (the history "
                   "keeps every step)", sink, type(e).__name__, e)
 
+    def alert(self, anomaly, dump: str | None, history) -> None:
+        """Sinks with ``alert(anomaly, dump, history)`` (hookcap.sinks.Webhook) hear of an anomaly."""
+        for sink in list(self.active):
+            if callable(getattr(sink, "alert", None)):
+                try:
+                    sink.alert(anomaly, dump, history)
+                except Exception as e:
+                    self.disable(sink, e)
+
     def bind_rank(self, rank: int | None) -> None:
         for sink in list(self.active):
             bind = getattr(sink, "bind_rank", None)
@@ -107,7 +116,7 @@ class Consumers:
         self.anomalies: list[Anomaly] = []
         # Weak: the Monitor owns this object, and a bound method would make a cycle.
         self._dump = weakref.WeakMethod(dump) if hasattr(dump, "__self__") else (lambda: dump)
-        self._dumped: set[str] = set()  # anomaly kinds dumped (dump_on_anomaly)
+        self._dumped: dict[str, str | None] = {}  # anomaly kind -> its dump_on_anomaly file
         self._warned: set[tuple[str, str]] = set()
         self._raise: Anomaly | None = None
 
@@ -135,13 +144,15 @@ class Consumers:
         self.anomalies.append(a)
         if self.dump_on_anomaly is not None and a.kind not in self._dumped:
             first = not self._dumped
-            self._dumped.add(a.kind)
+            self._dumped[a.kind] = None
             try:
                 dump = self._dump()
                 if dump is not None:
-                    dump(self._dump_path(a, first))
+                    self._dumped[a.kind] = dump(self._dump_path(a, first))
             except Exception as e:
                 log.error("hookcap: dump_on_anomaly failed: %s: %s", type(e).__name__, e)
+        if self.sinks.active:
+            self.sinks.alert(a, self._dumped.get(a.kind), self._history)
         if self.on_anomaly == "warn":
             if (a.name, a.kind) not in self._warned:
                 self._warned.add((a.name, a.kind))
@@ -151,6 +162,14 @@ class Consumers:
                 self._raise = a
         elif callable(self.on_anomaly):
             self.on_anomaly(a)
+
+    def _history(self):
+        """The history so far (what Monitor.history() returns, without waiting)."""
+        from ..history import History
+
+        h = History(self.store.records(), self.catalog.names, self.catalog.metas, self.config.histogram)
+        h.anomalies = list(self.anomalies)
+        return h
 
     def _dump_path(self, a: Anomaly, first: bool) -> str:
         """The first dump: ``path`` (a file), or ``hookcap-anomaly-step{N}.npz`` in

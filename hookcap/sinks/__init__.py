@@ -8,7 +8,8 @@ the other sinks and the history go on.
 
 Built in: :class:`JSONL`, :class:`CSV`, :class:`Parquet` (needs ``pyarrow``),
 :class:`TensorBoard` (needs ``tensorboard``), :class:`WandB` (needs ``wandb``),
-:class:`Callback`. The optional packages are imported when such a sink is
+:class:`OTLP` (needs ``opentelemetry-sdk``: live gauges, bounded series),
+:class:`Webhook` (posts anomalies), :class:`Callback`. The optional packages are imported when such a sink is
 created, not here.
 """
 
@@ -17,8 +18,10 @@ from __future__ import annotations
 from ._base import Callback, Sink
 from .csv import CSV
 from .jsonl import JSONL
+from .otlp import OTLP
 from .parquet import Parquet
 from .tensorboard import TensorBoard
 from .wandb import WandB
+from .webhook import Webhook
 
-__all__ = ["CSV", "Callback", "JSONL", "Parquet", "Sink", "TensorBoard", "WandB"]
+__all__ = ["CSV", "Callback", "JSONL", "OTLP", "Parquet", "Sink", "TensorBoard", "WandB", "Webhook"]
