@@ -1084,3 +1084,35 @@ def test_attention_router_and_channels_record_without_a_sync(dev):
             np.testing.assert_allclose(h[stat][:, h.column(name)], ref[stat][:, ref.column(name)], rtol=1e-4,
                                        err_msg=f"{name} {stat}")
     np.testing.assert_array_equal(h.groups("choice", "count"), ref.groups("choice", "count"))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_skip_step_decides_and_skips_without_a_sync(dev):
+    """SkipStep with a fused AdamW: the steady-state steps (decision, window,
+    found_inf, the skip record) run with no host sync on CUDA, and a planted
+    spike is skipped as on the CPU."""
+
+    def run(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        guard = hookcap.SkipStep(window=8, warmup=4)
+        mon = hookcap.Monitor(model, capture=("output",), optimizer=opt, skip=guard).attach()
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(64, 8, generator=g) for _ in range(12)]
+        xs[10] = xs[10] * 1e3
+        for i, x in enumerate(xs):
+            with no_sync(device if (device == "cuda" and i >= 2) else "cpu"):  # step 0 makes the state
+                loss = model(x.to(device)).pow(2).mean()
+                hookcap.tap(loss, "loss")
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        mon.detach()
+        return guard.steps(), [p.detach().cpu() for p in model.parameters()]
+
+    steps, params = run(device_of(dev))
+    ref_steps, ref_params = run("cpu")
+    assert steps == ref_steps == [10]
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
