@@ -74,9 +74,10 @@ def explain(history, step: int | None = None, *, stats=STATS, window: int = 64, 
     recorded steps before, extended to the step, and the median absolute
     residual about it (refreshed every 8 steps; per row: a layer with a small
     norm counts as much as a large one; the trend: a weight drifting as it
-    trains is not a move). A pair has moved at the first step where ``|z| > z`` and it
-    stays beyond ``z / 2`` on the same side at the anomaly and for at least
-    half the steps from there (a blip that returns is not a move). Movers are
+    trains is not a move). A pair has moved at the first step where
+    ``|z| > z`` and it stays beyond ``z / 2`` on the same side at the next
+    step, at the anomaly and for at least half the steps from there (a blip
+    that returns is not a move). Movers are
     ranked by that step, then by execution order at it (the first offender
     of a step comes first), then by ``|z|``.
 
