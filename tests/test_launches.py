@@ -1,0 +1,64 @@
+"""hookcap op calls per recorded step, counted through the dispatcher: HF
+GPT-2 (2 layers), one capture kind at a time. A statistics op call is one
+kernel launch on a GPU; the update op's one call launches once per 24
+parameters there. Prints the table; asserts today's plan: one statistics
+call per metric call, the optimizer's kinds in one multi-tensor call."""
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hookcap
+
+transformers = pytest.importorskip("transformers")
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "hookcap":
+            self.calls[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def launches(capture):
+    """(hookcap op calls of the second recorded step by op, metrics recorded, parameters)."""
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    mon = hookcap.Monitor(model, capture=capture, optimizer=opt).attach()
+    x = torch.randint(0, 128, (2, 16))
+    for _ in range(2):
+        count = CountOps()
+        with count:
+            model(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    mon.detach()
+    h = mon.history()
+    return count.calls, len(h.names), sum(1 for _ in model.parameters())
+
+
+def test_launches_per_recorded_step_on_gpt2():
+    rows = []
+    for capture in (("param",), ("param_grad",), ("output",), ("grad_output",), ("update",)):
+        calls, metrics, params = launches(capture)
+        stats_calls = calls["accumulate"]
+        rows.append((capture[0], metrics, params, dict(calls)))
+        if capture[0] == "update":
+            # Δw and w_before of every parameter in one call (on a GPU: a launch per 24).
+            assert calls["accumulate_updates"] == 1 and stats_calls == 0
+        else:
+            assert stats_calls == metrics  # one launch per metric call
+        if capture[0] in ("param", "param_grad"):
+            assert metrics == params
+    print("\nhookcap op calls per recorded step, HF GPT-2 (2 layers, 28 parameters):")
+    for kind, metrics, params, calls in rows:
+        print(f"  {kind:<12} metrics {metrics:>3}  calls {calls}")
