@@ -36,9 +36,6 @@ struct GatherState {
   std::vector<Partial> part;
 };
 
-// Whether runs of `run` values are read in place (the loop's rows walk).
-bool rows_in_place(int64_t run) { return run >= 16 && run <= kGatherTile && run % 16 == 0; }
-
 // `rows` runs of `run` values, `step` apart from `x`, into `out` back to back
 // (as float, or double for double input: exact). Built for the baseline ISA
 // and for AVX2 (twice the width), picked once per call.
@@ -72,7 +69,7 @@ template <typename T>
 void gather_groups(const T* x, int64_t outer, int64_t groups, int64_t run, int64_t* const* rows, const HistSpec& h) {
   using V = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const bool avx2 = cpu_avx2();
-  const bool in_place = rows_in_place(run);
+  const bool in_place = rows_run_ok(run);
   // Tiles of `tile` consecutive outer rows: each group's runs of a tile are
   // pushed whole (copied first into one buffer of `tile * run` values,
   // reused by every group, unless read in place). The tile's lines are read
@@ -84,14 +81,9 @@ void gather_groups(const T* x, int64_t outer, int64_t groups, int64_t run, int64
     s.buf.resize(sizeof(V) * tile * run);
     s.local.resize(groups * kPartialLocalWords);
     s.part.resize(groups);
+    // The loop kind follows T's working precision, which its copies V share.
     for (int64_t g = 0; g < groups; ++g) {
-      if (!rows[g]) continue;
-      uint32_t* local = s.local.data() + g * kPartialLocalWords;
-      if (in_place) {
-        partial_begin<T>(s.part[g], rows[g], h, local);
-      } else {
-        partial_begin<V>(s.part[g], rows[g], h, local);
-      }
+      if (rows[g]) partial_begin<T>(s.part[g], rows[g], h, s.local.data() + g * kPartialLocalWords);
     }
     V* __restrict b = reinterpret_cast<V*>(s.buf.data());
     for (int64_t t0 = o0; t0 < o1; t0 += tile) {
@@ -112,12 +104,7 @@ void gather_groups(const T* x, int64_t outer, int64_t groups, int64_t run, int64
       }
     }
     for (int64_t g = 0; g < groups; ++g) {
-      if (!rows[g]) continue;
-      if (in_place) {
-        partial_flush<T>(s.part[g]);
-      } else {
-        partial_flush<V>(s.part[g]);
-      }
+      if (rows[g]) partial_flush(s.part[g]);
     }
   });
 }

@@ -84,6 +84,14 @@ int64_t state_slot(const at::Tensor& ring, const int64_t* st) {
 
 bool cpu_avx2() { return use_avx2(); }
 
+void partial_flush(Partial& p) {
+  if (!p.started) return;
+  row_merge<HostAtomics>(p.row, p.acc);
+  wide_to_row<HostAtomics>(p.row, p.wide, 1);
+  if (!p.local || p.pending == 0) return;
+  with_partial_kind(p, [&](auto kind) { partial_flush_counts<decltype(kind)::value>(p); });
+}
+
 double row_shift(int64_t* row, double cand) {
   int64_t expected = kShiftUnset;
   __atomic_compare_exchange_n(row + kShift, &expected, dbits(cand), false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);

@@ -49,13 +49,19 @@ void partial_begin(Partial& p, int64_t* row, const HistSpec& h, uint32_t* local)
 // n contiguous values.
 template <typename T>
 void partial_push(Partial& p, const T* x, int64_t n);
-// `rows` runs of `run` contiguous values (a multiple of 16, at most 2,048),
+// `rows` runs of `run` contiguous values (rows_run_ok),
 // the runs `step` elements apart; each value read prefetches the one `ahead`
 // elements after it (0: none), e.g. the same place in the caller's next piece.
 template <typename T>
 void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64_t run, int64_t ahead);
-template <typename T>
-void partial_flush(Partial& p);
+void partial_flush(Partial& p);  // its loop kind says all: one for every T
+
+// Whether runs of `run` contiguous values can be read in place as rows
+// (partial_push_rows; the statistics op's strided reads too): a multiple of
+// 16 values (each half of the loop's 32-value vector iteration lies in one
+// row), at most one block.
+constexpr int64_t kRowsMaxRun = 2048;
+inline bool rows_run_ok(int64_t run) { return run >= 16 && run <= kRowsMaxRun && run % 16 == 0; }
 
 // The row's shift: `cand` if this writer is the first, else the one fixed.
 double row_shift(int64_t* row, double cand);

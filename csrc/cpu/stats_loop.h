@@ -129,8 +129,7 @@ struct Walk {
   int64_t ahead = 0;  // kWalkRows: prefetch the element this many after each one read (0: none)
 };
 
-// Whether rows of `run` contiguous values are read as kWalkRows.
-HC_ALWAYS_INLINE bool rows_run_ok(int64_t run) { return run >= 16 && run <= kBlock && run % 16 == 0; }
+static_assert(kRowsMaxRun == kBlock, "stats_cpu.h's rows_run_ok: rows of at most one block");
 
 inline Walk rows_walk(int64_t stride, int64_t run, int64_t ahead) {
   // The divisor of the last run asked for, kept: a 128-bit division per push costs.
@@ -1140,21 +1139,11 @@ void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64
   });
 }
 
-template <typename T>
-void partial_flush(Partial& p) {
-  if (!p.started) return;
-  row_merge<HostAtomics>(p.row, p.acc);
-  wide_to_row<HostAtomics>(p.row, p.wide, 1);
-  if (!p.local || p.pending == 0) return;
-  with_partial_kind(p, [&](auto kind) { partial_flush_counts<decltype(kind)::value>(p); });
-}
-
 // The partial's functions for T, instantiated in accumulate_<dtype>.cpp.
 #define HOOKCAP_PARTIAL(T)                                                                  \
   template void partial_begin<T>(Partial&, int64_t*, const HistSpec&, uint32_t*);          \
   template void partial_push<T>(Partial&, const T*, int64_t);                               \
-  template void partial_push_rows<T>(Partial&, const T*, int64_t, int64_t, int64_t, int64_t); \
-  template void partial_flush<T>(Partial&)
+  template void partial_push_rows<T>(Partial&, const T*, int64_t, int64_t, int64_t, int64_t)
 
 // accumulate_read<T>'s signature, for the explicit instantiations below and
 // in accumulate_<dtype>.cpp.

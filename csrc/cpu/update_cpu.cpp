@@ -170,8 +170,8 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
           }
         }
         for (int k = 0; k < 3; ++k) {
-          if (row_of[k] && narrow) partial_flush<float>(fpart[k]);
-          if (row_of[k] && dstarted) partial_flush<double>(dpart[k]);
+          if (row_of[k] && narrow) partial_flush(fpart[k]);
+          if (row_of[k] && dstarted) partial_flush(dpart[k]);
         }
       });
     };
