@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .drained import DrainedStep
+from .groups import split_group
 
 
 @dataclass
@@ -117,9 +118,6 @@ class NonFinite:
                        f"{int(s['count'])}){more}", s)
 
 
-_GROUP = re.compile(r"(.*)\[\d+\]")  # a group's metric name: f"{metric}[{g}]"
-
-
 class _Watch:
     """Which metric names a detector watches: ``metrics``, a glob or list of
     globs (fnmatch; None: all), and ``groups``: None for metrics and groups
@@ -141,11 +139,11 @@ class _Watch:
     def __call__(self, name: str) -> bool:
         w = self._seen.get(name)
         if w is None:
-            g = _GROUP.fullmatch(name)
+            metric, g = split_group(name)
             if self.groups is not None and (g is not None) != self.groups:
                 w = False
             else:
-                target = g.group(1) if self.groups else name
+                target = metric if self.groups else name
                 w = self.metrics is None or any(fnmatch.fnmatchcase(target, m) for m in self.metrics)
             self._seen[name] = w
         return w

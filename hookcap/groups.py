@@ -9,6 +9,7 @@ top)`` in the same dict summarises many channels instead (outliers)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,15 @@ class Channels:
 def group_metric(metric: str, g: int) -> str:
     """The name of group ``g`` of ``metric``: ``f"{metric}[{g}]"``."""
     return f"{metric}[{g}]"
+
+
+_GROUP_NAME = re.compile(r"(.*)\[(\d+)\]")
+
+
+def split_group(name: str) -> tuple[str, int | None]:
+    """:func:`group_metric` undone: ``(metric, g)`` for a group's name, ``(name, None)`` for any other."""
+    m = _GROUP_NAME.fullmatch(name)
+    return (m.group(1), int(m.group(2))) if m else (name, None)
 
 
 def check_groups(groups) -> tuple[tuple[str, Groups], ...]:

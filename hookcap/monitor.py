@@ -113,7 +113,8 @@ class Monitor:
             under ``no_grad`` count as training (``mon.paused()`` leaves them out).
         start_step: the number of the first step (a resumed run; see also
             :meth:`state_dict`).
-        update_snapshot: ``"update"`` of optimizers other than SGD, Adam, AdamW from a copy. moments: 2 (default) or 4: also the third and fourth central moments and
+        update_snapshot: ``"update"`` of optimizers other than SGD, Adam, AdamW from a copy.
+        moments: 2 (default) or 4: also the third and fourth central moments and
             ``skew``, ``kurtosis`` (Pearson, not excess) of captured tensors, in the
             same pass (``hookcap.MOMENT_NAMES``, docs/statistics.md).
         fused: retired: ``True`` raises ``ValueError`` (docs/design.md says why).
@@ -418,9 +419,7 @@ class Monitor:
         summed, extrema combined) with one packed MIN and one packed SUM
         all-reduce; metric rows agree even when a rank lacks a metric."""
         self._consume(wait=True)
-        h = History(self._consumers.store.records(), self._catalog.names, self._catalog.metas,
-                    self._config.histogram)
-        h.anomalies = list(self.anomalies)
+        h = self._consumers.history()
         if all_ranks:
             from .distributed import merge_across_ranks
 

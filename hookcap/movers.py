@@ -4,9 +4,13 @@ baseline, with how many steps before the anomaly and how far (robust z)."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
+
+from .groups import split_group
 
 # Statistics compared by default: scale (rms, absmax), location (mean), the
 # non-finite and zero counts, and the element count (a dead expert's tokens).
@@ -113,7 +117,7 @@ def explain(history, step: int | None = None, *, stats=STATS, window: int = 64, 
             t = int(steps[lo + k])
             if t not in orders:
                 orders[t] = _order_index(history, t)
-            found.append((t, orders[t].get(_metric_of(names[j]), len(names)), -abs(zz[k, j]), stat, int(j), k))
+            found.append((t, orders[t].get(split_group(names[j])[0], len(names)), -abs(zz[k, j]), stat, int(j), k))
     found.sort()
     movers, zcols = [], []
     for t, order, _, stat, j, k in found[:top] if top else found:
@@ -186,11 +190,6 @@ def _first_moves(zz: np.ndarray, thr: float) -> np.ndarray:
     return out
 
 
-def _metric_of(name: str) -> str:
-    """A group's column ``f"{metric}[{g}]"`` -> its metric."""
-    return name[:name.rindex("[")] if name.endswith("]") and "[" in name else name
-
-
 def _order_index(history, step: int) -> dict:
     try:
         order = history.order(step)
@@ -199,15 +198,9 @@ def _order_index(history, step: int) -> dict:
     return {n: i for i, n in enumerate(order)}
 
 
-class _quiet:
+@contextlib.contextmanager
+def _quiet():
     """All-NaN slices are expected (metrics absent from a window)."""
-
-    def __enter__(self):
-        import warnings
-
-        self._w = warnings.catch_warnings()
-        self._w.__enter__()
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        self._w.__exit__(*exc)
+        yield

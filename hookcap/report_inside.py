@@ -19,8 +19,7 @@ import re
 import numpy as np
 
 from ._plot import heatmap_figure, import_mpl, label_axes
-
-_GROUP = re.compile(r"(.*)\[(\d+)\]")
+from .groups import split_group
 
 
 def grouped(run, base_pattern: str) -> dict[str, list[int]]:
@@ -30,9 +29,9 @@ def grouped(run, base_pattern: str) -> dict[str, list[int]]:
     cols: dict[str, dict[int, int]] = {}
     pattern = re.compile(base_pattern)
     for i, name in enumerate(run.names):
-        m = _GROUP.fullmatch(name)
-        if m and pattern.fullmatch(m.group(1)):
-            cols.setdefault(m.group(1), {})[int(m.group(2))] = i
+        metric, g = split_group(name)
+        if g is not None and pattern.fullmatch(metric):
+            cols.setdefault(metric, {})[g] = i
     return {base: [c[g] for g in sorted(c)] for base, c in cols.items()}
 
 

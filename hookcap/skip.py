@@ -85,6 +85,7 @@ class SkipStep:
         self._taps = [s for s in signals if s not in (GRAD_NORM, LR)]
         self._seen: dict[str, list] = {}
         self._dev = None  # device tensors, made at the first step
+        self._cols: dict[tuple, torch.Tensor] = {}  # signal columns seen together -> their device index
         self._optimizer = self._recorder = None
         self._handles: list = []
         self._before: dict = {}  # put back after the step: found_inf, gradients
@@ -166,7 +167,7 @@ class SkipStep:
                 if any(isinstance(lr, torch.Tensor) for lr in lrs):  # tensor learning rates stay on the device
                     v = torch.stack([torch.as_tensor(lr, device=device).double().reshape(()) for lr in lrs]).max()
                 else:
-                    v = self._lr_value(device).fill_(max(float(lr) for lr in lrs))
+                    v = self._state(device)["lr"].fill_(max(float(lr) for lr in lrs))
             else:
                 seen = self._seen.get(s)
                 if not seen:
@@ -175,12 +176,6 @@ class SkipStep:
             cols.append(i)
             vals.append(v.to(device))
         return (cols, torch.stack(vals)) if vals else None
-
-    def _lr_value(self, device) -> torch.Tensor:
-        st = self._state(device)
-        if "lr" not in st:
-            st["lr"] = torch.zeros((), dtype=torch.float64, device=device)
-        return st["lr"]
 
     def _state(self, device) -> dict:
         if self._dev is None:
@@ -193,6 +188,7 @@ class SkipStep:
                 "log": torch.full((_LOG,), -1, dtype=torch.int64, device=device),
                 "step": torch.zeros(1, dtype=torch.int64, device=device),
                 "run": torch.zeros((), dtype=torch.int64, device=device),  # skips in a row
+                "lr": torch.zeros((), dtype=torch.float64, device=device),  # a host learning rate, filled in
             }
         return self._dev
 
@@ -210,17 +206,18 @@ class SkipStep:
             return None
         cols, x = got
         st = self._state(device)
-        idx = st.get(tuple(cols))
+        idx = self._cols.get(tuple(cols))
         if idx is None:  # made once per set of signals seen: no host-to-device copy per step
-            idx = st[tuple(cols)] = torch.tensor(cols, device=device)
+            idx = self._cols[tuple(cols)] = torch.tensor(cols, device=device)
         win = st["hist"].index_select(1, idx)  # [window, k]
         med = torch.nanmedian(win, dim=0).values
         mad = torch.nanmedian((win - med).abs(), dim=0).values
         scale = torch.maximum(_MAD_TO_SIGMA * mad, _REL_FLOOR * med.abs()).clamp_min(torch.finfo(torch.float64).tiny)
         over = ((x - med) / scale > self.z).any() & (st["n"] >= self.warmup)
-        trip = over | ~torch.isfinite(x).all()
+        nonfinite = ~torch.isfinite(x).all()
+        trip = over | nonfinite
         # After `patience` skips in a row, a finite level is a new regime: applied.
-        flag = (trip & ((st["run"] < self.patience) | ~torch.isfinite(x).all())).to(torch.float32)
+        flag = (trip & ((st["run"] < self.patience) | nonfinite)).to(torch.float32)
         if torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)

@@ -152,7 +152,7 @@ class Consumers:
             except Exception as e:
                 log.error("hookcap: dump_on_anomaly failed: %s: %s", type(e).__name__, e)
         if self.sinks.active:
-            self.sinks.alert(a, self._dumped.get(a.kind), self._history)
+            self.sinks.alert(a, self._dumped.get(a.kind), self.history)
         if self.on_anomaly == "warn":
             if (a.name, a.kind) not in self._warned:
                 self._warned.add((a.name, a.kind))
@@ -163,8 +163,8 @@ class Consumers:
         elif callable(self.on_anomaly):
             self.on_anomaly(a)
 
-    def _history(self):
-        """The history so far (what Monitor.history() returns, without waiting)."""
+    def history(self):
+        """The steps drained so far, with the anomalies, as a :class:`hookcap.History`."""
         from ..history import History
 
         h = History(self.store.records(), self.catalog.names, self.catalog.metas, self.config.histogram)

@@ -5,15 +5,14 @@ layer group aggregates and the top offenders, not one series per metric."""
 from __future__ import annotations
 
 import logging
-import re
 
 import numpy as np
 
+from ..groups import split_group
 from ._base import Sink
 
 log = logging.getLogger("hookcap")
 
-_GROUP = re.compile(r"\[\d+\]$")
 _CAPTURE = ("output", "input", "grad_output", "grad_input")  # kinds a tuple path may follow (".0", ".logits")
 _SUM = frozenset(("count", "nan", "posinf", "neginf", "inf", "zeros", "finite"))  # summed over a group
 
@@ -22,7 +21,8 @@ def metric_kind(name: str) -> str:
     """The kind part of a metric name: what follows the module, without a
     group index or a tuple path (``"h.3.attn/attn.logit[2]"`` ->
     ``"attn.logit"``, ``"h.3/output.0"`` -> ``"output"``)."""
-    kind = _GROUP.sub("", name.rsplit("/", 1)[-1]) if "/" in name else "tap"
+    name = split_group(name)[0]
+    kind = name.rsplit("/", 1)[-1] if "/" in name else "tap"
     head = kind.split(".", 1)[0]
     return head if head in _CAPTURE else kind
 
@@ -73,6 +73,7 @@ class OTLP(Sink):
             raise ValueError(f"OTLP: depth must be an int >= 1 or None, got {depth!r}")
         try:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+            from opentelemetry.metrics import Observation
             from opentelemetry.sdk.metrics import MeterProvider
             from opentelemetry.sdk.metrics.export import MetricExportResult, PeriodicExportingMetricReader
             from opentelemetry.sdk.resources import Resource
@@ -110,13 +111,13 @@ class OTLP(Sink):
         self._top = meter.create_gauge("hookcap.top.absmax")
         self._step = meter.create_gauge("hookcap.step")
         meter.create_observable_gauge("hookcap.otlp.failed_exports",
-                                      callbacks=[lambda _opts: [_Observation(self.failed_exports)]])
+                                      callbacks=[lambda _opts: [Observation(self.failed_exports)]])
         self._names: list[str] | None = None
         self._plan = None  # (group index [M], kind index [M], groups, kinds) for the names seen
         self._kinds: set[str] = set()
 
     def wants(self, step) -> bool:
-        return step.step % self.every == 0 and (self.rank is None or self.rank == self.export_rank)
+        return super().wants(step) and (self.rank is None or self.rank == self.export_rank)
 
     def series_bound(self) -> int:
         """The most series one export carries, with the kinds seen so far."""
@@ -182,8 +183,3 @@ class OTLP(Sink):
         finally:
             self._provider.shutdown()
 
-
-def _Observation(value):
-    from opentelemetry.metrics import Observation
-
-    return Observation(value)
