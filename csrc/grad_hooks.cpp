@@ -17,6 +17,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
@@ -32,10 +34,16 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/stats_cpu.h"
 #include "hookcap/op_checks.h"
 #include "hookcap/row_id.h"
 
 namespace hookcap {
+#ifdef HOOKCAP_WITH_CUDA
+// The statistics op's CUDA launch after its checks (cuda/stats_launch.cu).
+void accumulate_row_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row,
+                         const HistSpec& h);
+#endif
 namespace {
 
 using AccumulateFn = void(const at::Tensor&, at::Tensor&, const at::Tensor&, int64_t, int64_t,
@@ -43,6 +51,8 @@ using AccumulateFn = void(const at::Tensor&, at::Tensor&, const at::Tensor&, int
 
 struct RingRef {
   at::Tensor ring, state;
+  bool direct = false;  // ring and state checked: writes may skip the dispatcher (accumulate_into)
+  HistSpec hist{};      // the sink's histogram arguments for this ring's width
 };
 
 // Decoding a row id (hookcap/row_id.h).
@@ -89,6 +99,11 @@ std::mutex g_mu;
 // entries are erased, so the table holds only the Monitors alive.
 std::unordered_map<int64_t, std::shared_ptr<GradSink>> g_sinks;
 int64_t g_next_sink = 0;
+// output_fast's sink: the last one it looked up, kept under the GIL (the
+// table's Python writers, _grad_sink_new and _grad_sink_free, hold it too;
+// free drops it). Saves the table's lock and lookup on every module call.
+int64_t g_fast_id = -1;
+std::shared_ptr<GradSink> g_fast_sink;
 
 std::shared_ptr<GradSink> sink_of(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mu);
@@ -96,9 +111,28 @@ std::shared_ptr<GradSink> sink_of(int64_t id) {
   return it == g_sinks.end() ? nullptr : it->second;
 }
 
-// The accumulate op into `row` of `ref`, through the dispatcher (CPU or CUDA
-// kernel by x's device). Throws what the kernel's checks throw.
+// The accumulate op into `row` of `ref`. Throws what the op's checks throw.
+// An input on the ring's device goes to its kernel directly: the ring and
+// state passed their checks when set (_grad_sink_ring: direct), the histogram arguments put
+// in launch form then, and the dispatcher's round trip would cost as much as
+// a small tensor's statistics. Anything else goes through the dispatcher
+// (its device mismatch error), and so does every call while a Python
+// dispatch mode or a profiler watches ops: they see the op as before.
 void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Tensor& x) {
+  if (ref.direct && x.device() == ref.ring.device() && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
+      !at::hasCallbacks()) {
+    check_accumulate_input(x, ref.ring, row);
+    if (x.is_cpu()) {
+      accumulate_row_cpu(x, ref.ring, ref.state, row, ref.hist);
+      return;
+    }
+#ifdef HOOKCAP_WITH_CUDA
+    if (x.is_cuda()) {
+      accumulate_row_cuda(x, ref.ring, ref.state, row, ref.hist);
+      return;
+    }
+#endif
+  }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookcap::accumulate", "")
                        .typed<AccumulateFn>();
@@ -271,6 +305,13 @@ PyObject* grad_sink_ring(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!unpack_tensor(args[2], ref.ring, "ring") || !unpack_tensor(args[3], ref.state, "state")) {
     return nullptr;
   }
+  try {
+    check_ring_state(ref.ring, ref.state);
+    ref.hist = make_hist_spec(s->hist_kind, s->hist_lo, s->hist_hi, s->hist_bins, ref.ring.size(2));
+    ref.direct = true;
+  } catch (const std::exception&) {
+    // Every write goes through the op, which reports what is wrong (kept as the hook's error).
+  }
   std::lock_guard<std::mutex> lock(s->mu);
   if (static_cast<int64_t>(s->rings.size()) <= index) s->rings.resize(index + 1);
   s->rings[index] = std::move(ref);
@@ -358,6 +399,7 @@ PyObject* grad_sink_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     it->second->active.store(false);
     g_sinks.erase(it);
   }
+  if (id == g_fast_id) g_fast_sink.reset();
   Py_RETURN_NONE;
 }
 
@@ -421,6 +463,17 @@ bool compiled_autograd_on() {
 
 constexpr long kNotRecording = -2, kDone = -1;
 
+
+// The sink a Python int names, from output_fast's cache.
+const std::shared_ptr<GradSink>& fast_sink(PyObject* o) {
+  const int64_t id = PyLong_AsLongLong(o);
+  if (id != g_fast_id || !g_fast_sink) {
+    g_fast_sink = sink_arg(o);
+    g_fast_id = g_fast_sink ? id : -1;
+  }
+  return g_fast_sink;
+}
+
 // _output_fast(id, hook, output) -> int: the forward hook's steady state in
 // one C call. A module call whose output is one plain tensor, seen before on
 // the same device, has its rows cached (_fast_learn): its output is merged
@@ -430,7 +483,7 @@ constexpr long kNotRecording = -2, kDone = -1;
 // outputs, checkpoint recomputation, Python gradient hooks, errors).
 PyObject* output_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3) return PyErr_Format(PyExc_TypeError, "_output_fast takes 3 arguments");
-  auto s = sink_arg(args[0]);
+  const std::shared_ptr<GradSink>& s = fast_sink(args[0]);
   const int64_t hook = PyLong_AsLongLong(args[1]);
   if (!s || PyErr_Occurred()) return nullptr;
   if (!s->recording) return PyLong_FromLong(kNotRecording);
@@ -458,8 +511,8 @@ PyObject* output_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (grad && (s->force_python_grad || compiled_autograd_on())) return PyLong_FromLongLong(ci);
   try {
     if (f.out != kNoRow) {
-      RingRef ref = ring_now(*s, f.out);
-      accumulate_into(*s, ref, row_of(f.out), t);
+      // No lock, no copy: the rings change only in _grad_sink_ring, under the GIL held here.
+      accumulate_into(*s, s->rings[ring_of(f.out)], row_of(f.out), t);
       log_write(*s, f.out);
     }
   } catch (const std::exception&) {

@@ -308,3 +308,28 @@ def test_failing_forward_kernel_in_the_c_path_warns_and_skips_the_row(caplog):
     out, grad = h.column("0/output"), h.column("0/grad_output")
     np.testing.assert_array_equal(h["count"][:, out], [12, np.nan, 12])
     np.testing.assert_array_equal(h["count"][:, grad], [12, 12, 12])
+
+
+def test_direct_kernel_calls_equal_the_op_and_stay_visible_to_profilers():
+    # The C++ hooks call the kernel directly (no dispatcher round trip) unless
+    # a profiler or a Python dispatch mode watches: a profiled step records the
+    # same rows as an unprofiled one, and the profiler sees one op per write.
+    torch.manual_seed(0)
+    model = Deep(4)
+    x = torch.randn(3, 8)
+    mon = Monitor(model, capture=("output", "grad_output")).attach()
+    for profiled in (False, True):
+        if profiled:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                model(x).sum().backward()
+        else:
+            model(x).sum().backward()
+        mon.step()
+    mon.detach()
+    h = mon.history()
+    assert len(h.names) == 10  # 4 Linear + the Tanh called 4 times, output and grad_output
+    for stat in ("count", "sum", "sumsq", "min", "max", "absmax"):
+        direct, through_op = h[stat]  # steps 0 and 1
+        np.testing.assert_array_equal(direct, through_op)
+    ops = [e for e in prof.events() if e.name == "hookcap::accumulate"]
+    assert len(ops) == 16  # one per module call and per gradient

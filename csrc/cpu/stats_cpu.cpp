@@ -93,9 +93,8 @@ void partial_flush(Partial& p) {
 }
 
 double row_shift(int64_t* row, double cand) {
-  int64_t expected = kShiftUnset;
-  __atomic_compare_exchange_n(row + kShift, &expected, dbits(cand), false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
-  return expected == kShiftUnset ? cand : bitsd(expected);
+  const int64_t found = HostAtomics::cas_i64(row + kShift, kShiftUnset, dbits(cand));
+  return found == kShiftUnset ? cand : bitsd(found);
 }
 
 void accumulate_tensor_cpu(const at::Tensor& x_in, int64_t* row, const HistSpec& h) {
@@ -113,11 +112,8 @@ void accumulate_tensor_cpu(const at::Tensor& x_in, int64_t* row, const HistSpec&
       });
 }
 
-static void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
-                           int64_t row_index, int64_t hist_kind, double hist_lo, double hist_hi,
-                           int64_t hist_bins) {
-  check_accumulate(x_in, ring, state, row_index);
-  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+void accumulate_row_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
+                        int64_t row_index, const HistSpec& h) {
   const int64_t* st = state.data_ptr<int64_t>();
   if (st[kStateEnabled] == 0) return;
   const int64_t slot = state_slot(ring, st);
@@ -127,6 +123,14 @@ static void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::T
   HostAtomics::add_i64(row + kCalls, 1);
   if (n == 0) return;
   accumulate_tensor_cpu(x_in, row, h);
+}
+
+static void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
+                           int64_t row_index, int64_t hist_kind, double hist_lo, double hist_hi,
+                           int64_t hist_bins) {
+  check_accumulate(x_in, ring, state, row_index);
+  accumulate_row_cpu(x_in, ring, state, row_index,
+                     make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2)));
 }
 
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {

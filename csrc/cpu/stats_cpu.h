@@ -18,6 +18,12 @@ int64_t state_slot(const at::Tensor& ring, const int64_t* st);
 // and calls excepted, with the statistics op's own loop.
 void accumulate_tensor_cpu(const at::Tensor& x, int64_t* row, const HistSpec& h);
 
+// The statistics op's CPU kernel after its checks (check_accumulate), with
+// the histogram arguments in launch form: for callers that checked the ring
+// and state once and the input each call (grad_hooks.cpp's fast paths).
+void accumulate_row_cpu(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row_index,
+                        const HistSpec& h);
+
 // Whether this CPU runs the AVX2+FMA+F16C builds of the loops.
 bool cpu_avx2();
 

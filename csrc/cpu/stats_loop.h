@@ -48,6 +48,9 @@ struct HostAtomics {
     }
   }
   static int64_t cas_i64(int64_t* p, int64_t expect, int64_t v) {
+    // A plain load first: once set, the value stays (a locked op costs more than a small tensor's values).
+    const int64_t seen = __atomic_load_n(p, __ATOMIC_RELAXED);
+    if (seen != expect) return seen;
     __atomic_compare_exchange_n(p, &expect, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     return expect;  // the value found: `expect` when the exchange happened
   }

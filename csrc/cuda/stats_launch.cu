@@ -536,6 +536,11 @@ void accumulate_bins_cuda(const at::Tensor& index, const c10::optional<at::Tenso
 
 }  // namespace
 
+void accumulate_row_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row,
+                         const HistSpec& h) {
+  launch_accumulate(x, ring, state, row, h);
+}
+
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate_bins", &accumulate_bins_cuda);
   m.impl("accumulate", &accumulate_cuda);

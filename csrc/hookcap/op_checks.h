@@ -147,9 +147,9 @@ inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
   return h;
 }
 
-inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
-                             const at::Tensor& state, int64_t row) {
-  check_ring_state(ring, state);
+// The statistics op's checks of x and the row, for a ring and state
+// check_ring_state passed.
+inline void check_accumulate_input(const at::Tensor& x, const at::Tensor& ring, int64_t row) {
   // The types the kernels dispatch on, no other (float8 fnuz and e8m0 are floating types too).
   const at::ScalarType t = x.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16 ||
@@ -164,6 +164,12 @@ inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
   TORCH_CHECK(row >= 0, "hookcap.accumulate: row must be >= 0, got ", row);
   TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row), "hookcap.accumulate: row ", row,
                   " out of range for a ring with ", ring.sym_size(1), " rows");
+}
+
+inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
+                             const at::Tensor& state, int64_t row) {
+  check_ring_state(ring, state);
+  check_accumulate_input(x, ring, row);
 }
 
 // One entry of an op's list of rows: a row of the ring, or -1 (not recorded).

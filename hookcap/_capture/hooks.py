@@ -385,11 +385,12 @@ class Hooks:
         mode = self.config.eval_forwards
         split = phase_split and mode != "merge"
         ev = self._output_hook(EVAL_PREFIX + name, mtype, False) if split and mode == "separate" else _skip
+        is_compiling = torch.compiler.is_compiling  # a closure cell: no attribute walk per call
 
         def hook(mod, args, output):
             if split and not mod.training:
                 return ev(mod, args, output)
-            if torch.compiler.is_compiling():
+            if is_compiling():
                 _compile.hooks_traced(self.key)
                 if want_out:
                     _compile.write_all(self, name, "output", output, mtype)
