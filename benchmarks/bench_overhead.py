@@ -577,6 +577,7 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--compile", action="store_true",
                    help="compiled models: no telemetry and the op (see the module docstring)")
+    p.add_argument("--hooks-only", action="store_true", help="only the per-hook host cost table")
     p.add_argument("--gpt2-tokens", type=int, default=GPT2_TOKENS, help="GPT-2 sequence length (batch 8)")
     p.add_argument("--configs", default=None,
                    help="comma-separated substrings: measure only the configurations whose name "
@@ -599,14 +600,14 @@ def main(argv=None):
             print(compiled_table(rows, f"\n## {w} ({extra['model']}), compiled"))
         write_json(args.json, result)
         return
-    for w in args.workloads.split(","):
+    for w in [] if args.hooks_only else args.workloads.split(","):
         rows, extra = measure(w, device, args.rounds, args.steps_per_round, args.warm_rounds,
                               [k for k in args.configs.split(",") if k] if args.configs else None)
         result["workloads"][w] = {"rows": rows, **extra}
         print(table(rows, f"\n## {w} ({extra['model']})"))
         if "sync_check" in extra:
             print(f"sync check: {extra['sync_check']}")
-    if not args.configs or "groups" in args.configs:
+    if not args.hooks_only and (not args.configs or "groups" in args.configs):
         import bench_groups
 
         print("\n## grouped op vs the ungrouped op on the same tensor (target: <= 1.3 x; bench_groups.py)")

@@ -42,7 +42,7 @@ def check(x, histogram=Histogram.log2(), **kw):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("histogram", HISTS, ids=["log2", "linear", "nohist"])
-@pytest.mark.parametrize("n", [1, 7, 1000, 100_003])
+@pytest.mark.parametrize("n", [1, 7, 200, 1000, 100_003])  # < 256: bins straight into the ring
 def test_specials_all_dtypes(dtype, histogram, n):
     check(specials(n, dtype, seed=n), histogram)
 
@@ -169,7 +169,7 @@ def test_expanded_counts_repeats():
 
 @pytest.mark.parametrize("histogram", HISTS + [Histogram.linear(-3.0, 5.0, 3000)],
                          ids=["log2", "linear", "nohist", "wide"])
-@pytest.mark.parametrize("n", [700, 9000])  # tiny: bins straight into the ring; else local copies
+@pytest.mark.parametrize("n", [150, 700, 9000])  # tiny: bins straight into the ring; else local copies
 def test_stride_zero_dims_count_as_a_multiplicity(histogram, n):
     """Each element of an expanded view is read once and counted per repeat:
     counts, sums and every bin (zeros and float subnormals included)."""

@@ -638,6 +638,37 @@ HC_ALWAYS_INLINE void count_keys(const int32_t* idx, int64_t n, const HistSink& 
   for (; i < n; ++i) ++c[idx[i]];
 }
 
+// A small tensor's values count straight into the row (kDirectHistBelow):
+// one locked add per distinct bin instead of one per value, through a small
+// open-addressed table; a bin that finds no slot is added at once.
+constexpr int64_t kFewValues = kDirectHistBelow;
+HC_ALWAYS_INLINE void few_scatter(const int32_t* idx, int64_t n, const HistSink& hs) {
+  constexpr int kSlots = 64, kProbes = 4;
+  int32_t key[kSlots] = {};  // bin + 1; 0 = empty
+  int64_t cnt[kSlots];
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t b = idx[i];
+    if (b <= 0) continue;
+    uint32_t slot = (static_cast<uint32_t>(b) * 2654435761u) >> 26;
+    int p = 0;
+    for (; p < kProbes; ++p, slot = (slot + 1) & (kSlots - 1)) {
+      if (key[slot] == b) {
+        cnt[slot] += hs.unit;
+        break;
+      }
+      if (key[slot] == 0) {
+        key[slot] = b;
+        cnt[slot] = hs.unit;
+        break;
+      }
+    }
+    if (p == kProbes) HostAtomics::add_i64(hs.ring_bins + b - 1, hs.unit);
+  }
+  for (int k = 0; k < kSlots; ++k) {
+    if (key[k]) HostAtomics::add_i64(hs.ring_bins + key[k] - 1, cnt[k]);
+  }
+}
+
 // Count the block's bin indices (idx = bin + 1; 0 = not binned).
 // `ahead` (may be null) is prefetched one line per 16 elements, spread over
 // the scalar loop so the fill buffers never stall it.
@@ -658,6 +689,8 @@ HC_ALWAYS_INLINE void block_scatter(const int32_t* idx, int64_t n, const HistSin
       ++c3[idx[i + 3]];
     }
     for (; i < n; ++i) ++c0[idx[i]];
+  } else if (n <= kFewValues) {
+    few_scatter(idx, n, hs);
   } else {
     for (int64_t i = 0; i < n; ++i) {
       if (idx[i] > 0) HostAtomics::add_i64(hs.ring_bins + idx[i] - 1, hs.unit);
