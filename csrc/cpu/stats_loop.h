@@ -689,7 +689,7 @@ HC_ALWAYS_INLINE void block_scatter(const int32_t* idx, int64_t n, const HistSin
       ++c3[idx[i + 3]];
     }
     for (; i < n; ++i) ++c0[idx[i]];
-  } else if (n <= kFewValues) {
+  } else if (n > 16 && n <= kFewValues) {  // (for fewer, clearing and scanning the table costs more)
     few_scatter(idx, n, hs);
   } else {
     for (int64_t i = 0; i < n; ++i) {

@@ -264,6 +264,37 @@ __device__ __forceinline__ uint32_t minmax2(uint32_t a, uint32_t b) {
 #endif
 }
 
+// z (two counts) plus one in each half for a zero half (either sign) of
+// pair w, both halves in one instruction. The counts are float16 on the
+// device (exact to 2,048; a run adds at most kRunElems / 2 to each), and one
+// float16 compare serves every pair type: a zero has the same bits in
+// bfloat16 and float16, any other half is a nonzero float16 or a NaN (the
+// compare flushes no subnormal). The harness counts in integers.
+__device__ __forceinline__ uint32_t add_zero_halves(uint32_t z, uint32_t w) {
+#ifdef HOOKCAP_CUDA_EMU
+  return z + ((w & 0x7fffu) == 0 ? 1u : 0u) + ((w & 0x7fff0000u) == 0 ? 0x10000u : 0u);
+#else
+  __half2 vz, vw;
+  memcpy(&vz, &z, 4);
+  memcpy(&vw, &w, 4);
+  vz = __hadd2(vz, __heq2(vw, __float2half2_rn(0.0f)));
+  uint32_t r;
+  memcpy(&r, &vz, 4);
+  return r;
+#endif
+}
+
+// The sum of add_zero_halves' two counts.
+__device__ __forceinline__ float zero_halves_total(uint32_t z) {
+#ifdef HOOKCAP_CUDA_EMU
+  return static_cast<float>((z & 0xffffu) + (z >> 16));
+#else
+  __half2 vz;
+  memcpy(&vz, &z, 4);
+  return __low2float(vz) + __high2float(vz);
+#endif
+}
+
 // Pairs of P as floats, two elements each.
 template <typename P, int kWords>
 __device__ __forceinline__ void widen_pairs(const uint32_t (&p)[kWords], float (&out)[2 * kWords]) {
@@ -750,9 +781,14 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
     }
   };
   // Every element is binned exactly once, here (runs redone in double are not).
+  // kModeLog2Exp: the warp's table as a byte offset, so that the entry's
+  // offset is one and-or of the value's bits ((bits >> 21) & 0x3fc is the
+  // exponent byte times 4, below 1,024) and the table's address an immediate.
+  const uint32_t warp_tab = static_cast<uint32_t>(warp) * 256u * sizeof(unsigned int);
   auto bin = [&](W v) {
     if constexpr (kMode == kModeLog2Exp) {
-      atomicAdd(&sh.tab[warp][(vbits(v) >> 23) & 0xff], 1u);
+      const uint32_t off = ((vbits(v) >> 21) & 0x3fcu) | warp_tab;
+      atomicAdd(reinterpret_cast<unsigned int*>(reinterpret_cast<char*>(&sh.tab[0][0]) + off), 1u);
     } else if constexpr (kMode == kModeLog2Key) {
       atomicAdd(&s_cnt[log2_key_bits(v, key_shift, key_mask)], 1u);
     } else if constexpr (kPairs) {
@@ -846,7 +882,8 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
   constexpr uint32_t kWordInf = std::is_same_v<P, c10::BFloat16> ? 0x7f807f80u : 0x7c007c00u;
   constexpr uint32_t kWordNegInf = kWordInf | 0x80008000u;
   uint32_t mn2, mx2;  // the run's, from +Inf and -Inf in both halves
-  // widen_raw, and with kPacked the run's min and max.
+  uint32_t z2;        // the run's zeros (add_zero_halves), with its min and max
+  // widen_raw, and with kPacked the run's min, max and zeros.
   auto widen_mm = [&](const Raw& r, W (&out)[kPer]) {
     if constexpr (kPacked) {
       uint32_t p[kPairWords<T>];
@@ -855,6 +892,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
       for (int i = 0; i < kPairWords<T>; ++i) {
         mn2 = minmax2<P, false>(mn2, p[i]);
         mx2 = minmax2<P, true>(mx2, p[i]);
+        z2 = add_zero_halves(z2, p[i]);
       }
       widen_pairs<P>(p, out);
     } else {
@@ -924,7 +962,8 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
     W nz = 0;  // zeros of the run, counted in W (exact: at most kRunElems)
     mn2 = kWordInf;
     mx2 = kWordNegInf;
-    auto stats = [&](W v) {  // kPacked: min and max by widen_mm
+    z2 = 0;
+    auto stats = [&](W v) {  // kPacked: min, max and zeros by widen_mm
       const W d = v - c;
       s1 += d;
       s2 = FmaSquare{}(s2, d);
@@ -932,8 +971,8 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
       if constexpr (!kPacked) {
         mn = wmin(mn, v);
         mx = wmax(mx, v);
+        nz += v == W(0) ? W(1) : W(0);
       }
-      nz += v == W(0) ? W(1) : W(0);
     };
     auto push = [&](W v) {
       stats(v);
@@ -946,9 +985,24 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
       // group's loads are issued before this group is worked, so they are in
       // flight all the while (the compiler would otherwise issue them late).
       Raw ga[kUnrollM], gb[kUnrollM];
+      // Dense: the next group's first vector as a pointer stepped group by
+      // group (the item index, multiplied out at every load, costs a dozen
+      // address instructions per group where registers are short).
+      // The grid's stride in elements fits an int (the launcher's grids are
+      // far below 2**31 / 256 / 8 blocks): each step is one wide multiply-add.
+      const int vstride = static_cast<int>(gstride * kPer);
+      const T* next = kFlat ? body + (gtid + j * gstride) * kPer : nullptr;  // the next vector to load
       auto issue = [&](Raw (&g)[kUnrollM], int64_t j_at) {
+        if constexpr (kFlat) {
 #pragma unroll
-        for (int u = 0; u < kUnrollM; ++u) g[u] = load_raw(gtid + (j_at + u) * gstride);
+          for (int u = 0; u < kUnrollM; ++u) {
+            g[u] = load16(next);
+            next += vstride;
+          }
+        } else {
+#pragma unroll
+          for (int u = 0; u < kUnrollM; ++u) g[u] = load_raw(gtid + (j_at + u) * gstride);
+        }
       };
       auto work = [&](const Raw (&g)[kUnrollM]) {
 #pragma unroll
@@ -959,19 +1013,24 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
           for (int k = 0; k < kPer; ++k) push(v[k]);
         }
       };
-      if (j + kUnrollM <= jsteady) issue(ga, j);
-      while (j + kUnrollM <= jsteady) {  // the steady-state loop
-        const bool more_b = j + 2 * kUnrollM <= jsteady;
-        if (more_b) issue(gb, j + kUnrollM);
+      // Whole groups left, counted in 32 bits (a run holds few): the loop
+      // tests one register, and j moves once after it.
+      const int groups = j + kUnrollM <= jsteady ? static_cast<int>((jsteady - j) / kUnrollM) : 0;
+      int left = groups;
+      if (left > 0) issue(ga, j);
+      while (left > 0) {  // the steady-state loop
+        const bool more_b = left >= 2;
+        if (more_b) issue(gb, j + (groups - left + 1) * kUnrollM);
         work(ga);
-        j += kUnrollM;
+        --left;
         if (!more_b) break;
-        const bool more_a = j + 2 * kUnrollM <= jsteady;
-        if (more_a) issue(ga, j + kUnrollM);
+        const bool more_a = left >= 2;
+        if (more_a) issue(ga, j + (groups - left + 1) * kUnrollM);
         work(gb);
-        j += kUnrollM;
+        --left;
         if (!more_a) break;
       }
+      j += static_cast<int64_t>(groups) * kUnrollM;
     } else {
       for (; j + kUnrollM <= jsteady; j += kUnrollM) {  // the steady-state loop
         W v[kUnrollM][kPer];
@@ -1013,6 +1072,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
     if constexpr (kPacked) {
       mn = wmin(half_of_word<P>(mn2, 0), half_of_word<P>(mn2, 1));
       mx = wmax(half_of_word<P>(mx2, 0), half_of_word<P>(mx2, 1));
+      nz = static_cast<W>(zero_halves_total(z2));
     }
     const int64_t m = (j1 - j0) * kPer;
     const bool finite = s2 - s2 == W(0);  // false iff a NaN/Inf (or an overflowing square)
