@@ -989,7 +989,7 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   WideAcc wide[kMaxChunks];
   Moments4 m4[kMaxChunks];
 
-  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+  auto run_chunks = [&](int64_t c0, int64_t c1) {
     uint32_t local[kHistCopies * (kLocalBins + 1)];
     static_assert(kLocalBins + 1 >= kExpBins, "local copies must hold the exponent histogram");
     // The local counts of this worker's chunks go to the row once (counts
@@ -1021,7 +1021,12 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
       zeros += partial[c].nzero;
     }
     if (local_hist && pending) flush();
-  });
+  };
+  if (nchunks == 1) {
+    run_chunks(0, 1);  // a small tensor: no trip through the thread pool's entry
+  } else {
+    at::parallel_for(0, nchunks, 1, run_chunks);
+  }
   // Merge in chunk order: the same sums for any number of threads.
   Acc total;
   acc_init(total);

@@ -162,8 +162,14 @@ inline void check_accumulate_input(const at::Tensor& x, const at::Tensor& ring, 
   TORCH_CHECK(x.device() == ring.device(), "hookcap.accumulate: x is on ", x.device(),
               " but the ring is on ", ring.device());
   TORCH_CHECK(row >= 0, "hookcap.accumulate: row must be >= 0, got ", row);
-  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row), "hookcap.accumulate: row ", row,
-                  " out of range for a ring with ", ring.sym_size(1), " rows");
+  // Concrete sizes (every call but a traced one's) skip the symbolic compare's allocation.
+  const c10::SymInt rows = ring.sym_size(1);
+  if (const auto r = rows.maybe_as_int()) {
+    TORCH_CHECK(*r > row, "hookcap.accumulate: row ", row, " out of range for a ring with ", *r, " rows");
+  } else {
+    TORCH_SYM_CHECK(rows.sym_gt(row), "hookcap.accumulate: row ", row, " out of range for a ring with ", rows,
+                    " rows");
+  }
 }
 
 inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
