@@ -377,8 +377,7 @@ class Hooks:
 
     def _output_hook(self, name, mtype, phase_split=True):
         rec = self.recorder
-        want_out = "output" in self.config.capture
-        want_grad = "grad_output" in self.config.capture
+        want_out, want_grad = "output" in self.config.capture, "grad_output" in self.config.capture
         hid = rec.hook_id(name)
         output_fast = rec.fast.output_fast
         # The eval split inlined (not _phased): this is the hottest hook.
