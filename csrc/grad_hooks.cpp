@@ -111,6 +111,16 @@ std::shared_ptr<GradSink> sink_of(int64_t id) {
   return it == g_sinks.end() ? nullptr : it->second;
 }
 
+// Whether x is a plain CPU or CUDA tensor whose memory holds its values:
+// not a view with a lazy negation or conjugation, an efficient zero tensor,
+// a Python subclass, a functional or batched wrapper (their dispatch keys
+// make the dispatcher resolve them first).
+bool plain_dense(const at::Tensor& x) {
+  const c10::DispatchKeySet ks = x.key_set() - c10::autograd_dispatch_keyset -
+                                 c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView);
+  return ks == c10::DispatchKeySet(c10::DispatchKey::CPU) || ks == c10::DispatchKeySet(c10::DispatchKey::CUDA);
+}
+
 // The accumulate op into `row` of `ref`. Throws what the op's checks throw.
 // An input on the ring's device goes to its kernel directly: the ring and
 // state passed their checks when set (_grad_sink_ring: direct), the histogram arguments put
@@ -119,8 +129,8 @@ std::shared_ptr<GradSink> sink_of(int64_t id) {
 // (its device mismatch error), and so does every call while a Python
 // dispatch mode or a profiler watches ops: they see the op as before.
 void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Tensor& x) {
-  if (ref.direct && x.device() == ref.ring.device() && !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
-      !at::hasCallbacks()) {
+  if (ref.direct && plain_dense(x) && x.device() == ref.ring.device() &&
+      !c10::impl::TorchDispatchModeTLS::any_modes_set() && !at::hasCallbacks()) {
     check_accumulate_input(x, ref.ring, row);
     if (x.is_cpu()) {
       accumulate_row_cpu(x, ref.ring, ref.state, row, ref.hist);

@@ -333,3 +333,26 @@ def test_direct_kernel_calls_equal_the_op_and_stay_visible_to_profilers():
         np.testing.assert_array_equal(direct, through_op)
     ops = [e for e in prof.events() if e.name == "hookcap::accumulate"]
     assert len(ops) == 16  # one per module call and per gradient
+
+
+@pytest.mark.parametrize("make", [torch._neg_view, torch._efficientzerotensor], ids=["neg_view", "zero_tensor"])
+def test_lazy_tensors_resolve_before_the_direct_kernel(make):
+    # A negated view (its memory holds -value) and an efficient zero tensor (no
+    # memory) are resolved by the dispatcher: the C++ hooks' direct kernel calls
+    # must not read their memory as values, on the cached steps either.
+    class Lazy(nn.Module):
+        def forward(self, x):
+            y = x * 2.0
+            return make(y) if make is torch._neg_view else make(y.shape)
+
+    x = torch.randn(4, 8, dtype=torch.float64)
+    model = Lazy()
+    mon = Monitor(model, capture="output").attach()
+    for _ in range(3):
+        model(x)
+        mon.step()
+    mon.detach()
+    h = mon.history()
+    ref = -2.0 * x if make is torch._neg_view else torch.zeros_like(x)
+    for stat, want in (("sum", ref.sum()), ("min", ref.min()), ("max", ref.max()), ("count", ref.numel())):
+        np.testing.assert_allclose(h[stat][:, 0], float(want), rtol=1e-12)
