@@ -493,7 +493,8 @@ const std::shared_ptr<GradSink>& fast_sink(PyObject* o) {
 // outputs, checkpoint recomputation, Python gradient hooks, errors).
 PyObject* output_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3) return PyErr_Format(PyExc_TypeError, "_output_fast takes 3 arguments");
-  const std::shared_ptr<GradSink>& s = fast_sink(args[0]);
+  // A copy: a Python dispatch mode's code (run by the op's dispatcher path) may free the Monitor.
+  const std::shared_ptr<GradSink> s = fast_sink(args[0]);
   const int64_t hook = PyLong_AsLongLong(args[1]);
   if (!s || PyErr_Occurred()) return nullptr;
   if (!s->recording) return PyLong_FromLong(kNotRecording);
