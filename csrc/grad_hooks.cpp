@@ -122,12 +122,13 @@ bool plain_dense(const at::Tensor& x) {
 }
 
 // The accumulate op into `row` of `ref`. Throws what the op's checks throw.
-// An input on the ring's device goes to its kernel directly: the ring and
-// state passed their checks when set (_grad_sink_ring: direct), the histogram arguments put
-// in launch form then, and the dispatcher's round trip would cost as much as
-// a small tensor's statistics. Anything else goes through the dispatcher
-// (its device mismatch error), and so does every call while a Python
-// dispatch mode or a profiler watches ops: they see the op as before.
+// A plain input on the ring's device goes to its kernel directly: the ring
+// and state passed their checks when set (_grad_sink_ring: direct), the
+// histogram arguments were put in launch form then, and the dispatcher's
+// round trip would cost as much as a small tensor's statistics. Anything
+// else goes through the dispatcher (its device mismatch error), and so does
+// every call while a Python dispatch mode or a profiler watches ops: they
+// see the op as before.
 void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Tensor& x) {
   if (ref.direct && plain_dense(x) && x.device() == ref.ring.device() &&
       !c10::impl::TorchDispatchModeTLS::any_modes_set() && !at::hasCallbacks()) {
