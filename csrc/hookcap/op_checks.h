@@ -39,6 +39,19 @@ inline void check_ring_state(const at::Tensor& ring, const at::Tensor& state) {
               " but state is on ", state.device());
 }
 
+// Row `row` lies in the ring ("hookcap.<op>: row ... out of range"). Concrete
+// sizes (every call but a traced one's) compare as ints, without the
+// symbolic compare's allocation: the hooks' hot path runs this check.
+inline void check_row_in_ring(const char* op, int64_t row, const at::Tensor& ring) {
+  const c10::SymInt rows = ring.sym_size(1);
+  if (const auto n = rows.maybe_as_int()) {
+    TORCH_CHECK(*n > row, "hookcap.", op, ": row ", row, " out of range for a ring with ", *n, " rows");
+  } else {
+    TORCH_SYM_CHECK(rows.sym_gt(row), "hookcap.", op, ": row ", row, " out of range for a ring with ", rows,
+                    " rows");
+  }
+}
+
 inline void check_reset_rows(const at::Tensor& ring, const at::Tensor& state, int64_t begin,
                              int64_t end) {
   check_ring_state(ring, state);
@@ -54,8 +67,7 @@ inline void check_time_mark(const at::Tensor& ring, const at::Tensor& state, int
   TORCH_CHECK(phase == 0 || phase == 1,
               "hookcap.time_mark: phase must be 0 (forward) or 1 (backward), got ", phase);
   TORCH_CHECK(row >= 0, "hookcap.time_mark: row must be >= 0, got ", row);
-  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(row), "hookcap.time_mark: row ", row,
-                  " out of range for a ring with ", ring.sym_size(1), " rows");
+  check_row_in_ring("time_mark", row, ring);
 }
 
 // At most this many bins of a log2 histogram between 2**lo and 2**hi, so
@@ -162,14 +174,7 @@ inline void check_accumulate_input(const at::Tensor& x, const at::Tensor& ring, 
   TORCH_CHECK(x.device() == ring.device(), "hookcap.accumulate: x is on ", x.device(),
               " but the ring is on ", ring.device());
   TORCH_CHECK(row >= 0, "hookcap.accumulate: row must be >= 0, got ", row);
-  // Concrete sizes (every call but a traced one's) skip the symbolic compare's allocation.
-  const c10::SymInt rows = ring.sym_size(1);
-  if (const auto r = rows.maybe_as_int()) {
-    TORCH_CHECK(*r > row, "hookcap.accumulate: row ", row, " out of range for a ring with ", *r, " rows");
-  } else {
-    TORCH_SYM_CHECK(rows.sym_gt(row), "hookcap.accumulate: row ", row, " out of range for a ring with ", rows,
-                    " rows");
-  }
+  check_row_in_ring("accumulate", row, ring);
 }
 
 inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
@@ -181,8 +186,7 @@ inline void check_accumulate(const at::Tensor& x, const at::Tensor& ring,
 // One entry of an op's list of rows: a row of the ring, or -1 (not recorded).
 inline void check_row_or_skip(const char* op, int64_t r, const at::Tensor& ring) {
   TORCH_CHECK(r >= -1, "hookcap.", op, ": a row must be >= 0 or -1, got ", r);
-  TORCH_SYM_CHECK(ring.sym_size(1).sym_gt(r), "hookcap.", op, ": row ", r, " out of range for a ring with ",
-                  ring.sym_size(1), " rows");
+  check_row_in_ring(op, r, ring);
 }
 
 // accumulate_groups: x split along `dim` into groups of `size` slices, one
