@@ -147,17 +147,21 @@ class Baseline(Config):
 
 
 class Hookcap(Config):
-    def __init__(self, name, block_merge=None, capture=("output", "grad_output"), **kw):
-        """block_merge: hookcap._ops.block_merge's kind while attached (CUDA), else the default."""
+    def __init__(self, name, block_merge=None, capture=("output", "grad_output"), with_optimizer=False, **kw):
+        """block_merge: hookcap._ops.block_merge's kind while attached (CUDA), else the default.
+        with_optimizer: Monitor(optimizer=) the loop's optimizer (``optimizer``, set by the
+        harness before attach); its steps close the Monitor's."""
         super().__init__(name)
         self.kw = kw
         self.capture = capture
         self.mon = None
         self.block_merge, self.merge_before = block_merge, None
+        self.with_optimizer, self.optimizer = with_optimizer, None
 
     def attach(self, model):
         if self.mon is None:
-            self.mon = hookcap.Monitor(model, capture=self.capture, **self.kw)
+            opt = {"optimizer": self.optimizer} if self.with_optimizer else {}
+            self.mon = hookcap.Monitor(model, capture=self.capture, **self.kw, **opt)
         if self.block_merge:
             self.merge_before = hookcap._ops.block_merge(self.block_merge)
         self.mon.attach()
@@ -168,7 +172,14 @@ class Hookcap(Config):
             hookcap._ops.block_merge(self.merge_before)
 
     def after_step(self):
-        self.mon.step()
+        if not self.with_optimizer:
+            self.mon.step()
+
+
+# Production cadence: the step-level signals every step (gradients, whose
+# sum of squares gives the global norm, and the optimizer's update), the
+# per-layer activations and their gradients every 10th step.
+CADENCE = {"output": 10, "grad_output": 10, "param_grad": 1, "update": 1}
 
 
 class HFDebug(Config):
@@ -262,6 +273,8 @@ def configs(skip, only=None):
         Hookcap("hookcap histogram=None", histogram=None),
         Hookcap("hookcap every=1 log2 + timing", timing=True),
         Hookcap("hookcap every=1 + attention", capture=("output", "grad_output", "attention")),
+        Hookcap("hookcap cadence: grads+updates every step, activations every 10", with_optimizer=True,
+                capture=tuple(CADENCE), every=CADENCE),
         HFDebug("HF DebugUnderflowOverflow"),
         DetectAnomaly("detect_anomaly"),
         WandbWatch("wandb.watch(log=all)"),
@@ -310,6 +323,8 @@ def measure(workload, device, rounds, steps_per_round, warm_rounds, only=None):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     skip = {}
     cfgs = configs(skip, only)
+    for c in cfgs:
+        c.optimizer = opt
     times = {c.name: [] for c in cfgs}
     by_round = {c.name: [] for c in cfgs}  # per measured round: the median of its samples
     clock = timer(device)

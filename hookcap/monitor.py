@@ -69,7 +69,8 @@ class Monitor:
         capacity: how much history the host keeps: a size in bytes (``"256MiB"``,
             ``"512MB"``, ``"2GiB"``; the default) or a number of recorded steps.
             The oldest steps are dropped first (``evicted_steps`` counts them).
-        every: record every N-th step (an int >= 1); other steps launch nothing.
+        every: record every N-th step (an int >= 1); other steps launch nothing. Or per
+            kind, ``{"output": 10, "param_grad": 1, "*": 1}`` (``"*"``: kinds not named; taps: ``"tap"``).
         optimizer: if given, each optimizer step closes a step (``step()`` calls
             do nothing). Wrappers (accelerate's, Lightning's) are followed to the
             innermost optimizer; one without step post-hooks has ``step`` wrapped.
@@ -142,7 +143,7 @@ class Monitor:
         capture=("output", "grad_output"),
         histogram: Histogram | None = DEFAULT_HISTOGRAM,
         capacity: int | str = DEFAULT_CAPACITY,
-        every: int = 1,
+        every: int | dict = 1,
         optimizer: torch.optim.Optimizer | None = None,
         detectors=None,
         on_anomaly="warn",
@@ -199,7 +200,7 @@ class Monitor:
                              doc="Recorded steps dropped from the host history by ``capacity``, oldest first.")
     history_bytes = property(lambda self: self._consumers.store.nbytes,
                              doc="Bytes the host history holds now (encoded steps).")
-    every = property(lambda self: self._config.every, doc="Record every N-th step.")
+    every = property(lambda self: self._config.every, doc="``every`` as given: an int, or a dict per kind.")
     timing = property(lambda self: self._config.timing, doc="Whether module durations are recorded.")
     rank_sinks = property(lambda self: self._config.rank_sinks, doc="``'merged'`` or ``'all'``.")
     eval_forwards = property(lambda self: self._config.eval_forwards,
@@ -352,13 +353,13 @@ class Monitor:
             for module, message in failed_timers:
                 hooks.timing.failed(module, RuntimeError(message))
             if self._attached or len(order):  # detached: detach() closed what it held
-                self._drain.finish(rec.ring_list, rec.step, rec.slot, order)
+                self._drain.finish(rec.ring_list, rec.step, order, rec.module_recording or rec.paused)
         else:  # gradients that arrived in an off-step wrote nothing: forget them
             rec.fast.take()
         self._consume(wait=False)
         if not closing and self._ranks.due(rec.step, RANK_MERGE_EVERY):
             self._ranks.merge(self._drain.watermark(rec.step))
-        rec.new_step(*self._drain.advance(rec.ring_list, rec.step, rec.slot))
+        rec.new_step(*self._drain.advance(rec.ring_list, rec.step))
         hooks.new_step()
         hooks.park_or_unpark(self._attached)
         if rec.recording and not recorded:

@@ -250,7 +250,7 @@ class SkipStep:
         self._before = {}
         if flag is None:
             return
-        if self._recorder is not None and self._recorder.recording:
+        if self._recorder is not None and self._recorder.records("tap"):
             record_skip(self._recorder, flag, "SkipStep")
         if self._fused(opt):
             prev = getattr(opt, "found_inf", None)

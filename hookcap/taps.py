@@ -76,7 +76,7 @@ def tap(x: torch.Tensor, name: str, placement: str | None = None, *, bins: int |
     w = None if weights is None else weights.detach()
     for ref in list(RECORDING.values()):
         rec = ref()
-        if rec is not None:
+        if rec is not None and rec.records("tap"):
             metric = rec.tap_name(name)
             if metric is None:
                 continue

@@ -53,8 +53,9 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert all(0 < c["nan"] < c["count"] and c["min"] < 0 < c["max"] for c in checks)
 
     overhead = steps["overhead"]
+    cadence = "hookcap cadence: grads+updates every step, activations every 10"
     assert [r["config"] for r in overhead["rows"]] == ["no telemetry", "hookcap every=1 log2 hist",
-                                                       "hookcap every=10", "hookcap every=1 + attention"]
+                                                       "hookcap every=10", "hookcap every=1 + attention", cadence]
     groups_op = overhead["groups_op"]  # the grouped op against the ungrouped one, each case
     assert {r["case"] for r in groups_op} == {"heads 12 x 64", "experts 8", "channels 768 x 1"}
     assert all(r["ratio"] > 0 for r in groups_op)
@@ -93,6 +94,11 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert gpu_check.KERNEL_HEADER in summary and "## Overhead" in summary and "## Compiled" in summary
     assert "Device time per step by kernel category" in summary
+    # The targets: each line with its figure where this run measures one (the CPU: the cadence line).
+    targets = summary.split("## Targets", 1)[1].split("\n## ", 1)[0]
+    cad = next(r for r in pipelined["rows"] if r["config"] == cadence)
+    assert f"| {cad['overhead_pct']:+.2f} % |" in targets
+    assert "| bfloat16 default log2 at 1e9 elements | ≥ 0.95 × copy | not measured | - |" in targets
     assert summary.strip() in out.stdout
     assert {"build_info.log", "kernel.log", "overhead.log", "compiled.log"} <= set(os.listdir(tmp_path))
 

@@ -162,23 +162,23 @@ def test_ring_opens_a_slot_the_host_reset_without_visiting_it():
     args = hist.op_args()
     ring = DeviceRing(torch.device("cpu"), slots=2, width=H + hist.nbins, rows=4)
     ring.ring[1] = 7  # slot 1 written (step 1 will be read from it)
-    ring.advance(1, True, 1)  # step 1, slot 1
+    ring.advance(True, 1)  # step 1, slot 1
     assert ring.state.tolist() == [1, 1, 1]
     ring.ring[1] = 7
     ring.reset_read(ring._host_view[1], args, 3)  # read step 1: slot 1 next holds step 3
     assert np.array_equal(ring.ring[1].numpy(), _reset_reference(H + hist.nbins, 4, 3))
-    ring.advance(1, True, 0)  # step 2, slot 0 (the op resets it)
+    ring.advance(True, 0)  # step 2, slot 0 (the op resets it)
     ring.ring[1, 2, H + 5] = 99  # a planted value no reset would leave
-    ring.advance(1, True, 1)  # step 3, slot 1: opened without visiting its rows
+    ring.advance(True, 1)  # step 3, slot 1: opened without visiting its rows
     assert ring.state.tolist() == [3, 1, 1]
     assert ring.ring[1, 2, H + 5] == 99
     ring.reset_read(ring._host_view[1], args, 5)
     for _ in range(4):
         ring.add_row(0)
     ring.add_row(0)  # grows the ring: its new rows are unknown
-    ring.advance(1, True, 0)
+    ring.advance(True, 0)
     ring.ring[1, 10, H + 5] = 99  # a new row (unknown content)
-    ring.advance(1, True, 1)  # step 5, slot 1: reset by the op
+    ring.advance(True, 1)  # step 5, slot 1: reset by the op
     assert ring.state.tolist() == [5, 1, 1]
     assert ring.ring[1, 10, H + 5] == 0
 

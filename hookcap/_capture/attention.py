@@ -203,7 +203,7 @@ class AttentionCapture:
         rec = self.rec
         if module is None and self.stack:
             module = self.stack[-1]
-        if not (rec.recording and module) or rec.in_eval():
+        if not (module and rec.records("attention")) or rec.in_eval():
             return
         if q.dim() not in (3, 4) or k.dim() != q.dim() or q.shape[-3] % k.shape[-3]:
             rec.warn_once(("attention", module), f"hookcap: {module}/attn.*: query and key of "

@@ -173,17 +173,15 @@ class Hooks:
     def park_or_unpark(self, attached: bool) -> None:
         """Hooks out for a step that records nothing (an off-step, a paused
         block); in for one that records."""
-        if self.recorder.recording or not (self.park_ok and attached):
+        if self.recorder.module_recording or not (self.park_ok and attached):
             self.park.unpark()
         elif not self.park.parked and _compile.compile_callback_installed():
             self.park.park()
 
     def record_params(self) -> None:
-        """``param``: each watched parameter's values, at ``step()``; the
-        optimizer's kinds (unless a followed optimizer's own post-step hook
-        records them); and the reduced gradients not recorded at an optimizer
-        pre-step yet."""
-        if "param" in self.config.capture:
+        """``param``: each watched parameter's values, at ``step()``; the optimizer's kinds (unless a
+        followed optimizer's own post-step hook records them); reduced gradients not recorded yet."""
+        if "param" in self.config.capture and self.recorder.records("param"):
             with torch.no_grad():
                 for pname, p in self.params:
                     self.recorder.write(pname, "param", "", p.detach(), "Parameter", 0)
@@ -193,7 +191,7 @@ class Hooks:
 
     def record_optimizer(self) -> None:
         """``optim_state``, ``update`` and ``adam_ratio``: right after the optimizer's step."""
-        if not self.recorder.recording:
+        if not any(map(self.recorder.records, ("update", "adam_ratio", "optim_state"))):
             return
         covered = self.updates.record(self.params) if self.updates is not None else frozenset()
         if self.optim_state is not None:
@@ -234,8 +232,7 @@ class Hooks:
             self.updates.before_step(self.params)
 
     def _bind_params(self) -> None:
-        """The watched parameters as the model holds them now, and their
-        gradient hooks (those of an earlier binding removed)."""
+        """The watched parameters as the model holds them now, and their gradient hooks (not an earlier's)."""
         cfg = self.config
         self.params = []
         self.grads.bind([])
@@ -249,17 +246,17 @@ class Hooks:
             self.grads.bind(self.params)
 
     def refresh(self, at_step_end: bool = False) -> None:
-        """At the end of a recorded step and before one that records: follow
-        parameters the model replaced since (``to_empty()`` after meta init,
-        ``load_state_dict(assign=True)``, a reassigned ``nn.Parameter``) and
-        hook modules added since, under their qualified names. At a step's
-        end, a replaced parameter's ``.grad`` (which its new binding's hook
-        did not see) is its ``param_grad`` for the step. O(modules +
-        parameters) identity checks."""
-        if self.global_names is not None or self.model is None or self.park.parked:
+        """At the end of a recorded step and before one that records: follow parameters replaced since
+        (``to_empty()``, ``load_state_dict(assign=True)``, a new ``nn.Parameter``) and hook modules added
+        since. At a step's end, a replaced parameter's ``.grad`` (which its new binding's hook did not
+        see) is its ``param_grad`` for the step. O(modules + parameters) identity checks."""
+        if self.global_names is not None or self.model is None:
             return
         new = self.watch.new_modules(self.model)
         stale = self.watch.params_replaced()
+        parked = bool(new or stale) and self.park.parked  # a step of parameter kinds only (per-kind every)
+        if parked:
+            self.park.unpark()
         if new:
             cfg = self.config
             internals = parametrization_internals(self.model) if cfg.modules is None else set()
@@ -289,6 +286,8 @@ class Hooks:
             if swapped:
                 log.info("hookcap: following %d parameter(s) replaced or added since attach(): %s",
                          len(swapped), ", ".join(swapped[:10]) + (" ..." if len(swapped) > 10 else ""))
+        if parked:
+            self.park.park()
 
     def _plan_layout(self, name: str):
         """(mesh, placements) of module ``name``'s plain outputs under its
@@ -367,7 +366,7 @@ class Hooks:
                 _compile.hooks_traced(self.key)
                 _compile.write_all(self, name, "input", _input_obj(args, kwargs), mtype)
                 return None
-            if rec.recording and not _compile.in_backward():
+            if rec.records("input") and not _compile.in_backward():
                 ci = rec.call_index(name, "input")
                 for path, t in tensor_leaves(_input_obj(args, kwargs)):
                     rec.write(name, "input", path, t, mtype, ci)
@@ -439,7 +438,7 @@ class Hooks:
         rec = self.recorder
 
         def hook(grad):
-            if rec.recording and grad is not None:
+            if grad is not None and rec.records(kind):
                 rec.write(name, kind, path, grad, mtype, ci, via_op=True)
             return None
 
@@ -472,7 +471,7 @@ class Hooks:
             compiling = torch.compiler.is_compiling()
             if compiling:
                 _compile.hooks_traced(self.key)
-            if not (torch.is_grad_enabled() and (compiling or rec.recording)):
+            if not (torch.is_grad_enabled() and (compiling or rec.records("grad_input"))):
                 if not compiling:
                     open_calls.append(None)
                 return None

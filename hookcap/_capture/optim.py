@@ -304,7 +304,7 @@ class OptimUpdates:
         the step's formula by their rounding, which decides whether a weight
         moved at all)."""
         self._copied.clear()
-        if not ("update" in self.kinds and self.recorder.recording):
+        if not ("update" in self.kinds and self.recorder.records("update")):
             return
         opt = innermost_optimizer(self.optimizer)
         found_inf = found_inf_of(opt)
@@ -325,7 +325,7 @@ class OptimUpdates:
     def record_skipped(self, params: list[tuple[str, torch.Tensor]]) -> None:
         """A step GradScaler skipped: ``update`` is exactly 0 (``w − w``, no
         tensor made), ``update.base`` is ``w``; no ``adam_ratio``."""
-        if "update" in self.kinds and self.recorder.recording:
+        if "update" in self.kinds and self.recorder.records("update"):
             with torch.no_grad():
                 self.recorder.write_updates("GradScaler", _RULE_DIFF, [0.0] * 8,
                                             [(n, p, None, p.detach(), None, None, _UPDATE_OUTS) for n, p in params])

@@ -64,7 +64,7 @@ class ParamGrads:
         rec = self.recorder
 
         def hook(p):
-            if rec.recording and p.grad is not None:
+            if rec.records("param_grad") and p.grad is not None:
                 if plain and self.data_parallel():
                     self._queue_read()
                     return
@@ -100,7 +100,7 @@ class ParamGrads:
         multi-rank run (the reduced gradient), unless read this step
         already: at the end of each backward, else before the optimizer
         steps or at ``step()``."""
-        if not self.plain or self._done or not self.recorder.recording or not self.data_parallel():
+        if not self.plain or self._done or not self.recorder.records("param_grad") or not self.data_parallel():
             return
         self._done = True
         missing = []

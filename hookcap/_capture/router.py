@@ -76,7 +76,7 @@ def _observe_op(logits: torch.Tensor, weights: Optional[torch.Tensor], choices: 
     """Compiled code's router call: opaque to the compiler, so it runs as
     eager code at each call and reads the Monitor's state then (no guard)."""
     c = _CAPTURES.get(capture)
-    if c is not None and c.rec.recording:
+    if c is not None and c.rec.records("router"):
         with torch.no_grad():
             record_router(c.rec, module, mtype, logits, weights, choices)
 
@@ -107,7 +107,7 @@ class RouterCapture:
             # Compiled code reads no Monitor state (a guard on `recording`
             # would recompile at each change): the op in the graph does.
             compiling = torch.compiler.is_compiling()
-            if not (compiling or rec.recording):
+            if not (compiling or rec.records("router")):
                 return
             parts = router_parts(out)  # compiled: the output's structure, a constant of the graph
             if parts is None:

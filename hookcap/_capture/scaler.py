@@ -44,7 +44,7 @@ def iteration_ended(recorder: Recorder, updates, params, stepped: bool, infs) ->
     ``stepped`` False) records an update of 0; the scaler's inf flags
     ``infs`` go to ``optimizer/skipped`` unless a fused step recorded its
     own. ``updates``: the Monitor's ``OptimUpdates``, or None."""
-    if recorder.recording:
+    if recorder.records("update") or recorder.records("tap"):
         if not stepped and updates is not None:
             updates.record_skipped(params)
         if not (updates is not None and updates.skip_recorded):

@@ -101,7 +101,7 @@ class Timing:
             if torch.compiler.is_compiling():
                 _compile.hooks_traced(self.key)
                 return None
-            if not rec.recording or _compile.in_backward() or name in off:
+            if not rec.records("timing") or _compile.in_backward() or name in off:
                 open_calls.append(None)
                 return None
             try:

@@ -55,17 +55,26 @@ class Drain:
         self._plans: dict[tuple, _StepPlan] = {}
         self._keys: dict[int, tuple] = {}  # ring index -> (rows_version, ring, merge keys)
         self._empty: list[StepRecord] = []  # steps closed before any ring existed
+        self._kind_everys = {config.every_of(k) for k in config.kinds_in_use()}  # rings of timing rows aside
 
-    def finish(self, rings, step: int, slot: int, order: np.ndarray) -> None:
-        """Hand over the slot of ``step`` (just closed) on every ring. With no
-        ring yet (no hooked module has run) the step is recorded empty."""
+    def finish(self, rings, step: int, order: np.ndarray, module_kinds_on: bool = True) -> None:
+        """Hand over the slot of ``step`` (just closed) on every ring whose
+        cadence records it (a ring of timing rows alone: only when a module
+        kind recorded, ``module_kinds_on``). With no ring yet (no hooked
+        module has run) the step is recorded empty; with rings but none of
+        them on, nothing."""
         if not rings:
             self._empty.append(make_record(step, np.empty(0, np.int64), np.empty((0, self.config.width), np.int64),
                                            order))
             return
+        on = [ring for ring in rings if ring.on and (module_kinds_on or ring.every in self._kind_everys)]
+        if not on:
+            return
+        if len(on) < len(rings) and len(order):  # writes of kinds off this step were dropped on the device
+            order = order[np.isin(ring_index_of(order), [ring.index for ring in on])]
         expect = set()
-        for ring in rings:
-            if ring.finish(step, slot):
+        for ring in on:
+            if ring.finish(step, ring.slot):
                 expect.add(ring.index)
             else:
                 self._drop(step)
@@ -73,18 +82,20 @@ class Drain:
         self._expect[step] = expect
         self._partial[step] = [order]
 
-    def advance(self, rings, step: int, slot: int) -> tuple[int, bool, int]:
-        """Move every ring to the next step; returns its (step, enabled, slot)."""
-        step, enabled, slot = next_host_state(step, slot, self.config.every, SLOTS)
-        if enabled:
-            for ring in rings:
-                if not ring.is_cuda:
-                    dropped = ring.drop_unread(slot)
-                    if dropped is not None:
-                        self._drop(dropped)
+    def advance(self, rings, step: int) -> tuple[int, bool]:
+        """Move every ring to the next step (each by its own cadence); returns
+        that step and whether some kind in use records it."""
+        moves = []
         for ring in rings:
-            ring.advance(self.config.every, enabled, slot)
-        return step, enabled, slot
+            _, on, slot = next_host_state(step, ring.slot, ring.every, SLOTS)
+            if on and not ring.is_cuda:
+                dropped = ring.drop_unread(slot)
+                if dropped is not None:
+                    self._drop(dropped)
+            moves.append((ring, on, slot))
+        for ring, on, slot in moves:
+            ring.advance(on, slot)
+        return step + 1, self.config.records_step(step + 1)
 
     def watermark(self, current_step: int) -> int:
         """Every recorded step up to this one is complete here (or dropped)."""
@@ -112,7 +123,7 @@ class Drain:
                 if complete:
                     done.append(self._complete(step))
         for ring, step, slot_rows in read:  # CPU slots read: reset while in cache
-            ring.reset_read(slot_rows, self.config.hist_args, step + SLOTS * self.config.every)
+            ring.reset_read(slot_rows, self.config.hist_args, step + SLOTS * ring.every)
         done += self._empty
         self._empty.clear()
         done.sort(key=lambda r: r.step)

@@ -4,6 +4,7 @@ naming and the constants every part of the Monitor shares."""
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,12 @@ EVAL_FORWARDS = ("separate", "skip", "merge")
 PLACEMENTS = ("replicated", "sharded", "per_rank")  # Monitor(placements=...), tap(placement=...)
 EVAL_PREFIX = "eval/"  # metrics of forwards of modules in eval mode, eval_forwards="separate"
 SLOTS = 4  # step slots per device ring: the drain may trail training by this many recorded steps
+# Monitor(every={...}) keys besides the capture kinds: taps and the default.
+EVERY_EXTRA_KEYS = ("tap", "*")
+# Kinds recorded by module hooks (parked while none of them records).
+MODULE_KINDS = ("input", "output", "grad_input", "grad_output", "attention", "router")
+# A row's kind where it differs from the capture kind whose cadence it follows.
+_CADENCE_KIND = {"attn": "attention"}
 
 
 def metric_name(name: str, kind: str, path: str = "") -> str:
@@ -69,7 +76,7 @@ class Config:
     capture: tuple[str, ...]
     histogram: Histogram | None
     capacity: int | str  # recorded steps, or a byte size ("512MB")
-    every: int
+    every: int | dict  # as given: Monitor.every
     timing: bool
     rank_sinks: str
     eval_forwards: str
@@ -81,6 +88,27 @@ class Config:
     moments: int = 2  # 4: also the third and fourth moments (hist_args carries the op's flag)
     placements: tuple[tuple[str, str], ...] = ()  # (metric glob, placement): Monitor(placements=...)
     groups: tuple = ()  # (metric glob, hookcap.Groups): Monitor(groups=...)
+    # Per-kind cadence (Monitor(every={...})): kind -> N, and N for every other kind.
+    cadence: tuple[tuple[str, int], ...] = ()
+    default_every: int = 1
+
+    def every_of(self, kind: str) -> int:
+        """Every how many steps rows of ``kind`` (a row kind: ``"attn"`` rows
+        follow ``"attention"``) are recorded."""
+        kind = _CADENCE_KIND.get(kind, kind)
+        for k, n in self.cadence:
+            if k == kind:
+                return n
+        return self.default_every
+
+    def kinds_in_use(self) -> tuple[str, ...]:
+        """The kinds whose rows this Monitor can write (timing rows aside:
+        they only time the module kinds' metrics)."""
+        return self.capture + ("tap",)
+
+    def records_step(self, step: int) -> bool:
+        """Whether some kind in use records ``step``."""
+        return any(step % self.every_of(k) == 0 for k in self.kinds_in_use())
 
     @property
     def all_params(self) -> bool:
@@ -104,8 +132,7 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
             f"got {type(histogram).__name__}"
         )
     parse_capacity(capacity)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every: must be an int >= 1 (record every N-th step), got {every!r}")
+    cadence, default_every = check_every(every, capture)
     if modules is not None and not (
         isinstance(modules, str) or callable(modules) or isinstance(modules, (list, tuple))
     ):
@@ -125,9 +152,38 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
         raise ValueError(f"update_snapshot: expected True or False, got {update_snapshot!r}")
     hist_args = _ops.hist_args(histogram, check_moments(moments))
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
+    every = dict(every) if isinstance(every, dict) else every
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
                   module_filter(modules), hist_args, width, update_snapshot, moments,
-                  check_placements(placements), check_groups(groups))
+                  check_placements(placements), check_groups(groups), cadence, default_every)
+
+
+def _check_n(n, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{what}: must be an int >= 1 (record every N-th step), got {n!r}")
+    return int(n)
+
+
+def check_every(every, capture: tuple) -> tuple[tuple[tuple[str, int], ...], int]:
+    """``every`` (an int, or ``{kind: N}`` over capture kinds, ``"tap"`` and
+    ``"*"`` for every kind not named, default 1) as ((kind, N), ...) and the
+    default N; ``ValueError`` naming what is wrong. Timing rows (which give
+    the module's metrics their times) follow the module kinds: every step
+    one of them records (the gcd of their N)."""
+    if not isinstance(every, dict):
+        return (), _check_n(every, "every")
+    cadence = {}
+    for kind, n in every.items():
+        if kind not in CAPTURE_KINDS + EVERY_EXTRA_KEYS:
+            raise ValueError(f"every: unknown key {kind!r}; allowed: capture kinds "
+                             f"({', '.join(CAPTURE_KINDS)}), 'tap' and '*' (every other kind)")
+        if kind in CAPTURE_KINDS and kind not in capture:
+            raise ValueError(f"every: {kind!r} is not captured (capture={capture!r})")
+        cadence[kind] = _check_n(n, f"every[{kind!r}]")
+    default = cadence.pop("*", 1)
+    module = [cadence.get(k, default) for k in capture if k in MODULE_KINDS]
+    cadence["timing"] = math.gcd(*module) if module else default
+    return tuple(cadence.items()), default
 
 
 def check_placements(placements) -> tuple[tuple[str, str], ...]:

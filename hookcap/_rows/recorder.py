@@ -19,7 +19,7 @@ from torch import nn
 
 from .._capture import compile as _compile
 from .catalog import Catalog
-from .config import EVAL_PREFIX, PARAM_KINDS, SLOTS, Config, metric_name
+from .config import EVAL_PREFIX, MODULE_KINDS, PARAM_KINDS, SLOTS, Config, metric_name
 from .fastpath import NO_ROW, SKIPPED, FastPath, ring_index_of, row_id, row_of
 from .grouped import GroupedRows
 from .ring import UNNAMED, DeviceRing, capturing
@@ -135,10 +135,11 @@ def skip_reason(t) -> str | None:
 class Recorder:
     """Rows, writes and step state.
 
-    ``step``/``slot``/``enabled`` mirror the rings' device state (the step
-    being recorded, its ring slot, whether it records); ``recording`` is
-    ``enabled`` while the Monitor is attached and not ``paused``: the hooks
-    write only then.
+    ``step``/``enabled`` mirror the rings' device state (the step being
+    recorded, whether some kind records it; each ring holds its own slot and
+    cadence); ``recording`` is ``enabled`` while the Monitor is attached and
+    not ``paused``: the hooks write only then, and ``records(kind)`` says
+    which kinds (``Monitor(every={...})``).
     ``rows`` maps ``(name, kind, path, device, call)`` to a row id. A value
     that cannot be recorded (a nested tensor, a failing op) skips that call
     only, with one warning per metric and reason."""
@@ -147,15 +148,16 @@ class Recorder:
         self.config = config
         self.catalog = catalog
         self.fast = FastPath(config.hist_args)
-        self.rings: dict[torch.device, DeviceRing] = {}
+        self.rings: dict[tuple[torch.device, int], DeviceRing] = {}  # (device, cadence) -> ring
         self.ring_list: list[DeviceRing] = []  # by ring index
         self.rows: dict[tuple, int] = {}
         self.step = start_step
-        self.slot = 0
-        self.enabled = start_step % config.every == 0
+        self.enabled = config.records_step(start_step)
         self.attached = False
         self.paused = False
         self.recording = False
+        self.module_recording = False  # recording, and some kind module hooks write is on
+        self._module_kinds = [k for k in MODULE_KINDS if k in config.kinds_in_use()]
         # Row ids written through the Python op wrapper this step, in first-
         # write order; every other write is logged by the C++ sink.
         self._order: dict[int, None] = {}
@@ -185,23 +187,24 @@ class Recorder:
         self.paused = paused
         self.fast.set_active(self.attached and not paused)
         for ring in self.ring_list:
-            ring.set_enabled(self.enabled and not paused)
+            ring.set_enabled(ring.on and not paused)
         self._sync(new_step=False)
 
-    def new_step(self, step: int, enabled: bool, slot: int) -> None:
+    def new_step(self, step: int, enabled: bool) -> None:
         """Open ``step`` (the rings have advanced to it)."""
-        self.step, self.enabled, self.slot = step, enabled, slot
+        self.step, self.enabled = step, enabled
         self._forget_step()
         if self.paused and enabled:  # the device's advance enabled it
             for ring in self.ring_list:
-                ring.set_enabled(False)
+                if ring.on:
+                    ring.set_enabled(False)
         self._sync(new_step=True)
 
     def jump_to(self, step: int) -> None:
         """Number the open step ``step`` (a resumed run); its writes so far are dropped."""
-        self.step, self.enabled = step, step % self.config.every == 0
+        self.step, self.enabled = step, self.config.records_step(step)
         for ring in self.ring_list:
-            ring.set_state(step, self.enabled and not self.paused, self.slot)
+            ring.set_state(step, step % ring.every == 0 and not self.paused, ring.slot)
         self._forget_step()
         self.fast.take()
         self._sync(new_step=True)
@@ -214,14 +217,23 @@ class Recorder:
 
     def _sync(self, new_step: bool) -> None:
         self.recording = self.enabled and self.attached and not self.paused
+        self.module_recording = self.recording and any(map(self.records, self._module_kinds))
         if not self.recording:
             RECORDING.pop(id(self), None)
         elif id(self) not in RECORDING:
             RECORDING[id(self)] = weakref.ref(self, lambda _, k=id(self): RECORDING.pop(k, None))
         # The compiled-autograd config matters only to a recording step; an
         # off-step skips reading it (~5 us warm, tens of us with cold caches).
-        self.fast.set_recording(self.recording, _compile.PYTHON_GRAD_HOOKS or (
+        self.fast.set_recording(self.module_recording, _compile.PYTHON_GRAD_HOOKS or (
             self.recording and _compile.refresh_compiled_autograd_config()), new_step)
+
+    def records(self, kind: str) -> bool:
+        """Whether rows of ``kind`` (a capture kind, ``"tap"`` or ``"timing"``)
+        are recorded now: ``recording``, and the kind's cadence holds the step
+        (timing: a module kind is recorded)."""
+        if kind == "timing":
+            return self.module_recording
+        return self.recording and self.step % self.config.every_of(kind) == 0
 
     def warn_once(self, what, message: str) -> None:
         if what not in self._warned:
@@ -332,7 +344,7 @@ class Recorder:
             if idx is None:
                 idx = UNNAMED if defer_name else self.catalog.add(metric, meta)
             self.catalog.module_of[metric] = name
-            rid = self._add_row(device, idx)
+            rid = self._add_row(device, idx, every=self.config.every_of(kind))
             if idx == UNNAMED:
                 self._unnamed[rid] = (metric, meta)
             self.rows[key] = rid
@@ -346,17 +358,18 @@ class Recorder:
                 self.skip_call(f"{name} timing", CAPTURE_SKIP)
                 return SKIPPED
             with self._lock:
-                rid = self._add_row(device, None, self.catalog.timing_index(name))
+                rid = self._add_row(device, None, self.catalog.timing_index(name), self.config.every_of("timing"))
                 self._time_rows[(name, device)] = rid
         return rid
 
-    def _add_row(self, device: torch.device, metric: int | None, timer: int | None = None) -> int:
-        """A new row of ``device``'s ring (created on first use). Caller holds the lock."""
-        ring = self.rings.get(device)
+    def _add_row(self, device: torch.device, metric: int | None, timer: int | None = None, every: int = 1) -> int:
+        """A new row of the ring of ``device`` and cadence ``every`` (created
+        on first use). Caller holds the lock."""
+        ring = self.rings.get((device, every))
         if ring is None:
-            ring = DeviceRing(device, SLOTS, self.config.width, index=len(self.ring_list))
-            ring.set_state(self.step, self.enabled and not self.paused, self.slot)  # it starts mid-run
-            self.rings[device] = ring
+            ring = DeviceRing(device, SLOTS, self.config.width, index=len(self.ring_list), every=every)
+            ring.set_state(self.step, self.step % every == 0 and not self.paused, 0)  # it starts mid-run
+            self.rings[(device, every)] = ring
             self.ring_list.append(ring)
             self.fast.set_ring(ring.index, ring.ring, ring.state)
         buf = ring.ring

@@ -126,10 +126,17 @@ class DeviceRing:
     """``index``: the ring's position in its Monitor's ring list (the high
     part of its rows' ids, hookcap/_rows/fastpath.py)."""
 
-    def __init__(self, device: torch.device, slots: int, width: int, index: int = 0, rows: int = 64):
+    def __init__(self, device: torch.device, slots: int, width: int, index: int = 0, rows: int = 64,
+                 every: int = 1):
         self.device = device
         self.index = index
         self.slots = slots
+        # The ring's cadence (rows of kinds recorded every N-th step) and the
+        # host's mirror of its device state: the open step's slot, and whether
+        # that step is one of the ring's (its device flag may still be off: paused).
+        self.every = every
+        self.slot = 0
+        self.on = False
         self.width = width
         self.is_cuda = device.type == "cuda"
         self.ring = torch.empty((slots, rows, width), dtype=torch.int64, device=device)
@@ -209,6 +216,7 @@ class DeviceRing:
     def set_state(self, step: int, enabled: bool, slot: int) -> None:
         """Put the device state at (step, enabled, slot) and reset that slot
         (a ring created mid-run, a resumed step counter)."""
+        self.slot, self.on = slot, step % self.every == 0
         if self.is_cuda:
             fill_state(self.state, step, enabled, slot)
         else:
@@ -314,9 +322,11 @@ class DeviceRing:
                     self._reset_for.clear()
                 self._reset_for.add(step)
 
-    def advance(self, every: int, resets: bool, slot: int) -> None:
+    def advance(self, resets: bool, slot: int) -> None:
         """Close the step on the device. ``resets``/``slot``: whether the step
-        it opens is recorded, and in which slot (the host's mirror of the state)."""
+        it opens is one of the ring's, and in which slot (the host's mirror of
+        the state, ``next_host_state``)."""
+        every, self.on, self.slot = self.every, resets, slot
         if self.is_cuda:
             # Writes of this step on other streams land before the state moves.
             _C._join_write_streams(self.ring.device.index)
