@@ -390,15 +390,18 @@ def parse_name(demangled: str) -> tuple[str, str] | None:
     if not m:
         return None
     args = [a.strip() for a in m.group(1).split(",")]
-    if len(args) not in (3, 4):
+    if len(args) not in (3, 4, 5):
         return None
     modes = {"0": "-", "1": "log2exp", "2": "log2", "3": "linear", "4": "wide", "5": "wide-exact",
              "6": "log2key", "7": "log2fine"}
     reads = {"0": "dense", "1": "rows", "2": "strided"}  # strided.h ReadKind: flat, vectors, elements
     mode = modes.get(args[1], args[1])
-    if len(args) == 4 and args[3] in ("true", "1"):  # kM4: moments=4
+    if len(args) >= 4 and args[3] in ("true", "1"):  # kM4: moments=4
         mode += "+m4"
-    return args[0], " ".join([SHORT.get(args[0], args[0]), mode, reads.get(args[2], args[2])])
+    read = reads.get(args[2], args[2])
+    if len(args) == 5 and args[4] in ("true", "1"):  # kMany: a many-tensor launch's kernel
+        read += "-many"
+    return args[0], " ".join([SHORT.get(args[0], args[0]), mode, read])
 
 
 def launch_atomics(n: int = 16 * 2**20, grid: int = 528) -> dict:

@@ -95,7 +95,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 8;
+constexpr int64_t kAbiVersion = 9;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.
@@ -103,6 +103,12 @@ void accumulate_meta(const at::Tensor& x, at::Tensor& ring, const at::Tensor& st
                      int64_t row, int64_t hist_kind, double hist_lo, double hist_hi,
                      int64_t hist_bins) {
   check_accumulate(x, ring, state, row);
+  check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
+}
+
+void accumulate_many_meta(at::TensorList xs, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
+                          int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
+  check_many(xs, ring, state, rows);
   check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
 }
 
@@ -172,6 +178,11 @@ TORCH_LIBRARY(hookcap, m) {
   m.def(
       "accumulate(Tensor x, Tensor(a!) ring, Tensor state, int row, int hist_kind, "
       "float hist_lo, float hist_hi, int hist_bins) -> ()");
+  // accumulate of each xs[i] into rows[i] (-1: not recorded), in one call
+  // (on a GPU, tensors alike go kManyTensors to a launch).
+  m.def(
+      "accumulate_many(Tensor[] xs, Tensor(a!) ring, Tensor state, int[] rows, int hist_kind, "
+      "float hist_lo, float hist_hi, int hist_bins) -> ()");
   // x split along `dim` into groups of `size` slices (heads, experts,
   // channels), each group into its own row (`rows`, one per group; -1: not
   // recorded), in one call.
@@ -210,6 +221,7 @@ TORCH_LIBRARY(hookcap, m) {
 
 TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("accumulate", &accumulate_meta);
+  m.impl("accumulate_many", &accumulate_many_meta);
   m.impl("accumulate_groups", &accumulate_groups_meta);
   m.impl("accumulate_bins", &accumulate_bins_meta);
   m.impl("accumulate_update", &accumulate_update_meta);
@@ -224,7 +236,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_groups", "accumulate_bins", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
+  for (const char* op : {"accumulate", "accumulate_many", "accumulate_groups", "accumulate_bins", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

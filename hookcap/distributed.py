@@ -4,7 +4,7 @@ shift — the same merge as repeated writes into one ring row, done with one
 packed MIN all-reduce and one packed SUM all-reduce (plus one small object
 all-gather to agree on metric names and steps).
 
-Each metric's ``placement`` (its meta, ``hookcap._rows.recorder.placement_of``)
+Each metric's ``placement`` (its meta, ``hookcap._rows.tensors.placement_of``)
 says how: ``"per_rank"`` (activations: each rank's own data) is summed; a
 DTensor's local part is summed over the ranks whose meta says ``counted``
 (coordinate 0 of each ``Replicate`` mesh dimension: ``Shard`` dimensions

@@ -51,6 +51,6 @@ def test_cuda_launches_go_through_the_checked_launcher():
     # only right after a failed call of ours: a launch, a side stream's event record, the
     # join's wait, the join's record on the previous step's stream
     assert code.count("cudaGetLastError") == 4
-    # accumulate, accumulate_update and accumulate_bins (with their dynamic shared memory),
-    # reset_rows, advance (reset, then state), time_mark
-    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 7
+    # accumulate, accumulate_many, accumulate_update and accumulate_bins (with their dynamic
+    # shared memory), reset_rows, advance (reset, then state), time_mark
+    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 8

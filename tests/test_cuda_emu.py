@@ -1557,3 +1557,67 @@ def test_groups_in_one_launch_match_the_cpu_op(emu, case, dtype, h):
         gs, cs = row_stats(g_, None), row_stats(c_, None)
         for k, rtol in (("sum", 1e-5), ("l2norm", 1e-5), ("std", 1e-4)):  # float runs per thread, as the CPU's
             np.testing.assert_allclose(gs[k], cs[k], rtol=rtol, atol=1e-6 * cs["l2norm"])
+
+
+# ---------------------------------------------------------------------------
+# accumulate_many: tensors alike in one launch (grid rows: a ManyTable)
+
+
+def _many_inputs(seed):
+    """Tensors of accumulate_many: four dtypes, sizes in several grid buckets
+    (per block 256 elements), an empty one, a 16-byte misaligned view, a
+    transposed one and a float8 one (launches of their own), more tensors of
+    one kind than a launch takes, and more kinds than batches kept open."""
+    g = torch.Generator().manual_seed(seed)
+    xs = []
+    for i, n in enumerate([3000, 2100, 700, 260, 255, 1, 0, 4096, 1500, 33]):
+        dtype = [torch.float32, torch.bfloat16, torch.float16, torch.float64][i % 4]
+        xs.append(sample(n, dtype, seed + i, max_exp=12))
+    xs.append(sample(901, torch.float32, seed + 50, max_exp=12)[1:])  # data 4 bytes past a 16-byte boundary
+    xs.append(torch.randn(20, 30, generator=g).t())  # not contiguous: alone
+    xs.append(torch.randn(100, generator=g).to(torch.float8_e4m3fn))  # float8: alone
+    xs += [torch.randn(int(k), generator=g) * 10.0 ** (k % 5 - 2) for k in range(5, 45)]  # 40 of one kind
+    return xs
+
+
+@pytest.mark.parametrize("h,moments", [(LOG2, 2), (Histogram.linear(-3, 3, 12), 2), (None, 2), (LOG2, 4)])
+def test_many_tensors_in_launches_match_each_alone(emu, h, moments):
+    """Each tensor's row from accumulate_many's launches equals the CPU op's
+    accumulate of that tensor alone (counts, extrema, histogram exactly; sums
+    to rounding), rows given as -1 are not written, and the tensors alike
+    share launches (at most 32 each, grids within 2x of each tensor's)."""
+    xs = _many_inputs(11)
+    rows = [i if i % 7 != 3 else -1 for i in range(len(xs))]
+    args = _ops.hist_args(h, moments)
+    got, cpu = new_ring(1, len(xs), h), new_ring(1, len(xs), h)
+    state = torch.tensor([0, 1, 0])
+    launches = emu.accumulate_many(xs, got, state, rows, *args, THREADS, 16, THREADS)
+    recorded = [r for r in rows if r >= 0]
+    assert sum(abs(k) for k in launches) == len(recorded)
+    assert all(1 <= k <= 32 for k in launches if k > 0) and launches.count(-1) == 2  # transposed, float8
+    assert len(launches) < len(recorded) / 4
+    for x, r in zip(xs, rows):
+        if r >= 0:
+            OPS.accumulate(x, cpu, state, r, *args)
+    for i, r in enumerate(rows):
+        g_, c_ = got[0, i].numpy(), cpu[0, i].numpy()
+        if r < 0:
+            assert g_[_layout.CALLS] == 0 and g_[_layout.COUNT] == 0, i
+            continue
+        for c in EXACT_COLS:
+            assert g_[getattr(_layout, c)] == c_[getattr(_layout, c)], (i, c)
+        np.testing.assert_array_equal(g_[_layout.HEADER:], c_[_layout.HEADER:])
+        if moments == 4 and xs[i].dtype != torch.float64:  # float64 values below float's range: N4 follows the runs
+            assert g_[_layout.N4] == c_[_layout.N4], i
+        gs, cs = row_stats(g_, None), row_stats(c_, None)
+        rtol = 1e-9 if xs[i].dtype == torch.float64 else 1e-5
+        for k in ("sum", "l2norm", "std"):
+            np.testing.assert_allclose(gs[k], cs[k], rtol=rtol * 10, atol=1e-6 * cs["l2norm"] + 1e-300)
+
+
+def test_many_tensors_off_step_writes_nothing(emu):
+    xs = [torch.randn(300), torch.randn(5)]
+    ring = new_ring(1, 2, LOG2)
+    before = ring.clone()
+    emu.accumulate_many(xs, ring, torch.tensor([0, 0, 0]), [0, 1], *hist_args(LOG2), THREADS, 16, THREADS)
+    assert torch.equal(ring, before)

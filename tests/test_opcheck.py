@@ -101,3 +101,23 @@ def test_opcheck_update_ops():
     with pytest.raises(RuntimeError, match="one entry per parameter"):
         ops([w], [g, g], [m], [None], [None], sgd, 0, ring_for(None), new_state("cpu"), [0, 2, -1, -1, -1],
             0, 0.0, 0.0, 0)
+
+def test_opcheck_accumulate_many():
+    """accumulate_many: opcheck, each row as accumulate of its tensor alone,
+    rows of -1 untouched, and a bad tensor fails the call before any write."""
+    xs = [x.detach() for x, _ in CASES[:5]] + [torch.empty(0)]
+    rows = [0, 1, -1, 3, 4, 5]
+    args = (xs, ring_for(H, rows=6), new_state("cpu"), rows) + H.op_args()
+    torch.library.opcheck(torch.ops.hookcap.accumulate_many.default, args)
+    got, want = ring_for(H, rows=6), ring_for(H, rows=6)
+    torch.ops.hookcap.accumulate_many(xs, got, new_state("cpu"), rows, *H.op_args())
+    for x, r in zip(xs, rows):
+        if r >= 0:
+            torch.ops.hookcap.accumulate(x, want, new_state("cpu"), r, *H.op_args())
+    assert torch.equal(got, want)
+    before = got.clone()
+    with pytest.raises(RuntimeError, match="supported dtypes"):
+        torch.ops.hookcap.accumulate_many([xs[0], xs[1].int()], got, new_state("cpu"), [0, 1], *H.op_args())
+    with pytest.raises(RuntimeError, match="2 tensors but 1 rows"):
+        torch.ops.hookcap.accumulate_many(xs[:2], got, new_state("cpu"), [0], *H.op_args())
+    assert torch.equal(got, before)

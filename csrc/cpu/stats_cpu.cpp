@@ -133,8 +133,19 @@ static void accumulate_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::T
                      make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2)));
 }
 
+static void accumulate_many_cpu(at::TensorList xs, at::Tensor& ring, const at::Tensor& state,
+                                c10::IntArrayRef rows, int64_t hist_kind, double hist_lo, double hist_hi,
+                                int64_t hist_bins) {
+  check_many(xs, ring, state, rows);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (rows[i] >= 0) accumulate_row_cpu(xs[i], ring, state, rows[i], h);
+  }
+}
+
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("accumulate", &accumulate_cpu);
+  m.impl("accumulate_many", &accumulate_many_cpu);
   m.impl("reset_slot", &reset_slot_cpu);
   m.impl("reset_rows", &reset_rows_cpu);
   m.impl("advance", &advance_cpu);

@@ -100,6 +100,24 @@ struct RowTarget {
   int64_t x_step;
 };
 
+// The tensors of one many-tensor launch (accumulate_many): grid row y reads
+// the n[y] contiguous elements at x[y] into row[y], as a launch of its own
+// would (no tree: every block merges into the ring). By value, in the
+// kernel's parameter space.
+constexpr int kManyTensors = 32;
+struct ManyTable {
+  const void* x[kManyTensors];
+  int64_t n[kManyTensors];
+  int64_t row[kManyTensors];
+};
+// A launch's tensors beyond its x: none (accumulate, accumulate_groups), or a table.
+template <bool kMany>
+struct ManyArg {};
+template <>
+struct ManyArg<true> {
+  ManyTable t;
+};
+
 template <typename T>
 __device__ __forceinline__ T shfl_down(T v, int delta) {
   return __shfl_down_sync(0xffffffffu, v, delta);
@@ -705,10 +723,10 @@ constexpr int kMinBlocksOf = kM4 || (sizeof(T) == 1 && kMode == kModeLog2Fine) |
                                  ? 2
                                  : kMinBlocks;
 
-template <typename T, int kMode, int kRead, bool kM4 = false>
+template <typename T, int kMode, int kRead, bool kM4 = false, bool kMany = false>
 __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
     accumulate_kernel(const T* __restrict__ x, int64_t n, StridedDesc desc, RowTarget tgt,
-                      HistSpec hist, LinearThr lin) {
+                      HistSpec hist, LinearThr lin, ManyArg<kMany> many) {
   using W = work_t<T>;
   constexpr bool kFloat = sizeof(W) == sizeof(float);
   constexpr bool kSharedCounts = kMode == kModeLog2 || kMode == kModeLog2Fine || kMode == kModeLinear;
@@ -726,8 +744,18 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
   const int64_t slot = tgt.state[kStateSlot];
   if (enabled == 0) return;  // off-step: uniform early exit
   if (slot < 0 || slot >= tgt.slots) return;  // corrupt state: never write out of bounds
-  const int64_t gy = blockIdx.y;  // the group: 0 unless the launch holds several
-  x += gy * tgt.x_step;
+  const int64_t gy = blockIdx.y;  // the group (or kMany: the tensor): 0 unless the launch holds several
+  if constexpr (kMany) {
+    static_assert(kRead == kReadFlat, "many-tensor launches read contiguous tensors");
+    x = static_cast<const T*>(many.t.x[gy]);
+    n = many.t.n[gy];
+    tgt.row = many.t.row[gy];
+    tgt.count = n;
+    // Blocks past the tensor's last vector read nothing (block 0 records its count and call).
+    if (blockIdx.x > 0 && static_cast<int64_t>(blockIdx.x) * blockDim.x * Vec16<T>::kN >= n) return;
+  } else {
+    x += gy * tgt.x_step;
+  }
   int64_t* row = tgt.ring + (slot * tgt.rows + tgt.row + gy * tgt.row_step) * tgt.width;
   int64_t* hrow = row + kHeader;
   const int tid = threadIdx.x;
@@ -1228,8 +1256,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
 // moments=4 or not), a read (strided.h's ReadKind, through accumulate_read)
 // and the device's shared-memory budget (smem_budget), handed to `launch`
 // (the CUDA launcher, or the emulation harness) as a kernel pointer with its
-// HistPlan: both choose exactly alike.
-template <typename T, typename Launch>
+// HistPlan: both choose exactly alike. kMany: the many-tensor kernel
+// (contiguous tensors, a ManyTable), whatever `read`.
+template <typename T, bool kMany = false, typename Launch>
 void dispatch_accumulate(ReadKind read, const HistSpec& h, int64_t smem_budget, Launch&& launch) {
   const HistPlan plan = hist_plan(h, sizeof(work_t<T>) == sizeof(float), smem_budget - static_smem_extra(h));
   auto pick = [&](auto mode_tag, auto m4_tag) {
@@ -1240,7 +1269,9 @@ void dispatch_accumulate(ReadKind read, const HistSpec& h, int64_t smem_budget, 
     constexpr int kMode = kF64 && kTag == kModeLog2Exp   ? kModeLog2
                           : kF64 && kTag == kModeLog2Key ? kModeLog2Fine
                           : kF64 && kTag == kModeWideExact ? kModeWide : kTag;
-    if (read == kReadFlat) {
+    if constexpr (kMany) {  // many-tensor launches read contiguous tensors only
+      launch(&accumulate_kernel<T, kMode, kReadFlat, kM4, true>, plan);
+    } else if (read == kReadFlat) {
       launch(&accumulate_kernel<T, kMode, kReadFlat, kM4>, plan);
     } else if (read == kReadVectors && !kM4) {  // moments=4 reads strided views by element (accumulate_read)
       launch(&accumulate_kernel<T, kMode, kReadVectors, false>, plan);

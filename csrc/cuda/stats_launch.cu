@@ -21,6 +21,7 @@
 #include <cuda/ptx>
 
 #include "cuda/bins_kernel.cuh"
+#include "cuda/many_plan.h"
 #include "cuda/stats_kernel.cuh"
 #include "cuda/update_plan.h"
 #include "hookcap/op_checks.h"
@@ -362,7 +363,7 @@ void launch_accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tenso
                   launch_smem("hookcap.accumulate", kernel,
                               dim3(static_cast<unsigned>(nblocks), static_cast<unsigned>(groups)),
                               dim3(kThreads), static_cast<size_t>(hp.smem), stream, p + offset + skip, visit, desc,
-                              tgt, h, hp.lin);
+                              tgt, h, hp.lin, kernels::ManyArg<false>{});
                 });
               });
         });
@@ -375,6 +376,38 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
                      int64_t hist_bins) {
   check_accumulate(x_in, ring, state, row);
   launch_accumulate(x_in, ring, state, row, make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2)));
+}
+
+// accumulate_many: many_plan.h's launches.
+void accumulate_many_cuda(at::TensorList xs, at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows,
+                          int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
+  check_many(xs, ring, state, rows);
+  if (xs.empty()) return;
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  c10::cuda::CUDAGuard guard(ring.device());
+  const int device = ring.device().index();
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  note_capture(stream, ring.data_ptr());
+  plan_many(
+      xs, rows, kThreads * kPerThread, max_blocks(device),
+      [&](size_t i) { launch_accumulate(xs[i], ring, state, rows[i], h); },
+      [&](const ManyBatch& b) {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.dtype, "hookcap_accumulate_many_cuda", [&] {
+          kernels::dispatch_accumulate<scalar_t, true>(
+              kReadFlat, h, smem_budget(device), [&](auto kernel, const kernels::HistPlan& hp) {
+                allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device,
+                                   hp.smem + kernels::static_smem_extra(h));
+                const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0,
+                                             ring.size(1), ring.size(2), ring.size(0), 0, 1, 1, nullptr, 0, 0};
+                launch_smem("hookcap.accumulate_many", kernel,
+                            dim3(static_cast<unsigned>(b.blocks), static_cast<unsigned>(b.tensors)),
+                            dim3(kThreads), static_cast<size_t>(hp.smem), stream,
+                            static_cast<const scalar_t*>(nullptr), int64_t{0}, StridedDesc{}, tgt, h, hp.lin,
+                            kernels::ManyArg<true>{b.table});
+              });
+        });
+      });
+  seal_ring_write(device, stream);
 }
 
 // accumulate_updates: check_updates, then one launch per run of up to
@@ -544,6 +577,7 @@ void accumulate_row_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate_bins", &accumulate_bins_cuda);
   m.impl("accumulate", &accumulate_cuda);
+  m.impl("accumulate_many", &accumulate_many_cuda);
   m.impl("accumulate_groups", &accumulate_groups_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);
   m.impl("accumulate_updates", &accumulate_updates_cuda);

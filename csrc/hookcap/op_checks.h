@@ -189,6 +189,18 @@ inline void check_row_or_skip(const char* op, int64_t r, const at::Tensor& ring)
   check_row_in_ring(op, r, ring);
 }
 
+// accumulate_many: xs[i] into rows[i] (-1: not recorded, not checked);
+// every tensor is checked before any is written.
+inline void check_many(at::TensorList xs, const at::Tensor& ring, const at::Tensor& state, c10::IntArrayRef rows) {
+  check_ring_state(ring, state);
+  TORCH_CHECK(rows.size() == xs.size(), "hookcap.accumulate_many: ", xs.size(), " tensors but ", rows.size(),
+              " rows");
+  for (size_t i = 0; i < xs.size(); ++i) {
+    check_row_or_skip("accumulate_many", rows[i], ring);
+    if (rows[i] >= 0) check_accumulate_input(xs[i], ring, rows[i]);
+  }
+}
+
 // accumulate_groups: x split along `dim` into groups of `size` slices, one
 // row per group (`rows`, -1: not recorded).
 inline void check_groups(const at::Tensor& x, const at::Tensor& ring, const at::Tensor& state,

@@ -183,8 +183,7 @@ class Hooks:
         followed optimizer's own post-step hook records them); reduced gradients not recorded yet."""
         if "param" in self.config.capture and self.recorder.records("param"):
             with torch.no_grad():
-                for pname, p in self.params:
-                    self.recorder.write(pname, "param", "", p.detach(), "Parameter", 0)
+                self.recorder.write_rows("param", [(pname, p.detach()) for pname, p in self.params], "Parameter")
         if not self.optimizer_followed:
             self.record_optimizer()
         self.grads.read(at_step=True)

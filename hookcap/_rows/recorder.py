@@ -19,10 +19,12 @@ from torch import nn
 
 from .._capture import compile as _compile
 from .catalog import Catalog
-from .config import EVAL_PREFIX, MODULE_KINDS, PARAM_KINDS, SLOTS, Config, metric_name
+from .config import EVAL_PREFIX, MODULE_KINDS, SLOTS, Config, metric_name
 from .fastpath import NO_ROW, SKIPPED, FastPath, ring_index_of, row_id, row_of
 from .grouped import GroupedRows
 from .ring import UNNAMED, DeviceRing, capturing
+from .tensors import (PARTIAL_SKIP, is_dtensor, mesh_layout, multi_rank, placement_of,  # noqa: F401 (re-exported)
+                      plain_tensor, skip_reason)
 
 log = logging.getLogger("hookcap")
 
@@ -30,6 +32,7 @@ CAPTURE_SKIP = ("first seen while a CUDA graph was being captured: its row canno
                 "capture (run the model eagerly once before capturing; the graph's replays do not record "
                 "this call)")
 _OP_ACCUMULATE = torch.ops.hookcap.accumulate.default
+_OP_MANY = torch.ops.hookcap.accumulate_many.default
 _RESET_ROWS = torch.ops.hookcap.reset_rows.default
 _OP_UPDATE = torch.ops.hookcap.accumulate_update.default
 _OP_UPDATES = torch.ops.hookcap.accumulate_updates.default
@@ -38,98 +41,19 @@ _OP_UPDATES = torch.ops.hookcap.accumulate_updates.default
 RECORDING: dict[int, weakref.ref] = {}
 
 
-def multi_rank() -> bool:
-    """Whether torch.distributed runs this process as one of several ranks."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def placement_of(kind: str, t) -> dict:
-    """How a metric's data lie across ranks, for the merged history and sinks
-    (the metric's meta, docs/compile-and-distributed.md's placement table).
-
-    A DTensor (any kind) by its placements, one per mesh dimension:
-    ``"sharded"`` if some dimension is ``Shard``, else ``"replicated"``;
-    ``"mesh"`` names the placements, and ``"counted"`` says whether this
-    rank's local part counts in merged histories: only a rank at coordinate 0
-    of every ``Replicate`` dimension does (``Shard`` dimensions are summed).
-    ``"partial"``: some dimension is ``Partial`` (each rank holds an
-    unreduced term; not recorded). A plain tensor: ``"replicated"`` for a
-    parameter kind in a multi-rank run (DDP: the same tensor on every rank,
-    counted once, from the lowest rank) and ``"per_rank"`` otherwise (each
-    rank's own data, summed)."""
-    if is_dtensor(t):
-        return mesh_layout(t.device_mesh, t.placements)
-    if kind in PARAM_KINDS and multi_rank():
-        return {"placement": "replicated"}
-    return {"placement": "per_rank"}
-
-
-def is_dtensor(t) -> bool:
-    """Whether ``t`` is a DTensor (duck-typed: no import of torch.distributed)."""
-    return callable(getattr(t, "to_local", None)) and getattr(t, "placements", None) is not None
-
-
-def mesh_layout(mesh, placements) -> dict:
-    """The layout (see ``placement_of``) of a rank's local part of a tensor
-    placed as ``placements`` on ``mesh`` (a DTensor's, or a tensor-parallel
-    module's plain output as its parallel style placed it)."""
-    coord = mesh.get_coordinate()
-    layout = {"mesh": "(" + ", ".join(map(repr, placements)) + ")"}
-    if any(p.is_partial() for p in placements):
-        return {"placement": "partial", **layout, "counted": False}
-    counted = coord is not None and all(c == 0 for p, c in zip(placements, coord) if p.is_replicate())
-    sharded = any(p.is_shard() for p in placements)
-    return {"placement": "sharded" if sharded else "replicated", **layout, "counted": counted}
-
-
-PARTIAL_SKIP = ("its DTensor placement {mesh} holds an unreduced partial sum on each rank (reduced by the "
-                "framework later, e.g. inside the optimizer step); hookcap adds no collective to reduce it")
-
-
-def plain_tensor(t):
-    """A plain strided tensor to record for ``t`` (a Parameter's data, a
-    DTensor's local shard, an AsyncCollectiveTensor's result after a
-    device-side wait), else ``t`` itself."""
-    if isinstance(t, nn.Parameter):
-        return t.detach()
-    if is_dtensor(t):  # this rank's local shard (itself maybe still in flight)
-        t = t.to_local()
-    trigger_wait = getattr(t, "trigger_wait", None)
-    if callable(trigger_wait):  # AsyncCollectiveTensor: the collective's result (waited on the device)
-        return trigger_wait()
-    return t
-
-
-# The dtypes the kernels dispatch on (csrc/hookcap/op_checks.h).
-_SUPPORTED_DTYPES = frozenset(
-    [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-    + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)])
-
-
-def _is_functorch_wrapped(t) -> bool:
-    f = getattr(torch._C, "_functorch", None)
-    return f is not None and f.is_functorch_wrapped_tensor(t)
-
-
-def skip_reason(t) -> str | None:
-    """Why ``t`` cannot be recorded, or None."""
-    if t.layout != torch.strided:
-        return f"layout {t.layout} is not supported"
-    if t.is_quantized:
-        return "quantized tensors are not supported"
-    if t.is_nested:
-        return "nested tensors are not supported"
-    if t.device.type == "meta":
-        return "meta tensors hold no values"
-    if _is_functorch_wrapped(t):
-        return "a tensor inside a torch.func transform (grad, vjp, jacrev, vmap) has no storage to read"
-    if type(t) is not torch.Tensor:
-        return f"tensor subclass {type(t).__name__} is not supported"
-    if t.dtype not in _SUPPORTED_DTYPES:
-        return f"dtype {t.dtype} is not supported"
-    return None
+def _runs(rows: list[int]):
+    """(begin, end) of each run of consecutive ints in sorted ``rows``."""
+    start = prev = None
+    for r in rows:
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            yield start, prev + 1
+            start = prev = r
+    if start is not None:
+        yield start, prev + 1
 
 
 class Recorder:
@@ -396,17 +320,8 @@ class Recorder:
                 self.grouped.write(key, t, mtype, groups):
             return
         rid = self.rows.get(key)
-        if rid is None:  # the placement only when the row is made (a DTensor's, before to_local)
-            layout = self.new_row_layout(name, kind, path, orig, placement)
-            if layout is None:
-                return
-            try:
-                rid = self.register(key, t, mtype, layout=layout)
-            except Exception as e:  # telemetry must never take the run down
-                self.skip_call(metric_name(*key[:3]), f"{type(e).__name__}: {e}")
-                return
-            if rid == SKIPPED:
-                return
+        if rid is None and (rid := self.make_row(key, orig, t, mtype, placement)) is None:
+            return
         if replace:
             if rid in self._replaced:
                 ring, row = self.ring_of(rid), row_of(rid)
@@ -425,6 +340,64 @@ class Recorder:
         if via_op and rid not in self._order:
             self._order[rid] = None
             self.fast.note_python_write()
+
+    def make_row(self, key, orig, t, mtype, placement=None) -> int | None:
+        """The row of a write's ``key`` made for plain tensor ``t`` (``orig``:
+        as given, whose placement the row keeps), or None (skipped, warned once)."""
+        layout = self.new_row_layout(*key[:3], orig, placement)
+        if layout is None:
+            return None
+        try:
+            rid = self.register(key, t, mtype, layout=layout)
+        except Exception as e:  # telemetry must never take the run down
+            self.skip_call(metric_name(*key[:3]), f"{type(e).__name__}: {e}")
+            return None
+        return None if rid == SKIPPED else rid
+
+    def write_rows(self, kind: str, items, mtype: str, replace: bool = False) -> None:
+        """``write`` of ``(name, tensor)`` items of one kind, each its metric's
+        only call of the step (call 0), in one ``accumulate_many`` call per
+        ring (a GPU launches tensors alike 32 at a time). Items of grouped
+        metrics go through ``write``; where the call fails, each tensor alone
+        (so one bad tensor skips only its own metric)."""
+        per_ring: dict[int, tuple[list, list, list]] = {}
+        for name, orig in items:
+            t = orig if type(orig) is torch.Tensor else plain_tensor(orig)
+            if self.grouped.specs and self.grouped.matches(metric_name(name, kind, "")):
+                self.write(name, kind, "", orig, mtype, 0, replace=replace)
+                continue
+            key = (name, kind, "", t.device, 0)
+            rid = self.rows.get(key)
+            if rid is None and (rid := self.make_row(key, orig, t, mtype)) is None:
+                continue
+            xs, rows, rids = per_ring.setdefault(ring_index_of(rid), ([], [], []))
+            xs.append(t)
+            rows.append(row_of(rid))
+            rids.append(rid)
+        for ring_i, (xs, rows, rids) in per_ring.items():
+            ring = self.ring_list[ring_i]
+            if replace:
+                again = [r for rid, r in zip(rids, rows) if rid in self._replaced]
+                self._replaced.update(rids)
+                for begin, end in _runs(sorted(again)):  # rows written earlier this step start over
+                    _RESET_ROWS(ring.ring, ring.state, begin, end)
+            try:
+                _OP_MANY(xs, ring.ring, ring.state, rows, *self.config.hist_args)
+            except Exception:
+                for x, r, rid in zip(xs, rows, rids):
+                    try:
+                        _OP_ACCUMULATE(x, ring.ring, ring.state, r, *self.config.hist_args)
+                    except Exception as e:  # telemetry must never take the run down
+                        metric = self._unnamed.get(rid, (None,))[0] or self.catalog.names[ring.metric_of_row[r]]
+                        self.skip_call(metric, skip_reason(x) or f"{type(e).__name__}: {e}")
+            self.note_order(rids)
+
+    def note_order(self, rids) -> None:
+        """Place rows written (or about to be) through Python at this point of the step's execution order."""
+        for rid in rids:
+            if rid not in self._order:
+                self._order[rid] = None
+                self.fast.note_python_write()
 
     def write_bins(self, name, kind, path, index, weight, bins: int, mtype, ci, placement=None) -> None:
         """Record integer ``index`` as ``bins`` groups (``accumulate_bins``):

@@ -8,6 +8,7 @@
 
 #include "hookcap/op_checks.h"
 #include "emu_runner.h"
+#include "cuda/many_plan.h"
 #include "cuda/update_plan.h"
 
 namespace {
@@ -114,6 +115,36 @@ bool accumulate_groups(const at::Tensor& x, at::Tensor& ring, const at::Tensor& 
     }
   }
   return false;
+}
+
+// accumulate_many as accumulate_many_cuda does it (many_plan.h), with
+// `per_block` elements per block of a launch of its own and at most `most`
+// blocks (the launcher's: kThreads * kPerThread, max_blocks). Returns the
+// tensors of each launch in order (1 for a launch of its own: negative).
+std::vector<int64_t> accumulate_many(std::vector<at::Tensor> xs, at::Tensor& ring, const at::Tensor& state,
+                                     std::vector<int64_t> rows, int64_t hist_kind, double hist_lo, double hist_hi,
+                                     int64_t hist_bins, int64_t per_block, int64_t most, int64_t block) {
+  check_many(xs, ring, state, rows);
+  for (const at::Tensor& x : xs) check_cpu(x);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  std::vector<int64_t> launches;
+  plan_many(
+      xs, rows, per_block, most,
+      [&](size_t i) {
+        accumulate_grouped(xs[i], ring, state, rows[i], h, blocks_for_elements(xs[i].numel(), per_block, most), block,
+                           kMaxDims, hookcap_emu::kH100SmemBudget, true, 1, 0, 0);
+        launches.push_back(-1);
+      },
+      [&](const ManyBatch& b) {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.dtype, "hookcap_emu_accumulate_many", [&] {
+          const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0, ring.size(1),
+                                       ring.size(2), ring.size(0), 0, 1, 1, nullptr, 0, 0};
+          py::gil_scoped_release nogil;
+          hookcap_emu::accumulate_many<scalar_t>(b.table, b.tensors, tgt, h, b.blocks, dim(block, "block"));
+        });
+        launches.push_back(b.tensors);
+      });
+  return launches;
 }
 
 // (mode, dynamic shared bytes) of kernels::hist_plan for a
@@ -560,6 +591,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate_updates", &accumulate_updates);
   m.def("accumulate_bins", &accumulate_bins);
   m.def("accumulate_groups", &accumulate_groups);
+  m.def("accumulate_many", &accumulate_many);
   m.def("set_fault", &set_fault);
   m.def("reset_rows", &reset_rows);
   m.def("advance", &advance, py::arg("ring"), py::arg("state"), py::arg("every"), py::arg("block"),

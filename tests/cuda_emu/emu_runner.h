@@ -28,7 +28,20 @@ void accumulate(const T* x, int64_t n, hookcap::ReadKind read, const StridedDesc
                 const HistSpec& h, dim3 grid, dim3 block, int64_t smem_budget = kH100SmemBudget) {
   hookcap::kernels::dispatch_accumulate<T>(
       read, h, smem_budget, [&](auto kernel, const hookcap::kernels::HistPlan& plan) {
-        emu::launch(kernel, grid, block, static_cast<size_t>(plan.smem), x, n, d, tgt, h, plan.lin);
+        emu::launch(kernel, grid, block, static_cast<size_t>(plan.smem), x, n, d, tgt, h, plan.lin,
+                    hookcap::kernels::ManyArg<false>{});
+      });
+}
+
+// A many-tensor launch (accumulate_many): grid rows = the table's tensors.
+template <typename T>
+void accumulate_many(const hookcap::kernels::ManyTable& table, int64_t tensors, const RowTarget& tgt,
+                     const HistSpec& h, int64_t grid, dim3 block, int64_t smem_budget = kH100SmemBudget) {
+  hookcap::kernels::dispatch_accumulate<T, true>(
+      hookcap::kReadFlat, h, smem_budget, [&](auto kernel, const hookcap::kernels::HistPlan& plan) {
+        emu::launch(kernel, dim3(static_cast<unsigned>(grid), static_cast<unsigned>(tensors)), block,
+                    static_cast<size_t>(plan.smem), static_cast<const T*>(nullptr), int64_t{0}, StridedDesc{},
+                    tgt, h, plan.lin, hookcap::kernels::ManyArg<true>{table});
       });
 }
 
