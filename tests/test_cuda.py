@@ -1116,3 +1116,41 @@ def test_skip_step_decides_and_skips_without_a_sync(dev):
     assert steps == ref_steps == [10]
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("moments", [2, 4])
+def test_many_tensors_on_the_device(dev, moments):
+    """accumulate_many on the tensors' device (on a GPU: several many-tensor
+    launches, tensors of four dtypes and sizes across grid buckets, a
+    transposed and a float8 one alone): each row holds the CPU op's
+    accumulate of that tensor alone (counts, extrema, bins exactly) and
+    float64's sums; rows given as -1 are not written."""
+    g = torch.Generator().manual_seed(3)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+    xs = [(torch.randn(n, generator=g) * 4).to(dtypes[i % 4]) for i, n in enumerate(
+        [0, 1, 7, 300, 4099, 70_000, 1_000_003, 3_000_000] + [int(k) * 37 for k in range(1, 41)])]
+    xs[5][17] = float("nan")
+    xs[6][5] = float("-inf")
+    xs += [torch.randn(300, 70, generator=g).t(), torch.randn(1000, generator=g).to(torch.float8_e4m3fn)]
+    rows = [i if i % 9 != 4 else -1 for i in range(len(xs))]
+    h = Histogram.log2()
+    width = _layout.HEADER + h.nbins
+    ring = torch.zeros(1, len(xs), width, dtype=torch.int64, device=device_of(dev))
+    _ops.reset_slot(ring, new_state(device_of(dev)))
+    _ops.accumulate_many([x.to(device_of(dev)) for x in xs], ring, new_state(device_of(dev)), rows, h, moments)
+    got = ring.cpu().numpy()
+    exact = [getattr(_layout, c) for c in ("COUNT", "NAN", "POSINF", "NEGINF", "ZEROS", "MIN", "MAX", "ABSMAX",
+                                           "CALLS")]
+    for i, (x, r) in enumerate(zip(xs, rows)):
+        if r < 0:
+            assert got[0, i, _layout.CALLS] == 0
+            continue
+        one = torch.zeros(1, 1, width, dtype=torch.int64)
+        _ops.reset_slot(one, new_state("cpu"))
+        _ops.accumulate(x, one, new_state("cpu"), 0, h, moments)
+        np.testing.assert_array_equal(got[0, i, exact], one[0, 0, exact].numpy(), err_msg=str(i))
+        np.testing.assert_array_equal(got[0, i, _layout.HEADER:], one[0, 0, _layout.HEADER:].numpy())
+        dec = {k: float(v) for k, v in _layout.decode(got[0, i]).items()}
+        dec["hist"], dec["bin_edges"] = got[0, i, _layout.HEADER:], h.bin_edges
+        assert_stats_match(dec, hookcap.reference.tensor_stats(x, h), abs_sum=abs_sum(x))
