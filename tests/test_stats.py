@@ -492,3 +492,27 @@ def test_crest_is_at_least_one():
         for v in (0.1, 1.0 / 3.0, 1e-30, 7.7e20):
             x = torch.full((n,), v, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(n)[:n]
             assert hookcap.tensor_stats(x)["crest"] >= 1.0, (n, v)
+
+
+def test_a_second_write_far_from_the_rows_shift_keeps_its_digits():
+    """The row's shift is the first write's (-1e5); a second tensor near zero
+    whose one outlier makes its spread look wide is still summed about its own
+    center, not the shift: sum within 1e-6 of its float64 value (about the
+    shift, float runs of values ~1e5 would lose about 1e-4)."""
+    from hookcap import _layout, _ops
+    from hookcap.functional import new_state
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, generator=g)
+    x[123] = 2e6
+    first = torch.tensor([-1e5])
+    h = Histogram.log2()
+    ring = torch.zeros((1, 1, _layout.HEADER + h.nbins), dtype=torch.int64)
+    state = new_state("cpu")
+    _ops.reset_slot(ring, state)
+    _ops.accumulate(first, ring, state, 0, h)
+    _ops.accumulate(x, ring, state, 0, h)
+    got = _layout.decode(ring[0, 0].numpy())
+    flat = torch.cat([first, x]).double()
+    assert abs(float(got["sum"]) - flat.sum().item()) <= 1e-6 * flat.abs().sum().item()
+    assert float(got["std"]) == pytest.approx(flat.std(unbiased=False).item(), rel=1e-6)

@@ -728,14 +728,14 @@ HC_ALWAYS_INLINE void block_moments4(const T* x, const Walk& wk, int64_t n, doub
 }
 
 template <typename T, int kW, int kHist, bool kAvx2>
-HC_ALWAYS_INLINE void run_segment(const T* x, const Walk& wk, int64_t n, double shift,
+HC_ALWAYS_INLINE void run_segment(const T* x, const Walk& wk, int64_t n, double shift, double center0,
                                   Acc& acc, WideAcc& wacc, const HistSink& hs) {
   constexpr bool kExp = kHist == kHistLog2Exp;
   int32_t idx[kHist != kHistNone && !kExp ? kBlock : 1];
   uint8_t eb[kExp ? kBlock : 1];
   int base = 127 - kExpWindow / 2;
   bool wide = false;  // count the wide exponent window (see count_window)
-  work_t<T> center = static_cast<work_t<T>>(shift), top;
+  work_t<T> center = static_cast<work_t<T>>(center0), top;
   // Rows: blocks of whole rows (block_stats addresses a block from its first row).
   const int64_t block = kW == kWalkRows ? kBlock / wk.run * wk.run : kBlock;
   for (int64_t b = 0; b < n; b += block) {
@@ -772,14 +772,14 @@ HC_ALWAYS_INLINE void run_segment(const T* x, const Walk& wk, int64_t n, double 
 // the next dimension, are read as one kWalkRows segment.
 template <typename T, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int64_t begin,
-                                int64_t end, double shift, Acc& acc, WideAcc& wacc,
+                                int64_t end, double shift, double center0, Acc& acc, WideAcc& wacc,
                                 const HistSink& hs) {
   if (flat || d.ndim <= 1) {
     const int64_t st = flat ? 1 : (d.ndim == 1 ? d.strides[0] : 0);
     if (st == 1) {
-      run_segment<T, kWalkUnit, kHist, kAvx2>(x + begin, Walk{1, 0}, end - begin, shift, acc, wacc, hs);
+      run_segment<T, kWalkUnit, kHist, kAvx2>(x + begin, Walk{1, 0}, end - begin, shift, center0, acc, wacc, hs);
     } else {
-      run_segment<T, kWalkStrided, kHist, kAvx2>(x + begin * st, Walk{st, 0}, end - begin, shift, acc, wacc, hs);
+      run_segment<T, kWalkStrided, kHist, kAvx2>(x + begin * st, Walk{st, 0}, end - begin, shift, center0, acc, wacc, hs);
     }
     return;
   }
@@ -796,17 +796,17 @@ HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int
       len = std::min(span - i % span, end - i) / inner * inner;  // whole rows of this stretch
       if (len > inner) {
         const int64_t step = d.strides[d.ndim - 2];
-        run_segment<T, kWalkRows, kHist, kAvx2>(p, rows_walk(step, inner, kBlock / inner * step), len, shift, acc,
-                                                wacc, hs);
+        run_segment<T, kWalkRows, kHist, kAvx2>(p, rows_walk(step, inner, kBlock / inner * step), len, shift,
+                                                center0, acc, wacc, hs);
         i += len;
         continue;
       }
       len = std::min(inner, end - i);
     }
     if (ist == 1) {
-      run_segment<T, kWalkUnit, kHist, kAvx2>(p, Walk{1, 0}, len, shift, acc, wacc, hs);
+      run_segment<T, kWalkUnit, kHist, kAvx2>(p, Walk{1, 0}, len, shift, center0, acc, wacc, hs);
     } else {
-      run_segment<T, kWalkStrided, kHist, kAvx2>(p, Walk{ist, 0}, len, shift, acc, wacc, hs);
+      run_segment<T, kWalkStrided, kHist, kAvx2>(p, Walk{ist, 0}, len, shift, center0, acc, wacc, hs);
     }
     i += len;
   }
@@ -814,26 +814,26 @@ HC_ALWAYS_INLINE void run_range(const T* x, bool flat, const StridedDesc& d, int
 
 template <typename T, int kHist, bool kAvx2>
 HC_ALWAYS_INLINE void chunk_impl(const T* x, bool flat, const StridedDesc& d, int64_t begin,
-                                 int64_t end, double shift, Acc& out, WideAcc& wout,
+                                 int64_t end, double shift, double center0, Acc& out, WideAcc& wout,
                                  const HistSink& hs) {
   acc_init(out);
   wide_init(wout);
-  run_range<T, kHist, kAvx2>(x, flat, d, begin, end, shift, out, wout, hs);
+  run_range<T, kHist, kAvx2>(x, flat, d, begin, end, shift, center0, out, wout, hs);
 }
 
 // The same chunk loop, compiled for AVX2+FMA+F16C and for the baseline ISA.
 template <typename T, int kHist>
 __attribute__((target("avx2,fma,f16c"))) void chunk_avx2(const T* x, bool flat,
                                                     const StridedDesc& d, int64_t b,
-                                                    int64_t e, double shift, Acc& out,
+                                                    int64_t e, double shift, double center0, Acc& out,
                                                     WideAcc& wout, const HistSink& hs) {
-  chunk_impl<T, kHist, true>(x, flat, d, b, e, shift, out, wout, hs);
+  chunk_impl<T, kHist, true>(x, flat, d, b, e, shift, center0, out, wout, hs);
 }
 
 template <typename T, int kHist>
 void chunk_base(const T* x, bool flat, const StridedDesc& d, int64_t b, int64_t e,
-                double shift, Acc& out, WideAcc& wout, const HistSink& hs) {
-  chunk_impl<T, kHist, false>(x, flat, d, b, e, shift, out, wout, hs);
+                double shift, double center0, Acc& out, WideAcc& wout, const HistSink& hs) {
+  chunk_impl<T, kHist, false>(x, flat, d, b, e, shift, center0, out, wout, hs);
 }
 
 // One segment (run_segment) into fresh partials, for both builds: the
@@ -843,14 +843,14 @@ __attribute__((target("avx2,fma,f16c"))) void segment_avx2(const T* x, Walk wk, 
                                                       Acc& out, WideAcc& wout, const HistSink& hs) {
   acc_init(out);
   wide_init(wout);
-  run_segment<T, kW, kHist, true>(x, wk, n, shift, out, wout, hs);
+  run_segment<T, kW, kHist, true>(x, wk, n, shift, shift, out, wout, hs);
 }
 
 template <typename T, int kHist, int kW>
 void segment_base(const T* x, Walk wk, int64_t n, double shift, Acc& out, WideAcc& wout, const HistSink& hs) {
   acc_init(out);
   wide_init(wout);
-  run_segment<T, kW, kHist, false>(x, wk, n, shift, out, wout, hs);
+  run_segment<T, kW, kHist, false>(x, wk, n, shift, shift, out, wout, hs);
 }
 
 bool use_avx2() {
@@ -969,7 +969,11 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
   auto load = [&](int64_t i) -> double {
     return flat ? load_double(x + i) : load_double(x + strided_offset(d, i));
   };
-  const double shift = row_shift(row, shift_candidate(load, n));
+  // The runs start about this tensor's own center: the row's shift may be
+  // another tensor's, far from these values (float sums about it would lose
+  // digits that a spread-out tensor's variance does not flag).
+  const double own = shift_candidate(load, n);
+  const double shift = row_shift(row, own);
 
   const int64_t chunk = std::max(kMinChunk, (n + kMaxChunks - 1) / kMaxChunks);
   const int64_t nchunks = (n + chunk - 1) / chunk;
@@ -1010,12 +1014,12 @@ void accumulate_typed(const T* x, bool flat, const StridedDesc& d, int64_t n, in
                         h.moments4 ? &m4[c] : nullptr};
       if constexpr (kBaselineLoop<kHist>) {
         if (avx2) {
-          chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
+          chunk_avx2<T, kHist>(x, flat, d, b, e, shift, own, partial[c], wide[c], hs);
         } else {
-          chunk_base<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);
+          chunk_base<T, kHist>(x, flat, d, b, e, shift, own, partial[c], wide[c], hs);
         }
       } else {
-        chunk_avx2<T, kHist>(x, flat, d, b, e, shift, partial[c], wide[c], hs);  // accumulate_read: AVX2 only
+        chunk_avx2<T, kHist>(x, flat, d, b, e, shift, own, partial[c], wide[c], hs);  // accumulate_read: AVX2 only
       }
       pending += e - b;
       zeros += partial[c].nzero;
