@@ -78,4 +78,7 @@ def test_parse_name_reads_mode_and_read_kind_by_position():
         "float", "f32 log2key dense")
     assert bench_sass.parse_name("void hookcap::kernels::accumulate_kernel<c10::Half, 1, 2, true>(const c10::Half *)") == (
         "c10::Half", "f16 log2exp+m4 strided")
+    assert bench_sass.parse_name(
+        "void hookcap::kernels::accumulate_kernel<float, 1, 0, false, true>(const float *)") == (
+        "float", "f32 log2exp dense-many")  # a many-tensor launch's kernel
     assert bench_sass.parse_name("void hookcap::kernels::advance_kernel(long *)") is None
