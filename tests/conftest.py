@@ -1,9 +1,11 @@
+import collections
 import logging
 import os
 
 import numpy as np
 import torch
 from hypothesis import HealthCheck, settings
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookcap
 
@@ -237,3 +239,16 @@ def decoded(ring, row, h):
         out["hist"] = raw[_layout.HEADER:].copy()
         out["bin_edges"] = h.bin_edges
     return out
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the hookcap op calls made through the dispatcher, by op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "hookcap":
+            self.calls[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))

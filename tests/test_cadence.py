@@ -8,21 +8,10 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookcap
+from conftest import CountOps
 from hookcap import Monitor
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "hookcap":
-            self.calls[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _model():

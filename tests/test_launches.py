@@ -4,26 +4,13 @@ kernel launch on a GPU; the update op's one call launches once per 24
 parameters there. Prints the table; asserts today's plan: one statistics
 call per metric call, the optimizer's kinds in one multi-tensor call."""
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hookcap
+from conftest import CountOps
 
 transformers = pytest.importorskip("transformers")
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "hookcap":
-            self.calls[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def launches(capture):
