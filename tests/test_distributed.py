@@ -585,3 +585,45 @@ def test_hf_trainer_under_torchrun_records_the_reduced_gradient(tmp_path):
                     assert hist["count"][s, c] == g.size  # replicated: once, also merged
                     assert abs(hist["sum"][s, c] - g.sum()) <= 1e-5 * np.abs(g).sum() + 1e-30
                     np.testing.assert_allclose(hist["l2norm"][s, c], np.sqrt((g * g).sum()), rtol=1e-5)
+
+
+def _ddp_cadence_worker(rank, world, store, out):
+    _init(rank, world, store)
+    torch.set_num_threads(1)
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mon = Monitor(model, capture=("output", "param_grad"), every={"output": 2, "param_grad": 1},
+                  optimizer=opt).attach()
+    outs, grads = [], []
+    for x in batches(steps=4):
+        y = ddp(x[rank * 4:(rank + 1) * 4] * (1 + rank))
+        outs.append(y.detach().double().clone())
+        y.pow(2).mean().backward()
+        grads.append(model[2].weight.grad.double().clone())
+        opt.step()
+        opt.zero_grad()
+    merged = mon.history(all_ranks=True)
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump((merged, outs, grads), f)
+    _finish()
+
+
+def test_ddp_per_kind_cadence_merges_each_kind_at_its_steps(tmp_path):
+    """every={"output": 2, "param_grad": 1} under DDP: the merged history has
+    every step; outputs (each rank's batch, summed) only at even steps, the
+    reduced gradient (replicated: counted once) at every step."""
+    res = spawn_all(_ddp_cadence_worker, tmp_path)
+    (merged, outs0, grads0), (_, outs1, _) = res
+    assert merged.steps.tolist() == [0, 1, 2, 3]
+    out, grad = merged.column("2/output"), merged.column("2.weight/param_grad")
+    for s in range(4):
+        if s % 2:
+            assert np.isnan(merged["count"][s, out])
+        else:
+            both = torch.cat([outs0[s], outs1[s]])
+            assert merged["count"][s, out] == both.numel()
+            assert merged["sum"][s, out] == pytest.approx(both.sum().item(), rel=1e-6, abs=1e-9)
+            assert merged["max"][s, out] == pytest.approx(both.max().item(), rel=1e-7)
+        assert merged["count"][s, grad] == grads0[s].numel()
+        assert merged["sumsq"][s, grad] == pytest.approx(grads0[s].square().sum().item(), rel=1e-6)
