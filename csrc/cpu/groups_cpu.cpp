@@ -26,6 +26,7 @@ namespace {
 // Values per push: enough that each push's fixed cost is amortised, few
 // enough that a copied tile stays in L1 (written, then read by the push).
 constexpr int64_t kGatherTile = 2048;
+constexpr int64_t kGatherTileInPlace = 4096;  // read in place: no buffer to keep in L1
 constexpr int64_t kGatherRunBelow = 4096;  // runs shorter than this are walked by tiles
 constexpr int64_t kGatherGroups = 64;      // at most this many groups (partials per thread)
 
@@ -74,7 +75,7 @@ void gather_groups(const T* x, int64_t outer, int64_t groups, int64_t run, int64
   // pushed whole (copied first into one buffer of `tile * run` values,
   // reused by every group, unless read in place). The tile's lines are read
   // once, one group's at a time.
-  const int64_t tile = std::max<int64_t>(1, kGatherTile / run);
+  const int64_t tile = std::max<int64_t>(1, (in_place ? kGatherTileInPlace : kGatherTile) / run);
   at::parallel_for(0, outer, std::max<int64_t>(tile, 32768 / (run * groups)),
                    [&](int64_t o0, int64_t o1) {
     thread_local GatherState s;
