@@ -19,10 +19,6 @@ def _model():
     return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
 
 
-def _column(h, name, stat):
-    return h[stat][:, h.names.index(name)]
-
-
 def _run(every, steps, capture=("output", "grad_output", "param_grad", "update"), **kw):
     """Train ``steps`` steps; returns (history, per-step float64 references)."""
     model = _model()
@@ -67,7 +63,7 @@ def test_each_kind_records_the_steps_its_n_divides(every):
     for name, n in n_of.items():
         pos = {s: i for i, s in enumerate(h.steps)}
         for s in union:
-            got = {st: _column(h, name, st)[pos[s]] for st in ("count", "sum", "sumsq", "max", "absmax")}
+            got = {st: h[st][:, h.column(name)][pos[s]] for st in ("count", "sum", "sumsq", "max", "absmax")}
             if s % n:
                 assert np.isnan(got["count"]), (name, s)
                 continue
@@ -85,7 +81,7 @@ def test_wraps_the_ring_many_times():
     the host resets a slot for the step it next holds)."""
     h, ref = _run({"output": 7, "grad_output": 7, "param_grad": 2, "update": 3, "tap": 5}, 60)
     for name, n in (("2/output", 7), ("0.weight/param_grad", 2), ("0.weight/update", 3), ("loss", 5)):
-        col = _column(h, name, "sum")
+        col = h["sum"][:, h.column(name)]
         for i, s in enumerate(h.steps):
             if s % n == 0:
                 np.testing.assert_allclose(col[i], ref[name][s].sum().item(), rtol=1e-5, atol=1e-6)
@@ -134,7 +130,7 @@ def test_paused_and_resumed_steps_keep_each_cadence():
     steps(4)  # 21 .. 24
     mon.detach()
     h = mon.history()
-    out, par = _column(h, "2/output", "count"), _column(h, "0.weight/param", "count")
+    out, par = h["count"][:, h.column("2/output")], h["count"][:, h.column("0.weight/param")]
     got = {s: (not np.isnan(o), not np.isnan(p)) for s, o, p in zip(h.steps, out, par)}
     want = {s: (s % 2 == 0, s % 3 == 0) for s in (4, 9, 10, 12, 21, 22, 24)}
     want |= {6: (False, False), 8: (False, False)}  # paused steps of a kind: recorded empty, as with every=N
@@ -153,7 +149,7 @@ def test_compiled_model_keeps_each_cadence():
         mon.step()
     mon.detach()
     h = mon.history()
-    col = _column(h, "2/output", "sum")
+    col = h["sum"][:, h.column("2/output")]
     for i, s in enumerate(h.steps):
         if s % 3 == 0:  # the eager and the compiled call, merged
             np.testing.assert_allclose(col[i], 2 * ref[s].sum().item(), rtol=1e-5, atol=1e-6)
@@ -176,8 +172,8 @@ def test_timing_follows_the_module_kinds():
     assert list(h.steps) == [0, 4, 6, 8, 12]
     for name, n in (("2/output", 4), ("2/grad_output", 6)):
         recorded = [s % n == 0 for s in h.steps]
-        assert [not np.isnan(v) for v in _column(h, name, "count")] == recorded
-        assert [v > 0 for v in _column(h, name, "fwd_ms")] == recorded
+        assert [not np.isnan(v) for v in h["count"][:, h.column(name)]] == recorded
+        assert [v > 0 for v in h["fwd_ms"][:, h.column(name)]] == recorded
 
 
 @pytest.mark.parametrize("every, message", [

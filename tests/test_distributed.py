@@ -152,13 +152,18 @@ def test_ddp_activation_stats_merge_to_global_batch(tmp_path):
     assert np.isnan(other["count"][1, other.column("./output")])
 
 
-def _ddp_grad_worker(rank, world, store, out):
+def _ddp_setup(rank, world, store, **monitor_kw):
+    """(model, its DDP wrapper, SGD over it, an attached Monitor stepped by the optimizer)."""
     _init(rank, world, store)
     torch.set_num_threads(1)
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    mon = Monitor(model, capture=("param", "param_grad"), optimizer=opt).attach()
+    return model, ddp, opt, Monitor(model, optimizer=opt, **monitor_kw).attach()
+
+
+def _ddp_grad_worker(rank, world, store, out):
+    model, ddp, opt, mon = _ddp_setup(rank, world, store, capture=("param", "param_grad"))
     grads, params = [], []
     for x in batches():
         ddp(x[rank * 4:(rank + 1) * 4] * (1 + rank)).pow(2).mean().backward()
@@ -588,13 +593,8 @@ def test_hf_trainer_under_torchrun_records_the_reduced_gradient(tmp_path):
 
 
 def _ddp_cadence_worker(rank, world, store, out):
-    _init(rank, world, store)
-    torch.set_num_threads(1)
-    model = make_model()
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    mon = Monitor(model, capture=("output", "param_grad"), every={"output": 2, "param_grad": 1},
-                  optimizer=opt).attach()
+    model, ddp, opt, mon = _ddp_setup(rank, world, store, capture=("output", "param_grad"),
+                                      every={"output": 2, "param_grad": 1})
     outs, grads = [], []
     for x in batches(steps=4):
         y = ddp(x[rank * 4:(rank + 1) * 4] * (1 + rank))

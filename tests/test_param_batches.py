@@ -18,18 +18,14 @@ def _model():
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
 
 
-def _col(h, name, stat):
-    return h[stat][:, h.names.index(name)]
-
-
 def _check(h, name, step, t):
     """The row of ``name`` at ``step`` equals float64 statistics of ``t``."""
     i = list(h.steps).index(step)
     r = t.detach().double()
-    assert _col(h, name, "count")[i] == r.numel()
-    np.testing.assert_allclose(_col(h, name, "sum")[i], r.sum().item(), rtol=1e-6, atol=1e-6 * r.abs().sum().item())
-    np.testing.assert_allclose(_col(h, name, "sumsq")[i], r.square().sum().item(), rtol=1e-6, atol=1e-12)
-    assert _col(h, name, "max")[i] == r.max().item() and _col(h, name, "min")[i] == r.min().item()
+    assert h["count"][:, h.column(name)][i] == r.numel()
+    np.testing.assert_allclose(h["sum"][:, h.column(name)][i], r.sum().item(), rtol=1e-6, atol=1e-6 * r.abs().sum().item())
+    np.testing.assert_allclose(h["sumsq"][:, h.column(name)][i], r.square().sum().item(), rtol=1e-6, atol=1e-12)
+    assert h["max"][:, h.column(name)][i] == r.max().item() and h["min"][:, h.column(name)][i] == r.min().item()
 
 
 def test_accumulated_gradients_are_recorded_once_per_step():
@@ -108,7 +104,7 @@ def test_a_gradient_changed_in_place_before_the_backward_ends_is_not_recorded(ca
     mon.step()
     mon.detach()
     h = mon.history()
-    assert np.isnan(_col(h, "2.weight/param_grad", "count")[0])
+    assert np.isnan(h["count"][:, h.column("2.weight/param_grad")][0])
     _check(h, "0.weight/param_grad", 0, model[0].weight.grad)
     assert any("changed in place" in r.getMessage() for r in caplog.records)
 
@@ -156,5 +152,5 @@ def test_one_bad_tensor_skips_only_its_own_metric(caplog):
     mon.step()
     mon.detach()
     h = mon.history()
-    assert "b/param" not in h.names and _col(h, "a/param", "count")[0] == 6 and _col(h, "c/param", "count")[0] == 4
+    assert "b/param" not in h.names and h["count"][:, h.column("a/param")][0] == 6 and h["count"][:, h.column("c/param")][0] == 4
     assert any("b/param" in r.getMessage() for r in caplog.records)
