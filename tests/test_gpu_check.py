@@ -59,6 +59,8 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     groups_op = overhead["groups_op"]  # the grouped op against the ungrouped one, each case
     assert {r["case"] for r in groups_op} == {"heads 12 x 64", "experts 8", "channels 768 x 1"}
     assert all(r["ratio"] > 0 for r in groups_op)
+    many = overhead["many_op"]  # every parameter's statistics: one call against one per parameter
+    assert many["tensors"] > 3 and all(v > 0 for v in many["ms"].values()) and many["launches"] is None
     assert all(r["median_ms"] > 0 and r["samples"] > 0 for r in overhead["rows"])
     pipelined = overhead["pipelined"]
     assert [r["config"] for r in pipelined["rows"]] == [r["config"] for r in overhead["rows"]]
@@ -100,6 +102,7 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert f"| {cad['overhead_pct']:+.2f} % |" in targets  # no floor on the CPU (no copy bandwidth measured)
     assert floor["cadence_bytes"] > floor["captured_bytes"] / 10
     assert "| bfloat16 default log2 at 1e9 elements | ≥ 0.95 × copy | not measured | - |" in targets
+    assert "| launches for the statistics of the parameters | ≥ 3 × fewer | not measured | - |" in targets
     assert summary.strip() in out.stdout
     assert {"build_info.log", "kernel.log", "overhead.log", "compiled.log"} <= set(os.listdir(tmp_path))
 
