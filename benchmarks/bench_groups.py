@@ -30,6 +30,22 @@ CASES = {  # name: (shape from tokens, dim, group size)
 }
 
 
+def round_robin(fns: dict, rounds: int, sync) -> dict:
+    """Median ms per call of each of ``fns``, timed round-robin: ``rounds``
+    rounds (after two not kept) of 5 calls each, ``sync()`` around them."""
+    times = {k: [] for k in fns}
+    for rnd in range(rounds + 2):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                fn()
+            sync()
+            if rnd >= 2:
+                times[k].append((time.perf_counter() - t0) / 5 * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def measure(dev: torch.device, tokens: int, rounds: int, say=print) -> list[dict]:
     """Median ms per call of the ungrouped and grouped op on each case's
     tensor, timed round-robin; ``say``: each table line."""
@@ -48,17 +64,7 @@ def measure(dev: torch.device, tokens: int, rounds: int, say=print) -> list[dict
                 rows = list(range(groups))
                 fns = {"ungrouped": lambda: _ops.accumulate(x, ring, state, 0, h),
                        "grouped": lambda: _ops.accumulate_groups(x, ring, state, rows, dim, size, h)}
-                times = {k: [] for k in fns}
-                for rnd in range(rounds + 2):
-                    for k, fn in fns.items():
-                        sync()
-                        t0 = time.perf_counter()
-                        for _ in range(5):
-                            fn()
-                        sync()
-                        if rnd >= 2:
-                            times[k].append((time.perf_counter() - t0) / 5 * 1e3)
-                med = {k: statistics.median(v) for k, v in times.items()}
+                med = round_robin(fns, rounds, sync)
                 ratio = med["grouped"] / med["ungrouped"]
                 say(f"| {name} | {str(dtype)[6:]} | {hname} | {groups} | {med['ungrouped']:.3f} ms | "
                     f"{med['grouped']:.3f} ms | {ratio:.2f} |")

@@ -736,7 +736,7 @@ def groups_op(device, quick: bool) -> list:
 def many_op(model, device, rounds: int) -> dict:
     """The statistics of every parameter of the workload (param, param_grad):
     one accumulate_many call against one accumulate per parameter, log2
-    histogram, timed round-robin (median ms of 5 calls each); on a GPU also
+    histogram, timed round-robin (bench_groups.round_robin); on a GPU also
     the kernel launches of one call of each (torch.profiler)."""
     from hookcap import Histogram, _layout, _ops
     from hookcap.functional import new_state
@@ -747,20 +747,12 @@ def many_op(model, device, rounds: int) -> dict:
     state, rows = new_state(device), list(range(len(params)))
     fns = {"one per tensor": lambda: [_ops.accumulate(p, ring, state, r, h) for p, r in zip(params, rows)],
            "accumulate_many": lambda: _ops.accumulate_many(params, ring, state, rows, h)}
+    import bench_groups
+
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times = {k: [] for k in fns}
-    for rnd in range(rounds + 1):
-        for k, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(5):
-                fn()
-            sync()
-            if rnd:
-                times[k].append((time.perf_counter() - t0) / 5 * 1e3)
     out = {"tensors": len(params), "elements": sum(p.numel() for p in params),
-           "ms": {k: statistics.median(v) for k, v in times.items()}, "launches": None}
+           "ms": bench_groups.round_robin(fns, rounds, sync), "launches": None}
     if cuda:
         out["launches"] = {}
         for k, fn in fns.items():
