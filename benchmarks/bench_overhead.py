@@ -125,6 +125,7 @@ class Config:
     is called at the end of each training step; wrap() around forward+backward."""
 
     note = ""
+    optimizer = None  # the loop's optimizer (configs(optimizer=...))
 
     def __init__(self, name):
         self.name = name
@@ -149,14 +150,14 @@ class Baseline(Config):
 class Hookcap(Config):
     def __init__(self, name, block_merge=None, capture=("output", "grad_output"), with_optimizer=False, **kw):
         """block_merge: hookcap._ops.block_merge's kind while attached (CUDA), else the default.
-        with_optimizer: Monitor(optimizer=) the loop's optimizer (``optimizer``, set by the
-        harness before attach); its steps close the Monitor's."""
+        with_optimizer: Monitor(optimizer=) the loop's optimizer (``optimizer``, set by
+        configs()); its steps close the Monitor's."""
         super().__init__(name)
         self.kw = kw
         self.capture = capture
         self.mon = None
         self.block_merge, self.merge_before = block_merge, None
-        self.with_optimizer, self.optimizer = with_optimizer, None
+        self.with_optimizer = with_optimizer
 
     def attach(self, model):
         if self.mon is None:
@@ -261,9 +262,10 @@ class ItemStats(Config):
             h.remove()
 
 
-def configs(skip, only=None):
+def configs(skip, only=None, optimizer=None):
     """The configurations to measure; ``only``: names containing one of
-    these substrings (the baseline is always kept)."""
+    these substrings (the baseline is always kept); ``optimizer``: the
+    loop's, for the configurations whose Monitor is given it."""
     out = [
         Baseline("no telemetry"),
         Hookcap("hookcap every=1 log2 hist"),
@@ -292,6 +294,7 @@ def configs(skip, only=None):
         except ImportError as e:
             skip[c.name] = f"not installed ({e.name})"
             continue
+        c.optimizer = optimizer
         avail.append(c)
     return avail
 
@@ -322,9 +325,7 @@ def measure(workload, device, rounds, steps_per_round, warm_rounds, only=None):
     model, loss_fn = WORKLOADS[workload](device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     skip = {}
-    cfgs = configs(skip, only)
-    for c in cfgs:
-        c.optimizer = opt
+    cfgs = configs(skip, only, optimizer=opt)
     times = {c.name: [] for c in cfgs}
     by_round = {c.name: [] for c in cfgs}  # per measured round: the median of its samples
     clock = timer(device)

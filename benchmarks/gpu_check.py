@@ -649,9 +649,8 @@ def overhead_stage(args) -> dict:
         desc += " (transformers' GPT-2 syncs the host in its own step)"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     skip = {}
-    cfgs = bench_overhead.configs(skip, only=["every=1 log2 hist", "every=10", "attention", "cadence"])
-    for c in cfgs:
-        c.optimizer = opt
+    cfgs = bench_overhead.configs(skip, only=["every=1 log2 hist", "every=10", "attention", "cadence"],
+                                  optimizer=opt)
     clock = bench_overhead.timer(device)
     times = {c.name: [] for c in cfgs}
     by_round = {c.name: [] for c in cfgs}

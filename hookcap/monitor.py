@@ -359,7 +359,7 @@ class Monitor:
         self._consume(wait=False)
         if not closing and self._ranks.due(rec.step, RANK_MERGE_EVERY):
             self._ranks.merge(self._drain.watermark(rec.step))
-        rec.new_step(*self._drain.advance(rec.ring_list, rec.step))
+        rec.new_step(self._drain.advance(rec.ring_list, rec.step))
         hooks.new_step()
         hooks.park_or_unpark(self._attached)
         if rec.recording and not recorded:

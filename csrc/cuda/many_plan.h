@@ -29,6 +29,13 @@ inline int64_t blocks_for_elements(int64_t n, int64_t per_block, int64_t most) {
   return std::max<int64_t>(1, std::min((n + per_block - 1) / per_block, most));
 }
 
+// A many-tensor launch's RowTarget: its rows, counts and calls come from the
+// table (one call per tensor), so only the ring, state and geometry matter.
+inline kernels::RowTarget many_target(at::Tensor& ring, const at::Tensor& state) {
+  return kernels::RowTarget{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0, ring.size(1), ring.size(2),
+                            ring.size(0), 0, 1, 1, nullptr, 0, 0};
+}
+
 inline bool many_reads(const at::Tensor& x) {
   const at::ScalarType t = x.scalar_type();
   return (t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16) && x.is_contiguous() &&

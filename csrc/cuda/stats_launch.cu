@@ -333,8 +333,7 @@ void launch_accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tenso
   // host never reads the enabled flag).
   const int device = x_in.device().index();
   auto blocks_for = [&](int64_t visit) {
-    const int64_t want = (visit + kThreads * kPerThread - 1) / (kThreads * kPerThread);
-    return std::max<int64_t>(1, std::min(want, std::max<int64_t>(1, max_blocks(device) / groups)));
+    return blocks_for_elements(visit, kThreads * kPerThread, std::max<int64_t>(1, max_blocks(device) / groups));
   };
   const int64_t blocks = blocks_for(plan.visit);
   // The tree merge's tickets serve one row per launch.
@@ -397,13 +396,11 @@ void accumulate_many_cuda(at::TensorList xs, at::Tensor& ring, const at::Tensor&
               kReadFlat, h, smem_budget(device), [&](auto kernel, const kernels::HistPlan& hp) {
                 allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device,
                                    hp.smem + kernels::static_smem_extra(h));
-                const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0,
-                                             ring.size(1), ring.size(2), ring.size(0), 0, 1, 1, nullptr, 0, 0};
                 launch_smem("hookcap.accumulate_many", kernel,
                             dim3(static_cast<unsigned>(b.blocks), static_cast<unsigned>(b.tensors)),
                             dim3(kThreads), static_cast<size_t>(hp.smem), stream,
-                            static_cast<const scalar_t*>(nullptr), int64_t{0}, StridedDesc{}, tgt, h, hp.lin,
-                            kernels::ManyArg<true>{b.table});
+                            static_cast<const scalar_t*>(nullptr), int64_t{0}, StridedDesc{}, many_target(ring, state),
+                            h, hp.lin, kernels::ManyArg<true>{b.table});
               });
         });
       });

@@ -74,7 +74,7 @@ class Drain:
             order = order[np.isin(ring_index_of(order), [ring.index for ring in on])]
         expect = set()
         for ring in on:
-            if ring.finish(step, ring.slot):
+            if ring.finish(step):
                 expect.add(ring.index)
             else:
                 self._drop(step)
@@ -82,9 +82,8 @@ class Drain:
         self._expect[step] = expect
         self._partial[step] = [order]
 
-    def advance(self, rings, step: int) -> tuple[int, bool]:
-        """Move every ring to the next step (each by its own cadence); returns
-        that step and whether some kind in use records it."""
+    def advance(self, rings, step: int) -> int:
+        """Move every ring to the next step (each by its own cadence); returns that step."""
         moves = []
         for ring in rings:
             _, on, slot = next_host_state(step, ring.slot, ring.every, SLOTS)
@@ -95,7 +94,7 @@ class Drain:
             moves.append((ring, on, slot))
         for ring, on, slot in moves:
             ring.advance(on, slot)
-        return step + 1, self.config.records_step(step + 1)
+        return step + 1
 
     def watermark(self, current_step: int) -> int:
         """Every recorded step up to this one is complete here (or dropped)."""

@@ -114,11 +114,11 @@ class Recorder:
             ring.set_enabled(ring.on and not paused)
         self._sync(new_step=False)
 
-    def new_step(self, step: int, enabled: bool) -> None:
+    def new_step(self, step: int) -> None:
         """Open ``step`` (the rings have advanced to it)."""
-        self.step, self.enabled = step, enabled
+        self.step, self.enabled = step, self.config.records_step(step)
         self._forget_step()
-        if self.paused and enabled:  # the device's advance enabled it
+        if self.paused and self.enabled:  # the device's advance enabled it
             for ring in self.ring_list:
                 if ring.on:
                     ring.set_enabled(False)
@@ -337,9 +337,8 @@ class Recorder:
         except Exception as e:  # telemetry must never take the run down
             self.skip_call(metric_name(*key[:3]), skip_reason(t) or f"{type(e).__name__}: {e}")
             return
-        if via_op and rid not in self._order:
-            self._order[rid] = None
-            self.fast.note_python_write()
+        if via_op:
+            self.note_order((rid,))
 
     def make_row(self, key, orig, t, mtype, placement=None) -> int | None:
         """The row of a write's ``key`` made for plain tensor ``t`` (``orig``:
@@ -461,10 +460,7 @@ class Recorder:
                                 self.skip_call(metric_name(name, *out), f"{type(e).__name__}: {e}")
                         rids.clear()
             for *_, rids, _outs in batch:
-                for rid in rids:
-                    if rid not in self._order:
-                        self._order[rid] = None
-                        self.fast.note_python_write()
+                self.note_order(rids)
 
     def capture_grad(self, name: str, path: str, t: torch.Tensor, mtype: str, ci: int) -> None:
         """Register ``t``'s gradient for its ``grad_output`` row through a C++

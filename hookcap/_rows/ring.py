@@ -245,10 +245,10 @@ class DeviceRing:
         self.state[1].fill_(int(enabled))
 
     # -- drain ------------------------------------------------------------------
-    def finish(self, step: int, slot: int) -> bool:
-        """Queue slot ``slot`` (holding step ``step``) for the host. Returns False
+    def finish(self, step: int) -> bool:
+        """Queue the open slot (holding step ``step``) for the host. Returns False
         if the step had to be dropped (its pinned buffer is still unread)."""
-        n = self.nrows
+        n, slot = self.nrows, self.slot
         if not self.is_cuda:
             # A view, no copy: the host reads it in this step() (records copy
             # what they keep), and an unread slot is dropped before advance()

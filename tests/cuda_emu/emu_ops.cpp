@@ -137,8 +137,7 @@ std::vector<int64_t> accumulate_many(std::vector<at::Tensor> xs, at::Tensor& rin
       },
       [&](const ManyBatch& b) {
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.dtype, "hookcap_emu_accumulate_many", [&] {
-          const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0, ring.size(1),
-                                       ring.size(2), ring.size(0), 0, 1, 1, nullptr, 0, 0};
+          const kernels::RowTarget tgt = many_target(ring, state);
           py::gil_scoped_release nogil;
           hookcap_emu::accumulate_many<scalar_t>(b.table, b.tensors, tgt, h, b.blocks, dim(block, "block"));
         });
