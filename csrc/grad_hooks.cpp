@@ -7,7 +7,7 @@
 // Monitor records); this file only removes the interpreter from the per-
 // gradient path: a Python tensor hook costs ~10-20 us per gradient in a real
 // training step (cold caches), this path a few. The forward hooks' steady
-// state is one call of _output_fast (rows cached per module call); their
+// state is one call of output_fast (rows cached per module call); their
 // general path enters the same op through _accumulate_row. Every write made
 // here is logged for the execution order.
 #include <Python.h>
@@ -29,6 +29,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -53,6 +54,7 @@ struct RingRef {
   at::Tensor ring, state;
   bool direct = false;  // ring and state checked: writes may skip the dispatcher (accumulate_into)
   HistSpec hist{};      // the sink's histogram arguments for this ring's width
+  CpuRing cpu;          // a direct CPU ring's pointers and shape
 };
 
 // Decoding a row id (hookcap/row_id.h).
@@ -68,6 +70,21 @@ struct HookError {
   std::string message;
 };
 
+// The write log's lock: held for two appends, and taken on every write
+// (one locked exchange to lock, a plain store to unlock: half a mutex).
+class SpinLock {
+ public:
+  void lock() {
+    while (held_.exchange(true, std::memory_order_acquire)) {
+      while (held_.load(std::memory_order_relaxed)) std::this_thread::yield();
+    }
+  }
+  void unlock() { held_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> held_{false};
+};
+
 // One per Monitor: its rings (by the Monitor's ring index), histogram
 // arguments, and what the hooks report back (order log, errors).
 struct GradSink {
@@ -76,7 +93,9 @@ struct GradSink {
   int64_t hist_kind = 0, hist_bins = 0;
   double hist_lo = 0, hist_hi = 0;
   at::Tensor python_writes;  // int64 [1]: rows Python has logged this step
+  const int64_t* python_writes_at = nullptr;  // its value
   std::atomic<bool> active{true};
+  SpinLock log_mu;                           // guards the log below
   std::vector<int64_t> log_rids, log_after;  // row id, Python rows logged before it
   std::vector<HookError> errors;
   std::unordered_set<int64_t> skipped;  // row ids whose gradient hook could not be registered
@@ -128,15 +147,23 @@ bool plain_dense(const at::Tensor& x) {
 // round trip would cost as much as a small tensor's statistics. Anything
 // else goes through the dispatcher (its device mismatch error), and so does
 // every call while a Python dispatch mode or a profiler watches ops: they
-// see the op as before.
-void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Tensor& x) {
-  if (ref.direct && plain_dense(x) && x.device() == ref.ring.device() &&
-      !c10::impl::TorchDispatchModeTLS::any_modes_set() && !at::hasCallbacks()) {
-    check_accumulate_input(x, ref.ring, row);
+// see the op as before. direct_write says which: a direct write runs no
+// Python code.
+bool direct_write(const RingRef& ref, const at::Tensor& x) {
+  return ref.direct && plain_dense(x) && x.device() == ref.ring.device() &&
+         !c10::impl::TorchDispatchModeTLS::any_modes_set() && !at::hasCallbacks();
+}
+
+void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Tensor& x, bool direct) {
+  if (direct) {
     if (x.is_cpu()) {
-      accumulate_row_cpu(x, ref.ring, ref.state, row, ref.hist);
+      check_accumulate_dtype(x);
+      TORCH_CHECK(row >= 0 && row < ref.cpu.rows, "hookcap.accumulate: row ", row, " out of range for a ring with ",
+                  ref.cpu.rows, " rows");
+      accumulate_row_cpu(x, ref.cpu, row, ref.hist);
       return;
     }
+    check_accumulate_input(x, ref.ring, row);
 #ifdef HOOKCAP_WITH_CUDA
     if (x.is_cuda()) {
       accumulate_row_cuda(x, ref.ring, ref.state, row, ref.hist);
@@ -148,6 +175,10 @@ void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Ten
                        .findSchemaOrThrow("hookcap::accumulate", "")
                        .typed<AccumulateFn>();
   op.call(x, ref.ring, ref.state, row, s.hist_kind, s.hist_lo, s.hist_hi, s.hist_bins);
+}
+
+void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Tensor& x) {
+  accumulate_into(s, ref, row, x, direct_write(ref, x));
 }
 
 using TimeMarkFn = void(at::Tensor&, const at::Tensor&, int64_t, int64_t, bool);
@@ -169,9 +200,9 @@ std::string message_of(const std::exception& e) {
 // Logs a row's write for the host's execution order, with the number of
 // rows Python logged itself (op-path writes) before it.
 void log_write(GradSink& s, int64_t rid) {
-  std::lock_guard<std::mutex> lock(s.mu);
+  std::lock_guard<SpinLock> lock(s.log_mu);
   s.log_rids.push_back(rid);
-  s.log_after.push_back(s.python_writes.data_ptr<int64_t>()[0]);
+  s.log_after.push_back(*s.python_writes_at);
 }
 
 // Whether `rid` names one of the sink's rings. Caller holds s.mu.
@@ -299,6 +330,7 @@ PyObject* grad_sink_new(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !s->python_writes.is_cpu()) {
     return PyErr_Format(PyExc_ValueError, "python_writes must be a CPU int64 tensor");
   }
+  s->python_writes_at = s->python_writes.data_ptr<int64_t>();
   std::lock_guard<std::mutex> lock(g_mu);
   const int64_t id = g_next_sink++;
   g_sinks.emplace(id, std::move(s));
@@ -319,6 +351,7 @@ PyObject* grad_sink_ring(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
     check_ring_state(ref.ring, ref.state);
     ref.hist = make_hist_spec(s->hist_kind, s->hist_lo, s->hist_hi, s->hist_bins, ref.ring.size(2));
+    if (ref.ring.is_cpu()) ref.cpu = cpu_ring(ref.ring, ref.state);
     ref.direct = true;
   } catch (const std::exception&) {
     // Every write goes through the op, which reports what is wrong (kept as the hook's error).
@@ -347,13 +380,16 @@ PyObject* grad_sink_take(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   std::vector<int64_t> rids, after;
   std::vector<HookError> errors;
   if (s) {
+    {
+      std::lock_guard<SpinLock> lock(s->log_mu);
+      // Copied, not swapped: the log keeps its capacity, so the hooks of the
+      // next step do not grow it again.
+      rids.assign(s->log_rids.begin(), s->log_rids.end());
+      after.assign(s->log_after.begin(), s->log_after.end());
+      s->log_rids.clear();
+      s->log_after.clear();
+    }
     std::lock_guard<std::mutex> lock(s->mu);
-    // Copied, not swapped: the log keeps its capacity, so the hooks of the
-    // next step do not grow it again.
-    rids.assign(s->log_rids.begin(), s->log_rids.end());
-    after.assign(s->log_after.begin(), s->log_after.end());
-    s->log_rids.clear();
-    s->log_after.clear();
     errors.swap(s->errors);
   }
   // First writes only: the host wants the order in which rows were first
@@ -460,9 +496,19 @@ PyObject* capture_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // Whether compiled autograd is on now (its context sets a module global):
 // it cannot trace C++ hooks, so gradients then take Python hooks.
 bool compiled_autograd_on() {
-  PyObject* mod = PyDict_GetItemString(PyImport_GetModuleDict(), "torch._dynamo.compiled_autograd");
-  if (!mod) return false;
-  PyObject* on = PyObject_GetAttrString(mod, "compiled_autograd_enabled");
+  // Interned names, and the module kept once imported: no string built per call.
+  static PyObject* const name = PyUnicode_InternFromString("torch._dynamo.compiled_autograd");
+  static PyObject* const flag = PyUnicode_InternFromString("compiled_autograd_enabled");
+  static PyObject* mod = nullptr;
+  if (!mod) {
+    mod = PyDict_GetItemWithError(PyImport_GetModuleDict(), name);
+    if (!mod) {
+      PyErr_Clear();
+      return false;
+    }
+    Py_INCREF(mod);
+  }
+  PyObject* on = PyObject_GetAttr(mod, flag);
   if (!on) {
     PyErr_Clear();
     return false;
@@ -485,24 +531,25 @@ const std::shared_ptr<GradSink>& fast_sink(PyObject* o) {
   return g_fast_sink;
 }
 
-// _output_fast(id, hook, output) -> int: the forward hook's steady state in
-// one C call. A module call whose output is one plain tensor, seen before on
-// the same device, has its rows cached (_fast_learn): its output is merged
-// and its gradient hook registered here. Returns -2 when the Monitor does not
-// record (nothing counted), -1 when done, else the call's index: the Python
-// hook then takes its general path with that index (first calls, other
-// outputs, checkpoint recomputation, Python gradient hooks, errors).
-PyObject* output_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) return PyErr_Format(PyExc_TypeError, "_output_fast takes 3 arguments");
-  // A copy: a Python dispatch mode's code (run by the op's dispatcher path) may free the Monitor.
-  const std::shared_ptr<GradSink> s = fast_sink(args[0]);
-  const int64_t hook = PyLong_AsLongLong(args[1]);
-  if (!s || PyErr_Occurred()) return nullptr;
+// output_fast(hook, output) -> int, bound to a sink id (_output_fast_for):
+// the forward hook's steady state in one C call. A module call whose output
+// is one plain tensor, seen before on the same device, has its rows cached
+// (_fast_learn): its output is merged and its gradient hook registered here.
+// Returns -2 when the Monitor does not record (nothing counted), -1 when
+// done, else the call's index: the Python hook then takes its general path
+// with that index (first calls, other outputs, checkpoint recomputation,
+// Python gradient hooks, errors).
+PyObject* output_fast(PyObject* sink_id, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) return PyErr_Format(PyExc_TypeError, "output_fast takes 2 arguments");
+  const std::shared_ptr<GradSink>& cached = fast_sink(sink_id);
+  const int64_t hook = PyLong_AsLongLong(args[0]);
+  if (!cached || PyErr_Occurred()) return nullptr;
+  GradSink* const s = cached.get();  // held by g_fast_sink while no Python code runs (see keep)
   if (!s->recording) return PyLong_FromLong(kNotRecording);
   if (hook < 0 || hook > (1 << 24)) return PyErr_Format(PyExc_ValueError, "bad hook id");
   if (static_cast<int64_t>(s->calls.size()) <= hook) s->calls.resize(hook + 1, 0);
   const int64_t ci = s->calls[hook]++;
-  PyObject* out = args[2];
+  PyObject* out = args[1];
   // Recomputation in backward (checkpointing) records nothing new: Python decides.
   if (!THPVariable_CheckExact(out) || torch::autograd::get_current_graph_task_id() != -1 ||
       static_cast<int64_t>(s->fast.size()) <= hook ||
@@ -521,10 +568,16 @@ PyObject* output_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     grad = s->skipped.count(f.grad) == 0;
   }
   if (grad && (s->force_python_grad || compiled_autograd_on())) return PyLong_FromLongLong(ci);
+  // A copy only for a write through the dispatcher: a Python dispatch mode's
+  // code may free the Monitor (and reset g_fast_sink) there.
+  std::shared_ptr<GradSink> keep;
   try {
     if (f.out != kNoRow) {
-      // No lock, no copy: the rings change only in _grad_sink_ring, under the GIL held here.
-      accumulate_into(*s, s->rings[ring_of(f.out)], row_of(f.out), t);
+      // No lock: the rings change only in _grad_sink_ring, under the GIL held here.
+      RingRef& ref = s->rings[ring_of(f.out)];
+      const bool direct = direct_write(ref, t);
+      if (!direct) keep = cached;
+      accumulate_into(*s, ref, row_of(f.out), t, direct);
       log_write(*s, f.out);
     }
   } catch (const std::exception&) {
@@ -533,13 +586,25 @@ PyObject* output_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (grad) {
     try {
-      register_grad_hook(s, t, f.grad);
+      register_grad_hook(keep ? keep : cached, t, f.grad);
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(s->mu);
       s->errors.push_back({f.grad, false, message_of(e)});  // warned at the step's end
     }
   }
   return PyLong_FromLong(kDone);
+}
+
+PyMethodDef kOutputFast = {"output_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(output_fast)),
+                           METH_FASTCALL, "output_fast(hook, output) -> int"};
+
+// _output_fast_for(id) -> output_fast bound to the sink `id`: a builtin the
+// hook calls with no partial or bound-method layer in between.
+PyObject* output_fast_for(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1 || !PyLong_CheckExact(args[0])) {
+    return PyErr_Format(PyExc_TypeError, "_output_fast_for takes a sink id");
+  }
+  return PyCFunction_New(&kOutputFast, args[0]);
 }
 
 // _fast_learn(id, hook, call, output, out_rid, grad_rid): cache the rows
@@ -648,7 +713,7 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL, nullptr},
     {"_capture_grad", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(capture_grad)),
      METH_FASTCALL, nullptr},
-    {"_output_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(output_fast)),
+    {"_output_fast_for", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(output_fast_for)),
      METH_FASTCALL, nullptr},
     {"_fast_learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_learn)),
      METH_FASTCALL, nullptr},

@@ -47,6 +47,47 @@ def test_specials_all_dtypes(dtype, histogram, n):
     check(specials(n, dtype, seed=n), histogram)
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float8_e4m3fn])
+def test_tiny_reads_every_size(dtype):
+    """Reads of at most 16 values take their own scalar pass: every size on
+    both sides of that bound, with specials, each histogram kind and the
+    third and fourth moments, dense, expanded (each value counted per
+    repeat) and from a row already holding another tensor's values."""
+    hists = HISTS + [Histogram.log2(sub=2, signed=True)]
+    for n in range(1, 19):
+        x = specials(max(n, 8), torch.float64, seed=n)[:n] * 3
+        if dtype == torch.float64:
+            x[n // 2] = 1e300 if n % 2 else 1e-300  # wide values: their own moments
+        x = x.to(dtype)
+        for h in hists:
+            for v in (x, x.expand(3, n)):
+                got = hookcap.tensor_stats(v, h, moments=4)
+                ref = hookcap.reference.tensor_stats(v, h, moments=4)
+                assert_stats_match(got, ref, abs_sum=abs_sum(v))
+                for k in ("skew", "kurtosis"):
+                    if dtype == torch.float64:  # a wide value: no fourth powers kept (test_moments)
+                        assert np.isnan(got[k])
+                    else:
+                        assert (np.isnan(got[k]) and np.isnan(ref[k])) or got[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-9)
+    # Merged into a row whose shift another tensor set.
+    a, b = torch.tensor([1000.0, 1001.0]), specials(9, torch.float32, seed=5)
+    h = Histogram.log2()
+    ring = torch.zeros((1, 1, _layout.HEADER + h.nbins), dtype=torch.int64)
+    state = new_state("cpu")
+    _ops.reset_slot(ring, state)
+    for t in (a, b):
+        _ops.accumulate(t, ring, state, 0, h)
+    got = _layout.decode(ring[0, 0].numpy())
+    both = torch.cat([a, b])
+    ref = hookcap.reference.tensor_stats(both, h)
+    for k in ("count", "nan", "inf", "zeros", "min", "max", "absmax"):
+        if k in ref:
+            assert float(got[k]) == ref[k] or (np.isnan(float(got[k])) and np.isnan(ref[k])), k
+    fin = both[torch.isfinite(both)].double()
+    assert abs(float(got["sum"]) - fin.sum().item()) <= 1e-6 * fin.abs().sum().item()
+    assert float(got["std"]) == pytest.approx(fin.std(unbiased=False).item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_float8(dtype):
     x = (torch.randn(5000) * 8).to(dtype)

@@ -75,12 +75,13 @@ void time_mark_cpu(at::Tensor& ring, const at::Tensor& state, int64_t row, int64
 
 }  // namespace
 
-int64_t state_slot(const at::Tensor& ring, const int64_t* st) {
+int64_t state_slot(int64_t slots, const int64_t* st) {
   const int64_t slot = st[kStateSlot];
-  TORCH_CHECK(slot >= 0 && slot < ring.size(0), "hookcap: state slot ", slot,
-              " out of range for ", ring.size(0), " slots");
+  TORCH_CHECK(slot >= 0 && slot < slots, "hookcap: state slot ", slot, " out of range for ", slots, " slots");
   return slot;
 }
+
+int64_t state_slot(const at::Tensor& ring, const int64_t* st) { return state_slot(ring.size(0), st); }
 
 bool cpu_avx2() { return use_avx2(); }
 
@@ -99,6 +100,15 @@ double row_shift(int64_t* row, double cand) {
 
 void accumulate_tensor_cpu(const at::Tensor& x_in, int64_t* row, const HistSpec& h) {
   if (x_in.numel() == 0) return;
+  if (x_in.is_non_overlapping_and_dense()) {  // plan_read's flat read, without building a plan
+    static const StridedDesc unused{};
+    AT_DISPATCH_FLOATING_TYPES_AND4(
+        at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
+        "hookcap_accumulate_cpu", [&] {
+          accumulate_read<scalar_t>(x_in.const_data_ptr<scalar_t>(), true, unused, x_in.numel(), 1, row, h);
+        });
+    return;
+  }
   const DimPlan plan = plan_read(x_in);
   const bool flat = plan.flat;
   const StridedDesc& d = plan.desc;
@@ -112,12 +122,24 @@ void accumulate_tensor_cpu(const at::Tensor& x_in, int64_t* row, const HistSpec&
       });
 }
 
+CpuRing cpu_ring(at::Tensor& ring, const at::Tensor& state) {
+  return CpuRing{ring.data_ptr<int64_t>(), state.data_ptr<int64_t>(), ring.size(0), ring.size(1), ring.size(2)};
+}
+
 void accumulate_row_cpu(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
                         int64_t row_index, const HistSpec& h) {
-  const int64_t* st = state.data_ptr<int64_t>();
+  accumulate_row_cpu(x_in, cpu_ring(ring, state), row_index, h);
+}
+
+void accumulate_row_cpu(const at::Tensor& x_in, const CpuRing& r, int64_t row_index, const HistSpec& h) {
+  const int64_t* st = r.state;
   if (st[kStateEnabled] == 0) return;
-  const int64_t slot = state_slot(ring, st);
-  int64_t* row = ring.data_ptr<int64_t>() + (slot * ring.size(1) + row_index) * ring.size(2);
+  const int64_t slot = state_slot(r.slots, st);
+  int64_t* row = r.data + (slot * r.rows + row_index) * r.width;
+  // The header's lines fetched together: each locked add waits for its own.
+  __builtin_prefetch(row, 1);
+  __builtin_prefetch(row + kSumSq, 1);
+  __builtin_prefetch(row + kHeader, 1);
   const int64_t n = x_in.numel();
   HostAtomics::add_i64(row + kCount, n);
   HostAtomics::add_i64(row + kCalls, 1);

@@ -13,6 +13,7 @@ namespace hookcap {
 
 // The slot named by a CPU state, checked against the ring's slot count.
 int64_t state_slot(const at::Tensor& ring, const int64_t* st);
+int64_t state_slot(int64_t slots, const int64_t* st);
 
 // Merges tensor x (any layout the statistics op reads) into `row`, count
 // and calls excepted, with the statistics op's own loop.
@@ -23,6 +24,18 @@ void accumulate_tensor_cpu(const at::Tensor& x, int64_t* row, const HistSpec& h)
 // and state once and the input each call (grad_hooks.cpp's fast paths).
 void accumulate_row_cpu(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row_index,
                         const HistSpec& h);
+
+// A checked CPU ring and state, their pointers and shape read once (a ring
+// never changes shape: growth makes a new one).
+struct CpuRing {
+  int64_t* data = nullptr;
+  const int64_t* state = nullptr;
+  int64_t slots = 0, rows = 0, width = 0;
+};
+CpuRing cpu_ring(at::Tensor& ring, const at::Tensor& state);
+
+// accumulate_row_cpu into a CpuRing: x's dtype and the row checked by the caller.
+void accumulate_row_cpu(const at::Tensor& x, const CpuRing& r, int64_t row_index, const HistSpec& h);
 
 // Whether this CPU runs the AVX2+FMA+F16C builds of the loops.
 bool cpu_avx2();

@@ -1078,6 +1078,44 @@ void with_loop_kind(const HistSpec& h, int64_t n, F&& f) {
   }
 }
 
+// A few flat values (a module's tiny output, a scalar loss) take one scalar
+// pass in double with the shared per-value math: the chunked loop's setup
+// (blocks, local histograms, vector reductions) costs more than they do.
+constexpr int64_t kTinyValues = 16;
+
+template <typename T>
+void accumulate_tiny(const T* x, int64_t n, int64_t mult, int64_t* row, const HistSpec& h) {
+  double v[kTinyValues];
+  for (int64_t i = 0; i < n; ++i) v[i] = load_double(x + i);
+  const double shift = row_shift(row, shift_candidate([&](int64_t i) { return v[i]; }, n));
+  Acc a;
+  acc_init(a);
+  WideAcc w;
+  wide_init(w);
+  Moments4 m4;
+  moments4_init(m4);
+  int64_t bin[kTinyValues];
+  for (int64_t i = 0; i < n; ++i) {
+    acc_push_wide(a, w, v[i], shift);
+    if (h.moments4) {  // block_moments4's values: finite, not wide
+      const double abs = v[i] < 0 ? -v[i] : v[i];
+      const bool ok = abs < kInf && wide_bucket(abs) == 0;
+      push_moments4(ok ? v[i] - shift : 0.0, m4.s3, m4.s4);
+      m4.n += ok;
+    }
+    bin[i] = h.kind != kHistNone ? hist_bin(v[i], h) : -1;
+    // Each locked add below waits for its line: fetch the bins' lines together first.
+    if (bin[i] >= 0) __builtin_prefetch(row + kHeader + bin[i], 1);
+  }
+  if (mult != 1) acc_scale(a, mult);
+  row_merge<HostAtomics>(row, a);
+  wide_to_row<HostAtomics>(row, w, mult);
+  if (h.moments4) moments4_to_row<HostAtomics>(row, m4, mult);
+  for (int64_t i = 0; i < n; ++i) {
+    if (bin[i] >= 0) HostAtomics::add_i64(row + kHeader + bin[i], mult);
+  }
+}
+
 // Merges the n values at x (flat, or walked through d) into `row`, each
 // counted `mult` times (count and calls excepted), with the loop variant
 // the histogram and dtype call for. Instantiated once per dtype
@@ -1085,6 +1123,10 @@ void with_loop_kind(const HistSpec& h, int64_t n, F&& f) {
 template <typename T>
 void accumulate_read(const T* x, bool flat, const StridedDesc& d, int64_t n, int64_t mult, int64_t* row,
                      const HistSpec& h) {
+  if (flat && n <= kTinyValues) {
+    accumulate_tiny(x, n, mult, row, h);
+    return;
+  }
   with_loop_kind<T>(h, n, [&](auto kind) {
     accumulate_typed<T, decltype(kind)::value>(x, flat, d, n, mult, row, h);
   });

@@ -161,13 +161,17 @@ inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
 
 // The statistics op's checks of x and the row, for a ring and state
 // check_ring_state passed.
-inline void check_accumulate_input(const at::Tensor& x, const at::Tensor& ring, int64_t row) {
-  // The types the kernels dispatch on, no other (float8 fnuz and e8m0 are floating types too).
+// The types the kernels dispatch on, no other (float8 fnuz and e8m0 are floating types too).
+inline void check_accumulate_dtype(const at::Tensor& x) {
   const at::ScalarType t = x.scalar_type();
   TORCH_CHECK(t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16 ||
                   t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2,
               "hookcap.accumulate: supported dtypes are float16, bfloat16, float32, float64, "
               "float8_e4m3fn and float8_e5m2, got ", t);
+}
+
+inline void check_accumulate_input(const at::Tensor& x, const at::Tensor& ring, int64_t row) {
+  check_accumulate_dtype(x);
   TORCH_CHECK(x.layout() == at::kStrided,
               "hookcap.accumulate: only strided (dense-layout) tensors are supported, got ",
               x.layout());

@@ -23,31 +23,15 @@ from .._rows.config import (EVAL_PREFIX, PARAM_KINDS, ROOT_NAME, Config, example
 from .follow import ModelWatch, watched_params
 from .optim import OptimState, OptimUpdates, after_optimizer_step, before_optimizer_step
 from .park import HookPark
+from .._rows.fastpath import DONE
 from .._rows.recorder import Recorder, is_dtensor
 from .hook_order import move_last
 from .param_grads import ParamGrads
 from .scaler import iteration_ended
 from .timing import Timing, inplace_grad_node
-from .tree import tensor_leaves
+from .tree import input_obj, tensor_leaves, view_geometry
 
 log = logging.getLogger("hookcap")
-
-
-def _view_geometry(t: torch.Tensor, base: torch.Tensor):
-    """None when ``t`` is ``base`` itself, else where ``t`` sits in ``base``:
-    (size, stride, storage offset from base's, base shape, base stride)."""
-    if t is base:
-        return None
-    return (tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset(),
-            tuple(base.shape), tuple(base.stride()))
-
-
-def _input_obj(args, kwargs):
-    """What "input" records: the single positional argument itself, else the
-    positional arguments (paths 0, 1, ...) and keyword arguments (by name)."""
-    if len(args) == 1 and not kwargs:
-        return args[0]
-    return {**dict(enumerate(args)), **kwargs} if kwargs else args
 
 
 def _skip(*args):
@@ -363,11 +347,11 @@ class Hooks:
         def hook(mod, args, kwargs):
             if torch.compiler.is_compiling():
                 _compile.hooks_traced(self.key)
-                _compile.write_all(self, name, "input", _input_obj(args, kwargs), mtype)
+                _compile.write_all(self, name, "input", input_obj(args, kwargs), mtype)
                 return None
             if rec.records("input") and not _compile.in_backward():
                 ci = rec.call_index(name, "input")
-                for path, t in tensor_leaves(_input_obj(args, kwargs)):
+                for path, t in tensor_leaves(input_obj(args, kwargs)):
                     rec.write(name, "input", path, t, mtype, ci)
             return None
 
@@ -382,23 +366,31 @@ class Hooks:
         mode = self.config.eval_forwards
         split = phase_split and mode != "merge"
         ev = self._output_hook(EVAL_PREFIX + name, mtype, False) if split and mode == "separate" else _skip
-        is_compiling = torch.compiler.is_compiling  # a closure cell: no attribute walk per call
+        # Closure cells. Dynamo folds both to True; only is_compiling holds under
+        # a non-strict torch.export, whose fake outputs the C call passes on.
+        tracing, is_compiling = torch.compiler.is_dynamo_compiling, torch.compiler.is_compiling
+
+        def traced(output):
+            _compile.hooks_traced(self.key)
+            if want_out:
+                _compile.write_all(self, name, "output", output, mtype)
+            if want_grad:
+                _compile.grad_hooks(self, name, "grad_output", output, mtype)
 
         def hook(mod, args, output):
             if split and not mod.training:
                 return ev(mod, args, output)
-            if is_compiling():
-                _compile.hooks_traced(self.key)
-                if want_out:
-                    _compile.write_all(self, name, "output", output, mtype)
-                if want_grad:
-                    _compile.grad_hooks(self, name, "grad_output", output, mtype)
-                return None
+            if tracing():
+                return traced(output)
             # Steady state in one C call (grad_hooks.cpp): a cached plain
             # output is merged and its gradient hook registered there. It
             # also counts the call (ci) and says whether this step records.
             ci = output_fast(hid, output)
-            if ci < 0:  # _fastpath.DONE or NOT_RECORDING; else the call's index
+            if ci == DONE:
+                return None
+            if is_compiling():
+                return traced(output)
+            if ci < 0:  # NOT_RECORDING; else the call's index
                 return None
             # Checkpoint recomputation: the values were recorded in the forward
             # pass; only reentrant checkpointing, whose first forward ran
@@ -458,7 +450,7 @@ class Hooks:
             a = t.view_as(t)
             fn = self._grad_tensor_hook(name, path, mtype, ci, kind="grad_input")
             a.register_hook(fn)
-            made.append((a, a.grad_fn, _view_geometry(t, a._base), fn))
+            made.append((a, a.grad_fn, view_geometry(t, a._base), fn))
             return a
 
         def compiled_alias(path, t):

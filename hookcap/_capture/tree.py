@@ -49,3 +49,20 @@ def _walk(obj, path: str, depth: int, floating_only: bool, traced: bool, out: li
         return
     for k, v in items:
         _walk(v, f"{path}.{k}" if path else str(k), depth + 1, floating_only, traced, out)
+
+
+def view_geometry(t: torch.Tensor, base: torch.Tensor):
+    """None when ``t`` is ``base`` itself, else where ``t`` sits in ``base``:
+    (size, stride, storage offset from base's, base shape, base stride)."""
+    if t is base:
+        return None
+    return (tuple(t.shape), tuple(t.stride()), t.storage_offset() - base.storage_offset(),
+            tuple(base.shape), tuple(base.stride()))
+
+
+def input_obj(args, kwargs):
+    """What "input" records: the single positional argument itself, else the
+    positional arguments (paths 0, 1, ...) and keyword arguments (by name)."""
+    if len(args) == 1 and not kwargs:
+        return args[0]
+    return {**dict(enumerate(args)), **kwargs} if kwargs else args

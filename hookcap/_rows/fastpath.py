@@ -42,7 +42,7 @@ def row_of(rid: int) -> int:
     return rid & _ROW_MASK
 
 
-# _output_fast's answers besides a call index (grad_hooks.cpp kNotRecording, kDone).
+# output_fast's answers besides a call index (grad_hooks.cpp kNotRecording, kDone).
 NOT_RECORDING = -2
 DONE = -1
 
@@ -58,7 +58,7 @@ class FastPath:
         self.id = sid = _C._grad_sink_new(self._python_writes, *hist_args)
         weakref.finalize(self, _C._grad_sink_free, sid)  # releases the rings
         # Hot paths: partials of the C functions.
-        self.output_fast = functools.partial(_C._output_fast, sid)  # (hook id, output) -> int
+        self.output_fast = _C._output_fast_for(sid)  # (hook id, output) -> int
         self.accumulate_row = functools.partial(_C._accumulate_row, sid)  # (tensor, rid)
         self.capture_grad = functools.partial(_C._capture_grad, sid)  # (tensor, rid) -> bool
         self.time_mark = functools.partial(_C._time_mark, sid)  # (rid, phase, start)
