@@ -270,7 +270,8 @@ def configs(skip, only=None, optimizer=None):
         Baseline("no telemetry"),
         Hookcap("hookcap every=1 log2 hist"),
         Hookcap("hookcap every=10", every=10),
-        *([Hookcap("hookcap every=1 log2 hist, tree merge", block_merge="tree")]
+        *([Hookcap("hookcap every=1 log2 hist, tree merge", block_merge="tree"),
+           Hookcap("hookcap every=1 log2 hist, side stream", stream="side")]
           if torch.cuda.is_available() else []),
         Hookcap("hookcap histogram=None", histogram=None),
         Hookcap("hookcap every=1 log2 + timing", timing=True),

@@ -1073,6 +1073,13 @@ def target_lines(by_name: dict) -> list[str]:
                      f"{extra / floor:.2f} × ({extra:.2f} ms over {floor:.2f} ms)", extra / floor <= 1.25))
     else:
         rows.append(("every-step recording, no host sync", "≤ 1.25 × the read floor", None, False))
+    side = pl.get("hookcap every=1 log2 hist, side stream")
+    if base and every1 and side:
+        rows.append(("every-step recording on the side stream, no host sync", "beats the current stream",
+                     f"{side['overhead_pct']:+.2f} % (current stream: {every1['overhead_pct']:+.2f} %)",
+                     side["ms_per_step"] < every1["ms_per_step"]))
+    else:
+        rows.append(("every-step recording on the side stream, no host sync", "beats the current stream", None, False))
     cad = next((r for name, r in pl.items() if name.startswith("hookcap cadence")), None)
     cfloor = o.get("read_floor", {}).get("cadence_floor_ms")
     floor_pct = (f" (its read floor: {100 * cfloor / base['ms_per_step']:.2f} %)"

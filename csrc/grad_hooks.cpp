@@ -43,7 +43,7 @@ namespace hookcap {
 #ifdef HOOKCAP_WITH_CUDA
 // The statistics op's CUDA launch after its checks (cuda/stats_launch.cu).
 void accumulate_row_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row,
-                         const HistSpec& h);
+                         const HistSpec& h, bool side);
 #endif
 namespace {
 
@@ -55,6 +55,7 @@ struct RingRef {
   bool direct = false;  // ring and state checked: writes may skip the dispatcher (accumulate_into)
   HistSpec hist{};      // the sink's histogram arguments for this ring's width
   CpuRing cpu;          // a direct CPU ring's pointers and shape
+  bool side = false;    // CUDA launches on the side stream (kSideStreamFlag)
 };
 
 // Decoding a row id (hookcap/row_id.h).
@@ -166,7 +167,7 @@ void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Ten
     check_accumulate_input(x, ref.ring, row);
 #ifdef HOOKCAP_WITH_CUDA
     if (x.is_cuda()) {
-      accumulate_row_cuda(x, ref.ring, ref.state, row, ref.hist);
+      accumulate_row_cuda(x, ref.ring, ref.state, row, ref.hist, ref.side);
       return;
     }
 #endif
@@ -352,6 +353,7 @@ PyObject* grad_sink_ring(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     check_ring_state(ref.ring, ref.state);
     ref.hist = make_hist_spec(s->hist_kind, s->hist_lo, s->hist_hi, s->hist_bins, ref.ring.size(2));
     if (ref.ring.is_cpu()) ref.cpu = cpu_ring(ref.ring, ref.state);
+    ref.side = (s->hist_kind & kSideStreamFlag) != 0;
     ref.direct = true;
   } catch (const std::exception&) {
     // Every write goes through the op, which reports what is wrong (kept as the hook's error).

@@ -19,6 +19,7 @@ PyMethodDef* host_pack_methods();  // host_pack.cpp
 int64_t join_write_streams(int device);  // cuda/stats_launch.cu
 bool captured_ring(uintptr_t ring);
 int block_merge(int mode);
+uintptr_t side_stream_handle(int device);
 #endif
 
 namespace {
@@ -65,7 +66,27 @@ PyObject* py_block_merge(PyObject*, PyObject* arg) {
 #endif
 }
 
+// _side_stream(device index) -> int: the cudaStream_t of hookcap's side
+// stream of that device (Monitor(stream="side")), made on first use; for
+// torch.cuda.ExternalStream. RuntimeError without CUDA kernels.
+PyObject* py_side_stream(PyObject*, PyObject* arg) {
+  const long device = PyLong_AsLong(arg);
+  if (device == -1 && PyErr_Occurred()) return nullptr;
+#ifdef HOOKCAP_WITH_CUDA
+  try {
+    return PyLong_FromUnsignedLongLong(side_stream_handle(static_cast<int>(device)));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+#else
+  PyErr_SetString(PyExc_RuntimeError, "hookcap was built without CUDA kernels");
+  return nullptr;
+#endif
+}
+
 PyMethodDef kStreamMethods[] = {
+    {"_side_stream", py_side_stream, METH_O, nullptr},
     {"_block_merge", py_block_merge, METH_O, nullptr},
     {"_join_write_streams", py_join_write_streams, METH_O, nullptr},
     {"_captured_ring", py_captured_ring, METH_O, nullptr},
@@ -95,7 +116,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 9;
+constexpr int64_t kAbiVersion = 10;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.
@@ -167,14 +188,15 @@ std::vector<int64_t> layout() {
           kStateStep,  kStateEnabled, kStateSlot, kStateSize, cuda,
           kFwdNs,      kFwdOpen, kFwdEnds, kBwdNs, kBwdOpen, kBwdEnds,
           kBigN,       kBigShift, kBigS1, kBigS2, kSmallN, kSmallShift, kSmallS1, kSmallS2,
-          kWideScale,  kN4,      kS3,    kS4,    kMoments4Flag};
+          kWideScale,  kN4,      kS3,    kS4,    kMoments4Flag, kSideStreamFlag};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(hookcap, m) {
   // hist_kind: 0 none, 1 log2, 2 linear; plus 16 (kMoments4Flag) to also sum
-  // (x - K)^3 and (x - K)^4 (moments=4).
+  // (x - K)^3 and (x - K)^4 (moments=4), plus 32 (kSideStreamFlag) to launch
+  // on hookcap's side stream (CUDA).
   m.def(
       "accumulate(Tensor x, Tensor(a!) ring, Tensor state, int row, int hist_kind, "
       "float hist_lo, float hist_hi, int hist_bins) -> ()");

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import torch
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 _raw = list(torch.ops.hookcap.layout())
 if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer entries
@@ -60,6 +60,7 @@ if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer
     S3,
     S4,
     MOMENTS4_FLAG,  # added to the op's hist_kind for moments=4
+    SIDE_STREAM_FLAG,  # added to the op's hist_kind: CUDA launches on hookcap's side stream
 ) = _raw
 CUDA_BUILT = bool(_cuda)
 

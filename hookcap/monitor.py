@@ -82,16 +82,10 @@ class Monitor:
             closes the anomalous step; on CUDA at a later ``step()``, at most the
             ring depth (4 recorded steps) later), ``None``, or ``callable(Anomaly)``.
         sinks: consumers of drained steps (``hookcap.sinks.*``; one alone: a list of one).
-        timing: also record how long each hooked module's forward and backward
-            take, per step (``h["fwd_ms"]``, ``h["bwd_ms"]``: milliseconds,
-            summed over the module's calls in the step, on every metric of
-            that module; NaN where not measured). Device-side timestamps on
-            CUDA (%globaltimer, stream-ordered: no host sync), the host's
-            steady clock on CPU. Forward: pre-hook to forward hook (hookcap's
-            own work excluded); backward: from the gradient w.r.t. the first
-            output to that w.r.t. the first input requiring grad (none for a
-            first layer). NaN where marks do not pair up and under
-            ``torch.compile`` or compiled autograd: docs/monitor.md.
+        timing: also record how long each hooked module's forward and backward take, per step
+            (``h["fwd_ms"]``, ``h["bwd_ms"]``: milliseconds, summed over the module's calls in the
+            step, on each of its metrics; NaN where not measured). Device-side timestamps on CUDA
+            (no host sync), the host's steady clock on CPU; what is timed: docs/monitor.md.
         dump_on_anomaly: path (or existing directory) for an automatic
             ``dump()`` at the first anomaly, and at the first of each later
             anomaly kind (``-{kind}`` added to the file name).
@@ -129,6 +123,10 @@ class Monitor:
             recorded as ``f"{metric}[{g}]"`` (``History.groups``); ``hookcap.Channels(dim, top)``: outlier channels.
         skip: a ``hookcap.SkipStep`` (with ``optimizer=``): skip optimizer steps whose loss or
             gradient norm spikes, decided on the device; docs/anomalies.md.
+        stream: ``"current"`` (default): CUDA statistics kernels run on the stream current at
+            each capture; ``"side"``: on hookcap's own stream of the device, forked after each
+            capture and joined at ``step()``, beside the model's next kernels (not inside a CUDA
+            graph capture); docs/performance.md has what each costs.
 
     Metric names are ``f"{qualname}/{kind}"``, with ``.{path}`` appended for
     tensors inside tuples, lists, dicts and dataclasses (``"0"``, ``"1.attn"``,
@@ -161,6 +159,7 @@ class Monitor:
         grad_scaler=None,
         groups: dict | None = None,
         skip=None,
+        stream: str = "current",
     ):
         if fused is not False:
             raise ValueError("fused: Monitor(fused=True) is retired: statistics fused into compiled "
@@ -168,7 +167,7 @@ class Monitor:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model: expected an nn.Module, got {type(model).__name__}")
         config = make_config(capture, histogram, capacity, every, modules, timing, rank_sinks, eval_forwards,
-                             update_snapshot, moments, placements, groups)
+                             update_snapshot, moments, placements, groups, stream)
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
             raise ValueError(f"start_step: expected an int >= 0 (the number of the first step), got {start_step!r}")
         if optimizer is not None and not callable(getattr(innermost_optimizer(optimizer), "step", None)):

@@ -660,10 +660,11 @@ def test_a_pending_error_of_another_library_survives_hookcap_ops(dev):
     assert ring[0, 0, _layout.COUNT].item() == 1000 and state.cpu().tolist() == [1, 1, 1]
 
 
-def _train_recorded(device, steps=3):
+def _train_recorded(device, steps=3, **monitor_kw):
     """A seeded MLP with LayerNorm trained ``steps`` SGD steps on ``device``
-    under a default Monitor, beside plain hooks that keep float64 CPU copies of
-    every leaf module's output and output gradient: (History, {(step, name): copies})."""
+    under a Monitor (default, or ``monitor_kw``), beside plain hooks that keep
+    float64 CPU copies of every leaf module's output and output gradient:
+    (History, {(step, name): copies})."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4)).to(device)
@@ -684,7 +685,7 @@ def _train_recorded(device, steps=3):
         return hook
 
     handles = [m.register_forward_hook(fwd(n)) for n, m in model.named_children()]
-    with hookcap.Monitor(model) as mon:
+    with hookcap.Monitor(model, **monitor_kw) as mon:
         for i, x in enumerate(batches):
             step[0] = i
             model(x.to(device)).square().mean().backward()
@@ -706,6 +707,11 @@ def test_monitor_matches_the_captured_tensors(dev):
     assert h.names == h_cpu.names and len(h.names) == 8  # 4 outputs and their gradients
     assert list(h.steps) == list(h_cpu.steps) == [0, 1, 2]
     np.testing.assert_array_equal(h["count"], h_cpu["count"])
+    _assert_matches_captured(h, values)
+
+
+def _assert_matches_captured(h, values):
+    """Each statistic of ``h`` equals the float64 reference of the tensor it saw."""
     assert set(values) == {(s, n) for s in h.steps for n in h.names}
     for (step, name), chunks in values.items():
         vals = torch.cat(chunks).numpy()
@@ -758,6 +764,77 @@ def test_monitor_records_outputs_computed_on_a_side_stream(dev):
     for c, t in enumerate(ref):
         assert h["count"][-1, c] == t.numel()
         assert h["max"][-1, c] == t.max().item()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_side_stream_records_what_it_captured_without_a_sync(dev):
+    """Monitor(stream="side"): every statistic equals the float64 reference of
+    the tensor it saw, with no host sync in the steady steps (on the CPU the
+    argument changes nothing)."""
+    h, values = _train_recorded(dev, stream="side")
+    assert len(h.names) == 8 and list(h.steps) == [0, 1, 2]
+    _assert_matches_captured(h, values)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).to(dev)
+    x = torch.randn(4, 16, device=dev)
+    with hookcap.Monitor(model, stream="side") as mon:
+        model(x).sum().backward()
+        mon.step()
+        with no_sync(dev):
+            for _ in range(3):
+                model(x).sum().backward()
+                mon.step()
+    assert list(mon.history().steps) == [0, 1, 2, 3]
+
+
+@cuda_only
+def test_side_stream_leaves_the_model_stream_free_and_keeps_inputs_alive():
+    """The statistics wait on hookcap's side stream (kept busy here), not on
+    the model's stream; a captured tensor freed at once keeps its memory until
+    they have read it (record_stream), and step() orders the drain after them."""
+    side = torch.cuda.ExternalStream(hookcap._C._side_stream(0))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256)).cuda()
+    x = torch.randn(64, 256, device="cuda")
+    with hookcap.Monitor(model, capture="output", stream="side") as mon:
+        model(x)
+        mon.step()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the side stream: busy for a good fraction of a second
+        out = model(x)
+        want = out.detach().double().cpu()
+        ptr = out.data_ptr()
+        del out
+        done = torch.cuda.Event()
+        done.record()
+        other = torch.full((64, 256), -7.0, device="cuda")  # its size: would reuse out's block
+        assert other.data_ptr() != ptr
+        t0 = time.perf_counter()
+        while not done.query() and time.perf_counter() - t0 < 5:
+            time.sleep(0.001)
+        assert done.query() and not side.query()  # the model's stream ran on; the statistics wait
+        mon.step()
+    h = mon.history()
+    got = {k: h[k][-1, 0] for k in hookcap.STAT_NAMES}
+    got["hist"], got["bin_edges"] = h.histogram("0/output")[-1], h.bin_edges
+    ref = hookcap.reference.stats_from_values(want.numpy().reshape(-1), h.histogram_spec)
+    assert_stats_match(got, ref, abs_sum=float(want.abs().sum()))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_side_stream_under_cuda_graph_capture(dev):
+    """Inside a capture the statistics stay on the capturing stream: every
+    replay records the eager step's values."""
+    model = _graph_model(dev)
+    x = torch.randn(8, 16, device=dev)
+    mon = hookcap.Monitor(model, capture=("output", "grad_output"), stream="side").attach()
+    replay = _capture_after_warmup(model, x, mon, dev)
+    first = mon.current_step
+    for _ in range(3):
+        replay()
+        mon.step()
+    h = mon.history()
+    assert list(h.steps)[-3:] == list(range(first, first + 3))
+    _assert_steps_equal(h, range(first, first + 3), ref_step=2)
+    mon.detach()
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -377,6 +377,8 @@ def test_optimizer_argument_steps_automatically():
     ({"every": 0}, "every"),
     ({"histogram": "log2"}, "histogram"),
     ({"modules": 3}, "modules"),
+    ({"stream": "low"}, "stream"),
+    ({"stream": None}, "stream"),
 ])
 def test_invalid_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -368,6 +368,24 @@ def test_histogram_arguments_validated():
         _ops.accumulate(torch.randn(10, dtype=torch.float64), ring, new_state("cpu"), 0, narrow)
 
 
+def test_side_stream_flag_is_accepted_and_changes_no_cpu_row():
+    """hist_kind's side-stream flag (Monitor(stream="side")) only picks the CUDA
+    stream: a CPU row equals the one written without it; other bits are refused."""
+    h = Histogram.log2()
+    x = specials(1000, torch.float32, seed=3)
+    kind, lo, hi, bins = _ops.hist_args(h, 4)
+    rows = []
+    for flag in (0, _layout.SIDE_STREAM_FLAG):
+        ring = torch.zeros((1, 1, _layout.HEADER + h.nbins), dtype=torch.int64)
+        state = new_state("cpu")
+        _ops.reset_slot(ring, state)
+        torch.ops.hookcap.accumulate(x, ring, state, 0, kind | flag, lo, hi, bins)
+        rows.append(ring)
+    assert torch.equal(rows[0], rows[1])
+    with pytest.raises(RuntimeError, match="hist_kind"):
+        torch.ops.hookcap.accumulate(x, rows[0], new_state("cpu"), 0, kind | 64, lo, hi, bins)
+
+
 @pytest.mark.parametrize("factor", [0.9, 1.1])
 def test_python_and_op_share_the_narrowest_width(factor):
     # Histogram.linear (MIN_WIDTH_EXP) and the op (kLinearMinWidthExp) draw the line at the same width.

@@ -1,11 +1,13 @@
-// CUDA launchers: pick grid/block, launch on the current stream under a
-// device guard. No allocation, no sync, no host read of device memory, so
+// CUDA launchers: pick grid/block, launch on the current stream (or
+// hookcap's side stream, stats_stream) under a device guard. No allocation,
+// no sync, no host read of device memory, so
 // every launch is CUDA-graph capturable. The device code is in
 // stats_kernel.cuh (also executed on the CPU by tests/cuda_emu).
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -68,6 +71,7 @@ struct WriteStreams {
   std::atomic<uintptr_t> step_stream;  // key of the stream current at the last join (0: none yet)
   std::mutex mu;                       // event creation
   cudaEvent_t step_event = nullptr;    // the last join's stream, when a step() runs on another
+  cudaEvent_t side_event = nullptr;    // the side stream's work at a join
 };
 WriteStreams g_write_streams[kMaxDevices];
 
@@ -109,12 +113,69 @@ void note_capture(cudaStream_t s, const void* ring) {
   if (!captured_locked(p)) g_captured_rings->push_back(p);
 }
 
+// Monitor(stream="side") (hist_kind's kSideStreamFlag): statistics kernels
+// run on hookcap's own stream of the device, one of torch's pooled streams at
+// the default priority (the lowest CUDA has), so they can run beside the
+// model's next kernels instead of between them. Each launch forks it from the
+// current stream with an event (it waits for the capture's producer, no
+// host sync), and marks its inputs used on it (record_stream): the caching
+// allocator then keeps their memory from the next allocation until the
+// kernels have read it. The drain joins it at step() (join_write_streams).
+// Inside a CUDA graph capture launches stay on the capturing stream: a fork
+// there would need a join before the capture ends.
+struct SideStreams {
+  std::once_flag made[kMaxDevices];
+  std::atomic<c10::cuda::CUDAStream*> stream[kMaxDevices] = {};  // pooled: never destroyed
+  std::atomic<bool> used[kMaxDevices] = {};        // launched on since the last join
+};
+SideStreams g_side;
+
+c10::cuda::CUDAStream& side_stream(int device) {
+  std::call_once(g_side.made[device], [device] {
+    g_side.stream[device].store(new c10::cuda::CUDAStream(c10::cuda::getStreamFromPool(
+                                    /*isHighPriority=*/false, static_cast<c10::DeviceIndex>(device))),
+                                std::memory_order_release);
+  });
+  return *g_side.stream[device].load(std::memory_order_acquire);
+}
+
+bool is_side_stream(int device, cudaStream_t s) {
+  if (device < 0 || device >= kMaxDevices) return false;
+  const c10::cuda::CUDAStream* side = g_side.stream[device].load(std::memory_order_acquire);
+  return side != nullptr && side->stream() == s;
+}
+
+// The stream a statistics launch on `device` runs on (its guard set): the
+// current one, or with `side` (outside a capture) the side stream forked
+// from it, with every tensor `each_input` names marked used there.
+template <typename EachInput>
+cudaStream_t stats_stream(int device, bool side, EachInput&& each_input) {
+  const cudaStream_t cur = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  if (!side || device < 0 || device >= kMaxDevices || capturing(cur)) return cur;
+  c10::cuda::CUDAStream& s = side_stream(device);
+  thread_local cudaEvent_t fork[kMaxDevices] = {};  // per thread: hooks launch from autograd's threads too
+  if (fork[device] == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&fork[device], cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(fork[device], cur));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(s.stream(), fork[device], 0));
+  each_input([&](const at::Tensor& t) {
+    if (t.defined() && t.is_cuda()) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), s);
+  });
+  g_side.used[device].store(true, std::memory_order_release);
+  return s.stream();
+}
+
+cudaStream_t stats_stream(int device, bool side, std::initializer_list<const at::Tensor*> inputs) {
+  return stats_stream(device, side, [&](auto&& keep) {
+    for (const at::Tensor* t : inputs) keep(*t);
+  });
+}
+
 // After every launch that writes a ring (outside a capture, whose graph
 // orders its own streams): on a stream other than the last join's, its slot
 // is marked and its event recorded on it. Hot path: one relaxed load when
 // hooks run on the training stream.
 void seal_ring_write(int device, cudaStream_t s) {
-  if (device < 0 || device >= kMaxDevices) return;
+  if (device < 0 || device >= kMaxDevices || is_side_stream(device, s)) return;  // joined by its own event
   WriteStreams& w = g_write_streams[device];
   const uintptr_t key = reinterpret_cast<uintptr_t>(s) + 1;
   if (w.step_stream.load(std::memory_order_relaxed) == key || capturing(s)) return;
@@ -173,7 +234,9 @@ int64_t* tree_scratch(const at::Device& device, cudaStream_t s, int64_t blocks) 
     const uintptr_t k = slots[i].key.load(std::memory_order_relaxed);
     if (k == key) return slots[i].words.load(std::memory_order_relaxed);
     if (k != 0) continue;
-    // Allocated and zeroed on the current stream (s), which orders it before the launch.
+    // Allocated and zeroed on s, which orders it before the launch.
+    std::optional<c10::cuda::CUDAStreamGuard> on_side;
+    if (is_side_stream(d, s)) on_side.emplace(side_stream(d));
     at::Tensor t = at::zeros({kernels::tree_scratch_words(max_blocks(d))},
                              at::TensorOptions().dtype(at::kLong).device(device));
     g_scratch_keep->push_back(t);
@@ -185,6 +248,13 @@ int64_t* tree_scratch(const at::Device& device, cudaStream_t s, int64_t blocks) 
 }
 
 }  // namespace
+
+uintptr_t side_stream_handle(int device) {
+  TORCH_CHECK(device >= 0 && device < kMaxDevices && device < c10::cuda::device_count(),
+              "hookcap: no CUDA device ", device);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  return reinterpret_cast<uintptr_t>(side_stream(device).stream());
+}
 
 int block_merge(int mode) {
   return mode < 0 ? g_block_merge.load() : g_block_merge.exchange(mode != 0 ? 1 : 0);
@@ -230,6 +300,16 @@ int64_t join_write_streams(int device) {
         TORCH_WARN_ONCE("hookcap: could not order the drain after the previous step's stream: ",
                         cudaGetErrorString(err));
       }
+    }
+  }
+  if (g_side.used[device].exchange(false, std::memory_order_acq_rel)) {
+    if (w.side_event == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&w.side_event, cudaEventDisableTiming));
+    const cudaError_t err = cudaEventRecord(w.side_event, side_stream(device).stream());
+    if (err == cudaSuccess) {
+      wait(w.side_event);
+    } else {
+      (void)cudaGetLastError();
+      TORCH_WARN_ONCE("hookcap: could not order the drain after the side stream: ", cudaGetErrorString(err));
     }
   }
   for (int i = 0; i < kMaxWriteStreams; ++i) {
@@ -320,10 +400,10 @@ void allow_dynamic_smem(const void* kernel, int device, int64_t bytes) {
 // launch (grid rows), group g's view at x_in + g * x_step into row + g *
 // row_step, x_in being group 0's view (each group's view alike).
 void launch_accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
-                       const HistSpec& h, int64_t groups = 1, int64_t row_step = 0, int64_t x_step = 0) {
+                       const HistSpec& h, bool side, int64_t groups = 1, int64_t row_step = 0, int64_t x_step = 0) {
   const int64_t n = x_in.numel();
   c10::cuda::CUDAGuard guard(x_in.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x_in.device().index()).stream();
+  cudaStream_t stream = stats_stream(x_in.device().index(), side, {&x_in, &ring, &state});
   note_capture(stream, ring.data_ptr());
 
   const DimPlan plan = plan_read(x_in);
@@ -374,7 +454,8 @@ void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor&
                      int64_t row, int64_t hist_kind, double hist_lo, double hist_hi,
                      int64_t hist_bins) {
   check_accumulate(x_in, ring, state, row);
-  launch_accumulate(x_in, ring, state, row, make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2)));
+  launch_accumulate(x_in, ring, state, row, make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2)),
+                    (hist_kind & kSideStreamFlag) != 0);
 }
 
 // accumulate_many: many_plan.h's launches.
@@ -383,13 +464,18 @@ void accumulate_many_cuda(at::TensorList xs, at::Tensor& ring, const at::Tensor&
   check_many(xs, ring, state, rows);
   if (xs.empty()) return;
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const bool side = (hist_kind & kSideStreamFlag) != 0;
   c10::cuda::CUDAGuard guard(ring.device());
   const int device = ring.device().index();
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  cudaStream_t stream = stats_stream(device, side, [&](auto&& keep) {
+    keep(ring);
+    keep(state);
+    for (const at::Tensor& x : xs) keep(x);
+  });
   note_capture(stream, ring.data_ptr());
   plan_many(
       xs, rows, kThreads * kPerThread, max_blocks(device),
-      [&](size_t i) { launch_accumulate(xs[i], ring, state, rows[i], h); },
+      [&](size_t i) { launch_accumulate(xs[i], ring, state, rows[i], h, side); },
       [&](const ManyBatch& b) {
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.dtype, "hookcap_accumulate_many_cuda", [&] {
           kernels::dispatch_accumulate<scalar_t, true>(
@@ -420,7 +506,17 @@ void accumulate_updates_cuda(at::TensorList params, const c10::List<c10::optiona
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
   c10::cuda::CUDAGuard guard(ring.device());
   const int device = ring.device().index();
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  cudaStream_t stream = stats_stream(device, (hist_kind & kSideStreamFlag) != 0, [&](auto&& keep) {
+    keep(ring);
+    keep(state);
+    for (const at::Tensor& p : params) keep(p);
+    for (const auto* list : {&grads, &a, &b, &steps}) {
+      for (size_t i = 0; i < list->size(); ++i) {
+        const c10::optional<at::Tensor> t = list->get(i);
+        if (t.has_value()) keep(*t);
+      }
+    }
+  });
   note_capture(stream, ring.data_ptr());
   // A step count on the device (capturable / fused Adam) is read by the kernel: no sync.
   auto device_step = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined() && !t->is_cpu(); };
@@ -517,13 +613,14 @@ void accumulate_groups_cuda(const at::Tensor& x, at::Tensor& ring, const at::Ten
                             int64_t hist_bins) {
   check_groups(x, ring, state, rows, dim, size);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const bool side = (hist_kind & kSideStreamFlag) != 0;
   const GroupLaunch one = group_launch(x, rows, dim, size);
   if (one.ok) {
-    launch_accumulate(x.narrow(dim, 0, size), ring, state, rows[0], h, one.groups, one.row_step, one.x_step);
+    launch_accumulate(x.narrow(dim, 0, size), ring, state, rows[0], h, side, one.groups, one.row_step, one.x_step);
     return;
   }
   for (int64_t g = 0; g < static_cast<int64_t>(rows.size()); ++g) {
-    if (rows[g] >= 0) launch_accumulate(x.narrow(dim, g * size, size), ring, state, rows[g], h);
+    if (rows[g] >= 0) launch_accumulate(x.narrow(dim, g * size, size), ring, state, rows[g], h, side);
   }
 }
 
@@ -536,7 +633,9 @@ void accumulate_bins_cuda(const at::Tensor& index, const c10::optional<at::Tenso
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
   c10::cuda::CUDAGuard guard(ring.device());
   const int device = ring.device().index();
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  const at::Tensor no_weight;
+  cudaStream_t stream = stats_stream(device, (hist_kind & kSideStreamFlag) != 0,
+                                     {&index, weight.has_value() ? &*weight : &no_weight, &ring, &state});
   note_capture(stream, ring.data_ptr());
   const int64_t n = index.numel(), bins = static_cast<int64_t>(rows.size());
   const int64_t blocks = std::clamp<int64_t>((n + kThreads * kPerThread - 1) / (kThreads * kPerThread), 1, 64);
@@ -567,8 +666,8 @@ void accumulate_bins_cuda(const at::Tensor& index, const c10::optional<at::Tenso
 }  // namespace
 
 void accumulate_row_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row,
-                         const HistSpec& h) {
-  launch_accumulate(x, ring, state, row, h);
+                         const HistSpec& h, bool side) {
+  launch_accumulate(x, ring, state, row, h, side);
 }
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {

@@ -95,9 +95,9 @@ inline Log2Layout log2_layout(int64_t bins) {
 // number of histogram bins they imply.
 inline int64_t check_hist(int64_t kind_arg, double lo, double hi, int64_t bins,
                           const c10::SymInt& width) {
-  TORCH_CHECK(kind_arg >= 0 && (kind_arg & ~(kHistKindMask | kMoments4Flag)) == 0,
-              "hookcap: hist_kind must be 0 (none), 1 (log2) or 2 (linear), plus 16 for moments=4, got ",
-              kind_arg);
+  TORCH_CHECK(kind_arg >= 0 && (kind_arg & ~(kHistKindMask | kMoments4Flag | kSideStreamFlag)) == 0,
+              "hookcap: hist_kind must be 0 (none), 1 (log2) or 2 (linear), plus 16 for moments=4 and 32 "
+              "for the side stream, got ", kind_arg);
   const int64_t kind = kind_arg & kHistKindMask;
   int64_t nbins = 0;
   if (kind == kHistNone) return nbins;

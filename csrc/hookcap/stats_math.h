@@ -61,6 +61,9 @@ enum Col : int64_t {
 // (Monitor(moments=4)); the histogram kind is hist_kind & kHistKindMask.
 constexpr int64_t kMoments4Flag = 16;
 constexpr int64_t kHistKindMask = kMoments4Flag - 1;
+// hist_kind flag: CUDA launches run on hookcap's side stream of the device
+// (Monitor(stream="side"), cuda/stats_launch.cu); no effect on the CPU.
+constexpr int64_t kSideStreamFlag = 32;
 
 // Shift sentinel: "no shift chosen yet in this slot". A NaN pattern no
 // finite candidate can equal.

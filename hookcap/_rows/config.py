@@ -27,6 +27,7 @@ DEFAULT_HISTOGRAM = Histogram.log2()
 ROOT_NAME = "."
 RANK_SINKS = ("merged", "all")
 EVAL_FORWARDS = ("separate", "skip", "merge")
+STREAMS = ("current", "side")  # Monitor(stream=...)
 PLACEMENTS = ("replicated", "sharded", "per_rank")  # Monitor(placements=...), tap(placement=...)
 EVAL_PREFIX = "eval/"  # metrics of forwards of modules in eval mode, eval_forwards="separate"
 SLOTS = 4  # step slots per device ring: the drain may trail training by this many recorded steps
@@ -91,6 +92,7 @@ class Config:
     # Per-kind cadence (Monitor(every={...})): kind -> N, and N for every other kind.
     cadence: tuple[tuple[str, int], ...] = ()
     default_every: int = 1
+    stream: str = "current"  # "side": CUDA statistics on hookcap's side stream (hist_args carries the flag)
 
     def every_of(self, kind: str) -> int:
         """Every how many steps rows of ``kind`` (a row kind: ``"attn"`` rows
@@ -118,7 +120,7 @@ class Config:
 
 def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks,
                 eval_forwards="separate", update_snapshot=False, moments=2, placements=None,
-                groups=None) -> Config:
+                groups=None, stream="current") -> Config:
     """Validate the Monitor's arguments; ``ValueError`` naming the argument."""
     if isinstance(capture, str):
         capture = (capture,)
@@ -150,12 +152,17 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
                          f"metrics), 'skip' or 'merge', got {eval_forwards!r}")
     if not isinstance(update_snapshot, bool):
         raise ValueError(f"update_snapshot: expected True or False, got {update_snapshot!r}")
+    if not (isinstance(stream, str) and stream in STREAMS):
+        raise ValueError(f"stream: expected 'current' (statistics kernels on the stream current at the "
+                         f"capture) or 'side' (on hookcap's side stream of the device), got {stream!r}")
     hist_args = _ops.hist_args(histogram, check_moments(moments))
+    if stream == "side":
+        hist_args = (hist_args[0] | _layout.SIDE_STREAM_FLAG,) + hist_args[1:]
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     every = dict(every) if isinstance(every, dict) else every
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
                   module_filter(modules), hist_args, width, update_snapshot, moments,
-                  check_placements(placements), check_groups(groups), cadence, default_every)
+                  check_placements(placements), check_groups(groups), cadence, default_every, stream)
 
 
 def _check_n(n, what: str) -> int:
