@@ -114,8 +114,9 @@ void note_capture(cudaStream_t s, const void* ring) {
 }
 
 // Monitor(stream="side") (hist_kind's kSideStreamFlag): statistics kernels
-// run on hookcap's own stream of the device, one of torch's pooled streams at
-// the default priority (the lowest CUDA has), so they can run beside the
+// run on hookcap's own stream of the device, made for it (not one of torch's
+// pooled streams, which NCCL and torch.cuda.Stream() also draw from),
+// non-blocking and at the lowest priority, so they can run beside the
 // model's next kernels instead of between them. Each launch forks it from the
 // current stream with an event (it waits for the capture's producer, no
 // host sync), and marks its inputs used on it (record_stream): the caching
@@ -125,16 +126,21 @@ void note_capture(cudaStream_t s, const void* ring) {
 // there would need a join before the capture ends.
 struct SideStreams {
   std::once_flag made[kMaxDevices];
-  std::atomic<c10::cuda::CUDAStream*> stream[kMaxDevices] = {};  // pooled: never destroyed
+  std::atomic<c10::cuda::CUDAStream*> stream[kMaxDevices] = {};  // never destroyed
   std::atomic<bool> used[kMaxDevices] = {};        // launched on since the last join
 };
 SideStreams g_side;
 
 c10::cuda::CUDAStream& side_stream(int device) {
   std::call_once(g_side.made[device], [device] {
-    g_side.stream[device].store(new c10::cuda::CUDAStream(c10::cuda::getStreamFromPool(
-                                    /*isHighPriority=*/false, static_cast<c10::DeviceIndex>(device))),
-                                std::memory_order_release);
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    int lowest = 0, highest = 0;
+    C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
+    cudaStream_t s = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, lowest));  // kept for the process
+    g_side.stream[device].store(
+        new c10::cuda::CUDAStream(c10::cuda::getStreamFromExternal(s, static_cast<c10::DeviceIndex>(device))),
+        std::memory_order_release);
   });
   return *g_side.stream[device].load(std::memory_order_acquire);
 }
