@@ -159,8 +159,7 @@ void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Ten
   if (direct) {
     if (x.is_cpu()) {
       check_accumulate_dtype(x);
-      TORCH_CHECK(row >= 0 && row < ref.cpu.rows, "hookcap.accumulate: row ", row, " out of range for a ring with ",
-                  ref.cpu.rows, " rows");
+      check_row_in_rows("accumulate", row, ref.cpu.rows);  // row >= 0: a row id's low bits
       accumulate_row_cpu(x, ref.cpu, row, ref.hist);
       return;
     }
@@ -353,7 +352,7 @@ PyObject* grad_sink_ring(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     check_ring_state(ref.ring, ref.state);
     ref.hist = make_hist_spec(s->hist_kind, s->hist_lo, s->hist_hi, s->hist_bins, ref.ring.size(2));
     if (ref.ring.is_cpu()) ref.cpu = cpu_ring(ref.ring, ref.state);
-    ref.side = (s->hist_kind & kSideStreamFlag) != 0;
+    ref.side = on_side_stream(s->hist_kind);
     ref.direct = true;
   } catch (const std::exception&) {
     // Every write goes through the op, which reports what is wrong (kept as the hook's error).

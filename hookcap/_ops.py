@@ -88,12 +88,13 @@ def accumulate_bins(
     _ops.accumulate_bins(index, weight, ring, state, rows, *hist_args(histogram))
 
 
-def hist_args(histogram: Histogram | None, moments: int = 2) -> tuple:
+def hist_args(histogram: Histogram | None, moments: int = 2, side_stream: bool = False) -> tuple:
     """(hist_kind, hist_lo, hist_hi, hist_bins) of the accumulate op: the
-    histogram's (``NO_HIST_ARGS`` for none), with the moments=4 flag added
-    to hist_kind."""
+    histogram's (``NO_HIST_ARGS`` for none), with the moments=4 and the
+    side-stream (``Monitor(stream="side")``) flags added to hist_kind."""
     kind, lo, hi, bins = NO_HIST_ARGS if histogram is None else histogram.op_args()
-    return (kind + (_layout.MOMENTS4_FLAG if moments == 4 else 0), lo, hi, bins)
+    kind += (_layout.MOMENTS4_FLAG if moments == 4 else 0) + (_layout.SIDE_STREAM_FLAG if side_stream else 0)
+    return (kind, lo, hi, bins)
 
 
 def reset_slot(ring: torch.Tensor, state: torch.Tensor) -> None:

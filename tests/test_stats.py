@@ -373,13 +373,14 @@ def test_side_stream_flag_is_accepted_and_changes_no_cpu_row():
     stream: a CPU row equals the one written without it; other bits are refused."""
     h = Histogram.log2()
     x = specials(1000, torch.float32, seed=3)
-    kind, lo, hi, bins = _ops.hist_args(h, 4)
     rows = []
-    for flag in (0, _layout.SIDE_STREAM_FLAG):
+    for side in (False, True):
+        kind, lo, hi, bins = _ops.hist_args(h, 4, side_stream=side)
+        assert bool(kind & _layout.SIDE_STREAM_FLAG) == side
         ring = torch.zeros((1, 1, _layout.HEADER + h.nbins), dtype=torch.int64)
         state = new_state("cpu")
         _ops.reset_slot(ring, state)
-        torch.ops.hookcap.accumulate(x, ring, state, 0, kind | flag, lo, hi, bins)
+        torch.ops.hookcap.accumulate(x, ring, state, 0, kind, lo, hi, bins)
         rows.append(ring)
     assert torch.equal(rows[0], rows[1])
     with pytest.raises(RuntimeError, match="hist_kind"):

@@ -100,24 +100,18 @@ double row_shift(int64_t* row, double cand) {
 
 void accumulate_tensor_cpu(const at::Tensor& x_in, int64_t* row, const HistSpec& h) {
   if (x_in.numel() == 0) return;
-  if (x_in.is_non_overlapping_and_dense()) {  // plan_read's flat read, without building a plan
-    static const StridedDesc unused{};
-    AT_DISPATCH_FLOATING_TYPES_AND4(
-        at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
-        "hookcap_accumulate_cpu", [&] {
-          accumulate_read<scalar_t>(x_in.const_data_ptr<scalar_t>(), true, unused, x_in.numel(), 1, row, h);
-        });
-    return;
-  }
-  const DimPlan plan = plan_read(x_in);
-  const bool flat = plan.flat;
-  const StridedDesc& d = plan.desc;
   AT_DISPATCH_FLOATING_TYPES_AND4(
       at::kHalf, at::kBFloat16, at::kFloat8_e4m3fn, at::kFloat8_e5m2, x_in.scalar_type(),
       "hookcap_accumulate_cpu", [&] {
-        const int64_t m = plan.visit, mult = plan.mult;
+        const scalar_t* x = x_in.const_data_ptr<scalar_t>();
+        if (x_in.is_non_overlapping_and_dense()) {  // plan_read's flat read, without building the plan
+          static const StridedDesc unused{};
+          accumulate_read<scalar_t>(x, true, unused, x_in.numel(), 1, row, h);
+          return;
+        }
+        const DimPlan plan = plan_read(x_in);
         for_each_read(plan, [&](int64_t offset, bool) {
-          accumulate_read<scalar_t>(x_in.const_data_ptr<scalar_t>() + offset, flat, d, m, mult, row, h);
+          accumulate_read<scalar_t>(x + offset, plan.flat, plan.desc, plan.visit, plan.mult, row, h);
         });
       });
 }

@@ -402,14 +402,14 @@ void allow_dynamic_smem(const void* kernel, int device, int64_t bytes) {
   allowed.push_back({kernel, device, want});
 }
 
-// The statistics kernel over x_in into `row`; with groups > 1, in the same
+// The statistics kernel over x_in into `row`, on `stream` (stats_stream's,
+// under the caller's guard for x_in's device); with groups > 1, in the same
 // launch (grid rows), group g's view at x_in + g * x_step into row + g *
 // row_step, x_in being group 0's view (each group's view alike).
 void launch_accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state, int64_t row,
-                       const HistSpec& h, bool side, int64_t groups = 1, int64_t row_step = 0, int64_t x_step = 0) {
+                       const HistSpec& h, cudaStream_t stream, int64_t groups = 1, int64_t row_step = 0,
+                       int64_t x_step = 0) {
   const int64_t n = x_in.numel();
-  c10::cuda::CUDAGuard guard(x_in.device());
-  cudaStream_t stream = stats_stream(x_in.device().index(), side, {&x_in, &ring, &state});
   note_capture(stream, ring.data_ptr());
 
   const DimPlan plan = plan_read(x_in);
@@ -456,12 +456,19 @@ void launch_accumulate(const at::Tensor& x_in, at::Tensor& ring, const at::Tenso
   seal_ring_write(device, stream);
 }
 
+// One tensor's launch, on the stream `side` picks.
+void accumulate_one(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row, const HistSpec& h,
+                    bool side) {
+  c10::cuda::CUDAGuard guard(x.device());
+  launch_accumulate(x, ring, state, row, h, stats_stream(x.device().index(), side, {&x, &ring, &state}));
+}
+
 void accumulate_cuda(const at::Tensor& x_in, at::Tensor& ring, const at::Tensor& state,
                      int64_t row, int64_t hist_kind, double hist_lo, double hist_hi,
                      int64_t hist_bins) {
   check_accumulate(x_in, ring, state, row);
-  launch_accumulate(x_in, ring, state, row, make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2)),
-                    (hist_kind & kSideStreamFlag) != 0);
+  accumulate_one(x_in, ring, state, row, make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2)),
+                 on_side_stream(hist_kind));
 }
 
 // accumulate_many: many_plan.h's launches.
@@ -470,10 +477,9 @@ void accumulate_many_cuda(at::TensorList xs, at::Tensor& ring, const at::Tensor&
   check_many(xs, ring, state, rows);
   if (xs.empty()) return;
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
-  const bool side = (hist_kind & kSideStreamFlag) != 0;
   c10::cuda::CUDAGuard guard(ring.device());
   const int device = ring.device().index();
-  cudaStream_t stream = stats_stream(device, side, [&](auto&& keep) {
+  cudaStream_t stream = stats_stream(device, on_side_stream(hist_kind), [&](auto&& keep) {
     keep(ring);
     keep(state);
     for (const at::Tensor& x : xs) keep(x);
@@ -481,7 +487,7 @@ void accumulate_many_cuda(at::TensorList xs, at::Tensor& ring, const at::Tensor&
   note_capture(stream, ring.data_ptr());
   plan_many(
       xs, rows, kThreads * kPerThread, max_blocks(device),
-      [&](size_t i) { launch_accumulate(xs[i], ring, state, rows[i], h, side); },
+      [&](size_t i) { launch_accumulate(xs[i], ring, state, rows[i], h, stream); },
       [&](const ManyBatch& b) {
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.dtype, "hookcap_accumulate_many_cuda", [&] {
           kernels::dispatch_accumulate<scalar_t, true>(
@@ -512,7 +518,7 @@ void accumulate_updates_cuda(at::TensorList params, const c10::List<c10::optiona
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
   c10::cuda::CUDAGuard guard(ring.device());
   const int device = ring.device().index();
-  cudaStream_t stream = stats_stream(device, (hist_kind & kSideStreamFlag) != 0, [&](auto&& keep) {
+  cudaStream_t stream = stats_stream(device, on_side_stream(hist_kind), [&](auto&& keep) {
     keep(ring);
     keep(state);
     for (const at::Tensor& p : params) keep(p);
@@ -619,14 +625,15 @@ void accumulate_groups_cuda(const at::Tensor& x, at::Tensor& ring, const at::Ten
                             int64_t hist_bins) {
   check_groups(x, ring, state, rows, dim, size);
   const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
-  const bool side = (hist_kind & kSideStreamFlag) != 0;
+  c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = stats_stream(x.device().index(), on_side_stream(hist_kind), {&x, &ring, &state});
   const GroupLaunch one = group_launch(x, rows, dim, size);
   if (one.ok) {
-    launch_accumulate(x.narrow(dim, 0, size), ring, state, rows[0], h, side, one.groups, one.row_step, one.x_step);
+    launch_accumulate(x.narrow(dim, 0, size), ring, state, rows[0], h, stream, one.groups, one.row_step, one.x_step);
     return;
   }
   for (int64_t g = 0; g < static_cast<int64_t>(rows.size()); ++g) {
-    if (rows[g] >= 0) launch_accumulate(x.narrow(dim, g * size, size), ring, state, rows[g], h, side);
+    if (rows[g] >= 0) launch_accumulate(x.narrow(dim, g * size, size), ring, state, rows[g], h, stream);
   }
 }
 
@@ -640,7 +647,7 @@ void accumulate_bins_cuda(const at::Tensor& index, const c10::optional<at::Tenso
   c10::cuda::CUDAGuard guard(ring.device());
   const int device = ring.device().index();
   const at::Tensor no_weight;
-  cudaStream_t stream = stats_stream(device, (hist_kind & kSideStreamFlag) != 0,
+  cudaStream_t stream = stats_stream(device, on_side_stream(hist_kind),
                                      {&index, weight.has_value() ? &*weight : &no_weight, &ring, &state});
   note_capture(stream, ring.data_ptr());
   const int64_t n = index.numel(), bins = static_cast<int64_t>(rows.size());
@@ -673,7 +680,7 @@ void accumulate_bins_cuda(const at::Tensor& index, const c10::optional<at::Tenso
 
 void accumulate_row_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row,
                          const HistSpec& h, bool side) {
-  launch_accumulate(x, ring, state, row, h, side);
+  accumulate_one(x, ring, state, row, h, side);
 }
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {

@@ -42,10 +42,14 @@ inline void check_ring_state(const at::Tensor& ring, const at::Tensor& state) {
 // Row `row` lies in the ring ("hookcap.<op>: row ... out of range"). Concrete
 // sizes (every call but a traced one's) compare as ints, without the
 // symbolic compare's allocation: the hooks' hot path runs this check.
+inline void check_row_in_rows(const char* op, int64_t row, int64_t rows) {
+  TORCH_CHECK(rows > row, "hookcap.", op, ": row ", row, " out of range for a ring with ", rows, " rows");
+}
+
 inline void check_row_in_ring(const char* op, int64_t row, const at::Tensor& ring) {
   const c10::SymInt rows = ring.sym_size(1);
   if (const auto n = rows.maybe_as_int()) {
-    TORCH_CHECK(*n > row, "hookcap.", op, ": row ", row, " out of range for a ring with ", *n, " rows");
+    check_row_in_rows(op, row, *n);
   } else {
     TORCH_SYM_CHECK(rows.sym_gt(row), "hookcap.", op, ": row ", row, " out of range for a ring with ", rows,
                     " rows");
@@ -158,6 +162,9 @@ inline HistSpec make_hist_spec(int64_t kind, double lo, double hi, int64_t bins,
   }
   return h;
 }
+
+// Whether hist_kind asks for hookcap's side stream (CUDA launches).
+inline bool on_side_stream(int64_t hist_kind) { return (hist_kind & kSideStreamFlag) != 0; }
 
 // The statistics op's checks of x and the row, for a ring and state
 // check_ring_state passed.

@@ -92,7 +92,6 @@ class Config:
     # Per-kind cadence (Monitor(every={...})): kind -> N, and N for every other kind.
     cadence: tuple[tuple[str, int], ...] = ()
     default_every: int = 1
-    stream: str = "current"  # "side": CUDA statistics on hookcap's side stream (hist_args carries the flag)
 
     def every_of(self, kind: str) -> int:
         """Every how many steps rows of ``kind`` (a row kind: ``"attn"`` rows
@@ -155,14 +154,12 @@ def make_config(capture, histogram, capacity, every, modules, timing, rank_sinks
     if not (isinstance(stream, str) and stream in STREAMS):
         raise ValueError(f"stream: expected 'current' (statistics kernels on the stream current at the "
                          f"capture) or 'side' (on hookcap's side stream of the device), got {stream!r}")
-    hist_args = _ops.hist_args(histogram, check_moments(moments))
-    if stream == "side":
-        hist_args = (hist_args[0] | _layout.SIDE_STREAM_FLAG,) + hist_args[1:]
+    hist_args = _ops.hist_args(histogram, check_moments(moments), side_stream=stream == "side")
     width = _layout.HEADER + (histogram.nbins if histogram is not None else 0)
     every = dict(every) if isinstance(every, dict) else every
     return Config(capture, histogram, capacity, every, timing, rank_sinks, eval_forwards, modules,
                   module_filter(modules), hist_args, width, update_snapshot, moments,
-                  check_placements(placements), check_groups(groups), cadence, default_every, stream)
+                  check_placements(placements), check_groups(groups), cadence, default_every)
 
 
 def _check_n(n, what: str) -> int:
