@@ -132,7 +132,8 @@ nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo", "--f
 define_macros = []
 sources = ["csrc/ops.cpp", "csrc/grad_hooks.cpp", "csrc/host_pack.cpp", "csrc/cpu/stats_cpu.cpp",
            *(f"csrc/cpu/accumulate_{t}.cpp" for t in ("f64", "f32", "f16", "bf16", "e4m3", "e5m2")),
-           "csrc/cpu/update_cpu.cpp", "csrc/cpu/groups_cpu.cpp", "csrc/cpu/bins_cpu.cpp"]
+           "csrc/cpu/update_cpu.cpp", "csrc/cpu/groups_cpu.cpp", "csrc/cpu/bins_cpu.cpp",
+           "csrc/cpu/attention_cpu.cpp"]
 
 if BUILD_CUDA:
     # torch guessed CUDA_HOME at import; point it at the toolkit we chose.

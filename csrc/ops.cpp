@@ -116,7 +116,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 10;
+constexpr int64_t kAbiVersion = 11;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake.
@@ -154,6 +154,13 @@ void accumulate_update_meta(const at::Tensor& param, const c10::optional<at::Ten
                             int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
   check_update(param, grad, a, b, step, hyper, rule, ring, state, rows);
   check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_rows_meta(at::Tensor& logits, int64_t causal_row0) {
+  check_attention_rows(logits, causal_row0);
+  const auto sizes = logits.sym_sizes();
+  const c10::SymIntArrayRef rows(sizes.data(), sizes.size() - 1);
+  return {at::empty_symint(rows, logits.options()), at::empty_symint(rows, logits.options())};
 }
 
 void reset_slot_meta(at::Tensor& ring, const at::Tensor& state) { check_ring_state(ring, state); }
@@ -231,6 +238,12 @@ TORCH_LIBRARY(hookcap, m) {
       "accumulate_updates(Tensor[] params, Tensor?[] grads, Tensor?[] a, Tensor?[] b, Tensor?[] steps, "
       "float[] hyper, int rule, Tensor(a!) ring, Tensor state, int[] rows, "
       "int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
+  // Per row of a float32 tile of pre-softmax logits [..., rows, keys]: its
+  // logsumexp and its softmax's entropy (nats), float32 [..., rows]; -inf
+  // both for a row with no allowed key. causal_row0 >= 0: row i is query
+  // causal_row0 + i % rows under a top-left causal mask, whose hidden keys
+  // are set to -inf in place first; -1: no causal mask.
+  m.def("attention_rows(Tensor(a!) logits, int causal_row0) -> (Tensor, Tensor)");
   m.def("reset_slot(Tensor(a!) ring, Tensor state) -> ()");
   m.def("reset_rows(Tensor(a!) ring, Tensor state, int begin, int end) -> ()");
   m.def("advance(Tensor(a!) ring, Tensor(b!) state, int every=1) -> ()");
@@ -248,6 +261,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("accumulate_bins", &accumulate_bins_meta);
   m.impl("accumulate_update", &accumulate_update_meta);
   m.impl("accumulate_updates", &accumulate_updates_each<&accumulate_update_meta>);
+  m.impl("attention_rows", &attention_rows_meta);
   m.impl("reset_slot", &reset_slot_meta);
   m.impl("reset_rows", &reset_rows_meta);
   m.impl("advance", &advance_meta);
@@ -258,7 +272,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_many", "accumulate_groups", "accumulate_bins", "accumulate_update", "accumulate_updates", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
+  for (const char* op : {"accumulate", "accumulate_many", "accumulate_groups", "accumulate_bins", "accumulate_update", "accumulate_updates", "attention_rows", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

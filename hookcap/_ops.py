@@ -97,6 +97,19 @@ def hist_args(histogram: Histogram | None, moments: int = 2, side_stream: bool =
     return (kind, lo, hi, bins)
 
 
+def attention_rows(logits: torch.Tensor, causal_row0: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``logits``, a contiguous float32 tile ``[..., rows, keys]``
+    of pre-softmax attention logits: ``(lse, entropy)``, float32
+    ``[..., rows]``, the row's logsumexp and its softmax's entropy in nats
+    (-inf both for a row with no allowed key; NaN for a row holding NaN or
+    +inf). ``causal_row0 >= 0``: row ``i`` is query ``causal_row0 + i %
+    rows`` under a top-left causal mask, whose hidden keys are first set to
+    -inf in ``logits`` (in place); -1: no causal mask. One pass over each
+    row (read twice from cache), on the tensor's device and current stream,
+    no host sync."""
+    return _ops.attention_rows(logits, causal_row0)
+
+
 def reset_slot(ring: torch.Tensor, state: torch.Tensor) -> None:
     """Initialise every row of slot ``state[2]`` (empty stats, step tag ``state[0]``)."""
     _ops.reset_slot(ring, state)

@@ -252,3 +252,36 @@ class CountOps(TorchDispatchMode):
         if func.namespace == "hookcap":
             self.calls[func.__name__.split(".")[0]] += 1
         return func(*args, **(kwargs or {}))
+
+
+def attention_tile(seed: int, shape: tuple, peaked: bool = False, holes: bool = True) -> torch.Tensor:
+    """A float32 tile of logits [..., rows, keys] for attention_rows: random
+    rows, some with ties at the max, -inf holes (a mask), a row with no
+    allowed key, and (peaked) rows whose max stands far above the rest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 4
+    if peaked:
+        x[..., 0, :] -= 12.0
+        x[..., 0, 0] = 12.0  # entropy about 1e-7 nats: lse - sum(p * l) would cancel to noise
+    rows = x.reshape(-1, shape[-1])
+    if holes:
+        rows[torch.rand(rows.shape, generator=g) < 0.2] = float("-inf")
+        rows[-1] = float("-inf")
+    if rows.shape[0] > 2 and shape[-1] > 2:
+        rows[1, :2] = rows[1].max() + 1.0  # a tie at the max
+    return x
+
+
+def attention_rows_ref(logits: torch.Tensor, causal_row0: int = -1):
+    """float64 (masked logits, lse, entropy in nats) of each row, the causal
+    mask applied as attention_rows applies it; -inf both for a row with no
+    allowed key."""
+    x = logits.double().clone()
+    if causal_row0 >= 0:
+        q = causal_row0 + torch.arange(x.shape[-2])[:, None]
+        x = x.masked_fill(torch.arange(x.shape[-1])[None, :] > q, float("-inf"))
+    lse = torch.logsumexp(x, -1)
+    p = torch.softmax(x, -1)
+    ent = -torch.where(p > 0, p * p.log(), torch.zeros((), dtype=x.dtype)).sum(-1)
+    none = torch.isneginf(x).all(-1)
+    return x, lse, ent.masked_fill(none, float("-inf"))

@@ -9,9 +9,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import attention_rows_ref, attention_tile
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hookcap
-from hookcap import Monitor
+from hookcap import Monitor, _ops
 
 
 class _Attn(nn.Module):
@@ -52,6 +55,47 @@ def _reference(q, k, mask, causal, scale=None):
     fin = torch.isfinite(lf)
     return {"max": lf.amax(1), "min": torch.where(fin, lf, float("inf")).amin(1), "finite": fin.sum(1).double(),
             "lse_min": lsef.amin(1), "lse_max": lsef.amax(1), "ent_mean": entf.mean(1), "ent_min": entf.amin(1)}
+
+
+def assert_rows_match(logits, lse, ent, ref, rtol=1e-5):
+    """attention_rows' outputs (and its in-place causal mask) against
+    attention_rows_ref's float64: -inf where the reference is, NaN where it is."""
+    x64, lse64, ent64 = ref
+    np.testing.assert_array_equal(torch.isneginf(logits).numpy(), torch.isneginf(x64).numpy())
+    for got, want in ((lse, lse64), (ent, ent64)):
+        np.testing.assert_allclose(got.double().numpy(), want.numpy(), rtol=rtol, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 5), st.integers(1, 70), st.integers(-1, 80), st.booleans(),
+       st.booleans(), st.integers(0, 2**16))
+def test_attention_rows_match_float64(heads, rows, keys, causal_row0, peaked, holes, seed):
+    """Per row, logsumexp and entropy equal float64 within 1e-5 relative
+    (peaked rows of entropy ~1e-7 nats, ties at the max, -inf holes, rows
+    with no allowed key), and the causal mask is written -inf in place."""
+    x = attention_tile(seed, (2, heads, rows, keys), peaked=peaked, holes=holes)
+    ref = attention_rows_ref(x, causal_row0)
+    lse, ent = _ops.attention_rows(x, causal_row0)
+    assert lse.shape == ent.shape == x.shape[:-1] and lse.dtype == torch.float32
+    assert_rows_match(x, lse, ent, ref)
+
+
+def test_attention_rows_nan_inf_and_bad_input():
+    """A row holding NaN or +inf gives NaN (as softmax); the others are
+    unharmed; a tile that is not contiguous float32 is refused."""
+    x = attention_tile(1, (3, 9), holes=False)
+    x[0, 4], x[1, 2] = float("nan"), float("inf")
+    lse, ent = _ops.attention_rows(x.clone())
+    assert lse[:2].isnan().all() and ent[:2].isnan().all()
+    ref = attention_rows_ref(x[2:])
+    np.testing.assert_allclose(lse[2:].double(), ref[1], rtol=1e-5)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        _ops.attention_rows(x.double())
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        _ops.attention_rows(x.t())
+    with pytest.raises(RuntimeError, match="causal_row0"):
+        _ops.attention_rows(x, -2)
+    torch.library.opcheck(torch.ops.hookcap.attention_rows.default, (attention_tile(2, (2, 3, 5)), 1))
 
 
 CASES = {  # q shape, k shape, sdpa kwargs, mask maker

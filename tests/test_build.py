@@ -52,5 +52,5 @@ def test_cuda_launches_go_through_the_checked_launcher():
     # join's wait, the join's records on the previous step's stream and on hookcap's side stream
     assert code.count("cudaGetLastError") == 5
     # accumulate, accumulate_many, accumulate_update and accumulate_bins (with their dynamic
-    # shared memory), reset_rows, advance (reset, then state), time_mark
-    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 8
+    # shared memory), reset_rows, advance (reset, then state), time_mark, attention_rows
+    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 9

@@ -20,7 +20,8 @@ import torch
 import torch.utils.cpp_extension as cpp_ext
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from conftest import abs_sum, assert_moments, assert_stats_match, assert_wide_match, draw
+from conftest import (abs_sum, assert_moments, assert_stats_match, assert_wide_match, attention_rows_ref,
+                      attention_tile, draw)
 
 import hookcap
 from hookcap import Histogram, _layout, _ops
@@ -1521,6 +1522,26 @@ def test_bins_kernel_matches_the_cpu_op(emu, idx_dtype, w_dtype, grid, h):
     off = new_ring(1, 2, h)
     emu.accumulate_bins(index, weight, off, torch.tensor([0, 0, 0]), rows, *hist_args(h), 1, THREADS)
     assert (off[0, :, _layout.CALLS] == 0).all()
+
+
+@pytest.mark.parametrize("shape,causal_row0,peaked", [
+    ((2, 3, 5, 70), 3, True),  # 30 rows: four blocks, the last partly empty; keys past two warps' widths
+    ((1, 2, 9, 33), -1, False),
+    ((3, 40, 7), 0, False),  # more queries than keys: later rows see every key
+])
+def test_attention_rows_kernel_matches_float64_and_the_cpu_op(emu, shape, causal_row0, peaked):
+    """attention_rows_kernel (a warp per row, shuffles across lanes) on the
+    launcher's grid: the causal mask written in place as the CPU op writes
+    it, logsumexp and entropy within 1e-5 of float64 and 1e-6 of the CPU op."""
+    x = attention_tile(7, shape, peaked=peaked)
+    ref = attention_rows_ref(x, causal_row0)
+    got, cpu = x.clone(), x.clone()
+    lse, ent = emu.attention_rows(got, causal_row0)
+    lse_c, ent_c = OPS.attention_rows(cpu, causal_row0)
+    torch.testing.assert_close(got, cpu, rtol=0, atol=0, equal_nan=True)
+    for g, c, want in ((lse, lse_c, ref[1]), (ent, ent_c, ref[2])):
+        np.testing.assert_allclose(g.double().numpy(), want.numpy(), rtol=1e-5, atol=1e-12)
+        np.testing.assert_allclose(g.numpy(), c.numpy(), rtol=1e-6, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------

@@ -48,6 +48,30 @@ def test_specials_all_dtypes(dtype, histogram, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float8_e4m3fn])
+@pytest.mark.parametrize("offset", [0.0, 40.0, -3e3])  # 40, -3e3: blocks centred again on their finite mean
+@pytest.mark.parametrize("layout", ["dense", "causal", "strided"])
+def test_masked_blocks_match_float64(dtype, offset, layout):
+    """Blocks holding -inf (an attention mask), +inf and NaN among finite
+    values take a vectorised pass over the finite ones: every statistic
+    and the class counts against float64, from a 1 % to an all-masked block."""
+    g = torch.Generator().manual_seed(int(abs(offset)) + 3)
+    x = torch.randn(8, 96, 160, generator=g, dtype=torch.float64) * 3 + offset
+    if layout == "causal":  # hidden keys -inf, as attention_rows leaves a tile
+        x.masked_fill_(torch.ones(96, 160, dtype=torch.bool).triu(1), float("-inf"))
+    else:
+        x[torch.rand(x.shape, generator=g) < 0.3] = float("-inf")
+    x[0, 0, :5] = float("nan")
+    x[1, 3, 7] = float("inf")
+    x[2] = float("-inf")  # whole blocks with no finite value
+    x[3, :, :2] = 0.0
+    x = x.to(dtype)
+    if layout == "strided":
+        x = x[:, ::2, 3:150]
+    for h in HISTS:
+        check(x, h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float8_e4m3fn])
 def test_tiny_reads_every_size(dtype):
     """Reads of at most 16 values take their own scalar pass: every size on
     both sides of that bound, with specials, each histogram kind and the

@@ -269,6 +269,70 @@ HC_ALWAYS_INLINE void shifted_pass(const T* x, const Walk& wk, int64_t n, work_t
   s2_out = b;
 }
 
+// A float-precision block holding NaN/Inf (a mask's -inf): its finite
+// values' moments about c, extrema and zeros, and the NaN/Inf counts, into
+// acc in one lane-vectorised pass that leaves the others out by a select
+// per value, re-centred once on the finite mean if need be. Returns false
+// (nothing added) where the float sums would not be exact enough: the caller
+// then redoes the block in double.
+template <typename T, int kW>
+HC_ALWAYS_INLINE bool finite_pass(const T* x, const Walk& wk, int64_t n, work_t<T> c, double shift, Acc& acc) {
+  using V = work_t<T>;
+  static_assert(!std::is_same_v<V, double>, "float64 blocks take the wide redo");
+  auto at = [&](int64_t i) -> const T* { return walk_at<kW>(x, wk, i); };
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    V s1l[kLanes] = {}, s2l[kLanes] = {}, mnl[kLanes], mxl[kLanes];
+    int32_t nfl[kLanes] = {}, nzl[kLanes] = {}, nanl[kLanes] = {}, pinfl[kLanes] = {}, ninfl[kLanes] = {};
+    for (int j = 0; j < kLanes; ++j) {
+      mnl[j] = static_cast<V>(kInf);
+      mxl[j] = static_cast<V>(-kInf);
+    }
+    auto one = [&](int64_t i, int j) __attribute__((always_inline)) {
+      const V v = load_work(at(i));
+      const bool fin = v - v == 0;
+      push_shifted(fin ? v : c, c, s1l[j], s2l[j]);  // c - c: adds 0 and 0
+      const V lo = fin ? v : static_cast<V>(kInf), hi = fin ? v : static_cast<V>(-kInf);
+      mnl[j] = lo < mnl[j] ? lo : mnl[j];
+      mxl[j] = hi > mxl[j] ? hi : mxl[j];
+      nfl[j] += fin;
+      nzl[j] += v == 0;
+      nanl[j] += v != v;
+      pinfl[j] += v == static_cast<V>(kInf);
+      ninfl[j] += v == static_cast<V>(-kInf);
+    };
+    const int64_t nv = n - n % kLanes;
+    for (int64_t i = 0; i < nv; i += kLanes) {
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j) one(i + j, j);
+    }
+    for (int64_t i = nv; i < n; ++i) one(i, static_cast<int>(i - nv));
+    V s1 = 0, s2 = 0, mn = static_cast<V>(kInf), mx = static_cast<V>(-kInf);
+    int64_t m = 0, nz = 0, nnan = 0, npinf = 0, nninf = 0;
+    for (int j = 0; j < kLanes; ++j) {
+      s1 += s1l[j];
+      s2 += s2l[j];
+      mn = mnl[j] < mn ? mnl[j] : mn;
+      mx = mxl[j] > mx ? mxl[j] : mx;
+      m += nfl[j];
+      nz += nzl[j];
+      nnan += nanl[j];
+      npinf += pinfl[j];
+      nninf += ninfl[j];
+    }
+    if (m > 0 && attempt == 0 && s2 - s2 == 0 && !shift_well_conditioned(s1, s2, m)) {
+      c = c + s1 / static_cast<V>(m);  // the finite values' mean
+      continue;
+    }
+    if (m > 0 && !(s2 - s2 == 0 && float_sums_ok(s1, s2, mn, mx))) return false;
+    if (m > 0) acc_add_run(acc, s1, s2, m, c, shift, mn, mx, nz);
+    acc.nnan += nnan;
+    acc.npinf += npinf;
+    acc.nninf += nninf;
+    return true;
+  }
+  return false;
+}
+
 // Whether block_stats leaves the zeros of its explicit-vector loop to the
 // caller: with the AVX2 exponent counter, exponent field 0 (zeros and
 // subnormals) is counted anyway, and only blocks where it occurs need their
@@ -449,6 +513,9 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, const Walk& wk, int64_t n, doub
   bool redo = !finite || !float_sums_ok(s1, s2, mn, mx);
   if constexpr (std::is_same_v<V, double>) redo = redo || may_be_wide(mn, mx);
   if (redo) {
+    if constexpr (!std::is_same_v<V, double>) {
+      if (!finite && finite_pass<T, kW>(x, wk, n, c, shift, acc)) return 0;
+    }
     for (int64_t i = 0; i < n; ++i) {
       if constexpr (std::is_same_v<V, double>) {
         acc_push_wide(acc, wacc, load_double(at(i)), shift);

@@ -23,6 +23,7 @@
 #include <vector>
 #include <cuda/ptx>
 
+#include "cuda/attention_kernel.cuh"
 #include "cuda/bins_kernel.cuh"
 #include "cuda/many_plan.h"
 #include "cuda/stats_kernel.cuh"
@@ -676,6 +677,27 @@ void accumulate_bins_cuda(const at::Tensor& index, const c10::optional<at::Tenso
   seal_ring_write(device, stream);
 }
 
+// On the current stream (the tile was just written there; its outputs are
+// read there).
+std::tuple<at::Tensor, at::Tensor> attention_rows_cuda(at::Tensor& logits, int64_t causal_row0) {
+  check_attention_rows(logits, causal_row0);
+  c10::cuda::CUDAGuard guard(logits.device());
+  auto sizes = logits.sizes().vec();
+  const int64_t tk = sizes.back();
+  sizes.pop_back();
+  const int64_t tile_rows = sizes.back();
+  at::Tensor lse = at::empty(sizes, logits.options()), entropy = at::empty(sizes, logits.options());
+  const int64_t rows = lse.numel();
+  if (rows == 0) return {lse, entropy};
+  const int64_t blocks = (rows + kAttnRowsPerBlock - 1) / kAttnRowsPerBlock;
+  TORCH_CHECK(blocks <= INT32_MAX, "hookcap: attention_rows: ", rows, " rows are too many for one launch");
+  launch("hookcap.attention_rows", &kernels::attention_rows_kernel, dim3(static_cast<unsigned>(blocks)),
+         dim3(kThreads), c10::cuda::getCurrentCUDAStream(logits.device().index()).stream(),
+         logits.data_ptr<float>(), rows, tile_rows, tk, causal_row0, lse.data_ptr<float>(),
+         entropy.data_ptr<float>());
+  return {lse, entropy};
+}
+
 }  // namespace
 
 void accumulate_row_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row,
@@ -690,6 +712,7 @@ TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate_groups", &accumulate_groups_cuda);
   m.impl("accumulate_update", &accumulate_update_cuda);
   m.impl("accumulate_updates", &accumulate_updates_cuda);
+  m.impl("attention_rows", &attention_rows_cuda);
   m.impl("reset_slot", &reset_slot_cuda);
   m.impl("reset_rows", &reset_rows_cuda);
   m.impl("advance", &advance_cuda);

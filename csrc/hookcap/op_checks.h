@@ -276,6 +276,16 @@ inline void check_bins(const at::Tensor& index, const c10::optional<at::Tensor>&
   for (const int64_t r : rows) check_row_or_skip("accumulate_bins", r, ring);
 }
 
+// attention_rows: a contiguous float32 tile of logits [..., rows, keys]
+// (masked in place from its first causal query `causal_row0`; -1: none).
+inline void check_attention_rows(const at::Tensor& logits, int64_t causal_row0) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() >= 2 && logits.is_contiguous(),
+              "hookcap: attention_rows needs a contiguous float32 tensor [..., rows, keys], got ",
+              logits.scalar_type(), " with shape ", logits.sym_sizes(), logits.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(causal_row0 >= -1, "hookcap: attention_rows: causal_row0 must be >= 0 (the tile's first query) "
+              "or -1 (no causal mask), got ", causal_row0);
+}
+
 // How a kernel reads x (strided.h): dense inputs (contiguous in some
 // dimension order, no overlap) are a flat run of numel elements starting at
 // data_ptr (torch strides are never negative, so the lowest address); other

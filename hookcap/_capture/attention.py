@@ -24,6 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .. import _ops
 from .._ops import make_effectful
 from ..groups import Groups
 
@@ -101,13 +102,15 @@ def _wrapped(*args, **kwargs):
 def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal: bool = False, scale=None,
                     tile_values: int = TILE_VALUES):
     """Yield, per tile of query rows, ``(logits, lse, entropy)``: float32
-    ``[B, H, rows, Tk]`` logits ``q·kᵀ·scale`` (plus a float mask's finite
+    ``[B, H, rows, Tk]`` logits ``(q·scale)·kᵀ`` (plus a float mask's finite
     values; ``-inf`` where the causal mask, a boolean mask or a float mask's
     ``-inf`` or lowest value forbids), and ``[B, H, rows]`` logsumexp
     and entropy (nats) of each row's softmax (``-inf`` both for a row the
     mask leaves no key). ``q``: ``[B, H, Tq, D]`` or
     ``[H, Tq, D]``; ``k``: the same with ``Hk`` heads dividing ``H`` (grouped
-    query attention); masks as ``F.scaled_dot_product_attention`` takes them."""
+    query attention); masks as ``F.scaled_dot_product_attention`` takes them.
+    The rows' statistics and the causal mask are one op,
+    ``hookcap::attention_rows``, over the tile the matrix product wrote."""
     if q.dim() == 3:
         q, k = q.unsqueeze(0), k.unsqueeze(0)
     b, h, tq, d = q.shape
@@ -115,16 +118,13 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal:
     rep = h // hk
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qg = q.reshape(b, hk, rep, tq, d)
-    kf = k.float()
+    kt = k.float().transpose(-1, -2)
     rows = max(1, tile_values // max(1, b * h * tk))
-    keys = torch.arange(tk, device=q.device)
     for q0 in range(0, tq, rows):
         q1 = min(tq, q0 + rows)
-        logits = torch.einsum("bgrqd,bgkd->bgrqk", qg[..., q0:q1, :].float(), kf).reshape(b, h, q1 - q0, tk)
-        logits.mul_(scale)
-        allowed = None
-        if is_causal:  # top-left aligned, as F.scaled_dot_product_attention's is_causal
-            allowed = torch.arange(q0, q1, device=q.device)[:, None] >= keys[None, :]
+        # The queries scaled first: a [B, H, rows, D] tile, 1/Tk of the logits.
+        qs = (qg[..., q0:q1, :].float() * scale).reshape(b, hk, rep * (q1 - q0), d)
+        logits = torch.matmul(qs, kt).view(b, h, q1 - q0, tk)
         if attn_mask is not None:
             m = attn_mask[..., q0:q1, :] if attn_mask.shape[-2] != 1 else attn_mask
             if m.dtype != torch.bool:  # additive; -inf or the dtype's lowest value (HF's) forbids
@@ -132,24 +132,9 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal:
                 ok = mf > torch.finfo(m.dtype).min / 2
                 logits.add_(torch.where(ok, mf, torch.zeros((), device=mf.device)))
                 m = ok
-            allowed = m if allowed is None else allowed & m
-        if allowed is not None:
-            logits.masked_fill_(~allowed, float("-inf"))
-        # About the row's max m, d = l − m ≤ 0: lse = m + s with s = log1p(the
-        # other terms), and entropy = Σ p·(s − d), a sum of non-negative terms
-        # (lse − Σ p·l would cancel to float32's noise in a peaked row).
-        zero = torch.zeros((), device=q.device)
-        m = logits.amax(dim=-1, keepdim=True)
-        d = logits - m
-        e = torch.exp(d)
-        others = torch.where(d < 0, e, zero).sum(-1) + ((d == 0).sum(-1) - 1)
-        s = torch.log1p(others)
-        lse = m.squeeze(-1) + s
-        p = torch.exp(d - s.unsqueeze(-1))
-        entropy = torch.where(p > 0, p * (s.unsqueeze(-1) - d), zero).sum(-1)
-        no_key = m.squeeze(-1) == float("-inf")  # a row the mask leaves no key: both -inf
-        lse = lse.masked_fill(no_key, float("-inf"))
-        yield logits, lse, entropy.masked_fill(no_key, float("-inf"))
+            logits.masked_fill_(~m, float("-inf"))
+        lse, entropy = _ops.attention_rows(logits, q0 if is_causal else -1)
+        yield logits, lse, entropy
 
 
 class AttentionCapture:

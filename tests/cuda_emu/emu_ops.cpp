@@ -219,6 +219,26 @@ void accumulate_update(const at::Tensor& param, const c10::optional<at::Tensor>&
 }
 
 // bins_kernel as accumulate_bins_cuda launches it, with `grid` blocks per bin.
+// attention_rows_kernel on a CPU tile, on the launcher's grid (a warp per
+// row); -> (lse, entropy).
+py::tuple attention_rows(at::Tensor& logits, int64_t causal_row0) {
+  check_cpu(logits);
+  check_attention_rows(logits, causal_row0);
+  auto sizes = logits.sizes().vec();
+  const int64_t tk = sizes.back();
+  sizes.pop_back();
+  const int64_t tile_rows = sizes.back();
+  at::Tensor lse = at::empty(sizes, logits.options()), entropy = at::empty(sizes, logits.options());
+  const int64_t rows = lse.numel();
+  if (rows > 0) {
+    py::gil_scoped_release nogil;
+    emu::launch(kernels::attention_rows_kernel, dim((rows + kAttnRowsPerBlock - 1) / kAttnRowsPerBlock, "grid"),
+                dim3(kernels::kThreads), 0, logits.data_ptr<float>(), rows, tile_rows, tk, causal_row0,
+                lse.data_ptr<float>(), entropy.data_ptr<float>());
+  }
+  return py::make_tuple(lse, entropy);
+}
+
 void accumulate_bins(const at::Tensor& index, const c10::optional<at::Tensor>& weight, at::Tensor& ring,
                      const at::Tensor& state, std::vector<int64_t> rows, int64_t hist_kind, double hist_lo,
                      double hist_hi, int64_t hist_bins, int64_t grid, int64_t block) {
@@ -589,6 +609,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate_update", &accumulate_update);
   m.def("accumulate_updates", &accumulate_updates);
   m.def("accumulate_bins", &accumulate_bins);
+  m.def("attention_rows", &attention_rows);
   m.def("accumulate_groups", &accumulate_groups);
   m.def("accumulate_many", &accumulate_many);
   m.def("set_fault", &set_fault);
