@@ -285,3 +285,32 @@ def attention_rows_ref(logits: torch.Tensor, causal_row0: int = -1):
     ent = -torch.where(p > 0, p * p.log(), torch.zeros((), dtype=x.dtype)).sum(-1)
     none = torch.isneginf(x).all(-1)
     return x, lse, ent.masked_fill(none, float("-inf"))
+
+
+def attention_reference(q, k, mask, causal, scale=None):
+    """float64 per head: max, min and count of allowed logits; lse min/max; entropy mean/min."""
+    if q.dim() == 3:
+        q, k = q[None], k[None]
+    q, k = q.double(), k.double()
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    logits = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    allowed = torch.ones_like(logits, dtype=torch.bool)
+    if causal:
+        allowed &= torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed &= mask
+        else:
+            ok = mask > torch.finfo(mask.dtype).min / 2
+            allowed &= ok
+            logits = logits + torch.where(ok, mask.double(), 0.0)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    p = torch.softmax(logits, -1)
+    ent = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
+    per_head = lambda t: t.transpose(0, 1).reshape(t.shape[1], -1)  # noqa: E731
+    lf, lsef, entf = per_head(logits), per_head(lse), per_head(ent)
+    fin = torch.isfinite(lf)
+    return {"max": lf.amax(1), "min": torch.where(fin, lf, float("inf")).amin(1), "finite": fin.sum(1).double(),
+            "lse_min": lsef.amin(1), "lse_max": lsef.amax(1), "ent_mean": entf.mean(1), "ent_min": entf.amin(1)}

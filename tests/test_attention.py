@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import attention_rows_ref, attention_tile
+from conftest import attention_reference, attention_rows_ref, attention_tile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,35 +26,6 @@ class _Attn(nn.Module):
 
     def forward(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, **self.kw)
-
-
-def _reference(q, k, mask, causal, scale=None):
-    """float64 per head: max, min and count of allowed logits; lse min/max; entropy mean/min."""
-    if q.dim() == 3:
-        q, k = q[None], k[None]
-    q, k = q.double(), k.double()
-    rep = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(rep, dim=1)
-    logits = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    allowed = torch.ones_like(logits, dtype=torch.bool)
-    if causal:
-        allowed &= torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            allowed &= mask
-        else:
-            ok = mask > torch.finfo(mask.dtype).min / 2
-            allowed &= ok
-            logits = logits + torch.where(ok, mask.double(), 0.0)
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(logits, -1)
-    p = torch.softmax(logits, -1)
-    ent = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
-    per_head = lambda t: t.transpose(0, 1).reshape(t.shape[1], -1)  # noqa: E731
-    lf, lsef, entf = per_head(logits), per_head(lse), per_head(ent)
-    fin = torch.isfinite(lf)
-    return {"max": lf.amax(1), "min": torch.where(fin, lf, float("inf")).amin(1), "finite": fin.sum(1).double(),
-            "lse_min": lsef.amin(1), "lse_max": lsef.amax(1), "ent_mean": entf.mean(1), "ent_min": entf.amin(1)}
 
 
 def assert_rows_match(logits, lse, ent, ref, rtol=1e-5):
@@ -129,7 +100,7 @@ def test_per_head_logits_lse_entropy_match_float64(case, tile, monkeypatch):
     mon.step()
     mon.detach()
     h = mon.history()
-    ref = _reference(q, k, mask, kw.get("is_causal", False))
+    ref = attention_reference(q, k, mask, kw.get("is_causal", False))
     got = lambda m, s: h.groups(f"0/attn.{m}", s)[0]  # noqa: E731
     np.testing.assert_allclose(got("logit", "max"), ref["max"].numpy(), rtol=1e-5)
     np.testing.assert_allclose(got("logit", "min"), ref["min"].numpy(), rtol=1e-5)
@@ -242,7 +213,7 @@ def test_hf_llama_gqa_matches_float64_with_padding(impl, monkeypatch):
     assert len(seen) == 2
     allowed = torch.ones(10, 10, dtype=torch.bool).tril()[None, None] & pad.bool()[:, None, None, :]
     for layer, (q, k) in enumerate(seen):
-        ref = _reference(q, k, allowed, False)
+        ref = attention_reference(q, k, allowed, False)
         got = lambda m, stat: h.groups(f"model.layers.{layer}.self_attn/attn.{m}", stat)[0]  # noqa: E731
         np.testing.assert_allclose(got("logit", "max"), ref["max"].numpy(), rtol=1e-5)
         np.testing.assert_array_equal(got("logit", "finite"), ref["finite"].numpy())

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (abs_sum, assert_moments, assert_recorded, assert_stats_match, assert_wide_match,
-                      attention_rows_ref, attention_tile, draw)
+                      attention_reference, attention_rows_ref, attention_tile, draw)
 
 import hookcap
 from hookcap import Histogram, _layout, _ops
@@ -1105,6 +1105,40 @@ def test_attention_rows_on_the_device_match_float64(dev):
     np.testing.assert_array_equal(torch.isneginf(got).cpu().numpy(), torch.isneginf(ref[0]).numpy())
     for g, want in ((lse, ref[1]), (ent, ref[2])):
         np.testing.assert_allclose(g.cpu().double().numpy(), want.numpy(), rtol=1e-5, atol=1e-12)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 48])  # scale 1/8 (exact in 16 bits) and 1/sqrt(48) (applied in float32)
+def test_attention_of_16_bit_queries_on_tensor_cores_matches_float64(dtype, head_dim):
+    """16-bit q and k on a GPU take the tensor-core product with float32
+    output: per head, the max logit, logsumexp range and entropy still equal
+    float64 of the same 16-bit values within 1e-5 (causal, grouped-query)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    q = (torch.randn(2, 8, 300, head_dim) * 2).to(dtype)
+    k = (torch.randn(2, 2, 300, head_dim) * 2).to(dtype)
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    model = torch.nn.ModuleDict({"0": Attn()})
+    mon = hookcap.Monitor(model, capture=("attention",)).attach()
+    qd, kd = q.cuda(), k.cuda()
+    with no_sync("cuda"):
+        model["0"](qd, kd, kd)
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    ref = attention_reference(q, k, None, True)
+    got = lambda m, s: h.groups(f"0/attn.{m}", s)[0]  # noqa: E731
+    np.testing.assert_allclose(got("logit", "max"), ref["max"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got("lse", "max"), ref["lse_max"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got("lse", "min"), ref["lse_min"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got("entropy", "mean"), ref["ent_mean"].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got("logit", "finite"), ref["finite"].numpy())
 
 
 @pytest.mark.parametrize("dev", DEVICES)

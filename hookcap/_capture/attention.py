@@ -116,15 +116,27 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal:
     b, h, tq, d = q.shape
     hk, tk = k.shape[1], k.shape[2]
     rep = h // hk
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     qg = q.reshape(b, hk, rep, tq, d)
-    kt = k.float().transpose(-1, -2)
+    # 16-bit q and k on a GPU: the product on tensor cores, accumulated and
+    # written in float32 (each product of two 16-bit values is exact in
+    # float32). Scaling by a power of two is exact in 16 bits too.
+    low = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
+    pow2 = math.frexp(scale)[0] == 0.5
+    kt = (k if low else k.float()).transpose(-1, -2)
     rows = max(1, tile_values // max(1, b * h * tk))
     for q0 in range(0, tq, rows):
         q1 = min(tq, q0 + rows)
         # The queries scaled first: a [B, H, rows, D] tile, 1/Tk of the logits.
-        qs = (qg[..., q0:q1, :].float() * scale).reshape(b, hk, rep * (q1 - q0), d)
-        logits = torch.matmul(qs, kt).view(b, h, q1 - q0, tk)
+        qt = qg[..., q0:q1, :]
+        if low:
+            qs = (qt * scale if pow2 else qt).reshape(b * hk, rep * (q1 - q0), d)
+            logits = torch.bmm(qs, kt.reshape(b * hk, d, tk), out_dtype=torch.float32).view(b, h, q1 - q0, tk)
+            if not pow2:
+                logits.mul_(scale)
+        else:
+            qs = (qt.float() * scale).reshape(b, hk, rep * (q1 - q0), d)
+            logits = torch.matmul(qs, kt).view(b, h, q1 - q0, tk)
         if attn_mask is not None:
             m = attn_mask[..., q0:q1, :] if attn_mask.shape[-2] != 1 else attn_mask
             if m.dtype != torch.bool:  # additive; -inf or the dtype's lowest value (HF's) forbids
