@@ -551,8 +551,8 @@ HC_ALWAYS_INLINE int64_t count_zeros(const T* x, int64_t n) {
 }
 
 // Exponent-field histogram of one block (bytes eb[0..n), n <= kBlock) into
-// hist[256]. AVX2: byte compares count a window of exponents [base, base + W)
-// and exponent field 0 (zeros, subnormals) 32 at a time in u8 lanes (at most
+// hist[256]. AVX2: byte compares count a window of exponents [base, base + W),
+// exponent field 0 (zeros, subnormals) and field 0xff (NaN/Inf) 32 at a time in u8 lanes (at most
 // kBlock / 32 = 64 per lane, no overflow); the rare bytes outside both are
 // counted one by one from the movemask. The window sits just under the
 // block's top (largest |x|, capped at 8x its RMS), where nearly all values of
@@ -587,7 +587,8 @@ __attribute__((target("avx2"))) inline uint32_t count_window_pass(
   const __m256i out_bias = _mm256_set1_epi8(static_cast<char>(128 - W));
   __m256i cnt[kPass];
   for (int k = 0; k < kPass; ++k) cnt[k] = zero;
-  __m256i c0 = zero;
+  __m256i c0 = zero, cff = zero;
+  const __m256i ones = _mm256_set1_epi8(static_cast<char>(0xff));
   uint32_t nout = 0;
   for (int64_t i = 0; i < n32; i += 32) {
     if (ahead) {  // the next block (4 bytes per element): its loads overlap this counting
@@ -604,8 +605,13 @@ __attribute__((target("avx2"))) inline uint32_t count_window_pass(
     if constexpr (kFirst) {
       const __m256i is0 = _mm256_cmpeq_epi8(e, zero);
       c0 = _mm256_add_epi8(c0, is0);
+      // Field 0xff (NaN/Inf: in no bin; a mask's -inf fills half a logit
+      // tile) is counted here too, not one by one as outside the window.
+      const __m256i isff = _mm256_cmpeq_epi8(e, ones);
+      cff = _mm256_add_epi8(cff, isff);
       const __m256i far = _mm256_adds_epu8(r, out_bias);
-      uint32_t out = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_andnot_si256(is0, far)));
+      uint32_t out = static_cast<uint32_t>(
+          _mm256_movemask_epi8(_mm256_andnot_si256(_mm256_or_si256(is0, isff), far)));
       nout += static_cast<uint32_t>(__builtin_popcount(out));
       while (out) {
         ++hist[eb[i + __builtin_ctz(out)]];
@@ -621,6 +627,7 @@ __attribute__((target("avx2"))) inline uint32_t count_window_pass(
   }
   if constexpr (kFirst) {
     hist[0] += hsum_u8(_mm256_sub_epi8(zero, c0));
+    hist[0xff] += hsum_u8(_mm256_sub_epi8(zero, cff));
     *outside = nout;
   }
   return total;
@@ -679,7 +686,7 @@ HC_ALWAYS_INLINE int exponent_window_base(V top_value, int w, int prev) {
   if (!(top_value >= 0)) return prev;
   const int top = static_cast<int>((vbits(static_cast<float>(top_value)) >> 23) & 0xff);
   const int b = top - (w - 1);
-  return b < 1 ? 1 : (b > 256 - w ? 256 - w : b);
+  return b < 1 ? 1 : (b > 255 - w ? 255 - w : b);  // never field 0xff: count_window counts it apart
 }
 
 // Count the block's keys (kHistLog2Key) into hs.copies local tables of
