@@ -294,3 +294,28 @@ def test_compiled_hf_gpt2_records_attention_like_eager(impl):
             np.testing.assert_allclose(comp.groups(name, stat), eager.groups(name, stat), rtol=1e-4)
         np.testing.assert_allclose(comp.groups(f"transformer.h.{layer}.attn/attn.entropy", "min"),
                                    eager.groups(f"transformer.h.{layer}.attn/attn.entropy", "min"), rtol=1e-4)
+
+
+def test_attention_rows_baseline_cpu_loop_matches_float64():
+    """The op's loop built for the baseline ISA (HOOKCAP_CPU_ISA=baseline, as
+    CPUs without AVX2 run it) gives the same rows within 1e-5 of float64."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, hookcap\n"
+        "from conftest import attention_rows_ref, attention_tile\n"
+        "assert hookcap.build_info()['cpu_isa'] == 'baseline'\n"
+        "x = attention_tile(11, (2, 3, 7, 45), peaked=True)\n"
+        "ref = attention_rows_ref(x, 2)\n"
+        "lse, ent = hookcap._ops.attention_rows(x, 2)\n"
+        "assert torch.equal(torch.isneginf(x), torch.isneginf(ref[0]))\n"
+        "for g, w in ((lse, ref[1]), (ent, ref[2])):\n"
+        "    torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-12)\n"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    env = dict(os.environ, HOOKCAP_CPU_ISA="baseline", PYTHONPATH=os.pathsep.join([root, here]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]

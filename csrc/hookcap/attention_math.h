@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace hookcap {
@@ -42,18 +43,50 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t causal_keys(int64_t q, int64_t tk, boo
   return q + 1 < tk ? q + 1 : tk;
 }
 
-// One logit `l` of a row whose max is `m` (finite or +inf; never called for
-// a row whose max is -inf). A masked logit (-inf) adds nothing.
+// The float whose bits are `b`.
+C10_HOST_DEVICE C10_ALWAYS_INLINE float float_from_bits(int32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(b);
+#else
+  float f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+#endif
+}
+
+// exp(-d) for d >= 0 within 2 ulp, 0 from d = 87 on (below float's normal
+// range; such a term is lost against the max's 1 anyway), with no branch:
+// the CPU loop vectorises it. exp(-d) = 2^-k exp(-r), r = d - k ln 2 in
+// [-ln2/2, ln2/2] (ln 2 split in two, Cody-Waite), exp(-r) by a degree-7
+// polynomial (Cephes' expf coefficients).
+C10_HOST_DEVICE C10_ALWAYS_INLINE float exp_neg(float d) {
+  const float x = d < 87.f ? d : 87.f;  // NaN: 87 (a NaN row is NaN by softmax_finish)
+  const float k = ::floorf(x * 1.44269504088896341f + 0.5f);
+  const float y = (k * 0.693359375f - x) - k * 2.12194440e-4f;  // -r
+  float p = 1.9875691500e-4f;
+  p = p * y + 1.3981999507e-3f;
+  p = p * y + 8.3334519073e-3f;
+  p = p * y + 4.1665795894e-2f;
+  p = p * y + 1.6666665459e-1f;
+  p = p * y + 5.0000001201e-1f;
+  p = p * (y * y) + y + 1.f;
+  const float scale = float_from_bits((127 - static_cast<int32_t>(k)) << 23);  // 2^-k, k <= 126: normal
+  return d < 87.f ? p * scale : 0.f;
+}
+
+// One logit `l` of a row whose max `m` is finite (softmax_finish settles
+// the others): d = m - l is in [0, inf], inf for a masked logit (-inf),
+// which adds nothing. No branch: the CPU loop vectorises it.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void softmax_push(float& others, float& ties, float& t, float l, float m) {
+  const float d = m - l;
+  const float e = exp_neg(d);
+  ties += d == 0.f ? 1.f : 0.f;
+  others += d > 0.f ? e : 0.f;
+  t += d < std::numeric_limits<float>::infinity() ? e * d : 0.f;
+}
+
 C10_HOST_DEVICE C10_ALWAYS_INLINE void softmax_push(SoftmaxSums& a, float l, float m) {
-  if (l == -std::numeric_limits<float>::infinity()) return;
-  const float d = m - l;  // NaN where l or m is NaN, or both are +inf
-  if (d == 0.f) {
-    a.ties += 1.f;
-    return;
-  }
-  const float e = ::expf(-d);
-  a.others += e;
-  a.t += e * d;
+  softmax_push(a.others, a.ties, a.t, l, m);
 }
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE void softmax_merge(SoftmaxSums& a, const SoftmaxSums& b) {
@@ -71,7 +104,7 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void softmax_finish(float m, const SoftmaxSums
     *entropy = -inf;
     return;
   }
-  if (m == inf) {  // exp overflowed: the softmax is undefined
+  if (m == inf || m != m) {  // a NaN logit, or exp overflowed: the softmax is undefined
     *lse = std::numeric_limits<float>::quiet_NaN();
     *entropy = *lse;
     return;
