@@ -75,23 +75,17 @@ void rows_baseline(float* x, int64_t r0, int64_t r1, int64_t tile_rows, int64_t 
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_rows_cpu(at::Tensor& logits, int64_t causal_row0) {
-  check_attention_rows(logits, causal_row0);
-  auto sizes = logits.sizes().vec();
-  const int64_t tk = sizes.back();
-  sizes.pop_back();
-  const int64_t tile_rows = sizes.back();
-  at::Tensor lse = at::empty(sizes, logits.options()), entropy = at::empty(sizes, logits.options());
-  const int64_t rows = lse.numel();
-  if (rows == 0) return {lse, entropy};
+  AttentionRows a = attention_rows_outputs(logits, causal_row0);
+  if (a.rows == 0) return {a.lse, a.entropy};
   float* x = logits.data_ptr<float>();
-  float* pl = lse.data_ptr<float>();
-  float* pe = entropy.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, tk));
+  float* pl = a.lse.data_ptr<float>();
+  float* pe = a.entropy.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, a.keys));
   const bool avx2 = cpu_avx2();  // the statistics loop's choice (HOOKCAP_CPU_ISA=baseline forces it)
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    (avx2 ? rows_avx2 : rows_baseline)(x, r0, r1, tile_rows, tk, causal_row0, pl, pe);
+  at::parallel_for(0, a.rows, grain, [&](int64_t r0, int64_t r1) {
+    (avx2 ? rows_avx2 : rows_baseline)(x, r0, r1, a.tile_rows, a.keys, causal_row0, pl, pe);
   });
-  return {lse, entropy};
+  return {a.lse, a.entropy};
 }
 
 }  // namespace

@@ -680,22 +680,16 @@ void accumulate_bins_cuda(const at::Tensor& index, const c10::optional<at::Tenso
 // On the current stream (the tile was just written there; its outputs are
 // read there).
 std::tuple<at::Tensor, at::Tensor> attention_rows_cuda(at::Tensor& logits, int64_t causal_row0) {
-  check_attention_rows(logits, causal_row0);
   c10::cuda::CUDAGuard guard(logits.device());
-  auto sizes = logits.sizes().vec();
-  const int64_t tk = sizes.back();
-  sizes.pop_back();
-  const int64_t tile_rows = sizes.back();
-  at::Tensor lse = at::empty(sizes, logits.options()), entropy = at::empty(sizes, logits.options());
-  const int64_t rows = lse.numel();
-  if (rows == 0) return {lse, entropy};
-  const int64_t blocks = (rows + kAttnRowsPerBlock - 1) / kAttnRowsPerBlock;
-  TORCH_CHECK(blocks <= INT32_MAX, "hookcap: attention_rows: ", rows, " rows are too many for one launch");
+  AttentionRows a = attention_rows_outputs(logits, causal_row0);
+  if (a.rows == 0) return {a.lse, a.entropy};
+  const int64_t blocks = (a.rows + kAttnRowsPerBlock - 1) / kAttnRowsPerBlock;
+  TORCH_CHECK(blocks <= INT32_MAX, "hookcap: attention_rows: ", a.rows, " rows are too many for one launch");
   launch("hookcap.attention_rows", &kernels::attention_rows_kernel, dim3(static_cast<unsigned>(blocks)),
          dim3(kThreads), c10::cuda::getCurrentCUDAStream(logits.device().index()).stream(),
-         logits.data_ptr<float>(), rows, tile_rows, tk, causal_row0, lse.data_ptr<float>(),
-         entropy.data_ptr<float>());
-  return {lse, entropy};
+         logits.data_ptr<float>(), a.rows, a.tile_rows, a.keys, causal_row0, a.lse.data_ptr<float>(),
+         a.entropy.data_ptr<float>());
+  return {a.lse, a.entropy};
 }
 
 }  // namespace

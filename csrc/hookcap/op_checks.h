@@ -5,6 +5,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/SymBool.h>
 #include <c10/core/SymInt.h>
 #include <ATen/core/List.h>
@@ -284,6 +285,25 @@ inline void check_attention_rows(const at::Tensor& logits, int64_t causal_row0) 
               logits.scalar_type(), " with shape ", logits.sym_sizes(), logits.is_contiguous() ? "" : " (not contiguous)");
   TORCH_CHECK(causal_row0 >= -1, "hookcap: attention_rows: causal_row0 must be >= 0 (the tile's first query) "
               "or -1 (no causal mask), got ", causal_row0);
+}
+
+// attention_rows' checked input's geometry and its outputs (float32
+// [..., rows], uninitialised), as every backend makes them.
+struct AttentionRows {
+  at::Tensor lse, entropy;
+  int64_t rows;       // of the whole tensor
+  int64_t tile_rows;  // logits.size(-2)
+  int64_t keys;       // logits.size(-1)
+};
+
+inline AttentionRows attention_rows_outputs(const at::Tensor& logits, int64_t causal_row0) {
+  check_attention_rows(logits, causal_row0);
+  auto sizes = logits.sizes().vec();
+  const int64_t keys = sizes.back();
+  sizes.pop_back();
+  AttentionRows a{at::empty(sizes, logits.options()), at::empty(sizes, logits.options()), 0, sizes.back(), keys};
+  a.rows = a.lse.numel();
+  return a;
 }
 
 // How a kernel reads x (strided.h): dense inputs (contiguous in some

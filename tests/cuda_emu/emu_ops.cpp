@@ -223,20 +223,14 @@ void accumulate_update(const at::Tensor& param, const c10::optional<at::Tensor>&
 // row); -> (lse, entropy).
 py::tuple attention_rows(at::Tensor& logits, int64_t causal_row0) {
   check_cpu(logits);
-  check_attention_rows(logits, causal_row0);
-  auto sizes = logits.sizes().vec();
-  const int64_t tk = sizes.back();
-  sizes.pop_back();
-  const int64_t tile_rows = sizes.back();
-  at::Tensor lse = at::empty(sizes, logits.options()), entropy = at::empty(sizes, logits.options());
-  const int64_t rows = lse.numel();
-  if (rows > 0) {
+  AttentionRows a = attention_rows_outputs(logits, causal_row0);
+  if (a.rows > 0) {
     py::gil_scoped_release nogil;
-    emu::launch(kernels::attention_rows_kernel, dim((rows + kAttnRowsPerBlock - 1) / kAttnRowsPerBlock, "grid"),
-                dim3(kernels::kThreads), 0, logits.data_ptr<float>(), rows, tile_rows, tk, causal_row0,
-                lse.data_ptr<float>(), entropy.data_ptr<float>());
+    emu::launch(kernels::attention_rows_kernel, dim((a.rows + kAttnRowsPerBlock - 1) / kAttnRowsPerBlock, "grid"),
+                dim3(kernels::kThreads), 0, logits.data_ptr<float>(), a.rows, a.tile_rows, a.keys, causal_row0,
+                a.lse.data_ptr<float>(), a.entropy.data_ptr<float>());
   }
-  return py::make_tuple(lse, entropy);
+  return py::make_tuple(a.lse, a.entropy);
 }
 
 void accumulate_bins(const at::Tensor& index, const c10::optional<at::Tensor>& weight, at::Tensor& ring,
