@@ -105,6 +105,11 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     assert "| launches for the statistics of the parameters | ≥ 3 × fewer | not measured | - |" in targets
     assert ("| every-step recording on the side stream, no host sync | beats the current stream | not measured | - |"
             in targets)  # a CUDA configuration only
+    every1, attn = (next(r for r in pipelined["rows"] if r["config"] == c)
+                    for c in ("hookcap every=1 log2 hist", "hookcap every=1 + attention"))
+    assert f"| {attn['overhead_pct'] - every1['overhead_pct']:+.2f} % (with outputs and gradients: " in targets
+    worst = max((r for r in groups_op if r["case"] != "channels 768 x 1"), key=lambda r: r["ratio"])
+    assert f"| ≤ 1.3 × | {worst['ratio']:.2f} × at worst ({worst['case']}, " in targets
     assert summary.strip() in out.stdout
     assert {"build_info.log", "kernel.log", "overhead.log", "compiled.log"} <= set(os.listdir(tmp_path))
 
