@@ -313,4 +313,5 @@ def attention_reference(q, k, mask, causal, scale=None):
     lf, lsef, entf = per_head(logits), per_head(lse), per_head(ent)
     fin = torch.isfinite(lf)
     return {"max": lf.amax(1), "min": torch.where(fin, lf, float("inf")).amin(1), "finite": fin.sum(1).double(),
+            "neginf": torch.isneginf(lf).sum(1).double(), "count": torch.full((lf.shape[0],), float(lf.shape[1])),
             "lse_min": lsef.amin(1), "lse_max": lsef.amax(1), "ent_mean": entf.mean(1), "ent_min": entf.amin(1)}

@@ -105,6 +105,9 @@ def test_per_head_logits_lse_entropy_match_float64(case, tile, monkeypatch):
     np.testing.assert_allclose(got("logit", "max"), ref["max"].numpy(), rtol=1e-5)
     np.testing.assert_allclose(got("logit", "min"), ref["min"].numpy(), rtol=1e-5)
     np.testing.assert_array_equal(got("logit", "finite"), ref["finite"].numpy())
+    # Masked logits counted as -inf, those a causal tile leaves uncomputed too: every logit counted once.
+    np.testing.assert_array_equal(got("logit", "neginf"), ref["neginf"].numpy())
+    np.testing.assert_array_equal(got("logit", "count"), ref["count"].numpy())
     np.testing.assert_allclose(got("lse", "min"), ref["lse_min"].numpy(), rtol=1e-5)
     np.testing.assert_allclose(got("lse", "max"), ref["lse_max"].numpy(), rtol=1e-5)
     np.testing.assert_allclose(got("entropy", "mean"), ref["ent_mean"].numpy(), rtol=1e-5, atol=1e-6)
@@ -217,6 +220,7 @@ def test_hf_llama_gqa_matches_float64_with_padding(impl, monkeypatch):
         got = lambda m, stat: h.groups(f"model.layers.{layer}.self_attn/attn.{m}", stat)[0]  # noqa: E731
         np.testing.assert_allclose(got("logit", "max"), ref["max"].numpy(), rtol=1e-5)
         np.testing.assert_array_equal(got("logit", "finite"), ref["finite"].numpy())
+        np.testing.assert_array_equal(got("logit", "neginf"), ref["neginf"].numpy())
         np.testing.assert_allclose(got("lse", "max"), ref["lse_max"].numpy(), rtol=1e-5)
         np.testing.assert_allclose(got("lse", "min"), ref["lse_min"].numpy(), rtol=1e-5)
         np.testing.assert_allclose(got("entropy", "mean"), ref["ent_mean"].numpy(), rtol=1e-5, atol=1e-6)

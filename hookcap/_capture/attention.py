@@ -105,12 +105,14 @@ def _wrapped(*args, **kwargs):
 
 def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal: bool = False, scale=None,
                     tile_values: int = TILE_VALUES):
-    """Yield, per tile of query rows, ``(logits, lse, entropy)``: float32
-    ``[B, H, rows, Tk]`` logits ``(q·scale)·kᵀ`` (plus a float mask's finite
-    values; ``-inf`` where the causal mask, a boolean mask or a float mask's
-    ``-inf`` or lowest value forbids), and ``[B, H, rows]`` logsumexp
-    and entropy (nats) of each row's softmax (``-inf`` both for a row the
-    mask leaves no key). ``q``: ``[B, H, Tq, D]`` or
+    """Yield, per tile of query rows, ``(logits, lse, entropy, hidden)``:
+    float32 ``[B, H, rows, keys]`` logits ``(q·scale)·kᵀ`` (plus a float
+    mask's finite values; ``-inf`` where the causal mask, a boolean mask or a
+    float mask's ``-inf`` or lowest value forbids), ``[B, H, rows]``
+    logsumexp and entropy (nats) of each row's softmax (``-inf`` both for a
+    row the mask leaves no key), and ``hidden = Tk - keys``: under a causal
+    mask, the keys after the tile's last query, hidden from every row of it,
+    are neither computed nor held (``keys`` = that query + 1). ``q``: ``[B, H, Tq, D]`` or
     ``[H, Tq, D]``; ``k``: the same with ``Hk`` heads dividing ``H`` (grouped
     query attention); masks as ``F.scaled_dot_product_attention`` takes them.
     The rows' statistics and the causal mask are one op,
@@ -131,18 +133,22 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal:
     rows = max(1, tile_values // max(1, b * h * tk))
     for q0 in range(0, tq, rows):
         q1 = min(tq, q0 + rows)
+        keys = min(tk, q1) if is_causal else tk
+        kt_tile = kt[..., :keys]
         # The queries scaled first: a [B, H, rows, D] tile, 1/Tk of the logits.
         qt = qg[..., q0:q1, :]
         if low:
             qs = (qt * scale if pow2 else qt).reshape(b * hk, rep * (q1 - q0), d)
-            logits = torch.bmm(qs, kt.reshape(b * hk, d, tk), out_dtype=torch.float32).view(b, h, q1 - q0, tk)
+            logits = torch.bmm(qs, kt_tile.reshape(b * hk, d, keys), out_dtype=torch.float32).view(
+                b, h, q1 - q0, keys)
             if not pow2:
                 logits.mul_(scale)
         else:
             qs = (qt.float() * scale).reshape(b, hk, rep * (q1 - q0), d)
-            logits = torch.matmul(qs, kt).view(b, h, q1 - q0, tk)
+            logits = torch.matmul(qs, kt_tile).view(b, h, q1 - q0, keys)
         if attn_mask is not None:
             m = attn_mask[..., q0:q1, :] if attn_mask.shape[-2] != 1 else attn_mask
+            m = m[..., :keys] if m.shape[-1] != 1 else m
             if m.dtype != torch.bool:  # additive; -inf or the dtype's lowest value (HF's) forbids
                 mf = m.float()
                 ok = mf > torch.finfo(m.dtype).min / 2
@@ -150,7 +156,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal:
                 m = ok
             logits.masked_fill_(~m, float("-inf"))
         lse, entropy = _ops.attention_rows(logits, q0 if is_causal else -1)
-        yield logits, lse, entropy
+        yield logits, lse, entropy, tk - keys
 
 
 class AttentionCapture:
@@ -213,6 +219,14 @@ class AttentionCapture:
             return
         with torch.no_grad():
             tile = CUDA_TILE_VALUES if q.is_cuda else TILE_VALUES
-            for logits, lse, entropy in attention_tiles(q.detach(), k.detach(), attn_mask, is_causal, scale, tile):
+            ninf = None
+            for logits, lse, entropy, hidden in attention_tiles(q.detach(), k.detach(), attn_mask, is_causal,
+                                                                scale, tile):
                 for path, t in (("logit", logits), ("lse", lse), ("entropy", entropy)):
                     rec.write(module, "attn", path, t, "attention", 0, groups=_PER_HEAD)
+                if hidden:  # the causally hidden keys not computed: still counted (neginf), one value read
+                    if ninf is None:
+                        ninf = torch.full((), float("-inf"), device=logits.device)
+                    b, h, rows = lse.shape
+                    rec.write(module, "attn", "logit", ninf.expand(b, h, rows * hidden), "attention", 0,
+                              groups=_PER_HEAD)
