@@ -300,6 +300,23 @@ def test_compiled_hf_gpt2_records_attention_like_eager(impl):
                                    eager.groups(f"transformer.h.{layer}.attn/attn.entropy", "min"), rtol=1e-4)
 
 
+def test_float32_attention_under_autocast_stays_float32():
+    """A float32 attention called inside a bfloat16 autocast region: the
+    recomputed logits are not autocast to bfloat16 (max logit, lse within 1e-5)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 33, 16) * 2, torch.randn(2, 4, 33, 16) * 2
+    model = nn.ModuleDict({"0": _Attn(is_causal=True)})
+    mon = Monitor(model, capture=("attention",)).attach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model["0"](q, k, k)
+    mon.step()
+    mon.detach()
+    h = mon.history()
+    ref = attention_reference(q, k, None, True)
+    np.testing.assert_allclose(h.groups("0/attn.logit", "max")[0], ref["max"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(h.groups("0/attn.lse", "max")[0], ref["lse_max"].numpy(), rtol=1e-5)
+
+
 def test_attention_rows_baseline_cpu_loop_matches_float64():
     """The op's loop built for the baseline ISA (HOOKCAP_CPU_ISA=baseline, as
     CPUs without AVX2 run it) gives the same rows within 1e-5 of float64."""

@@ -222,7 +222,8 @@ class AttentionCapture:
                           f"shapes {tuple(q.shape)}, {tuple(k.shape)} are not recorded (3 or 4 dimensions, "
                           "heads at -3)")
             return
-        with torch.no_grad():
+        # Autocast off: the products stay float32 (or 16-bit in, float32 out) in a model run under autocast.
+        with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
             tile = CUDA_TILE_VALUES if q.is_cuda else TILE_VALUES
             ninf = None
             for logits, lse, entropy, hidden in attention_tiles(q.detach(), k.detach(), attn_mask, is_causal,
