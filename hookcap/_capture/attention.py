@@ -33,6 +33,7 @@ TILE_VALUES = 1 << 22  # logits per tile on the CPU (16 MiB in float32)
 # keep that under the GPU's time for them (GPT-2-124M, B 8 x T 1,024: 4 tiles
 # per layer, not 25).
 CUDA_TILE_VALUES = 1 << 25  # 128 MiB in float32
+_BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(..., out_dtype=): torch >= 2.8
 CAUSAL_TILES = 4  # a causal call's fewest tiles (of 16 query rows or more): 5/8 of the logits computed
 _PER_HEAD = Groups(dim=1, size=1)
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -128,7 +129,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal:
     # 16-bit q and k on a GPU: the product on tensor cores, accumulated and
     # written in float32 (each product of two 16-bit values is exact in
     # float32). Scaling by a power of two is exact in 16 bits too.
-    low = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
+    low = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and _BMM_OUT_DTYPE
     pow2 = math.frexp(scale)[0] == 0.5
     kt = (k if low else k.float()).transpose(-1, -2)
     rows = max(1, tile_values // max(1, b * h * tk))
