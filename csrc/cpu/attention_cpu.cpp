@@ -22,9 +22,8 @@ namespace {
 constexpr int kLanes = 16;
 
 // One row: the causal mask written, then its max and its sums in kLanes
-// lanes each (the compiler vectorises both loops: attention_math.h's
-// per-logit math has no branch).
-template <bool kAvx2>
+// lanes each (the compiler vectorises both loops for the ISA of the function
+// it is inlined into: attention_math.h's per-logit math has no branch).
 HC_ATTN_INLINE void attention_row(float* v, int64_t tk, int64_t keys, float* lse, float* entropy) {
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t j = keys; j < tk; ++j) v[j] = ninf;
@@ -62,7 +61,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(float* x, int64_t r0, int64_t
                                                    int64_t causal_row0, float* lse, float* entropy) {
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t keys = causal_keys(causal_row0 + r % tile_rows, tk, causal_row0 >= 0);
-    attention_row<true>(x + r * tk, tk, keys, lse + r, entropy + r);
+    attention_row(x + r * tk, tk, keys, lse + r, entropy + r);
   }
 }
 
@@ -70,7 +69,7 @@ void rows_baseline(float* x, int64_t r0, int64_t r1, int64_t tile_rows, int64_t 
                    float* lse, float* entropy) {
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t keys = causal_keys(causal_row0 + r % tile_rows, tk, causal_row0 >= 0);
-    attention_row<false>(x + r * tk, tk, keys, lse + r, entropy + r);
+    attention_row(x + r * tk, tk, keys, lse + r, entropy + r);
   }
 }
 

@@ -36,8 +36,8 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE SoftmaxSums softmax_sums_zero() { return Softm
 C10_HOST_DEVICE C10_ALWAYS_INLINE float logit_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
 // The keys query `q` may see under a causal mask aligned top-left (as
-// F.scaled_dot_product_attention's is_causal): [0, min(q + 1, tk)). q < 0:
-// no causal mask (all tk).
+// F.scaled_dot_product_attention's is_causal): [0, min(q + 1, tk)); all tk
+// without one.
 C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t causal_keys(int64_t q, int64_t tk, bool causal) {
   if (!causal) return tk;
   return q + 1 < tk ? q + 1 : tk;
