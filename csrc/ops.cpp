@@ -23,22 +23,31 @@ uintptr_t side_stream_handle(int device);
 #endif
 
 namespace {
-// _join_write_streams(device index) -> int: make the current stream of that
-// CUDA device wait for every other stream hookcap ops wrote on since the
-// last call; returns how many it waited for (0 without CUDA kernels).
-PyObject* py_join_write_streams(PyObject*, PyObject* arg) {
+// fn(device index) for a function of one device index: a C++ exception as a
+// Python RuntimeError.
+template <typename Fn>
+PyObject* with_device(PyObject* arg, Fn&& fn) {
   const long device = PyLong_AsLong(arg);
   if (device == -1 && PyErr_Occurred()) return nullptr;
-#ifdef HOOKCAP_WITH_CUDA
   try {
-    return PyLong_FromLongLong(join_write_streams(static_cast<int>(device)));
+    return fn(static_cast<int>(device));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
+}
+
+// _join_write_streams(device index) -> int: make the current stream of that
+// CUDA device wait for every other stream hookcap ops wrote on since the
+// last call; returns how many it waited for (0 without CUDA kernels).
+PyObject* py_join_write_streams(PyObject*, PyObject* arg) {
+  return with_device(arg, [](int device) {
+#ifdef HOOKCAP_WITH_CUDA
+    return PyLong_FromLongLong(join_write_streams(device));
 #else
-  return PyLong_FromLong(0);
+    return PyLong_FromLong(0);
 #endif
+  });
 }
 
 // _captured_ring(ring data_ptr) -> bool: whether a hookcap op wrote into
@@ -70,19 +79,14 @@ PyObject* py_block_merge(PyObject*, PyObject* arg) {
 // stream of that device (Monitor(stream="side")), made on first use; for
 // torch.cuda.ExternalStream. RuntimeError without CUDA kernels.
 PyObject* py_side_stream(PyObject*, PyObject* arg) {
-  const long device = PyLong_AsLong(arg);
-  if (device == -1 && PyErr_Occurred()) return nullptr;
+  return with_device(arg, [](int device) -> PyObject* {
 #ifdef HOOKCAP_WITH_CUDA
-  try {
-    return PyLong_FromUnsignedLongLong(side_stream_handle(static_cast<int>(device)));
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
+    return PyLong_FromUnsignedLongLong(side_stream_handle(device));
 #else
-  PyErr_SetString(PyExc_RuntimeError, "hookcap was built without CUDA kernels");
-  return nullptr;
+    PyErr_SetString(PyExc_RuntimeError, "hookcap was built without CUDA kernels");
+    return nullptr;
 #endif
+  });
 }
 
 PyMethodDef kStreamMethods[] = {
@@ -119,7 +123,8 @@ namespace {
 constexpr int64_t kAbiVersion = 11;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
-// place and return nothing, so there is nothing else to fake.
+// place and return nothing, so there is nothing else to fake, but for
+// attention_rows' two outputs.
 void accumulate_meta(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state,
                      int64_t row, int64_t hist_kind, double hist_lo, double hist_hi,
                      int64_t hist_bins) {

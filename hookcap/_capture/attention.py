@@ -226,14 +226,13 @@ class AttentionCapture:
         # Autocast off: the products stay float32 (or 16-bit in, float32 out) in a model run under autocast.
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
             tile = CUDA_TILE_VALUES if q.is_cuda else TILE_VALUES
-            ninf = None
+            hidden_per_head = 0  # logits the causal tiles left uncomputed, per batch entry and head
             for logits, lse, entropy, hidden in attention_tiles(q.detach(), k.detach(), attn_mask, is_causal,
                                                                 scale, tile):
                 for path, t in (("logit", logits), ("lse", lse), ("entropy", entropy)):
                     rec.write(module, "attn", path, t, "attention", 0, groups=_PER_HEAD)
-                if hidden:  # the causally hidden keys not computed: still counted (neginf), one value read
-                    if ninf is None:
-                        ninf = torch.full((), float("-inf"), device=logits.device)
-                    b, h, rows = lse.shape
-                    rec.write(module, "attn", "logit", ninf.expand(b, h, rows * hidden), "attention", 0,
-                              groups=_PER_HEAD)
+                hidden_per_head += lse.shape[-1] * hidden
+            if hidden_per_head:  # still counted (neginf): one -inf, read once, counted per repeat
+                ninf = torch.full((), float("-inf"), device=logits.device)
+                rec.write(module, "attn", "logit", ninf.expand(*lse.shape[:2], hidden_per_head), "attention", 0,
+                          groups=_PER_HEAD)
