@@ -120,7 +120,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 11;
+constexpr int64_t kAbiVersion = 12;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake, but for
@@ -166,6 +166,13 @@ std::tuple<at::Tensor, at::Tensor> attention_rows_meta(at::Tensor& logits, int64
   const auto sizes = logits.sym_sizes();
   const c10::SymIntArrayRef rows(sizes.data(), sizes.size() - 1);
   return {at::empty_symint(rows, logits.options()), at::empty_symint(rows, logits.options())};
+}
+
+void accumulate_attention_meta(at::Tensor& logits, int64_t causal_row0, at::Tensor& ring, const at::Tensor& state,
+                               c10::IntArrayRef logit_rows, c10::IntArrayRef lse_rows, c10::IntArrayRef entropy_rows,
+                               int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
+  check_attention_record(logits, causal_row0, ring, state, logit_rows, lse_rows, entropy_rows);
+  check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
 }
 
 void reset_slot_meta(at::Tensor& ring, const at::Tensor& state) { check_ring_state(ring, state); }
@@ -249,6 +256,14 @@ TORCH_LIBRARY(hookcap, m) {
   // causal_row0 + i % rows under a top-left causal mask, whose hidden keys
   // are set to -inf in place first; -1: no causal mask.
   m.def("attention_rows(Tensor(a!) logits, int causal_row0) -> (Tensor, Tensor)");
+  // attention_rows of a tile [batch, heads, rows, keys], and per head h the
+  // statistics of its logits (the mask's -inf included), of its rows'
+  // logsumexp and of their entropy merged into logit_rows[h], lse_rows[h]
+  // and entropy_rows[h] (-1: not recorded), as accumulate_groups along the
+  // heads would.
+  m.def(
+      "accumulate_attention(Tensor(a!) logits, int causal_row0, Tensor(b!) ring, Tensor state, int[] logit_rows, "
+      "int[] lse_rows, int[] entropy_rows, int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
   m.def("reset_slot(Tensor(a!) ring, Tensor state) -> ()");
   m.def("reset_rows(Tensor(a!) ring, Tensor state, int begin, int end) -> ()");
   m.def("advance(Tensor(a!) ring, Tensor(b!) state, int every=1) -> ()");
@@ -267,6 +282,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("accumulate_update", &accumulate_update_meta);
   m.impl("accumulate_updates", &accumulate_updates_each<&accumulate_update_meta>);
   m.impl("attention_rows", &attention_rows_meta);
+  m.impl("accumulate_attention", &accumulate_attention_meta);
   m.impl("reset_slot", &reset_slot_meta);
   m.impl("reset_rows", &reset_rows_meta);
   m.impl("advance", &advance_meta);
@@ -277,7 +293,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_many", "accumulate_groups", "accumulate_bins", "accumulate_update", "accumulate_updates", "attention_rows", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
+  for (const char* op : {"accumulate", "accumulate_many", "accumulate_groups", "accumulate_bins", "accumulate_update", "accumulate_updates", "attention_rows", "accumulate_attention", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

@@ -110,6 +110,30 @@ def attention_rows(logits: torch.Tensor, causal_row0: int = -1) -> tuple[torch.T
     return _ops.attention_rows(logits, causal_row0)
 
 
+def accumulate_attention(
+    logits: torch.Tensor,
+    causal_row0: int,
+    ring: torch.Tensor,
+    state: torch.Tensor,
+    logit_rows: list[int],
+    lse_rows: list[int],
+    entropy_rows: list[int],
+    histogram: Histogram | None,
+    moments: int = 2,
+) -> None:
+    """:func:`attention_rows` of a tile ``[batch, heads, rows, keys]``, and
+    per head ``h`` its statistics merged into ``ring[state.slot, ...]``:
+    of the head's logits (the ``-inf`` of its mask included) into
+    ``logit_rows[h]``, of its rows' logsumexp into ``lse_rows[h]`` and of
+    their entropy (nats) into ``entropy_rows[h]`` (-1: not recorded), each
+    row as :func:`accumulate_groups` along dimension 1 would merge it. The
+    causal mask is written into ``logits`` in place. One call, on the
+    tensor's device, no host sync; on a CPU each few rows' statistics are
+    read from cache right after the rows are computed."""
+    _ops.accumulate_attention(logits, causal_row0, ring, state, logit_rows, lse_rows, entropy_rows,
+                              *hist_args(histogram, moments))
+
+
 def reset_slot(ring: torch.Tensor, state: torch.Tensor) -> None:
     """Initialise every row of slot ``state[2]`` (empty stats, step tag ``state[0]``)."""
     _ops.reset_slot(ring, state)

@@ -9,12 +9,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import attention_reference, attention_rows_ref, attention_tile
+from conftest import (abs_sum, assert_stats_match, attention_reference, attention_rows_ref, attention_tile, decoded,
+                      ring_for)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hookcap
-from hookcap import Monitor, _ops
+from hookcap import Histogram, Monitor, _layout, _ops
+from hookcap.functional import new_state
+from hookcap.reference import tensor_stats
 
 
 class _Attn(nn.Module):
@@ -67,6 +70,59 @@ def test_attention_rows_nan_inf_and_bad_input():
     with pytest.raises(RuntimeError, match="causal_row0"):
         _ops.attention_rows(x, -2)
     torch.library.opcheck(torch.ops.hookcap.attention_rows.default, (attention_tile(2, (2, 3, 5)), 1))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 40), st.integers(1, 300), st.integers(-1, 60),
+       st.booleans(), st.sampled_from([None, Histogram.log2(), Histogram.linear(-8, 8, 12)]), st.sampled_from([2, 4]),
+       st.integers(0, 2**16))
+def test_accumulate_attention_rows_equal_float64_per_head(batch, heads, rows, keys, causal_row0, peaked, hist,
+                                                          moments, seed):
+    """accumulate_attention: the causal mask written as attention_rows
+    writes it, and per head its logits' row equals float64 statistics of
+    the head's masked logits (counts, extrema and bins exactly), its lse and
+    entropy rows those of attention_rows' outputs; a head's rows -1 are left
+    untouched, and count and calls add up as the grouped op's do. Tiles of
+    up to 300 keys: several rows per pushed chunk, and a chunk per row."""
+    x = attention_tile(seed, (batch, heads, rows, keys), peaked=peaked)
+    ref = attention_rows_ref(x, causal_row0)
+    lse, ent = _ops.attention_rows(x.clone(), causal_row0)
+    skip = heads - 1 if heads > 1 else None  # that head's lse is not recorded
+    ring = ring_for(3 * heads + 1, hist)
+    rows_of = [[1 + m * heads + h for h in range(heads)] for m in range(3)]
+    if skip is not None:
+        rows_of[1][skip] = -1
+    got_x = x.clone()
+    for _ in range(2):  # a second call merges into the same rows
+        got_x = x.clone()
+        _ops.accumulate_attention(got_x, causal_row0, ring, new_state("cpu"), *rows_of, hist, moments)
+    np.testing.assert_array_equal(torch.isneginf(got_x).numpy(), torch.isneginf(ref[0]).numpy())
+    for m, whole in enumerate((got_x, lse, ent)):
+        for h in range(heads):
+            if rows_of[m][h] < 0:
+                assert decoded(ring, 1 + m * heads + h, hist)["count"] == 0
+                continue
+            part = torch.cat([whole[:, h]] * 2)
+            got = decoded(ring, rows_of[m][h], hist)
+            assert ring[0, rows_of[m][h], _layout.CALLS] == 2
+            assert_stats_match(got, tensor_stats(part, hist), abs_sum=abs_sum(part))
+    assert decoded(ring, 0, hist)["count"] == 0
+
+
+def test_accumulate_attention_bad_input_and_opcheck():
+    """Wrong shapes and row lists are refused before anything is written;
+    the op passes opcheck (schema, Meta kernel, fake tensors)."""
+    ring, st0 = ring_for(7, None), new_state("cpu")
+    x = attention_tile(3, (2, 2, 4, 6))
+    with pytest.raises(RuntimeError, match=r"\[batch, heads, rows, keys\]"):
+        _ops.accumulate_attention(x[0], 0, ring, st0, [0, 1], [2, 3], [4, 5], None)
+    with pytest.raises(RuntimeError, match="2 heads but 1 rows"):
+        _ops.accumulate_attention(x, 0, ring, st0, [0, 1], [2], [4, 5], None)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        _ops.accumulate_attention(x.double(), 0, ring, st0, [0, 1], [2, 3], [4, 5], None)
+    assert ring.abs().sum() == ring_for(7, None).abs().sum()
+    torch.library.opcheck(torch.ops.hookcap.accumulate_attention.default,
+                          (x, 0, ring, st0, [0, 1], [2, -1], [4, 5], *_ops.hist_args(None)))
 
 
 CASES = {  # q shape, k shape, sdpa kwargs, mask maker

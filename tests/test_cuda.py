@@ -1107,6 +1107,38 @@ def test_attention_rows_on_the_device_match_float64(dev):
         np.testing.assert_allclose(g.cpu().double().numpy(), want.numpy(), rtol=1e-5, atol=1e-12)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_accumulate_attention_on_the_device_matches_the_cpu_op(dev):
+    """accumulate_attention on the device (on CUDA: attention_rows and the
+    grouped statistics op, four launches from one call) writes the causal
+    mask as the CPU does, and per head the rows the CPU op writes: counts,
+    extrema and bins exactly, sums within float32 rounding; no host sync."""
+    x = attention_tile(6, (2, 6, 40, 700), peaked=True)
+    hist = Histogram.log2()
+    width = _layout.HEADER + hist.nbins
+    rows = [list(range(m * 6, m * 6 + 6)) for m in range(3)]
+    rows[2][4] = -1
+    want = torch.zeros(1, 18, width, dtype=torch.int64)
+    want_x = x.clone()
+    _ops.reset_slot(want, new_state("cpu"))
+    _ops.accumulate_attention(want_x, 600, want, new_state("cpu"), *rows, hist)
+    d = device_of(dev)
+    got, got_x, state = want.new_zeros(want.shape).to(d), x.to(d), new_state(d)
+    _ops.reset_slot(got, state)
+    with no_sync(dev):
+        _ops.accumulate_attention(got_x, 600, got, state, *rows, hist)
+    np.testing.assert_array_equal(torch.isneginf(got_x).cpu().numpy(), torch.isneginf(want_x).numpy())
+    got = got.cpu()
+    exact = [getattr(_layout, c) for c in ("COUNT", "NAN", "POSINF", "NEGINF", "ZEROS", "MIN", "MAX", "ABSMAX",
+                                           "CALLS")]
+    np.testing.assert_array_equal(got[0][:, exact].numpy(), want[0][:, exact].numpy())
+    np.testing.assert_array_equal(got[0][:, _layout.HEADER:].numpy(), want[0][:, _layout.HEADER:].numpy())
+    for r in range(18):
+        gs, ws = (_layout.decode(t[0, r].numpy()) for t in (got, want))
+        scale = float(ws["count"]) * float(ws["absmax"])  # a bound of the sum of |x|
+        np.testing.assert_allclose(float(gs["sum"]), float(ws["sum"]), rtol=1e-5, atol=1e-6 * scale)
+
+
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 48])  # scale 1/8 (exact in 16 bits) and 1/sqrt(48) (applied in float32)

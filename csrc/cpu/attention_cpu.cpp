@@ -1,18 +1,23 @@
 // attention_rows on the CPU: rows in parallel, each read twice from cache
 // (its max, then the sums about it: attention_math.h), with kLanes partial
 // sums per row (vector lanes; a shorter error path than one sum), compiled
-// for AVX2+FMA and for the baseline ISA, chosen at run time.
+// for AVX2+FMA and for the baseline ISA, chosen at run time. Its recording
+// form, accumulate_attention, pushes each few rows to their head's
+// statistics while they are still in cache.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 #include "cpu/stats_cpu.h"
 #include "hookcap/attention_math.h"
 #include "hookcap/op_checks.h"
+#include "hookcap/state.h"
 
 namespace hookcap {
 namespace {
@@ -73,6 +78,13 @@ void rows_baseline(float* x, int64_t r0, int64_t r1, int64_t tile_rows, int64_t 
   }
 }
 
+// Rows [r0, r1) of x, with the statistics loop's ISA choice
+// (HOOKCAP_CPU_ISA=baseline forces the baseline build).
+void attention_rows_of(float* x, int64_t r0, int64_t r1, int64_t tile_rows, int64_t tk, int64_t causal_row0,
+                       float* lse, float* entropy) {
+  (cpu_avx2() ? rows_avx2 : rows_baseline)(x, r0, r1, tile_rows, tk, causal_row0, lse, entropy);
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_rows_cpu(at::Tensor& logits, int64_t causal_row0) {
   AttentionRows a = attention_rows_outputs(logits, causal_row0);
   if (a.rows == 0) return {a.lse, a.entropy};
@@ -80,15 +92,98 @@ std::tuple<at::Tensor, at::Tensor> attention_rows_cpu(at::Tensor& logits, int64_
   float* pl = a.lse.data_ptr<float>();
   float* pe = a.entropy.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, a.keys));
-  const bool avx2 = cpu_avx2();  // the statistics loop's choice (HOOKCAP_CPU_ISA=baseline forces it)
   at::parallel_for(0, a.rows, grain, [&](int64_t r0, int64_t r1) {
-    (avx2 ? rows_avx2 : rows_baseline)(x, r0, r1, a.tile_rows, a.keys, causal_row0, pl, pe);
+    attention_rows_of(x, r0, r1, a.tile_rows, a.keys, causal_row0, pl, pe);
   });
   return {a.lse, a.entropy};
 }
 
+// Logits pushed per call: enough to amortise a push, few enough that the
+// rows just computed are still in L1/L2 when the statistics read them.
+constexpr int64_t kRecordChunk = 4096;
+
+// One thread's rows of a [batch, head] block: lse and entropy, and the
+// three partials' local histograms.
+struct RecordState {
+  std::vector<float> lse, entropy;
+  std::vector<uint32_t> local;
+};
+
+// attention_rows, then each head's logits, lse and entropy merged into its
+// rows (count and calls added here, as accumulate_groups does). Threads
+// take [batch, head] blocks: each block's rows are computed a chunk at a
+// time and the chunk pushed to the head's logit partial from cache.
+void accumulate_attention_cpu(at::Tensor& logits, int64_t causal_row0, at::Tensor& ring, const at::Tensor& state,
+                              c10::IntArrayRef logit_rows, c10::IntArrayRef lse_rows, c10::IntArrayRef entropy_rows,
+                              int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
+  check_attention_record(logits, causal_row0, ring, state, logit_rows, lse_rows, entropy_rows);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const int64_t* st = state.data_ptr<int64_t>();
+  if (st[kStateEnabled] == 0) return;
+  const int64_t slot = state_slot(ring, st);
+  const int64_t batch = logits.size(0), heads = logits.size(1), rows = logits.size(2), keys = logits.size(3);
+  // Per metric (logit, lse, entropy) and head: its row, or null.
+  std::vector<int64_t*> row_of(3 * heads, nullptr);
+  const c10::IntArrayRef lists[3] = {logit_rows, lse_rows, entropy_rows};
+  const int64_t counts[3] = {batch * rows * keys, batch * rows, batch * rows};
+  for (int m = 0; m < 3; ++m) {
+    for (int64_t g = 0; g < heads; ++g) {
+      if (lists[m][g] < 0) continue;
+      int64_t* r = ring.data_ptr<int64_t>() + (slot * ring.size(1) + lists[m][g]) * ring.size(2);
+      row_of[m * heads + g] = r;
+      __atomic_fetch_add(r + kCount, counts[m], __ATOMIC_RELAXED);
+      __atomic_fetch_add(r + kCalls, 1, __ATOMIC_RELAXED);
+    }
+  }
+  if (batch * heads * rows == 0) return;
+  float* x = logits.data_ptr<float>();
+  if (h.moments4) {  // the partials keep two moments: the statistics op's own loop over each head's views
+    AttentionRows a = attention_rows_outputs(logits, causal_row0);
+    at::parallel_for(0, a.rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, keys)), [&](int64_t r0, int64_t r1) {
+      attention_rows_of(x, r0, r1, rows, keys, causal_row0, a.lse.data_ptr<float>(), a.entropy.data_ptr<float>());
+    });
+    const at::Tensor* of[3] = {&logits, &a.lse, &a.entropy};
+    for (int m = 0; m < 3; ++m) {
+      for (int64_t g = 0; g < heads; ++g) {
+        if (row_of[m * heads + g]) accumulate_tensor_cpu(of[m]->narrow(1, g, 1), row_of[m * heads + g], h);
+      }
+    }
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(1, kRecordChunk / std::max<int64_t>(1, keys));
+  at::parallel_for(0, batch * heads, 1, [&](int64_t b0, int64_t b1) {
+    thread_local RecordState s;
+    s.lse.resize(rows);
+    s.entropy.resize(rows);
+    s.local.resize(3 * kPartialLocalWords);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t g = blk % heads;
+      int64_t* const* row = row_of.data() + g;  // row[m * heads]: metric m's
+      float* base = x + blk * rows * keys;
+      Partial part[3];
+      for (int m = 0; m < 3; ++m) {
+        if (row[m * heads]) partial_begin<float>(part[m], row[m * heads], h, s.local.data() + m * kPartialLocalWords);
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+        const int64_t r1 = std::min(rows, r0 + chunk);
+        attention_rows_of(base, r0, r1, rows, keys, causal_row0, s.lse.data(), s.entropy.data());
+        if (row[0]) partial_push<float>(part[0], base + r0 * keys, (r1 - r0) * keys);
+      }
+      const float* rowwise[3] = {nullptr, s.lse.data(), s.entropy.data()};
+      for (int m = 0; m < 3; ++m) {
+        if (!row[m * heads]) continue;
+        if (m > 0) partial_push<float>(part[m], rowwise[m], rows);
+        partial_flush(part[m]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(hookcap, CPU, m) { m.impl("attention_rows", &attention_rows_cpu); }
+TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
+  m.impl("attention_rows", &attention_rows_cpu);
+  m.impl("accumulate_attention", &accumulate_attention_cpu);
+}
 
 }  // namespace hookcap

@@ -692,6 +692,18 @@ std::tuple<at::Tensor, at::Tensor> attention_rows_cuda(at::Tensor& logits, int64
   return {a.lse, a.entropy};
 }
 
+// attention_rows, then the statistics of each head's logits, lse and
+// entropy as accumulate_groups along the heads: four launches from one call.
+void accumulate_attention_cuda(at::Tensor& logits, int64_t causal_row0, at::Tensor& ring, const at::Tensor& state,
+                               c10::IntArrayRef logit_rows, c10::IntArrayRef lse_rows, c10::IntArrayRef entropy_rows,
+                               int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
+  check_attention_record(logits, causal_row0, ring, state, logit_rows, lse_rows, entropy_rows);
+  auto [lse, entropy] = attention_rows_cuda(logits, causal_row0);
+  accumulate_groups_cuda(logits, ring, state, logit_rows, 1, 1, hist_kind, hist_lo, hist_hi, hist_bins);
+  accumulate_groups_cuda(lse, ring, state, lse_rows, 1, 1, hist_kind, hist_lo, hist_hi, hist_bins);
+  accumulate_groups_cuda(entropy, ring, state, entropy_rows, 1, 1, hist_kind, hist_lo, hist_hi, hist_bins);
+}
+
 }  // namespace
 
 void accumulate_row_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row,
@@ -707,6 +719,7 @@ TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate_update", &accumulate_update_cuda);
   m.impl("accumulate_updates", &accumulate_updates_cuda);
   m.impl("attention_rows", &attention_rows_cuda);
+  m.impl("accumulate_attention", &accumulate_attention_cuda);
   m.impl("reset_slot", &reset_slot_cuda);
   m.impl("reset_rows", &reset_rows_cuda);
   m.impl("advance", &advance_cuda);

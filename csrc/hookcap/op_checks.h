@@ -287,6 +287,23 @@ inline void check_attention_rows(const at::Tensor& logits, int64_t causal_row0) 
               "or -1 (no causal mask), got ", causal_row0);
 }
 
+// accumulate_attention: a tile [B, H, rows, keys] (attention_rows' input)
+// and per head h the rows of its logits, its rows' logsumexp and entropy
+// (-1: not recorded).
+inline void check_attention_record(const at::Tensor& logits, int64_t causal_row0, const at::Tensor& ring,
+                                   const at::Tensor& state, c10::IntArrayRef logit_rows, c10::IntArrayRef lse_rows,
+                                   c10::IntArrayRef entropy_rows) {
+  check_attention_rows(logits, causal_row0);
+  check_accumulate(logits, ring, state, 0);
+  TORCH_CHECK(logits.dim() == 4, "hookcap.accumulate_attention: logits must be [batch, heads, rows, keys], got ",
+              logits.dim(), " dimensions");
+  for (const c10::IntArrayRef rows : {logit_rows, lse_rows, entropy_rows}) {
+    TORCH_CHECK(static_cast<int64_t>(rows.size()) == logits.size(1), "hookcap.accumulate_attention: ",
+                logits.size(1), " heads but ", rows.size(), " rows");
+    for (const int64_t r : rows) check_row_or_skip("accumulate_attention", r, ring);
+  }
+}
+
 // attention_rows' checked input's geometry and its outputs (float32
 // [..., rows], uninitialised), as every backend makes them.
 struct AttentionRows {

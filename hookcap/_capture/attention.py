@@ -36,6 +36,8 @@ CUDA_TILE_VALUES = 1 << 25  # 128 MiB in float32
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(..., out_dtype=): torch >= 2.8
 CAUSAL_TILES = 4  # a causal call's fewest tiles (of 16 query rows or more): 5/8 of the logits computed
 _PER_HEAD = Groups(dim=1, size=1)
+_PATHS = ("logit", "lse", "entropy")
+_OP_RECORD = torch.ops.hookcap.accumulate_attention.default
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _ORIGINAL = F.scaled_dot_product_attention
 _HF_ORIGINAL: list = [None]  # AttentionInterface.get_interface while wrapped
@@ -107,18 +109,18 @@ def _wrapped(*args, **kwargs):
 
 def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal: bool = False, scale=None,
                     tile_values: int = TILE_VALUES):
-    """Yield, per tile of query rows, ``(logits, lse, entropy, hidden)``:
+    """Yield, per tile of query rows, ``(logits, causal_row0, hidden)``:
     float32 ``[B, H, rows, keys]`` logits ``(q·scale)·kᵀ`` (plus a float
-    mask's finite values; ``-inf`` where the causal mask, a boolean mask or a
-    float mask's ``-inf`` or lowest value forbids), ``[B, H, rows]``
-    logsumexp and entropy (nats) of each row's softmax (``-inf`` both for a
-    row the mask leaves no key), and ``hidden = Tk - keys``: under a causal
-    mask, the keys after the tile's last query, hidden from every row of it,
-    are neither computed nor held (``keys`` = that query + 1). ``q``: ``[B, H, Tq, D]`` or
-    ``[H, Tq, D]``; ``k``: the same with ``Hk`` heads dividing ``H`` (grouped
-    query attention); masks as ``F.scaled_dot_product_attention`` takes them.
-    The rows' statistics and the causal mask are one op,
-    ``hookcap::attention_rows``, over the tile the matrix product wrote."""
+    mask's finite values; ``-inf`` where a boolean mask or a float mask's
+    ``-inf`` or lowest value forbids), the tile's first query under a causal
+    mask (else -1: the argument of ``hookcap::attention_rows`` and
+    ``accumulate_attention``, which write the causal mask's ``-inf`` and
+    compute each row's logsumexp and entropy), and ``hidden = Tk - keys``:
+    under a causal mask, the keys after the tile's last query, hidden from
+    every row of it, are neither computed nor held (``keys`` = that query +
+    1). ``q``: ``[B, H, Tq, D]`` or ``[H, Tq, D]``; ``k``: the same with
+    ``Hk`` heads dividing ``H`` (grouped query attention); masks as
+    ``F.scaled_dot_product_attention`` takes them."""
     if q.dim() == 3:
         q, k = q.unsqueeze(0), k.unsqueeze(0)
     b, h, tq, d = q.shape
@@ -161,8 +163,7 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal:
                 logits.add_(torch.where(ok, mf, torch.zeros((), device=mf.device)))
                 m = ok
             logits.masked_fill_(~m, float("-inf"))
-        lse, entropy = _ops.attention_rows(logits, q0 if is_causal else -1)
-        yield logits, lse, entropy, tk - keys
+        yield logits, q0 if is_causal else -1, tk - keys
 
 
 class AttentionCapture:
@@ -227,12 +228,18 @@ class AttentionCapture:
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
             tile = CUDA_TILE_VALUES if q.is_cuda else TILE_VALUES
             hidden_per_head = 0  # logits the causal tiles left uncomputed, per batch entry and head
-            for logits, lse, entropy, hidden in attention_tiles(q.detach(), k.detach(), attn_mask, is_causal,
-                                                                scale, tile):
-                for path, t in (("logit", logits), ("lse", lse), ("entropy", entropy)):
-                    rec.write(module, "attn", path, t, "attention", 0, groups=_PER_HEAD)
-                hidden_per_head += lse.shape[-1] * hidden
+            hist = rec.config.hist_args
+            for logits, row0, hidden in attention_tiles(q.detach(), k.detach(), attn_mask, is_causal, scale, tile):
+                # One op: the rows' logsumexp and entropy, and the three metrics' statistics per head.
+                if not rec.write_joint(module, "attn", _PATHS, (logits, logits[..., 0], logits[..., 0]),
+                                       logits.device, "attention", _PER_HEAD,
+                                       lambda ring, rows: _OP_RECORD(logits, row0, ring.ring, ring.state, *rows,
+                                                                     *hist)):
+                    lse, entropy = _ops.attention_rows(logits, row0)
+                    for path, t in zip(_PATHS, (logits, lse, entropy)):
+                        rec.write(module, "attn", path, t, "attention", 0, groups=_PER_HEAD)
+                hidden_per_head += logits.shape[-2] * hidden
             if hidden_per_head:  # still counted (neginf): one -inf, read once, counted per repeat
                 ninf = torch.full((), float("-inf"), device=logits.device)
-                rec.write(module, "attn", "logit", ninf.expand(*lse.shape[:2], hidden_per_head), "attention", 0,
+                rec.write(module, "attn", "logit", ninf.expand(*logits.shape[:2], hidden_per_head), "attention", 0,
                           groups=_PER_HEAD)

@@ -100,6 +100,35 @@ class GroupedRows:
         hist = self.rec.config.hist_args
         self._call(key, e, lambda ring: _OP_BINS(index, weight, ring.ring, ring.state, e.rows, *hist))
 
+    def write_joint(self, parts, mtype: str, spec, op_on) -> bool:
+        """Record captures that one op call writes together: ``parts`` are
+        ``(key, t)`` (``t``: the capture, or any tensor of its shape and
+        dtype), each grouped by ``spec``; ``op_on(ring, rows)``: the call,
+        ``rows`` each part's rows in order. False, with nothing written,
+        where a part is not grouped alike or the parts' rows lie in
+        different rings: the caller then writes each part itself."""
+        entries = []
+        for key, t in parts:
+            e = self._entries.get(key, _NONE)
+            if e is _NONE:
+                e = self._entries[key] = self._make(key, t, mtype, spec)
+            if not isinstance(e, _Entry) or e.dim is None or t.shape[e.dim] != e.extent * e.size:
+                return False
+            entries.append(e)
+        rec = self.rec
+        ring = rec.ring_of(entries[0].rids[0])
+        if any(rec.ring_of(e.rids[0]) is not ring for e in entries[1:]):
+            return False
+        try:
+            op_on(ring, [e.rows for e in entries])
+        except Exception as ex:  # telemetry must never take the run down
+            for key, _ in parts:
+                rec.skip_call(metric_name(*key[:3]), f"{type(ex).__name__}: {ex}")
+            return True
+        for e in entries:
+            self._ordered(e)
+        return True
+
     def _channels(self, key: tuple, t: torch.Tensor, mtype: str, spec: Channels) -> None:
         """``spec.summarize(t)``'s metrics, ``f"{metric}.{suffix}"`` (a
         top-k's one group per rank)."""
@@ -123,11 +152,15 @@ class GroupedRows:
         except Exception as ex:  # telemetry must never take the run down
             rec.skip_call(metric_name(*key[:3]), f"{type(ex).__name__}: {ex}")
             return
-        order = rec._order
+        self._ordered(e)
+
+    def _ordered(self, e: _Entry) -> None:
+        """``e``'s rows join the step's write order (once a step)."""
+        order = self.rec._order
         if e.rids[0] not in order:
             for rid in e.rids:
                 order[rid] = None
-            rec.fast.note_python_write()
+            self.rec.fast.note_python_write()
 
     def _make(self, key: tuple, t: torch.Tensor, mtype: str, spec=None) -> _Entry | None:
         rec = self.rec

@@ -405,6 +405,14 @@ class Recorder:
         index, weight = (t if t is None or type(t) is torch.Tensor else plain_tensor(t) for t in (index, weight))
         self.grouped.write_bins((name, kind, path, index.device, ci), index, weight, bins, mtype, placement)
 
+    def write_joint(self, name, kind, paths, ts, device, mtype, groups, op_on) -> bool:
+        """Record the captures ``(name, kind, path)`` of ``paths`` (call 0;
+        ``ts``: tensors of their shapes and dtypes), grouped by ``groups``, by
+        one op call ``op_on(ring, rows)`` (``GroupedRows.write_joint``); False
+        where the caller must write them one by one."""
+        parts = [((name, kind, p, device, 0), t) for p, t in zip(paths, ts)]
+        return self.grouped.write_joint(parts, mtype, groups, op_on)
+
     def write_updates(self, mtype, rule, hyper, items, gate: torch.Tensor | None = None) -> None:
         """The optimizer's step on each parameter of ``items`` = [(name, p,
         grad, a, b, step, outs)] (``hookcap._capture.optim``; one rule and one set of
