@@ -2,7 +2,10 @@
 "router" (--kind router: HF OLMoE, top-2 of 8 experts): training steps with
 the Monitor recording outputs and gradients every step, with and without the
 kind, and with no Monitor, timed round-robin in one process. Prints ms per
-step and what the kind adds.
+step and what the kind adds. With --kind attention, also the split of one
+recorded tile [batch, heads, tokens, tokens] (non-causal, log2 histogram)
+between its ops, timed round-robin: attention_rows alone, accumulate_groups
+over the tile, and accumulate_attention (both in one call).
 
   PYTHONPATH=. python benchmarks/bench_inside.py [--kind attention|router] [--device cuda] [--layers 2]
       [--embd 256] [--batch 4] [--tokens 256] [--rounds 9] [--json PATH]
@@ -20,6 +23,31 @@ import transformers
 from _machine import machine
 
 import hookcap
+from hookcap import Histogram, _layout, _ops
+from hookcap.functional import new_state
+
+
+def tile_split(dev, batch: int, heads: int, tokens: int, rounds: int) -> dict:
+    """Median ms per call of each op on one tile of logits (see the module docstring)."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    x = torch.randn(batch, heads, tokens, tokens, device=dev) * 3
+    h = Histogram.log2()
+    ring = torch.zeros(1, 3 * heads, _layout.HEADER + h.nbins, dtype=torch.int64, device=dev)
+    state = new_state(dev)
+    rows = [list(range(m * heads, (m + 1) * heads)) for m in range(3)]
+    fns = {"attention_rows": lambda: _ops.attention_rows(x, -1),
+           "accumulate_groups": lambda: _ops.accumulate_groups(x, ring, state, rows[0], 1, 1, h),
+           "accumulate_attention": lambda: _ops.accumulate_attention(x, -1, ring, state, *rows, h)}
+    times = {k: [] for k in fns}
+    for rnd in range(rounds + 2):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if rnd >= 2:
+                times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
@@ -79,10 +107,15 @@ def main() -> None:
         print(f"| {k} | {v:.1f} | {'-' if k == 'no Monitor' else f'{(v / base - 1) * 100:+.1f} %'} |")
     added = med[kind] - med["output, grad_output"]
     print(f"{args.kind} adds {added:.1f} ms per step ({added / base * 100:.1f} % of the step)")
+    out = {"machine": machine(dev), "device": dev.type, "torch": torch.__version__, "args": vars(args),
+           "median_ms": med, f"{args.kind}_added_ms": added}
+    if args.kind == "attention":
+        split = out["tile_ms"] = tile_split(dev, args.batch, args.heads, args.tokens, 3 * args.rounds)
+        print(f"one tile [{args.batch}, {args.heads}, {args.tokens}, {args.tokens}], median ms per call: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": machine(dev), "device": dev.type, "torch": torch.__version__, "args": vars(args),
-                       "median_ms": med, f"{args.kind}_added_ms": added}, f, indent=1)
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ a failing step does not stop the later ones:
                against the CPU op and the float64 reference (OUTDIR/kernel.log).
   overhead     GPT-2 124M (B=8, T=1024, AdamW, bf16 autocast) training step: no telemetry vs
                hookcap every=1, every=10 and every=1 with capture "attention", interleaved round by
-               round, and the grouped op against the ungrouped one (bench_groups); the steady-state steps
+               round, the grouped op against the ungrouped one (bench_groups), and one layer's attention
+               observation by the GPU's logit tile size; the steady-state steps
                run under torch.cuda.set_sync_debug_mode("error") (OUTDIR/overhead.log); then
                no telemetry and every=1 profiled, device time per step by kernel.
                transformers' GPT2LMHeadModel if importable and sync-free on its own, else the
@@ -712,6 +713,7 @@ def overhead_stage(args) -> dict:
                     ("pipelined", lambda: pipelined(model, cfgs, autocast, loss_fn, opt, clock, rounds=2)),
                     ("profile", lambda: profile_configs(cfgs[:2], model, autocast, loss_fn, opt, device)),
                     ("groups_op", lambda: groups_op(device, args.quick)),
+                    ("attention_tiles", lambda: attention_tiles(shape, device)),
                     ("many_op", lambda: many_op(model, device, 3 if args.quick else 7))):
         try:
             details[key] = fn()
@@ -723,6 +725,49 @@ def overhead_stage(args) -> dict:
         first = "\n".join(next(iter(sync_errors.values())).strip().splitlines()[-15:])
         raise StepFailed(f"host sync under set_sync_debug_mode('error') in: {who}{hint}\n{first}", details)
     return details
+
+
+def attention_tiles(shape: dict, device, sizes=(1 << 22, 1 << 23, 1 << 25), reps: int = 6) -> dict:
+    """ms of one layer's attention observation (the workload's B, T, heads of
+    64; 16-bit on a GPU, causal) beyond the attention itself, by the GPU's
+    tile size (``CUDA_TILE_VALUES``, in logits), round-robin: whether tiles
+    small enough to stay in the L2 between their passes beat fewer, larger
+    ones (design.md "Attention internals: the floor")."""
+    import hookcap
+    from hookcap._capture import attention as A
+
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    heads, dtype = shape["n_embd"] // 64, torch.bfloat16 if cuda else torch.float32
+    q, k = (torch.randn(shape["batch"], heads, shape["seq"], 64, device=device, dtype=dtype) for _ in range(2))
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+
+    model = torch.nn.ModuleDict({"attn": Attn()})
+    mon = hookcap.Monitor(model, capture="attention", detectors=[])
+    saved, times = (A.CUDA_TILE_VALUES, A.TILE_VALUES), {n: [] for n in ("none", *sizes)}
+    try:
+        for r in range(reps + 1):
+            for n in times:
+                if n != "none":
+                    A.CUDA_TILE_VALUES = A.TILE_VALUES = n
+                    mon.attach()
+                sync()
+                t0 = time.perf_counter()
+                model["attn"](q, k)
+                sync()
+                if r:
+                    times[n].append((time.perf_counter() - t0) * 1e3)
+                if n != "none":
+                    mon.step()
+                    mon.detach()
+    finally:
+        A.CUDA_TILE_VALUES, A.TILE_VALUES = saved
+    base = statistics.median(times.pop("none"))
+    return {"shape": [shape["batch"], heads, shape["seq"], 64], "dtype": str(dtype), "attention_ms": base,
+            "observe_ms": {str(n): statistics.median(v) - base for n, v in times.items()}}
 
 
 def groups_op(device, quick: bool) -> list:
@@ -1183,7 +1228,12 @@ def summary_md(report: dict) -> str:
 
             out += ["", "Device time per step by kernel category (torch.profiler, 2 steps; ms, launches in "
                         "brackets):", ""] + _profile_steps.summary_lines(o["profile"])
-        for key in ("pipelined", "read_floor", "profile"):
+        at = o.get("attention_tiles", {})
+        if at.get("observe_ms"):
+            out += ["", f"Attention observed per layer {tuple(at['shape'])} ({at['dtype'].replace('torch.', '')}, "
+                        f"causal; the attention itself {at['attention_ms']:.2f} ms), ms beyond it by tile size: "
+                        + ", ".join(f"{int(n) >> 20} M logits {v:.2f}" for n, v in at["observe_ms"].items()) + "."]
+        for key in ("pipelined", "read_floor", "profile", "attention_tiles"):
             if "error" in o.get(key, {}):
                 out += ["", f"{key} failed:", "```", o[key]["error"].strip()[-800:], "```"]
     c = by_name.get("compiled", {})
