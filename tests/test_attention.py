@@ -137,12 +137,18 @@ CASES = {  # q shape, k shape, sdpa kwargs, mask maker
 }
 
 
+@pytest.mark.parametrize("joint", [True, False])
 @pytest.mark.parametrize("tile", [1 << 22, 40])
 @pytest.mark.parametrize("case", list(CASES))
-def test_per_head_logits_lse_entropy_match_float64(case, tile, monkeypatch):
+def test_per_head_logits_lse_entropy_match_float64(case, tile, joint, monkeypatch):
+    """joint=False: each tile's three metrics written one by one (attention_rows,
+    then the grouped op per metric), as where their rows lie in different rings."""
     import hookcap._capture.attention as att
+    from hookcap._rows.recorder import Recorder
 
     monkeypatch.setattr(att, "TILE_VALUES", tile)  # 40: a tile of one or two query rows
+    if not joint:
+        monkeypatch.setattr(Recorder, "write_joint", lambda *a, **k: False)
     torch.manual_seed(0)
     qs, ks, kw, make_mask = CASES[case]
     mask = make_mask() if make_mask else None
