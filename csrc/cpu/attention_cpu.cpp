@@ -151,31 +151,42 @@ void accumulate_attention_cpu(at::Tensor& logits, int64_t causal_row0, at::Tenso
     return;
   }
   const int64_t chunk = std::max<int64_t>(1, kRecordChunk / std::max<int64_t>(1, keys));
+  // Blocks in head-major order: a thread's consecutive blocks mostly share
+  // a head, whose three partials stay open across them (one begin and one
+  // flush per head and thread, not per block).
   at::parallel_for(0, batch * heads, 1, [&](int64_t b0, int64_t b1) {
     thread_local RecordState s;
     s.lse.resize(rows);
     s.entropy.resize(rows);
     s.local.resize(3 * kPartialLocalWords);
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t g = blk % heads;
-      int64_t* const* row = row_of.data() + g;  // row[m * heads]: metric m's
-      float* base = x + blk * rows * keys;
-      Partial part[3];
-      for (int m = 0; m < 3; ++m) {
-        if (row[m * heads]) partial_begin<float>(part[m], row[m * heads], h, s.local.data() + m * kPartialLocalWords);
+    Partial part[3];
+    int64_t open = -1;  // the head whose partials are open
+    auto close = [&] {
+      for (int m = 0; m < 3 && open >= 0; ++m) {
+        if (row_of[m * heads + open]) partial_flush(part[m]);
       }
+      open = -1;
+    };
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t g = blk / batch, b = blk % batch;
+      int64_t* const* row = row_of.data() + g;  // row[m * heads]: metric m's
+      if (g != open) {
+        close();
+        for (int m = 0; m < 3; ++m) {
+          if (row[m * heads]) partial_begin<float>(part[m], row[m * heads], h, s.local.data() + m * kPartialLocalWords);
+        }
+        open = g;
+      }
+      float* base = x + (b * heads + g) * rows * keys;
       for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
         const int64_t r1 = std::min(rows, r0 + chunk);
         attention_rows_of(base, r0, r1, rows, keys, causal_row0, s.lse.data(), s.entropy.data());
         if (row[0]) partial_push<float>(part[0], base + r0 * keys, (r1 - r0) * keys);
       }
-      const float* rowwise[3] = {nullptr, s.lse.data(), s.entropy.data()};
-      for (int m = 0; m < 3; ++m) {
-        if (!row[m * heads]) continue;
-        if (m > 0) partial_push<float>(part[m], rowwise[m], rows);
-        partial_flush(part[m]);
-      }
+      if (row[heads]) partial_push<float>(part[1], s.lse.data(), rows);
+      if (row[2 * heads]) partial_push<float>(part[2], s.entropy.data(), rows);
     }
+    close();
   });
 }
 
