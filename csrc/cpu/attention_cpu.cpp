@@ -128,21 +128,13 @@ void accumulate_attention_cpu(at::Tensor& logits, int64_t causal_row0, at::Tenso
   const int64_t counts[3] = {batch * rows * keys, batch * rows, batch * rows};
   for (int m = 0; m < 3; ++m) {
     for (int64_t g = 0; g < heads; ++g) {
-      if (lists[m][g] < 0) continue;
-      int64_t* r = ring.data_ptr<int64_t>() + (slot * ring.size(1) + lists[m][g]) * ring.size(2);
-      row_of[m * heads + g] = r;
-      __atomic_fetch_add(r + kCount, counts[m], __ATOMIC_RELAXED);
-      __atomic_fetch_add(r + kCalls, 1, __ATOMIC_RELAXED);
+      if (lists[m][g] >= 0) row_of[m * heads + g] = counted_row(ring, slot, lists[m][g], counts[m]);
     }
   }
   if (batch * heads * rows == 0) return;
-  float* x = logits.data_ptr<float>();
   if (h.moments4) {  // the partials keep two moments: the statistics op's own loop over each head's views
-    AttentionRows a = attention_rows_outputs(logits, causal_row0);
-    at::parallel_for(0, a.rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, keys)), [&](int64_t r0, int64_t r1) {
-      attention_rows_of(x, r0, r1, rows, keys, causal_row0, a.lse.data_ptr<float>(), a.entropy.data_ptr<float>());
-    });
-    const at::Tensor* of[3] = {&logits, &a.lse, &a.entropy};
+    const auto [lse, entropy] = attention_rows_cpu(logits, causal_row0);
+    const at::Tensor* of[3] = {&logits, &lse, &entropy};
     for (int m = 0; m < 3; ++m) {
       for (int64_t g = 0; g < heads; ++g) {
         if (row_of[m * heads + g]) accumulate_tensor_cpu(of[m]->narrow(1, g, 1), row_of[m * heads + g], h);
@@ -150,6 +142,7 @@ void accumulate_attention_cpu(at::Tensor& logits, int64_t causal_row0, at::Tenso
     }
     return;
   }
+  float* x = logits.data_ptr<float>();
   const int64_t chunk = std::max<int64_t>(1, kRecordChunk / std::max<int64_t>(1, keys));
   // Blocks in head-major order: a thread's consecutive blocks mostly share
   // a head, whose three partials stay open across them (one begin and one

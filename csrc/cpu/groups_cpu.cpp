@@ -122,10 +122,7 @@ void accumulate_groups_cpu(const at::Tensor& x, at::Tensor& ring, const at::Tens
   const int64_t per_group = groups ? x.numel() / groups : 0;
   std::vector<int64_t*> row_of(groups, nullptr);
   for (int64_t g = 0; g < groups; ++g) {
-    if (rows[g] < 0) continue;
-    row_of[g] = ring.data_ptr<int64_t>() + (slot * ring.size(1) + rows[g]) * ring.size(2);
-    __atomic_fetch_add(row_of[g] + kCount, per_group, __ATOMIC_RELAXED);
-    __atomic_fetch_add(row_of[g] + kCalls, 1, __ATOMIC_RELAXED);
+    if (rows[g] >= 0) row_of[g] = counted_row(ring, slot, rows[g], per_group);
   }
   if (per_group == 0) return;
   const int64_t d = dim < 0 ? dim + x.dim() : dim;

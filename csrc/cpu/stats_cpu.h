@@ -15,6 +15,15 @@ namespace hookcap {
 int64_t state_slot(const at::Tensor& ring, const int64_t* st);
 int64_t state_slot(int64_t slots, const int64_t* st);
 
+// Row `row` of slot `slot` of a CPU ring, its count raised by `n` and its
+// calls by one: a call's bookkeeping, made before its values are merged.
+inline int64_t* counted_row(at::Tensor& ring, int64_t slot, int64_t row, int64_t n) {
+  int64_t* r = ring.data_ptr<int64_t>() + (slot * ring.size(1) + row) * ring.size(2);
+  __atomic_fetch_add(r + kCount, n, __ATOMIC_RELAXED);
+  __atomic_fetch_add(r + kCalls, 1, __ATOMIC_RELAXED);
+  return r;
+}
+
 // Merges tensor x (any layout the statistics op reads) into `row`, count
 // and calls excepted, with the statistics op's own loop.
 void accumulate_tensor_cpu(const at::Tensor& x, int64_t* row, const HistSpec& h);

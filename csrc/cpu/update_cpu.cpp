@@ -104,11 +104,7 @@ void accumulate_update_cpu(const at::Tensor& param, const c10::optional<at::Tens
   const int64_t n = param.numel();
   int64_t* row_of[kOutputs] = {};
   for (int o = 0; o < kOutputs; ++o) {
-    if (rows[o] < 0) continue;
-    int64_t* r = ring.data_ptr<int64_t>() + (slot * ring.size(1) + rows[o]) * ring.size(2);
-    __atomic_fetch_add(r + kCount, n, __ATOMIC_RELAXED);
-    __atomic_fetch_add(r + kCalls, 1, __ATOMIC_RELAXED);
-    row_of[o] = r;
+    if (rows[o] >= 0) row_of[o] = counted_row(ring, slot, rows[o], n);
   }
   // The state tensors as stored: the statistics op's own loop (in float for
   // float32 state, as when the op records them).

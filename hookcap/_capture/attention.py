@@ -29,9 +29,9 @@ from .._ops import make_effectful
 from ..groups import Groups
 
 TILE_VALUES = 1 << 22  # logits per tile on the CPU (16 MiB in float32)
-# On a GPU each tile costs about seven launches and their Python: larger tiles
-# keep that under the GPU's time for them (GPT-2-124M, B 8 x T 1,024: 4 tiles
-# per layer, not 25).
+# On a GPU each tile costs the product's launches, one accumulate_attention
+# call (four launches) and their Python: larger tiles keep that under the
+# GPU's time for them (GPT-2-124M, B 8 x T 1,024: 4 tiles per layer, not 25).
 CUDA_TILE_VALUES = 1 << 25  # 128 MiB in float32
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(..., out_dtype=): torch >= 2.8
 CAUSAL_TILES = 4  # a causal call's fewest tiles (of 16 query rows or more): 5/8 of the logits computed

@@ -61,9 +61,7 @@ class GroupedRows:
         False where it is not grouped (the caller records it whole)."""
         if spec is WHOLE:
             return False
-        e = self._entries.get(key, _NONE)
-        if e is _NONE:
-            e = self._entries[key] = self._make(key, t, mtype, spec)
+        e = self._entry(key, t, mtype, spec)
         if e is None:
             return False
         if isinstance(e, Channels):
@@ -109,9 +107,7 @@ class GroupedRows:
         different rings: the caller then writes each part itself."""
         entries = []
         for key, t in parts:
-            e = self._entries.get(key, _NONE)
-            if e is _NONE:
-                e = self._entries[key] = self._make(key, t, mtype, spec)
+            e = self._entry(key, t, mtype, spec)
             if not isinstance(e, _Entry) or e.dim is None or t.shape[e.dim] != e.extent * e.size:
                 return False
             entries.append(e)
@@ -161,6 +157,13 @@ class GroupedRows:
             for rid in e.rids:
                 order[rid] = None
             self.rec.fast.note_python_write()
+
+    def _entry(self, key: tuple, t: torch.Tensor, mtype: str, spec):
+        """Capture ``key``'s entry, made from ``t`` on first sight."""
+        e = self._entries.get(key, _NONE)
+        if e is _NONE:
+            e = self._entries[key] = self._make(key, t, mtype, spec)
+        return e
 
     def _make(self, key: tuple, t: torch.Tensor, mtype: str, spec=None) -> _Entry | None:
         rec = self.rec
