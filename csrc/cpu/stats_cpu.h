@@ -70,6 +70,7 @@ struct Partial {
   int64_t pending;  // values counted in `local` since its last flush
   int64_t zeros;    // zeros among them
   double shift;
+  double center;    // where the next push's sums start (the last block's next_center)
   bool started;
 };
 template <typename T>

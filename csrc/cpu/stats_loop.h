@@ -389,10 +389,29 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, const Walk& wk, int64_t n, doub
     // less per 8 elements.
     auto vector_loop = [&](auto about_zero) __attribute__((always_inline)) {
       const f8 cc = about_zero ? f8{} : cv;
+      // Rows: a cursor (the block starts a row) steps 16 values at a time,
+      // cheaper than dividing each index by the run.
+      [[maybe_unused]] const T* row_at = x;
+      [[maybe_unused]] int64_t in_row = 0;
+      auto next16 = [&]() __attribute__((always_inline)) {
+        const T* p = row_at + in_row;
+        in_row += 16;
+        if (in_row == wk.run) {
+          in_row = 0;
+          row_at += wk.stride;
+        }
+        return p;
+      };
       for (int64_t i = 0; i < head; i += 32) {
-        const T* q = at(i);
-        // Rows of an odd multiple of 16 values: the second half may start a row.
-        const T* q16 = kW == kWalkRows && (wk.run & 16) ? at(i + 16) : q + 16;
+        const T* q;
+        const T* q16;  // rows of an odd multiple of 16 values: the second half may start a row
+        if constexpr (kW == kWalkRows) {
+          q = next16();
+          q16 = next16();
+        } else {
+          q = at(i);
+          q16 = q + 16;
+        }
         // Two cache lines of the next block per iteration (no histogram:
         // nothing else overlaps the loads); evenly paced, unlike a burst.
         // Rows of a few lines each escape the hardware's stream prefetch:
@@ -801,9 +820,10 @@ HC_ALWAYS_INLINE void block_moments4(const T* x, const Walk& wk, int64_t n, doub
   }
 }
 
+// Returns the center the next segment of the same values should start about.
 template <typename T, int kW, int kHist, bool kAvx2>
-HC_ALWAYS_INLINE void run_segment(const T* x, const Walk& wk, int64_t n, double shift, double center0,
-                                  Acc& acc, WideAcc& wacc, const HistSink& hs) {
+HC_ALWAYS_INLINE double run_segment(const T* x, const Walk& wk, int64_t n, double shift, double center0,
+                                    Acc& acc, WideAcc& wacc, const HistSink& hs) {
   constexpr bool kExp = kHist == kHistLog2Exp;
   int32_t idx[kHist != kHistNone && !kExp ? kBlock : 1];
   uint8_t eb[kExp ? kBlock : 1];
@@ -838,6 +858,7 @@ HC_ALWAYS_INLINE void run_segment(const T* x, const Walk& wk, int64_t n, double 
       block_scatter(idx, len, hs, kW == kWalkUnit ? ahead : nullptr, kBlock * static_cast<int64_t>(sizeof(T)));
     }
   }
+  return static_cast<double>(center);
 }
 
 // Logical elements [begin, end) of x, walked as runs along the innermost
@@ -912,19 +933,23 @@ void chunk_base(const T* x, bool flat, const StridedDesc& d, int64_t b, int64_t 
 
 // One segment (run_segment) into fresh partials, for both builds: the
 // partial statistics' pushes (no chunking, no strided walk to set up).
+// `center`: where the segment starts, then where the next push should (a
+// push of a few blocks would otherwise take its first block off zero).
 template <typename T, int kHist, int kW>
 __attribute__((target("avx2,fma,f16c"))) void segment_avx2(const T* x, Walk wk, int64_t n, double shift,
-                                                      Acc& out, WideAcc& wout, const HistSink& hs) {
+                                                      double& center, Acc& out, WideAcc& wout,
+                                                      const HistSink& hs) {
   acc_init(out);
   wide_init(wout);
-  run_segment<T, kW, kHist, true>(x, wk, n, shift, shift, out, wout, hs);
+  center = run_segment<T, kW, kHist, true>(x, wk, n, shift, center, out, wout, hs);
 }
 
 template <typename T, int kHist, int kW>
-void segment_base(const T* x, Walk wk, int64_t n, double shift, Acc& out, WideAcc& wout, const HistSink& hs) {
+void segment_base(const T* x, Walk wk, int64_t n, double shift, double& center, Acc& out, WideAcc& wout,
+                  const HistSink& hs) {
   acc_init(out);
   wide_init(wout);
-  run_segment<T, kW, kHist, false>(x, wk, n, shift, shift, out, wout, hs);
+  center = run_segment<T, kW, kHist, false>(x, wk, n, shift, center, out, wout, hs);
 }
 
 bool use_avx2() {
@@ -1225,9 +1250,9 @@ void partial_run(Partial& p, const T* x, Walk wk, int64_t n) {
   Acc a;
   WideAcc w;
   if (!kBaselineLoop<kHist> || use_avx2()) {
-    segment_avx2<T, kHist, kW>(x, wk, n, p.shift, a, w, hs);
+    segment_avx2<T, kHist, kW>(x, wk, n, p.shift, p.center, a, w, hs);
   } else if constexpr (kBaselineLoop<kHist>) {
-    segment_base<T, kHist, kW>(x, wk, n, p.shift, a, w, hs);
+    segment_base<T, kHist, kW>(x, wk, n, p.shift, p.center, a, w, hs);
   }
   acc_merge(p.acc, a);
   wide_merge(p.wide, w);
@@ -1252,6 +1277,7 @@ template <typename T>
 void partial_start(Partial& p, const T* x, int64_t n) {
   if (p.started) return;
   p.shift = row_shift(p.row, shift_candidate([&](int64_t i) { return load_double(x + i); }, n));
+  p.center = p.shift;
   p.started = true;
 }
 
