@@ -92,8 +92,15 @@ void gather_groups(const T* x, int64_t outer, int64_t groups, int64_t run, int64
       for (int64_t g = 0; g < groups; ++g) {
         if (!rows[g]) continue;
         const T* from = x + (t0 * groups + g) * run;
-        if (in_place) {  // fetching this group's runs of the next tile as it goes
-          partial_push_rows<T>(s.part[g], from, t1 - t0, groups * run, run, t1 < o1 ? tile * groups * run : 0);
+        if (in_place) {
+          // A full next tile: each group's pass fetches its share of it in
+          // address order (runs of a few lines, `groups` apart, escape the
+          // hardware's stream prefetch); else this group's runs of it.
+          const bool full = t1 + tile <= o1;
+          const char* seq = full ? reinterpret_cast<const char*>(x + t1 * groups * run) +
+                                       g * (t1 - t0) * run * static_cast<int64_t>(sizeof(T))
+                                 : nullptr;
+          partial_push_rows<T>(s.part[g], from, t1 - t0, groups * run, run, t1 < o1 ? tile * groups * run : 0, seq);
           continue;
         }
         if (avx2) {

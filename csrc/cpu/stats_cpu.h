@@ -80,9 +80,11 @@ template <typename T>
 void partial_push(Partial& p, const T* x, int64_t n);
 // `rows` runs of `run` contiguous values (rows_run_ok),
 // the runs `step` elements apart; each value read prefetches the one `ahead`
-// elements after it (0: none), e.g. the same place in the caller's next piece.
+// elements after it (0: none), e.g. the same place in the caller's next piece;
+// or, where `seq` is given, as many bytes from `seq` on, in address order.
 template <typename T>
-void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64_t run, int64_t ahead);
+void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64_t run, int64_t ahead,
+                       const void* seq = nullptr);
 void partial_flush(Partial& p);  // its loop kind says all: one for every T
 
 // Whether runs of `run` contiguous values can be read in place as rows

@@ -130,6 +130,9 @@ struct Walk {
   uint64_t magic = 0; // kWalkRows: i / run as (umul64hi(i, magic) + i) >> shift (strided.h),
   int32_t shift = 0;  // or as i >> shift where run is a power of 2 (magic 1)
   int64_t ahead = 0;  // kWalkRows: prefetch the element this many after each one read (0: none)
+  // kWalkRows, instead of `ahead`: prefetch bytes in address order from here,
+  // as many as the values read take (the caller's next piece, read as one run).
+  const char* seq = nullptr;
 };
 
 static_assert(kRowsMaxRun == kBlock, "stats_cpu.h's rows_run_ok: rows of at most one block");
@@ -417,7 +420,11 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, const Walk& wk, int64_t n, doub
         // Rows of a few lines each escape the hardware's stream prefetch:
         // the walk names what to fetch.
         if constexpr (kW == kWalkRows) {
-          if (wk.ahead) {
+          if (wk.seq) {
+            const char* a = wk.seq + i * static_cast<int64_t>(sizeof(T));
+            __builtin_prefetch(a);
+            if constexpr (sizeof(T) >= 4) __builtin_prefetch(a + 64);
+          } else if (wk.ahead) {
             __builtin_prefetch(q + wk.ahead);
             __builtin_prefetch(q16 + wk.ahead);
           }
@@ -839,8 +846,12 @@ HC_ALWAYS_INLINE double run_segment(const T* x, const Walk& wk, int64_t n, doubl
     const char* ahead = pf ? reinterpret_cast<const char*>(walk_at<kW>(x, wk, b + block)) : nullptr;
     // The stats loop prefetches unconditionally: without a next block, the
     // current one (already being read) stands in.
+    Walk bw = wk;  // the block's own sequential prefetch
+    if constexpr (kW == kWalkRows) {
+      if (wk.seq) bw.seq = wk.seq + b * static_cast<int64_t>(sizeof(T));
+    }
     const int64_t deferred = block_stats<T, kW, kHist, kAvx2>(
-        p, wk, len, shift, center, acc, wacc, *hs.spec, idx, eb, top,
+        p, bw, len, shift, center, acc, wacc, *hs.spec, idx, eb, top,
         ahead ? ahead : reinterpret_cast<const char*>(p));
     if (hs.m4) block_moments4<T, kW>(p, wk, len, shift, *hs.m4);
     if constexpr (kExp && kAvx2) {
@@ -1315,14 +1326,17 @@ void partial_push(Partial& p, const T* x, int64_t n) {
 }
 
 template <typename T>
-void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64_t run, int64_t ahead) {
+void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64_t run, int64_t ahead,
+                       const void* seq) {
   if (rows == 0 || run == 0) return;
   if (rows == 1 || step == run) return partial_push(p, x, rows * run);
   TORCH_CHECK(rows_run_ok(run), "hookcap: partial_push_rows reads runs of a multiple of 16 values up to ", kBlock,
               ", not ", run);
   partial_start(p, x, run);
   with_partial_kind(p, [&](auto kind) {
-    partial_run<T, decltype(kind)::value, kWalkRows>(p, x, rows_walk(step, run, ahead), rows * run);
+    Walk wk = rows_walk(step, run, ahead);
+    wk.seq = static_cast<const char*>(seq);
+    partial_run<T, decltype(kind)::value, kWalkRows>(p, x, wk, rows * run);
   });
 }
 
@@ -1330,7 +1344,7 @@ void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64
 #define HOOKCAP_PARTIAL(T)                                                                  \
   template void partial_begin<T>(Partial&, int64_t*, const HistSpec&, uint32_t*);          \
   template void partial_push<T>(Partial&, const T*, int64_t);                               \
-  template void partial_push_rows<T>(Partial&, const T*, int64_t, int64_t, int64_t, int64_t)
+  template void partial_push_rows<T>(Partial&, const T*, int64_t, int64_t, int64_t, int64_t, const void*)
 
 // accumulate_read<T>'s signature, for the explicit instantiations below and
 // in accumulate_<dtype>.cpp.
