@@ -533,12 +533,45 @@ def per_hook_cost(device, n_modules=200, reps=40):
             mon.detach()
     dispatch = statistics.median(noop)
     out = {"no-op hook (PyTorch dispatch)": dispatch}
-    for label in mons:
+    for label, mon in mons.items():
         added = statistics.median(samples[label])
         out[f"{label}: added"] = added
         out[f"{label}: hook"] = added - dispatch
+        out[f"{label}: hook, called directly"] = direct_hook_cost(model, x, mon, reps)
     out.update(tap_off_cost(x, model))
     return out
+
+
+def direct_hook_cost(model, x, mon, reps):
+    """µs per call of the Monitor's forward hook, called directly on each
+    module's own output in module order, one call per module and step (as a
+    forward pass calls it), less the same loop calling a no-op: the hook
+    alone, without the module calls around it whose noise the ``hook`` row
+    (a difference of two forward passes) carries on a busy machine."""
+    outs = [m(x) for m in model]  # before attach: these calls record nothing
+    mon.attach()
+    model(x)
+    mon.step()
+    calls = [(m, tuple(m._forward_hooks.values()), out) for m, out in zip(model, outs)]
+    n = len(calls)
+
+    def noop(mod, args, out):
+        return None
+
+    def loop(direct):
+        t = time.perf_counter()
+        for m, hooks, out in calls:
+            for h in hooks:
+                (h if direct else noop)(m, (x,), out)
+        return (time.perf_counter() - t) / n * 1e6
+
+    hook_us, empty_us = [], []
+    for _ in range(reps):
+        hook_us.append(loop(True))
+        mon.step()
+        empty_us.append(loop(False))
+    mon.detach()
+    return statistics.median(hook_us) - statistics.median(empty_us)
 
 
 def tap_off_cost(x, model, calls=100_000):
@@ -633,7 +666,8 @@ def main(argv=None):
     result["per_hook_us"] = hooks
     print("\n## per-hook host cost (tiny tensor, steady state; target: hook <= 0.5 µs)")
     print("  added = all the Monitor adds per module call, PyTorch's hook dispatch included;")
-    print("  hook  = hook call to return (added minus a no-op forward hook)")
+    print("  hook  = hook call to return (added minus a no-op forward hook);")
+    print("  called directly = the hook called on each module's output in turn, less a no-op's call")
     for k, v in hooks.items():
         print(f"{k:30s} {v:6.2f} µs")
     write_json(args.json, result)
