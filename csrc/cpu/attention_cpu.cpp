@@ -29,6 +29,8 @@ constexpr int kLanes = 16;
 // One row: the causal mask written, then its max and its sums in kLanes
 // lanes each (the compiler vectorises both loops for the ISA of the function
 // it is inlined into: attention_math.h's per-logit math has no branch).
+// kFused: multiply-adds rounded once (the AVX2+FMA build).
+template <bool kFused>
 HC_ATTN_INLINE void attention_row(float* v, int64_t tk, int64_t keys, float* lse, float* entropy) {
   const float ninf = -std::numeric_limits<float>::infinity();
   for (int64_t j = keys; j < tk; ++j) v[j] = ninf;
@@ -47,9 +49,9 @@ HC_ATTN_INLINE void attention_row(float* v, int64_t tk, int64_t keys, float* lse
     float others[kLanes] = {}, ties[kLanes] = {}, t[kLanes] = {};
     for (int64_t j = 0; j < nv; j += kLanes) {
 #pragma omp simd
-      for (int l = 0; l < kLanes; ++l) softmax_push(others[l], ties[l], t[l], v[j + l], m);
+      for (int l = 0; l < kLanes; ++l) softmax_push<kFused>(others[l], ties[l], t[l], v[j + l], m);
     }
-    for (int64_t j = nv; j < keys; ++j) softmax_push(others[0], ties[0], t[0], v[j], m);
+    for (int64_t j = nv; j < keys; ++j) softmax_push<kFused>(others[0], ties[0], t[0], v[j], m);
     for (int w = kLanes / 2; w > 0; w /= 2) {  // pairwise
       for (int l = 0; l < w; ++l) {
         others[l] += others[l + w];
@@ -66,7 +68,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(float* x, int64_t r0, int64_t
                                                    int64_t causal_row0, float* lse, float* entropy) {
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t keys = causal_keys(causal_row0 + r % tile_rows, tk, causal_row0 >= 0);
-    attention_row(x + r * tk, tk, keys, lse + r, entropy + r);
+    attention_row<true>(x + r * tk, tk, keys, lse + r, entropy + r);
   }
 }
 
@@ -74,7 +76,7 @@ void rows_baseline(float* x, int64_t r0, int64_t r1, int64_t tile_rows, int64_t 
                    float* lse, float* entropy) {
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t keys = causal_keys(causal_row0 + r % tile_rows, tk, causal_row0 >= 0);
-    attention_row(x + r * tk, tk, keys, lse + r, entropy + r);
+    attention_row<false>(x + r * tk, tk, keys, lse + r, entropy + r);
   }
 }
 

@@ -54,22 +54,35 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float float_from_bits(int32_t b) {
 #endif
 }
 
+// a * b + c, rounded once where kFused (the CPU loop's AVX2+FMA build: one
+// instruction, not two), else twice (the CUDA kernel, built with
+// --fmad=false, and the baseline CPU loop). Either is within exp_neg's bound.
+template <bool kFused>
+C10_HOST_DEVICE C10_ALWAYS_INLINE float mul_add(float a, float b, float c) {
+  if constexpr (kFused) {
+    return ::fmaf(a, b, c);
+  } else {
+    return a * b + c;
+  }
+}
+
 // exp(-d) for d >= 0 within 2 ulp, 0 from d = 87 on (below float's normal
 // range; such a term is lost against the max's 1 anyway), with no branch:
 // the CPU loop vectorises it. exp(-d) = 2^-k exp(-r), r = d - k ln 2 in
 // [-ln2/2, ln2/2] (ln 2 split in two, Cody-Waite), exp(-r) by a degree-7
 // polynomial (Cephes' expf coefficients).
+template <bool kFused = false>
 C10_HOST_DEVICE C10_ALWAYS_INLINE float exp_neg(float d) {
   const float x = d < 87.f ? d : 87.f;  // NaN: 87 (a NaN row is NaN by softmax_finish)
-  const float k = ::floorf(x * 1.44269504088896341f + 0.5f);
-  const float y = (k * 0.693359375f - x) - k * 2.12194440e-4f;  // -r
+  const float k = ::floorf(mul_add<kFused>(x, 1.44269504088896341f, 0.5f));
+  const float y = mul_add<kFused>(-k, 2.12194440e-4f, k * 0.693359375f - x);  // -r (k * 0.693359375f: exact)
   float p = 1.9875691500e-4f;
-  p = p * y + 1.3981999507e-3f;
-  p = p * y + 8.3334519073e-3f;
-  p = p * y + 4.1665795894e-2f;
-  p = p * y + 1.6666665459e-1f;
-  p = p * y + 5.0000001201e-1f;
-  p = p * (y * y) + y + 1.f;
+  p = mul_add<kFused>(p, y, 1.3981999507e-3f);
+  p = mul_add<kFused>(p, y, 8.3334519073e-3f);
+  p = mul_add<kFused>(p, y, 4.1665795894e-2f);
+  p = mul_add<kFused>(p, y, 1.6666665459e-1f);
+  p = mul_add<kFused>(p, y, 5.0000001201e-1f);
+  p = mul_add<kFused>(p, y * y, y) + 1.f;
   const float scale = float_from_bits((127 - static_cast<int32_t>(k)) << 23);  // 2^-k, k <= 126: normal
   return d < 87.f ? p * scale : 0.f;
 }
@@ -77,12 +90,13 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE float exp_neg(float d) {
 // One logit `l` of a row whose max `m` is finite (softmax_finish settles
 // the others): d = m - l is in [0, inf], inf for a masked logit (-inf),
 // which adds nothing. No branch: the CPU loop vectorises it.
+template <bool kFused = false>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void softmax_push(float& others, float& ties, float& t, float l, float m) {
   const float d = m - l;
-  const float e = exp_neg(d);
+  const float e = exp_neg<kFused>(d);
   ties += d == 0.f ? 1.f : 0.f;
   others += d > 0.f ? e : 0.f;
-  t += d < std::numeric_limits<float>::infinity() ? e * d : 0.f;
+  t = d < std::numeric_limits<float>::infinity() ? mul_add<kFused>(e, d, t) : t;  // masked: e * d = 0 * inf
 }
 
 C10_HOST_DEVICE C10_ALWAYS_INLINE void softmax_push(SoftmaxSums& a, float l, float m) {
