@@ -93,9 +93,10 @@ void gather_groups(const T* x, int64_t outer, int64_t groups, int64_t run, int64
         if (!rows[g]) continue;
         const T* from = x + (t0 * groups + g) * run;
         if (in_place) {
-          // A full next tile: each group's pass fetches its share of it in
-          // address order (runs of a few lines, `groups` apart, escape the
-          // hardware's stream prefetch); else this group's runs of it.
+          // A full next tile: each group's pass fetches its share of it into
+          // L2 in address order (runs of a few lines, `groups` apart, escape
+          // the hardware's stream prefetch), and its own rows a few ahead
+          // into L1; else this group's runs of the next tile.
           const bool full = t1 + tile <= o1;
           const char* seq = full ? reinterpret_cast<const char*>(x + t1 * groups * run) +
                                        g * (t1 - t0) * run * static_cast<int64_t>(sizeof(T))

@@ -81,7 +81,8 @@ void partial_push(Partial& p, const T* x, int64_t n);
 // `rows` runs of `run` contiguous values (rows_run_ok),
 // the runs `step` elements apart; each value read prefetches the one `ahead`
 // elements after it (0: none), e.g. the same place in the caller's next piece;
-// or, where `seq` is given, as many bytes from `seq` on, in address order.
+// or, where `seq` is given, as many bytes from `seq` on, in address order,
+// into L2 (and the runs a few rows ahead into L1).
 template <typename T>
 void partial_push_rows(Partial& p, const T* x, int64_t rows, int64_t step, int64_t run, int64_t ahead,
                        const void* seq = nullptr);

@@ -130,10 +130,12 @@ struct Walk {
   uint64_t magic = 0; // kWalkRows: i / run as (umul64hi(i, magic) + i) >> shift (strided.h),
   int32_t shift = 0;  // or as i >> shift where run is a power of 2 (magic 1)
   int64_t ahead = 0;  // kWalkRows: prefetch the element this many after each one read (0: none)
-  // kWalkRows, instead of `ahead`: prefetch bytes in address order from here,
-  // as many as the values read take (the caller's next piece, read as one run).
+  // kWalkRows, instead of `ahead`: prefetch bytes in address order from here
+  // into L2, as many as the values read take (the caller's next piece, read
+  // as one run), and each row kRowsNear rows ahead into L1.
   const char* seq = nullptr;
 };
+constexpr int64_t kRowsNear = 4;
 
 static_assert(kRowsMaxRun == kBlock, "stats_cpu.h's rows_run_ok: rows of at most one block");
 
@@ -421,9 +423,14 @@ HC_ALWAYS_INLINE int64_t block_stats(const T* x, const Walk& wk, int64_t n, doub
         // the walk names what to fetch.
         if constexpr (kW == kWalkRows) {
           if (wk.seq) {
+            // The caller's next piece into L2, in address order; this walk's
+            // row kRowsNear ahead into L1 (its lines are a stride apart: the
+            // hardware's stream prefetch misses them).
             const char* a = wk.seq + i * static_cast<int64_t>(sizeof(T));
-            __builtin_prefetch(a);
-            if constexpr (sizeof(T) >= 4) __builtin_prefetch(a + 64);
+            __builtin_prefetch(a, 0, 2);
+            if constexpr (sizeof(T) >= 4) __builtin_prefetch(a + 64, 0, 2);
+            __builtin_prefetch(q + kRowsNear * wk.stride);
+            if constexpr (sizeof(T) >= 4) __builtin_prefetch(q16 + kRowsNear * wk.stride);
           } else if (wk.ahead) {
             __builtin_prefetch(q + wk.ahead);
             __builtin_prefetch(q16 + wk.ahead);
