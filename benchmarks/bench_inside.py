@@ -21,6 +21,7 @@ import time
 import torch
 import transformers
 from _machine import machine
+from bench_groups import round_robin
 
 import hookcap
 from hookcap import Histogram, _layout, _ops
@@ -28,7 +29,8 @@ from hookcap.functional import new_state
 
 
 def tile_split(dev, batch: int, heads: int, tokens: int, rounds: int) -> dict:
-    """Median ms per call of each op on one tile of logits (see the module docstring)."""
+    """Median ms per call of each op on one tile of logits (see the module
+    docstring), timed round-robin (bench_groups.round_robin)."""
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     x = torch.randn(batch, heads, tokens, tokens, device=dev) * 3
     h = Histogram.log2()
@@ -38,16 +40,7 @@ def tile_split(dev, batch: int, heads: int, tokens: int, rounds: int) -> dict:
     fns = {"attention_rows": lambda: _ops.attention_rows(x, -1),
            "accumulate_groups": lambda: _ops.accumulate_groups(x, ring, state, rows[0], 1, 1, h),
            "accumulate_attention": lambda: _ops.accumulate_attention(x, -1, ring, state, *rows, h)}
-    times = {k: [] for k in fns}
-    for rnd in range(rounds + 2):
-        for k, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if rnd >= 2:
-                times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return round_robin(fns, rounds, sync)
 
 
 def main() -> None:
@@ -110,7 +103,7 @@ def main() -> None:
     out = {"machine": machine(dev), "device": dev.type, "torch": torch.__version__, "args": vars(args),
            "median_ms": med, f"{args.kind}_added_ms": added}
     if args.kind == "attention":
-        split = out["tile_ms"] = tile_split(dev, args.batch, args.heads, args.tokens, 3 * args.rounds)
+        split = out["tile_ms"] = tile_split(dev, args.batch, args.heads, args.tokens, args.rounds)
         print(f"one tile [{args.batch}, {args.heads}, {args.tokens}, {args.tokens}], median ms per call: "
               + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
     if args.json:

@@ -7,6 +7,7 @@ import torch
 
 import hookcap
 from hookcap import _build
+from hookcap._ops import DEVICE_OPS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,9 +33,7 @@ def test_missing_build_is_a_clear_import_error(monkeypatch, tmp_path):
         _build.check_and_load()
 
 
-@pytest.mark.parametrize("op", ["accumulate", "accumulate_many", "accumulate_groups", "accumulate_bins",
-                                "accumulate_update", "accumulate_updates", "attention_rows", "accumulate_attention",
-                                "reset_slot", "reset_rows", "advance", "time_mark"])
+@pytest.mark.parametrize("op", DEVICE_OPS)
 def test_dispatch_keys_registered(op):
     dump = torch._C._dispatch_dump(f"hookcap::{op}")
     assert "CPU:" in dump and "Meta:" in dump
