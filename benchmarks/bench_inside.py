@@ -5,7 +5,11 @@ kind, and with no Monitor, timed round-robin in one process. Prints ms per
 step and what the kind adds. With --kind attention, also the split of one
 recorded tile [batch, heads, tokens, tokens] (non-causal, log2 histogram)
 between its ops, timed round-robin: attention_rows alone, accumulate_groups
-over the tile, and accumulate_attention (both in one call).
+over the tile, and accumulate_attention (both in one call). With --kind
+router, also each token's logsumexp and entropy of router logits
+[batch x tokens, E] (E = 8 and 64) as the router capture computes them
+(attention_rows on a float32 copy) against PyTorch's own ops for the same
+values (logsumexp, softmax, special.entr), timed round-robin.
 
   PYTHONPATH=. python benchmarks/bench_inside.py [--kind attention|router] [--device cuda] [--layers 2]
       [--embd 256] [--batch 4] [--tokens 256] [--rounds 9] [--json PATH]
@@ -41,6 +45,26 @@ def tile_split(dev, batch: int, heads: int, tokens: int, rounds: int) -> dict:
            "accumulate_groups": lambda: _ops.accumulate_groups(x, ring, state, rows[0], 1, 1, h),
            "accumulate_attention": lambda: _ops.accumulate_attention(x, -1, ring, state, *rows, h)}
     return round_robin(fns, rounds, sync)
+
+
+def router_rows(dev, tokens: int, rounds: int) -> dict:
+    """Median ms per call of the router's per-token z and entropy (see the
+    module docstring) for ``tokens`` tokens, and torch's ops over hookcap's."""
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    out = {}
+    for experts in (8, 64):
+        logits = torch.randn(tokens, experts, device=dev) * 3
+
+        def hookcap_rows():
+            lse, entropy = _ops.attention_rows(logits.to(torch.float32, copy=True))
+            return lse.square_(), entropy
+
+        def torch_ops():
+            return torch.logsumexp(logits, -1).square_(), torch.special.entr(torch.softmax(logits, -1)).sum(-1)
+
+        ms = round_robin({"hookcap": hookcap_rows, "torch": torch_ops}, rounds, sync)
+        out[f"E={experts}"] = {**ms, "torch / hookcap": ms["torch"] / ms["hookcap"]}
+    return out
 
 
 def main() -> None:
@@ -106,6 +130,11 @@ def main() -> None:
         split = out["tile_ms"] = tile_split(dev, args.batch, args.heads, args.tokens, args.rounds)
         print(f"one tile [{args.batch}, {args.heads}, {args.tokens}, {args.tokens}], median ms per call: "
               + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+    else:
+        rr = out["router_rows_ms"] = router_rows(dev, args.batch * args.tokens, args.rounds)
+        print(f"router z and entropy of {args.batch * args.tokens} tokens, median ms per call: "
+              + "; ".join(f"{e}: hookcap {v['hookcap']:.3f}, torch ops {v['torch']:.3f} "
+                          f"({v['torch / hookcap']:.1f} x)" for e, v in rr.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

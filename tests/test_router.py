@@ -225,6 +225,44 @@ def test_router_metrics_equal_float64():
     assert {n.split("/")[0] for n in h.names if "/router." in n} == {"router"}
 
 
+class GivenLogits(nn.Module):
+    """A router over logits it is given: ``(logits, top-2 weights, top-2 choices)``."""
+
+    def forward(self, logits):
+        w, idx = torch.softmax(logits, -1).topk(2, -1)
+        return logits, w, idx
+
+
+def test_router_z_and_entropy_of_odd_tokens_and_the_model_untouched():
+    """A token whose logits are all -inf has z inf and entropy -inf (counted
+    as such, outside the sums), a NaN logit makes both NaN; the other tokens'
+    z and entropy equal float64. The logits the router returns, which the
+    model differentiates through, keep their values, version and gradient."""
+    torch.manual_seed(3)
+    base = torch.randn(7, 5, dtype=torch.float32) * 2
+    base[2] = float("-inf")
+    base[4, 1] = float("nan")
+    logits = base.clone().requires_grad_(True)
+    router = GivenLogits()
+    mon = Monitor(router, capture="router").attach()
+    out = router(logits * 1.0)
+    version = out[0]._version
+    (out[0].nan_to_num(0.0, 0.0, 0.0) ** 2).sum().backward()
+    mon.step()
+    h = mon.history()
+    mon.detach()
+    assert out[0]._version == version
+    assert torch.equal(logits.grad.nan_to_num(), (2 * base).nan_to_num(0.0, 0.0, 0.0))
+    ok = [i for i in range(7) if i not in (2, 4)]
+    lse, ent, _ = reference_router(base[ok], torch.zeros(len(ok), 2, dtype=torch.long), 5)
+    z, e = h.column("./router.z"), h.column("./router.entropy")
+    assert h["posinf"][0, z] == 1 and h["nan"][0, z] == 1 and h["count"][0, z] == 7
+    assert h["neginf"][0, e] == 1 and h["nan"][0, e] == 1 and h["count"][0, e] == 7
+    assert h["mean"][0, z] == pytest.approx((lse**2).mean().item(), rel=1e-5)
+    assert h["mean"][0, e] == pytest.approx(ent.mean().item(), rel=1e-5)
+    assert h["min"][0, e] == pytest.approx(ent.min().item(), rel=1e-5)
+
+
 def test_dead_expert_is_named_by_threshold():
     """An expert whose gate bias keeps every token away: its group count is
     0 at every step and Threshold names that group after `steps` steps."""

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -27,8 +28,9 @@ namespace {
 constexpr int kLanes = 16;
 
 // One row: the causal mask written, then its max and its sums in kLanes
-// lanes each (the compiler vectorises both loops for the ISA of the function
-// it is inlined into: attention_math.h's per-logit math has no branch).
+// lanes each, its last keys % kLanes logits included (the compiler
+// vectorises these loops for the ISA of the function it is inlined into:
+// attention_math.h's per-logit math has no branch).
 // kFused: multiply-adds rounded once (the AVX2+FMA build).
 template <bool kFused>
 HC_ATTN_INLINE void attention_row(float* v, int64_t tk, int64_t keys, float* lse, float* entropy) {
@@ -41,7 +43,17 @@ HC_ATTN_INLINE void attention_row(float* v, int64_t tk, int64_t keys, float* lse
 #pragma omp simd
     for (int l = 0; l < kLanes; ++l) mx[l] = logit_max(mx[l], v[j + l]);
   }
-  for (int64_t j = nv; j < keys; ++j) mx[0] = logit_max(mx[0], v[j]);
+  // The last keys % kLanes logits take one more vector step, padded with
+  // -inf, which changes neither the max nor any sum: short rows (a router's
+  // few experts, a causal row's end) stay off the scalar path.
+  float tail[kLanes];
+  const bool has_tail = nv < keys;
+  if (has_tail) {
+    for (float& t : tail) t = ninf;
+    std::memcpy(tail, v + nv, sizeof(float) * static_cast<size_t>(keys - nv));
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) mx[l] = logit_max(mx[l], tail[l]);
+  }
   float m = mx[0];
   for (int l = 1; l < kLanes; ++l) m = logit_max(m, mx[l]);
   SoftmaxSums s = softmax_sums_zero();
@@ -51,7 +63,10 @@ HC_ATTN_INLINE void attention_row(float* v, int64_t tk, int64_t keys, float* lse
 #pragma omp simd
       for (int l = 0; l < kLanes; ++l) softmax_push<kFused>(others[l], ties[l], t[l], v[j + l], m);
     }
-    for (int64_t j = nv; j < keys; ++j) softmax_push<kFused>(others[0], ties[0], t[0], v[j], m);
+    if (has_tail) {
+#pragma omp simd
+      for (int l = 0; l < kLanes; ++l) softmax_push<kFused>(others[l], ties[l], t[l], tail[l], m);
+    }
     for (int w = kLanes / 2; w > 0; w /= 2) {  // pairwise
       for (int l = 0; l < w; ++l) {
         others[l] += others[l + w];

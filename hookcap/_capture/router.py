@@ -17,6 +17,10 @@ order inside a tuple (HF Mixtral, OLMoE and Qwen-MoE routers return
 - ``{module}/router.entropy``: each token's entropy of ``softmax(logits)``
   in nats (``ln E`` at most: uniform routing).
 
+Both from one pass over a float32 copy of the logits (``attention_rows``'
+row math); a token whose logits are all ``-inf`` has z ``inf`` and entropy
+``-inf``, one holding NaN or ``+inf`` NaN for both.
+
 A router returning a dispatch mask after capacity instead of indices (HF
 Switch Transformers: ``(mask [..., E], top weight [..., 1], logits)``) also
 gets ``{module}/router.wanted``: one group per expert, the tokens whose
@@ -35,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from .._ops import make_effectful
+from .._ops import attention_rows, make_effectful
 
 
 def router_parts(out) -> tuple | None:
@@ -127,7 +131,8 @@ def record_router(rec, name: str, mtype: str, logits: torch.Tensor, weights: tor
     """Write one router call's metrics (module docstring) into ``rec``;
     ``choices``: top-k indices, or a dispatch mask of the logits' shape."""
     experts = logits.shape[-1]
-    lf = logits.detach().float().reshape(-1, experts)
+    # A float32 copy, never the model's tensor: attention_rows' argument is in-out.
+    lf = logits.detach().reshape(-1, experts).to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     if choices.shape == logits.shape:  # a dispatch mask: expert e where set, else -1 (in no group)
         mask = choices.detach().reshape(-1, experts) != 0
         idx = torch.where(mask, torch.arange(experts, device=mask.device), -1)
@@ -144,5 +149,6 @@ def record_router(rec, name: str, mtype: str, logits: torch.Tensor, weights: tor
     counts = torch.zeros(experts + 1, dtype=torch.float64, device=flat.device)
     counts.index_add_(0, slot, torch.ones((), dtype=torch.float64, device=flat.device).expand(flat.numel()))
     rec.write(name, "router", "load", counts[:experts], mtype, 0)
-    rec.write(name, "router", "z", torch.logsumexp(lf, dim=-1).square_(), mtype, 0)
-    rec.write(name, "router", "entropy", torch.special.entr(torch.softmax(lf, dim=-1)).sum(-1), mtype, 0)
+    lse, entropy = attention_rows(lf)  # each token's logsumexp and entropy in one pass
+    rec.write(name, "router", "z", lse.square_(), mtype, 0)
+    rec.write(name, "router", "entropy", entropy, mtype, 0)
