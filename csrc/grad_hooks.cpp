@@ -96,6 +96,7 @@ struct GradSink {
   at::Tensor python_writes;  // int64 [1]: rows Python has logged this step
   const int64_t* python_writes_at = nullptr;  // its value
   std::atomic<bool> active{true};
+  mutable std::atomic<int64_t> op_writes{0};  // writes through the dispatcher, not direct (_grad_sink_op_writes)
   SpinLock log_mu;                           // guards the log below
   std::vector<int64_t> log_rids, log_after;  // row id, Python rows logged before it
   std::vector<HookError> errors;
@@ -134,9 +135,10 @@ std::shared_ptr<GradSink> sink_of(int64_t id) {
 // Whether x is a plain CPU or CUDA tensor whose memory holds its values:
 // not a view with a lazy negation or conjugation, an efficient zero tensor,
 // a Python subclass, a functional or batched wrapper (their dispatch keys
-// make the dispatcher resolve them first).
+// make the dispatcher resolve them first). Every dense tensor carries the
+// autograd, inplace-or-view and autocast keys, which the op falls through.
 bool plain_dense(const at::Tensor& x) {
-  const c10::DispatchKeySet ks = x.key_set() - c10::autograd_dispatch_keyset -
+  const c10::DispatchKeySet ks = x.key_set() - c10::autograd_dispatch_keyset - c10::autocast_dispatch_keyset -
                                  c10::DispatchKeySet(c10::DispatchKey::ADInplaceOrView);
   return ks == c10::DispatchKeySet(c10::DispatchKey::CPU) || ks == c10::DispatchKeySet(c10::DispatchKey::CUDA);
 }
@@ -174,6 +176,7 @@ void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Ten
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("hookcap::accumulate", "")
                        .typed<AccumulateFn>();
+  s.op_writes.fetch_add(1, std::memory_order_relaxed);
   op.call(x, ref.ring, ref.state, row, s.hist_kind, s.hist_lo, s.hist_hi, s.hist_bins);
 }
 
@@ -370,6 +373,17 @@ PyObject* grad_sink_active(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyErr_Occurred()) return nullptr;
   if (s) s->active.store(PyObject_IsTrue(args[1]) == 1);
   Py_RETURN_NONE;
+}
+
+// _grad_sink_op_writes(id) -> int: the sink's writes so far that went
+// through the dispatcher rather than straight to the kernel (a diagnostic:
+// 0 for plain tensors while no profiler or dispatch mode watches).
+PyObject* grad_sink_op_writes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1) return PyErr_Format(PyExc_TypeError, "_grad_sink_op_writes takes 1 argument");
+  auto s = sink_of(PyLong_AsLongLong(args[0]));
+  if (PyErr_Occurred()) return nullptr;
+  if (!s) return PyErr_Format(PyExc_ValueError, "no such sink");
+  return PyLong_FromLongLong(s->op_writes.load(std::memory_order_relaxed));
 }
 
 // _grad_sink_take(id) -> (row ids first written, after: int64 bytes, [(row id, timing, message)]),
@@ -708,6 +722,8 @@ PyMethodDef kMethods[] = {
      nullptr},
     {"_grad_sink_take", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_sink_take)),
      METH_FASTCALL, nullptr},
+    {"_grad_sink_op_writes",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_sink_op_writes)), METH_FASTCALL, nullptr},
     {"_grad_sink_free", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_sink_free)),
      METH_FASTCALL, nullptr},
     {"_accumulate_row", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(accumulate_row)),

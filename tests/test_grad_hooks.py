@@ -318,18 +318,27 @@ def test_direct_kernel_calls_equal_the_op_and_stay_visible_to_profilers():
     model = Deep(4)
     x = torch.randn(3, 8)
     mon = Monitor(model, capture=("output", "grad_output")).attach()
+    model(x).sum().backward()  # the first call of each module: Python's op path
+    mon.step()
+    fast = mon._recorder.fast
+    op_writes = []
     for profiled in (False, True):
+        before = fast.op_writes()
         if profiled:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 model(x).sum().backward()
         else:
             model(x).sum().backward()
         mon.step()
+        op_writes.append(fast.op_writes() - before)
     mon.detach()
+    # Unprofiled, every cached write went straight to the kernel (the tensors
+    # carry autograd and autocast keys, which the op falls through).
+    assert op_writes == [0, 16]
     h = mon.history()
     assert len(h.names) == 10  # 4 Linear + the Tanh called 4 times, output and grad_output
     for stat in ("count", "sum", "sumsq", "min", "max", "absmax"):
-        direct, through_op = h[stat]  # steps 0 and 1
+        direct, through_op = h[stat][1:]  # steps 1 and 2
         np.testing.assert_array_equal(direct, through_op)
     ops = [e for e in prof.events() if e.name == "hookcap::accumulate"]
     assert len(ops) == 16  # one per module call and per gradient

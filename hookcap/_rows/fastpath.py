@@ -80,6 +80,12 @@ class FastPath:
         """Cache a module call's rows (``NO_ROW`` where not recorded) for ``output_fast``."""
         _C._fast_learn(self.id, hook_id, call, output, out_rid, grad_rid)
 
+    def op_writes(self) -> int:
+        """Writes so far that went through the dispatcher (the op) rather
+        than straight to the kernel: 0 for plain dense tensors unless a
+        profiler or a Python dispatch mode watches ops."""
+        return _C._grad_sink_op_writes(self.id)
+
     def note_python_write(self) -> None:
         self._python_writes_np[0] += 1
 
