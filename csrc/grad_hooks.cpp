@@ -154,7 +154,10 @@ bool plain_dense(const at::Tensor& x) {
 // Python code.
 bool direct_write(const RingRef& ref, const at::Tensor& x) {
   return ref.direct && plain_dense(x) && x.device() == ref.ring.device() &&
-         !c10::impl::TorchDispatchModeTLS::any_modes_set() && !at::hasCallbacks();
+         !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
+         // The dispatcher's own test for observers of an op call (a profiler):
+         // per thread, without at::hasCallbacks' lock and copy of the global list.
+         !at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value();
 }
 
 void accumulate_into(const GradSink& s, RingRef& ref, int64_t row, const at::Tensor& x, bool direct) {
