@@ -713,6 +713,47 @@ def test_monitor_matches_the_captured_tensors(dev):
     _assert_matches_captured(h, values)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "autocast"])
+def test_steady_state_hook_writes_go_straight_to_the_kernel(dev, autocast):
+    """From a module's second step on, the C++ hooks write its plain output
+    and output gradient straight to the kernel, not through the dispatcher
+    (FastPath.op_writes stays put; under autocast too, whose key every
+    tensor carries), and those writes equal float64 of the tensors; under a
+    profiler every write goes through the dispatcher, where it sees them."""
+    model = _graph_model(dev)
+    x = torch.randn(8, 16, device=dev)
+    seen = {}
+
+    def keep(name):
+        def hook(mod, args, out):
+            seen[name] = out.detach().double().cpu().reshape(-1)
+        return hook
+
+    for n, m in model.named_children():
+        m.register_forward_hook(keep(f"{n}/output"))
+    mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
+    fast = mon._recorder.fast
+    writes = []
+    for step in range(4):
+        before = fast.op_writes()
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 3 else None
+        with profiler or contextlib.nullcontext(), \
+                torch.autocast(dev, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            model(x).float().sum().backward()
+        synchronize(dev)
+        writes.append(fast.op_writes() - before)
+        mon.step()
+    h = mon.history()
+    mon.detach()
+    assert writes[1:] == [0, 0, 6]  # 3 outputs and 3 gradients a step
+    for name, vals in seen.items():  # the last step's outputs
+        got = {k: h[k][3, h.column(name)] for k in hookcap.STAT_NAMES}
+        got["hist"], got["bin_edges"] = h.histogram(name)[3], h.bin_edges
+        want = hookcap.reference.stats_from_values(vals.numpy(), h.histogram_spec)
+        assert_stats_match(got, want, abs_sum=float(vals.abs().sum()))
+
+
 def _assert_matches_captured(h, values):
     """Each statistic of ``h`` equals the float64 reference of the tensor it saw."""
     assert set(values) == {(s, n) for s in h.steps for n in h.names}
