@@ -1264,7 +1264,8 @@ def test_attention_router_and_channels_record_without_a_sync(dev):
     h = run(device_of(dev))
     ref = run("cpu")
     assert sorted(h.names) == sorted(ref.names)
-    for name in ("./attn.logit", "router/router.z", "router/router.load", "out/output.top_over_median", "choice"):
+    for name in ("./attn.logit", "router/router.z", "router/router.entropy", "router/router.load",
+                 "out/output.top_over_median", "choice"):
         for stat in ("count", "max", "mean"):
             np.testing.assert_allclose(h[stat][:, h.column(name)], ref[stat][:, ref.column(name)], rtol=1e-4,
                                        err_msg=f"{name} {stat}")
