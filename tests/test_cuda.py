@@ -717,7 +717,7 @@ def test_monitor_matches_the_captured_tensors(dev):
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "autocast"])
 def test_steady_state_hook_writes_go_straight_to_the_kernel(dev, autocast):
     """From a module's second step on, the C++ hooks write its plain output
-    and output gradient straight to the kernel, not through the dispatcher
+    and output gradient in one C call (no Python write), straight to the kernel, not through the dispatcher
     (FastPath.op_writes stays put; under autocast too, whose key every
     tensor carries), and those writes equal float64 of the tensors; under a
     profiler every write goes through the dispatcher, where it sees them."""
@@ -733,8 +733,13 @@ def test_steady_state_hook_writes_go_straight_to_the_kernel(dev, autocast):
     for n, m in model.named_children():
         m.register_forward_hook(keep(f"{n}/output"))
     mon = hookcap.Monitor(model, capture=("output", "grad_output")).attach()
-    fast = mon._recorder.fast
-    writes = []
+    rec = mon._recorder
+    fast = rec.fast
+    general = []  # the hooks' Python path: first calls only
+    for attr in ("write", "capture_grad"):
+        orig = getattr(rec, attr)
+        setattr(rec, attr, lambda *a, _orig=orig, **k: (general.append(a[0]), _orig(*a, **k))[1])
+    writes, python_writes = [], []
     for step in range(4):
         before = fast.op_writes()
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if step == 3 else None
@@ -743,10 +748,13 @@ def test_steady_state_hook_writes_go_straight_to_the_kernel(dev, autocast):
             model(x).float().sum().backward()
         synchronize(dev)
         writes.append(fast.op_writes() - before)
+        python_writes.append(len(general))
+        general.clear()
         mon.step()
     h = mon.history()
     mon.detach()
     assert writes[1:] == [0, 0, 6]  # 3 outputs and 3 gradients a step
+    assert python_writes == [6, 0, 0, 0]  # after the first step: one C call per module call
     for name, vals in seen.items():  # the last step's outputs
         got = {k: h[k][3, h.column(name)] for k in hookcap.STAT_NAMES}
         got["hist"], got["bin_edges"] = h.histogram(name)[3], h.bin_edges
