@@ -5,7 +5,10 @@ kind, and with no Monitor, timed round-robin in one process. Prints ms per
 step and what the kind adds. With --kind attention, also the split of one
 recorded tile [batch, heads, tokens, tokens] (non-causal, log2 histogram)
 between its ops, timed round-robin: attention_rows alone, accumulate_groups
-over the tile, and accumulate_attention (both in one call). With --kind
+over the tile, and accumulate_attention (both in one call); and the host
+time each tile adds to a recorded attention call (tiny tensors, so that the
+tile's work is negligible: one call in 16 tiles against the same call in
+one, round-robin). With --kind
 router, also each token's logsumexp and entropy of router logits
 [batch x tokens, E] (E = 8 and 64) as the router capture computes them
 (attention_rows on a float32 copy) against PyTorch's own ops for the same
@@ -45,6 +48,36 @@ def tile_split(dev, batch: int, heads: int, tokens: int, rounds: int) -> dict:
            "accumulate_groups": lambda: _ops.accumulate_groups(x, ring, state, rows[0], 1, 1, h),
            "accumulate_attention": lambda: _ops.accumulate_attention(x, -1, ring, state, *rows, h)}
     return round_robin(fns, rounds, sync)
+
+
+def tile_host_us(dev, rounds: int) -> float:
+    """µs each extra tile adds to a recorded attention call of tiny tensors
+    ([1, 2, 64, 8], non-causal): 16 tiles of 4 query rows against one tile,
+    median ms per call (round_robin), difference over 15."""
+    import hookcap._capture.attention as att
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    model = Attn()
+    q, k, v = (torch.randn(1, 2, 64, 8, device=dev) for _ in range(3))
+    mon = hookcap.Monitor(model, capture=("attention",), detectors=[]).attach()
+    saved = att.TILE_VALUES, att.CUDA_TILE_VALUES
+
+    def call(tile_values):
+        def fn():
+            att.TILE_VALUES = att.CUDA_TILE_VALUES = tile_values
+            model(q, k, v)  # no step() between: the same rows take every call
+        return fn
+
+    try:
+        ms = round_robin({"16 tiles": call(2 * 64 * 4), "1 tile": call(1 << 30)}, rounds, sync)
+    finally:
+        att.TILE_VALUES, att.CUDA_TILE_VALUES = saved
+        mon.detach()
+    return (ms["16 tiles"] - ms["1 tile"]) / 15 * 1e3
 
 
 def router_rows(dev, tokens: int, rounds: int) -> dict:
@@ -130,6 +163,8 @@ def main() -> None:
         split = out["tile_ms"] = tile_split(dev, args.batch, args.heads, args.tokens, args.rounds)
         print(f"one tile [{args.batch}, {args.heads}, {args.tokens}, {args.tokens}], median ms per call: "
               + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+        per_tile = out["tile_host_us"] = tile_host_us(dev, max(args.rounds, 21))
+        print(f"host time per extra tile of a recorded attention call (tiny tensors): {per_tile:.1f} us")
     else:
         rr = out["router_rows_ms"] = router_rows(dev, args.batch * args.tokens, args.rounds)
         print(f"router z and entropy of {args.batch * args.tokens} tokens, median ms per call: "

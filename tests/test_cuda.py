@@ -1188,39 +1188,55 @@ def test_accumulate_attention_on_the_device_matches_the_cpu_op(dev):
         np.testing.assert_allclose(float(gs["sum"]), float(ws["sum"]), rtol=1e-5, atol=1e-6 * scale)
 
 
-@cuda_only
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 48])  # scale 1/8 (exact in 16 bits) and 1/sqrt(48) (applied in float32)
-def test_attention_of_16_bit_queries_on_tensor_cores_matches_float64(dtype, head_dim):
-    """16-bit q and k on a GPU take the tensor-core product with float32
-    output: per head, the max logit, logsumexp range and entropy still equal
-    float64 of the same 16-bit values within 1e-5 (causal, grouped-query)."""
+@pytest.mark.parametrize("mask", [False, True], ids=["is_causal", "padding_mask"])
+def test_attention_of_16_bit_queries_matches_float64(dev, dtype, head_dim, mask, monkeypatch):
+    """16-bit q and k (on a GPU: the tensor-core product with float32
+    output, the scale on the queries where it is a power of two), causal
+    with grouped heads, through is_causal or an additive mask that also
+    pads the second sequence, in tiles of 40 query rows: per head, the max
+    and min logit, logsumexp range and entropy equal float64 of the same
+    16-bit values within 1e-5, and every logit is counted once."""
     import torch.nn.functional as F
 
+    import hookcap._capture.attention as att
+
+    for name in ("TILE_VALUES", "CUDA_TILE_VALUES"):
+        monkeypatch.setattr(att, name, 2 * 8 * 300 * 40)
     torch.manual_seed(0)
     q = (torch.randn(2, 8, 300, head_dim) * 2).to(dtype)
     k = (torch.randn(2, 2, 300, head_dim) * 2).to(dtype)
+    add = None
+    if mask:
+        add = torch.ones(300, 300).tril().log().expand(2, 1, 300, 300).clone()  # causal, as -inf
+        add[1, ..., -50:] = torch.finfo(torch.float32).min  # the second sequence padded
 
     class Attn(torch.nn.Module):
         def forward(self, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if add is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=add.to(q.device, q.dtype), enable_gqa=True)
 
     model = torch.nn.ModuleDict({"0": Attn()})
     mon = hookcap.Monitor(model, capture=("attention",)).attach()
-    qd, kd = q.cuda(), k.cuda()
-    with no_sync("cuda"):
+    qd, kd = q.to(device_of(dev)), k.to(device_of(dev))
+    with no_sync(dev):
         model["0"](qd, kd, kd)
     mon.step()
     mon.detach()
     h = mon.history()
-    ref = attention_reference(q, k, None, True)
+    ref = attention_reference(q, k, None if add is None else add.to(dtype), add is None)
     got = lambda m, s: h.groups(f"0/attn.{m}", s)[0]  # noqa: E731
     np.testing.assert_allclose(got("logit", "max"), ref["max"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got("logit", "min"), ref["min"].numpy(), rtol=1e-5)
     np.testing.assert_allclose(got("lse", "max"), ref["lse_max"].numpy(), rtol=1e-5)
     np.testing.assert_allclose(got("lse", "min"), ref["lse_min"].numpy(), rtol=1e-5)
     np.testing.assert_allclose(got("entropy", "mean"), ref["ent_mean"].numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got("logit", "finite"), ref["finite"].numpy())
-    np.testing.assert_array_equal(got("logit", "neginf"), ref["neginf"].numpy())  # 4 causal tiles: hidden keys too
+    np.testing.assert_array_equal(got("logit", "neginf"), ref["neginf"].numpy())  # hidden keys too
+    np.testing.assert_array_equal(got("logit", "count"), ref["count"].numpy())
 
 
 @pytest.mark.parametrize("dev", DEVICES)

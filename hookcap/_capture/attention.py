@@ -134,6 +134,13 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal:
     low = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and _BMM_OUT_DTYPE
     pow2 = math.frexp(scale)[0] == 0.5
     kt = (k if low else k.float()).transpose(-1, -2)
+    # The queries scaled once for all tiles (1/Tk of the logits' values): per
+    # tile only views, the product and the statistics (host time per tile
+    # bounds how small a tile can be).
+    if low:
+        qs_all = qg * scale if pow2 else qg
+    else:
+        qs_all = qg.float() * scale
     rows = max(1, tile_values // max(1, b * h * tk))
     if is_causal and tq >= CAUSAL_TILES * 16:
         # At least CAUSAL_TILES tiles: each computes only the keys up to its
@@ -142,27 +149,25 @@ def attention_tiles(q: torch.Tensor, k: torch.Tensor, attn_mask=None, is_causal:
     for q0 in range(0, tq, rows):
         q1 = min(tq, q0 + rows)
         keys = min(tk, q1) if is_causal else tk
-        kt_tile = kt[..., :keys]
-        # The queries scaled first: a [B, H, rows, D] tile, 1/Tk of the logits.
-        qt = qg[..., q0:q1, :]
+        kt_tile = kt if keys == tk else kt.narrow(-1, 0, keys)
+        qt = qs_all if q1 - q0 == tq else qs_all.narrow(3, q0, q1 - q0)
         if low:
-            qs = (qt * scale if pow2 else qt).reshape(b * hk, rep * (q1 - q0), d)
-            logits = torch.bmm(qs, kt_tile.reshape(b * hk, d, keys), out_dtype=torch.float32).view(
-                b, h, q1 - q0, keys)
+            logits = torch.bmm(qt.reshape(b * hk, rep * (q1 - q0), d), kt_tile.reshape(b * hk, d, keys),
+                               out_dtype=torch.float32).view(b, h, q1 - q0, keys)
             if not pow2:
                 logits.mul_(scale)
         else:
-            qs = (qt.float() * scale).reshape(b, hk, rep * (q1 - q0), d)
-            logits = torch.matmul(qs, kt_tile).view(b, h, q1 - q0, keys)
+            logits = torch.matmul(qt.reshape(b, hk, rep * (q1 - q0), d), kt_tile).view(b, h, q1 - q0, keys)
         if attn_mask is not None:
             m = attn_mask[..., q0:q1, :] if attn_mask.shape[-2] != 1 else attn_mask
             m = m[..., :keys] if m.shape[-1] != 1 else m
             if m.dtype != torch.bool:  # additive; -inf or the dtype's lowest value (HF's) forbids
                 mf = m.float()
-                ok = mf > torch.finfo(m.dtype).min / 2
-                logits.add_(torch.where(ok, mf, torch.zeros((), device=mf.device)))
-                m = ok
-            logits.masked_fill_(~m, float("-inf"))
+                forbid = (mf > torch.finfo(m.dtype).min / 2).logical_not_()
+                logits.add_(mf)  # the forbidden sums are overwritten next
+            else:
+                forbid = m.logical_not()
+            logits.masked_fill_(forbid, float("-inf"))
         yield logits, q0 if is_causal else -1, tk - keys
 
 
