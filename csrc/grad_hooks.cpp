@@ -549,43 +549,41 @@ const std::shared_ptr<GradSink>& fast_sink(PyObject* o) {
   return g_fast_sink;
 }
 
-// output_fast(hook, output) -> int, bound to a sink id (_output_fast_for):
-// the forward hook's steady state in one C call. A module call whose output
-// is one plain tensor, seen before on the same device, has its rows cached
-// (_fast_learn): its output is merged and its gradient hook registered here.
-// Returns -2 when the Monitor does not record (nothing counted), -1 when
-// done, else the call's index: the Python hook then takes its general path
-// with that index (first calls, other outputs, checkpoint recomputation,
-// Python gradient hooks, errors).
-PyObject* output_fast(PyObject* sink_id, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) return PyErr_Format(PyExc_TypeError, "output_fast takes 2 arguments");
+// The forward hook's steady state (output_fast and output_hook): a module
+// call whose output is one plain tensor, seen before on the same device, has
+// its rows cached (_fast_learn): its output is merged and its gradient hook
+// registered here. Sets *ci to -2 when the Monitor does not record (nothing
+// counted), -1 when done, else the call's index: the Python hook then takes
+// its general path with that index (first calls, other outputs, checkpoint
+// recomputation, Python gradient hooks, errors). False: a Python error is set.
+bool output_fast_ci(PyObject* sink_id, PyObject* hook_id, PyObject* out, int64_t* ci_out) {
   const std::shared_ptr<GradSink>& cached = fast_sink(sink_id);
-  const int64_t hook = PyLong_AsLongLong(args[0]);
-  if (!cached || PyErr_Occurred()) return nullptr;
+  const int64_t hook = PyLong_AsLongLong(hook_id);
+  if (!cached || PyErr_Occurred()) return false;
   GradSink* const s = cached.get();  // held by g_fast_sink while no Python code runs (see keep)
-  if (!s->recording) return PyLong_FromLong(kNotRecording);
-  if (hook < 0 || hook > (1 << 24)) return PyErr_Format(PyExc_ValueError, "bad hook id");
+  int64_t& result = *ci_out;
+  if (!s->recording) return result = kNotRecording, true;
+  if (hook < 0 || hook > (1 << 24)) return PyErr_Format(PyExc_ValueError, "bad hook id"), false;
   if (static_cast<int64_t>(s->calls.size()) <= hook) s->calls.resize(hook + 1, 0);
-  const int64_t ci = s->calls[hook]++;
-  PyObject* out = args[1];
+  const int64_t ci = result = s->calls[hook]++;
   // Recomputation in backward (checkpointing) records nothing new: Python decides.
   if (!THPVariable_CheckExact(out) || torch::autograd::get_current_graph_task_id() != -1 ||
       static_cast<int64_t>(s->fast.size()) <= hook ||
       static_cast<int64_t>(s->fast[hook].size()) <= ci || !s->fast[hook][ci].valid) {
-    return PyLong_FromLongLong(ci);
+    return true;
   }
   GradSink::FastRows& f = s->fast[hook][ci];
   const at::Tensor& t = THPVariable_Unpack(out);
   if (t.device() != f.device) {
     f.valid = false;  // relearned by the general path for the new device
-    return PyLong_FromLongLong(ci);
+    return true;
   }
   bool grad = f.grad != kNoRow && t.requires_grad();
   if (grad) {
     std::lock_guard<std::mutex> lock(s->mu);
     grad = s->skipped.count(f.grad) == 0;
   }
-  if (grad && (s->force_python_grad || compiled_autograd_on())) return PyLong_FromLongLong(ci);
+  if (grad && (s->force_python_grad || compiled_autograd_on())) return true;
   // A copy only for a write through the dispatcher: a Python dispatch mode's
   // code may free the Monitor (and reset g_fast_sink) there.
   std::shared_ptr<GradSink> keep;
@@ -600,7 +598,7 @@ PyObject* output_fast(PyObject* sink_id, PyObject* const* args, Py_ssize_t nargs
     }
   } catch (const std::exception&) {
     f.valid = false;  // the general path writes again, reports and skips the row
-    return PyLong_FromLongLong(ci);
+    return true;
   }
   if (grad) {
     try {
@@ -610,7 +608,50 @@ PyObject* output_fast(PyObject* sink_id, PyObject* const* args, Py_ssize_t nargs
       s->errors.push_back({f.grad, false, message_of(e)});  // warned at the step's end
     }
   }
-  return PyLong_FromLong(kDone);
+  result = kDone;
+  return true;
+}
+
+// output_fast(hook, output) -> int, bound to a sink id (_output_fast_for):
+// output_fast_ci's answer. The Python hook calls it in eval mode and where
+// the C hook (output_hook) hands a call back.
+PyObject* output_fast(PyObject* sink_id, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) return PyErr_Format(PyExc_TypeError, "output_fast takes 2 arguments");
+  int64_t ci = 0;
+  if (!output_fast_ci(sink_id, args[0], args[1], &ci)) return nullptr;
+  return PyLong_FromLongLong(ci);
+}
+
+// _output_hook(ctx, module, args, output): the forward hook itself, registered
+// as functools.partial(_output_hook, ctx) with ctx = (sink id, hook id, split,
+// hook, tail). No Python frame in the steady state: a module in eval mode
+// (where split) goes to the Python `hook`, a call output_fast_ci does not
+// finish to `tail(module, output, ci)`. Dynamo never runs it: it traces the
+// Python `hook` instead (hookcap._capture.output_hook's polyfill).
+PyObject* output_hook(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 5) {
+    return PyErr_Format(PyExc_TypeError, "_output_hook takes (ctx, module, args, output)");
+  }
+  PyObject* const ctx = args[0];
+  PyObject* const mod = args[1];
+  if (PyTuple_GET_ITEM(ctx, 2) == Py_True) {
+    static PyObject* const training = PyUnicode_InternFromString("training");
+    PyObject* const mode = PyObject_GetAttr(mod, training);
+    if (!mode) return nullptr;
+    const int train = PyObject_IsTrue(mode);
+    Py_DECREF(mode);
+    if (train < 0) return nullptr;
+    if (train == 0) return PyObject_Vectorcall(PyTuple_GET_ITEM(ctx, 3), args + 1, 3, nullptr);
+  }
+  int64_t ci = 0;
+  if (!output_fast_ci(PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1), args[3], &ci)) return nullptr;
+  if (ci == kDone) Py_RETURN_NONE;
+  PyObject* const index = PyLong_FromLongLong(ci);
+  if (!index) return nullptr;
+  PyObject* const tail_args[3] = {mod, args[3], index};
+  PyObject* const r = PyObject_Vectorcall(PyTuple_GET_ITEM(ctx, 4), tail_args, 3, nullptr);
+  Py_DECREF(index);
+  return r;
 }
 
 PyMethodDef kOutputFast = {"output_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(output_fast)),
@@ -735,6 +776,8 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL, nullptr},
     {"_output_fast_for", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(output_fast_for)),
      METH_FASTCALL, nullptr},
+    {"_output_hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(output_hook)), METH_FASTCALL,
+     "_output_hook(ctx, module, args, output): a Monitor's forward hook (functools.partial of it)"},
     {"_fast_learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_learn)),
      METH_FASTCALL, nullptr},
     {"_time_mark", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(time_mark_row)),

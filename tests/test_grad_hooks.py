@@ -2,6 +2,9 @@
 Python tensor-hook path they replace: the same rows, values, execution order
 and fallbacks."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -275,6 +278,56 @@ def test_steady_state_forward_takes_the_c_path_with_reference_values(monkeypatch
     assert h["count"][1, h.column("act/output")] == tanh.numel()
     assert h["sum"][1, h.column("act/output")] == pytest.approx(float(tanh.sum()), rel=1e-5)
     assert h["max"][1, h.column("act/output")] == pytest.approx(float(tanh.max()), rel=1e-6)
+
+
+def hookcap_python_calls(fn):
+    """Names of hookcap's Python functions that ``fn()`` calls (sys.setprofile)."""
+    here = os.path.dirname(hookcap.__file__)
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(here):
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_steady_state_forward_hooks_run_no_python_code():
+    # The registered forward hook is C (grad_hooks.cpp output_hook): once the
+    # sink knows a call's rows, a train-mode forward runs none of hookcap's
+    # Python. First calls take the Python general path (tail); eval-mode calls
+    # the Python hook (recorded under eval/). Planted: registering the Python
+    # hook itself gives 8 "hook" calls on the second forward, and a C hook that
+    # ignores the mode records the eval calls as train-mode ones.
+    torch.manual_seed(0)
+    model = Deep(n=4)
+    x = torch.randn(3, 8)
+    mon = Monitor(model, capture="output").attach()
+    first = hookcap_python_calls(lambda: model(x))
+    mon.step()
+    second = hookcap_python_calls(lambda: model(x))
+    mon.step()
+    model.eval()
+    evaluated = hookcap_python_calls(lambda: model(x))
+    mon.step()
+    mon.detach()
+    assert first.count("tail") == 8  # 4 Linear + Tanh called 4 times
+    assert second == []
+    assert evaluated.count("hook") == 16  # the train-mode hook hands each call to the eval one
+    h = mon.history()
+    cols = [h.column(n) for n in h.names if not n.startswith("eval/")]
+    assert len(cols) == 5
+    for stat in ("count", "sum", "sumsq", "min", "max"):
+        np.testing.assert_array_equal(h[stat][0, cols], h[stat][1, cols])  # the general path, then C
+    assert h["count"][2, h.column("eval/act/output")] == 4 * 3 * 8
+    with torch.no_grad():
+        y = model.layers[0](x).double()
+    assert h["sum"][1, h.column("layers.0/output")] == pytest.approx(float(y.sum()), rel=1e-6)
 
 
 def test_failing_forward_kernel_in_the_c_path_warns_and_skips_the_row(caplog):

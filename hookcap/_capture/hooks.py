@@ -378,6 +378,8 @@ class Hooks:
                 _compile.grad_hooks(self, name, "grad_output", output, mtype)
 
         def hook(mod, args, output):
+            # What dynamo traces, and eval-mode calls. Eager train-mode calls
+            # reach the C hook only, which calls tail where it does not finish.
             if split and not mod.training:
                 return ev(mod, args, output)
             if tracing():
@@ -386,8 +388,9 @@ class Hooks:
             # output is merged and its gradient hook registered there. It
             # also counts the call (ci) and says whether this step records.
             ci = output_fast(hid, output)
-            if ci == DONE:
-                return None
+            return None if ci == DONE else tail(mod, output, ci)
+
+        def tail(mod, output, ci):
             if is_compiling():
                 return traced(output)
             if ci < 0:  # NOT_RECORDING; else the call's index
@@ -420,7 +423,9 @@ class Hooks:
                 rec.learn_fast_output(name, hid, ci, output, want_out, want_grad)
             return None
 
-        return hook
+        if not phase_split:  # the eval hook: called by `hook` above
+            return hook
+        return rec.fast.forward_hook(hid, split, hook, tail)
 
     def _grad_tensor_hook(self, name, path, mtype, ci, kind="grad_output"):
         # Gradient w.r.t. one module output (or input alias). A tensor hook

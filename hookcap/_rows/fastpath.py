@@ -47,6 +47,13 @@ NOT_RECORDING = -2
 DONE = -1
 
 
+@torch.compiler.substitute_in_graph(_C._output_hook, skip_signature_check=True)
+def _traced_output_hook(ctx, mod, args, output):
+    """What dynamo traces where a module calls the C forward hook
+    (:meth:`FastPath.forward_hook`): its Python hook, ``ctx[3]``."""
+    return ctx[3](mod, args, output)
+
+
 class FastPath:
     """One Monitor's C++ sink. ``python_writes`` counts the op-path writes
     Python logged itself this step (a CPU int64 the C++ side reads), so each
@@ -63,6 +70,14 @@ class FastPath:
         self.capture_grad = functools.partial(_C._capture_grad, sid)  # (tensor, rid) -> bool
         self.time_mark = functools.partial(_C._time_mark, sid)  # (rid, phase, start)
         self.time_grad_hook = functools.partial(_C._time_grad_hook, sid)  # (tensor, rid, start) -> bool
+
+    def forward_hook(self, hook_id: int, split: bool, hook, tail):
+        """The forward hook to register for hook ``hook_id``: C, with no
+        Python frame where ``output_fast`` finishes the call. ``hook(mod,
+        args, output)`` takes eval-mode calls when ``split`` (and is what
+        dynamo traces); ``tail(mod, output, ci)`` takes the calls that
+        ``output_fast`` answered with ``ci`` (not ``DONE``)."""
+        return functools.partial(_C._output_hook, (self.id, hook_id, split, hook, tail))
 
     def set_ring(self, index: int, ring: torch.Tensor, state: torch.Tensor) -> None:
         """The ring (and state) the sink writes for ring ``index``; again after it grows."""
