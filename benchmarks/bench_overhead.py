@@ -505,39 +505,51 @@ def per_hook_cost(device, n_modules=200, reps=40):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def median_time(between=None):
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fwd()
-            ts.append(time.perf_counter() - t)
-            if between is not None:
-                between()
-        return statistics.median(ts)
+    def timed():
+        t = time.perf_counter()
+        fwd()
+        return time.perf_counter() - t
+
+    def noop_pass():
+        handles = [m.register_forward_hook(lambda mod, args, out: None) for m in model]
+        t = timed()
+        for h in handles:
+            h.remove()
+        return t
+
+    def monitor_pass(mon):
+        def run():
+            mon.attach()
+            fwd()  # a first call of each module after attach: the general path
+            mon.step()
+            t = timed()
+            mon.step()
+            mon.detach()
+            return t
+        return run
 
     mons = {label: hookcap.Monitor(model, capture="output", **kw)
             for label, kw in (("log2 hist", {}), ("no hist", {"histogram": None}))}
-    samples = {label: [] for label in mons}
-    noop = []
-    for _ in range(3):  # interleaved: drift hits every configuration alike
-        base = median_time()
-        handles = [m.register_forward_hook(lambda mod, args, out: None) for m in model]
-        noop.append((median_time() - base) / n_modules * 1e6)
-        for h in handles:
-            h.remove()
-        for label, mon in mons.items():
-            mon.attach()
-            fwd()
-            mon.step()
-            samples[label].append((median_time(mon.step) - base) / n_modules * 1e6)
-            mon.detach()
-    dispatch = statistics.median(noop)
+    passes = {"base": timed, "noop": noop_pass, **{label: monitor_pass(mon) for label, mon in mons.items()}}
+    # Round-robin, one forward pass of each configuration per round in a
+    # rotating order, each paired with its own round's bare pass: drift on a
+    # busy machine hits the pairs alike.
+    names = list(passes)
+    diffs = {name: [] for name in names[1:]}
+    for r in range(3 * reps):
+        k = r % len(names)
+        t = {name: passes[name]() for name in names[k:] + names[:k]}
+        for name in diffs:
+            diffs[name].append((t[name] - t["base"]) / n_modules * 1e6)
+    dispatch = statistics.median(diffs["noop"])
     out = {"no-op hook (PyTorch dispatch)": dispatch}
     for label, mon in mons.items():
-        added = statistics.median(samples[label])
+        added = statistics.median(diffs[label])
         out[f"{label}: added"] = added
         out[f"{label}: hook"] = added - dispatch
-        out[f"{label}: hook, called directly"] = direct_hook_cost(model, x, mon, reps)
+        direct = direct_hook_cost(model, x, mon, reps)
+        out[f"{label}: hook, called directly"] = direct["C"]
+        out[f"{label}: its Python hook, called directly"] = direct["Python"]
     out.update(tap_off_cost(x, model))
     return out
 
@@ -547,31 +559,33 @@ def direct_hook_cost(model, x, mon, reps):
     module's own output in module order, one call per module and step (as a
     forward pass calls it), less the same loop calling a no-op: the hook
     alone, without the module calls around it whose noise the ``hook`` row
-    (a difference of two forward passes) carries on a busy machine."""
+    (a difference of two forward passes) carries on a busy machine.
+    ``{"C": the registered hook, "Python": the Python hook it stands for}``
+    (which eval-mode calls and dynamo take), measured round-robin."""
     outs = [m(x) for m in model]  # before attach: these calls record nothing
     mon.attach()
     model(x)
     mon.step()
-    calls = [(m, tuple(m._forward_hooks.values()), out) for m, out in zip(model, outs)]
-    n = len(calls)
+    registered = [next(iter(m._forward_hooks.values())) for m in model]
+    loops = {"C": [(m, h, out) for m, h, out in zip(model, registered, outs)],
+             "Python": [(m, h.args[0][3], out) for m, h, out in zip(model, registered, outs)],
+             "no-op": [(m, lambda mod, args, out: None, out) for m, out in zip(model, outs)]}
 
-    def noop(mod, args, out):
-        return None
-
-    def loop(direct):
+    def loop(calls):
         t = time.perf_counter()
-        for m, hooks, out in calls:
-            for h in hooks:
-                (h if direct else noop)(m, (x,), out)
-        return (time.perf_counter() - t) / n * 1e6
+        for m, h, out in calls:
+            h(m, (x,), out)
+        return (time.perf_counter() - t) / len(calls) * 1e6
 
-    hook_us, empty_us = [], []
+    us = {name: [] for name in loops}
     for _ in range(reps):
-        hook_us.append(loop(True))
-        mon.step()
-        empty_us.append(loop(False))
+        for name, calls in loops.items():
+            us[name].append(loop(calls))
+            if name != "no-op":
+                mon.step()
     mon.detach()
-    return statistics.median(hook_us) - statistics.median(empty_us)
+    empty = statistics.median(us["no-op"])
+    return {name: statistics.median(us[name]) - empty for name in ("C", "Python")}
 
 
 def tap_off_cost(x, model, calls=100_000):
@@ -667,7 +681,8 @@ def main(argv=None):
     print("\n## per-hook host cost (tiny tensor, steady state; target: hook <= 0.5 µs)")
     print("  added = all the Monitor adds per module call, PyTorch's hook dispatch included;")
     print("  hook  = hook call to return (added minus a no-op forward hook);")
-    print("  called directly = the hook called on each module's output in turn, less a no-op's call")
+    print("  called directly = the hook called on each module's output in turn, less a no-op's call;")
+    print("  its Python hook = what the registered C hook stands for (eval mode, dynamo), interleaved")
     for k, v in hooks.items():
         print(f"{k:30s} {v:6.2f} µs")
     write_json(args.json, result)
