@@ -636,6 +636,7 @@ PyObject* output_hook(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* const mod = args[1];
   if (PyTuple_GET_ITEM(ctx, 2) == Py_True) {
     static PyObject* const training = PyUnicode_InternFromString("training");
+    if (!training) return nullptr;
     PyObject* const mode = PyObject_GetAttr(mod, training);
     if (!mode) return nullptr;
     const int train = PyObject_IsTrue(mode);
