@@ -41,6 +41,30 @@ __device__ __forceinline__ unsigned char* dynamic_smem() {
 }
 #endif
 
+// A static shared array's address as an integer, and back: shared-memory
+// offsets on the device (__cvta_generic_to_shared, 32 bits), host addresses
+// in the CPU harness. An offset built with an or instead of an add (a table
+// aligned past the bits it sets) stays one instruction before the atomic:
+// on sm_90 the array's address is a register (its CTA's shared window),
+// which an add would repeat for every element.
+#ifdef HOOKCAP_CUDA_EMU
+using SmemAddr = uintptr_t;
+inline SmemAddr smem_addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+template <typename T>
+inline T* smem_ptr(SmemAddr a) {
+  return reinterpret_cast<T*>(a);
+}
+#else
+using SmemAddr = uint32_t;
+__device__ __forceinline__ SmemAddr smem_addr(const void* p) {
+  return static_cast<SmemAddr>(__cvta_generic_to_shared(p));
+}
+template <typename T>
+__device__ __forceinline__ T* smem_ptr(SmemAddr a) {
+  return reinterpret_cast<T*>(__cvta_shared_to_generic(a));
+}
+#endif
+
 // Every global-memory atomic of the kernels goes through here (the harness
 // counts them: a launch's fixed cost).
 #ifdef HOOKCAP_CUDA_EMU
@@ -359,7 +383,9 @@ using work_t = std::conditional_t<sizeof(T) == sizeof(double), double, float>;
 
 // Static shared memory of the exponent-byte mode: per warp, counts by biased
 // float exponent. (The other histogram modes count in dynamic shared memory.)
-struct Log2ExpSmem {
+// Aligned to a warp's table (1 KiB): an entry's address is the table's or'd
+// with the entry's offset.
+struct alignas(256 * sizeof(unsigned int)) Log2ExpSmem {
   unsigned int tab[kWarps][256];
 };
 
@@ -809,14 +835,14 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksOf<T, kMode, kM4>))
     }
   };
   // Every element is binned exactly once, here (runs redone in double are not).
-  // kModeLog2Exp: the warp's table as a byte offset, so that the entry's
-  // offset is one and-or of the value's bits ((bits >> 21) & 0x3fc is the
-  // exponent byte times 4, below 1,024) and the table's address an immediate.
-  const uint32_t warp_tab = static_cast<uint32_t>(warp) * 256u * sizeof(unsigned int);
+  // kModeLog2Exp: the entry's address is one and-or of the value's bits
+  // ((bits >> 21) & 0x3fc is the exponent byte times 4, below 1,024) and the
+  // address of the warp's table (aligned to 1,024: the or adds).
+  SmemAddr warp_tab = 0;
+  if constexpr (kMode == kModeLog2Exp) warp_tab = smem_addr(&sh.tab[warp][0]);
   auto bin = [&](W v) {
     if constexpr (kMode == kModeLog2Exp) {
-      const uint32_t off = ((vbits(v) >> 21) & 0x3fcu) | warp_tab;
-      atomicAdd(reinterpret_cast<unsigned int*>(reinterpret_cast<char*>(&sh.tab[0][0]) + off), 1u);
+      atomicAdd(smem_ptr<unsigned int>(((vbits(v) >> 21) & 0x3fcu) | warp_tab), 1u);
     } else if constexpr (kMode == kModeLog2Key) {
       atomicAdd(&s_cnt[log2_key_bits(v, key_shift, key_mask)], 1u);
     } else if constexpr (kPairs) {
