@@ -613,8 +613,8 @@ bool output_fast_ci(PyObject* sink_id, PyObject* hook_id, PyObject* out, int64_t
 }
 
 // output_fast(hook, output) -> int, bound to a sink id (_output_fast_for):
-// output_fast_ci's answer. The Python hook calls it in eval mode and where
-// the C hook (output_hook) hands a call back.
+// output_fast_ci's answer, for the Python hook (eval-mode calls, which the C
+// hook hands over whole).
 PyObject* output_fast(PyObject* sink_id, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) return PyErr_Format(PyExc_TypeError, "output_fast takes 2 arguments");
   int64_t ci = 0;
@@ -627,7 +627,7 @@ PyObject* output_fast(PyObject* sink_id, PyObject* const* args, Py_ssize_t nargs
 // hook, tail). No Python frame in the steady state: a module in eval mode
 // (where split) goes to the Python `hook`, a call output_fast_ci does not
 // finish to `tail(module, output, ci)`. Dynamo never runs it: it traces the
-// Python `hook` instead (hookcap._capture.output_hook's polyfill).
+// Python `hook` instead (the polyfill in hookcap/_rows/fastpath.py).
 PyObject* output_hook(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != 5) {
     return PyErr_Format(PyExc_TypeError, "_output_hook takes (ctx, module, args, output)");
