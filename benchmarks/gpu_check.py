@@ -729,10 +729,11 @@ def overhead_stage(args) -> dict:
 
 def attention_tiles(shape: dict, device, sizes=(1 << 22, 1 << 23, 1 << 25), reps: int = 6) -> dict:
     """ms of one layer's attention observation (the workload's B, T, heads of
-    64; 16-bit on a GPU, causal) beyond the attention itself, by the GPU's
-    tile size (``CUDA_TILE_VALUES``, in logits), round-robin: whether tiles
-    small enough to stay in the L2 between their passes beat fewer, larger
-    ones (design.md "Attention internals: the floor")."""
+    64; 16-bit on a GPU, causal) beyond the attention itself, round-robin:
+    the on-chip kernel (``hookcap::attention_qk``, the default there) and the
+    tiles by size (``CUDA_TILE_VALUES``, in logits), whether tiles small
+    enough to stay in the L2 between their passes beat fewer, larger ones
+    (design.md "Attention internals: the floor")."""
     import hookcap
     from hookcap._capture import attention as A
 
@@ -747,12 +748,14 @@ def attention_tiles(shape: dict, device, sizes=(1 << 22, 1 << 23, 1 << 25), reps
 
     model = torch.nn.ModuleDict({"attn": Attn()})
     mon = hookcap.Monitor(model, capture="attention", detectors=[])
-    saved, times = (A.CUDA_TILE_VALUES, A.TILE_VALUES), {n: [] for n in ("none", *sizes)}
+    saved, times = (A.CUDA_TILE_VALUES, A.TILE_VALUES, A.ON_CHIP), {n: [] for n in ("none", "on chip", *sizes)}
     try:
         for r in range(reps + 1):
             for n in times:
                 if n != "none":
-                    A.CUDA_TILE_VALUES = A.TILE_VALUES = n
+                    A.ON_CHIP = n == "on chip"  # hookcap::attention_qk, else tiles of n logits
+                    if n != "on chip":
+                        A.CUDA_TILE_VALUES = A.TILE_VALUES = n
                     mon.attach()
                 sync()
                 t0 = time.perf_counter()
@@ -764,7 +767,7 @@ def attention_tiles(shape: dict, device, sizes=(1 << 22, 1 << 23, 1 << 25), reps
                     mon.step()
                     mon.detach()
     finally:
-        A.CUDA_TILE_VALUES, A.TILE_VALUES = saved
+        A.CUDA_TILE_VALUES, A.TILE_VALUES, A.ON_CHIP = saved
     base = statistics.median(times.pop("none"))
     return {"shape": [shape["batch"], heads, shape["seq"], 64], "dtype": str(dtype), "attention_ms": base,
             "observe_ms": {str(n): statistics.median(v) - base for n, v in times.items()}}

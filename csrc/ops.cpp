@@ -20,6 +20,8 @@ int64_t join_write_streams(int device);  // cuda/stats_launch.cu
 bool captured_ring(uintptr_t ring);
 int block_merge(int mode);
 uintptr_t side_stream_handle(int device);
+bool attention_qk_supported_cuda(const at::Tensor& q, const at::Tensor& k, int64_t hist_kind, double hist_lo,
+                                 double hist_hi, int64_t hist_bins, int64_t ring_width);
 #endif
 
 namespace {
@@ -120,7 +122,7 @@ PyObject* PyInit__C(void) {
 namespace hookcap {
 namespace {
 
-constexpr int64_t kAbiVersion = 12;
+constexpr int64_t kAbiVersion = 13;
 
 // Meta: same checks as the real kernels, no data touched. The ops mutate in
 // place and return nothing, so there is nothing else to fake, but for
@@ -173,6 +175,25 @@ void accumulate_attention_meta(at::Tensor& logits, int64_t causal_row0, at::Tens
                                int64_t hist_kind, double hist_lo, double hist_hi, int64_t hist_bins) {
   check_attention_record(logits, causal_row0, ring, state, logit_rows, lse_rows, entropy_rows);
   check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
+}
+
+void attention_qk_meta(const at::Tensor& q, const at::Tensor& k, bool causal, double scale, at::Tensor& ring,
+                       const at::Tensor& state, c10::IntArrayRef logit_rows, c10::IntArrayRef lse_rows,
+                       c10::IntArrayRef entropy_rows, int64_t hist_kind, double hist_lo, double hist_hi,
+                       int64_t hist_bins) {
+  check_attention_qk(q, k, ring, state, logit_rows, lse_rows, entropy_rows);
+  check_hist(hist_kind, hist_lo, hist_hi, hist_bins, ring.sym_size(2));
+}
+
+// Whether attention_qk takes these q and k (CUDA tensors the kernel reads,
+// on a GPU of compute capability 8.0 on) with this histogram; reads no data.
+bool attention_qk_supported(const at::Tensor& q, const at::Tensor& k, int64_t hist_kind, double hist_lo,
+                            double hist_hi, int64_t hist_bins, int64_t ring_width) {
+#ifdef HOOKCAP_WITH_CUDA
+  return attention_qk_supported_cuda(q, k, hist_kind, hist_lo, hist_hi, hist_bins, ring_width);
+#else
+  return false;
+#endif
 }
 
 void reset_slot_meta(at::Tensor& ring, const at::Tensor& state) { check_ring_state(ring, state); }
@@ -264,6 +285,16 @@ TORCH_LIBRARY(hookcap, m) {
   m.def(
       "accumulate_attention(Tensor(a!) logits, int causal_row0, Tensor(b!) ring, Tensor state, int[] logit_rows, "
       "int[] lse_rows, int[] entropy_rows, int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
+  // The attention capture's whole observation of one attention call from
+  // its 16-bit q [B, H, Tq, D] and k [B, Hk, Tk, D] (scale: of q.k^T;
+  // causal: top-left, as is_causal), with no logits in memory: what
+  // accumulate_attention records of the logits' tiles, into the same rows.
+  // CUDA only, for the inputs attention_qk_supported accepts.
+  m.def(
+      "attention_qk(Tensor q, Tensor k, bool causal, float scale, Tensor(a!) ring, Tensor state, int[] logit_rows, "
+      "int[] lse_rows, int[] entropy_rows, int hist_kind, float hist_lo, float hist_hi, int hist_bins) -> ()");
+  m.def("attention_qk_supported(Tensor q, Tensor k, int hist_kind, float hist_lo, float hist_hi, int hist_bins, "
+        "int ring_width) -> bool", &attention_qk_supported);
   m.def("reset_slot(Tensor(a!) ring, Tensor state) -> ()");
   m.def("reset_rows(Tensor(a!) ring, Tensor state, int begin, int end) -> ()");
   m.def("advance(Tensor(a!) ring, Tensor(b!) state, int every=1) -> ()");
@@ -283,6 +314,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
   m.impl("accumulate_updates", &accumulate_updates_each<&accumulate_update_meta>);
   m.impl("attention_rows", &attention_rows_meta);
   m.impl("accumulate_attention", &accumulate_attention_meta);
+  m.impl("attention_qk", &attention_qk_meta);
   m.impl("reset_slot", &reset_slot_meta);
   m.impl("reset_rows", &reset_rows_meta);
   m.impl("advance", &advance_meta);
@@ -293,7 +325,7 @@ TORCH_LIBRARY_IMPL(hookcap, Meta, m) {
 // The ops only read their tensor inputs and write telemetry buffers: they are
 // not part of any autograd graph, so skip autograd bookkeeping entirely.
 TORCH_LIBRARY_IMPL(hookcap, Autograd, m) {
-  for (const char* op : {"accumulate", "accumulate_many", "accumulate_groups", "accumulate_bins", "accumulate_update", "accumulate_updates", "attention_rows", "accumulate_attention", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
+  for (const char* op : {"accumulate", "accumulate_many", "accumulate_groups", "accumulate_bins", "accumulate_update", "accumulate_updates", "attention_rows", "accumulate_attention", "attention_qk", "reset_slot", "reset_rows", "advance", "time_mark", "record"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }

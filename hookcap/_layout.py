@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import torch
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 _raw = list(torch.ops.hookcap.layout())
 if _raw[0] != ABI_VERSION:  # checked before unpacking: an older build has fewer entries

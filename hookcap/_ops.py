@@ -193,8 +193,8 @@ RECORD_IS_EFFECTFUL = make_effectful(_ops.record.default)
 # The ops with device kernels: each has CPU and Meta kernels, and CUDA ones
 # where they were built (checked by test_build and by CI's build check).
 DEVICE_OPS = ("accumulate", "accumulate_many", "accumulate_groups", "accumulate_bins", "accumulate_update",
-              "accumulate_updates", "attention_rows", "accumulate_attention", "reset_slot", "reset_rows", "advance",
-              "time_mark", "record")
+              "accumulate_updates", "attention_rows", "accumulate_attention", "attention_qk", "reset_slot", "reset_rows",
+              "advance", "time_mark", "record")
 
 
 def layout() -> list[int]:

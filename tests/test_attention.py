@@ -125,6 +125,31 @@ def test_accumulate_attention_bad_input_and_opcheck():
                           (x, 0, ring, st0, [0, 1], [2, -1], [4, 5], *_ops.hist_args(None)))
 
 
+def test_attention_qk_is_for_cuda_and_checks_its_input():
+    """attention_qk (the on-chip kernel) is not offered off CUDA, and its CPU
+    kernel refuses with a clear error; wrong shapes or row lists are refused
+    by its checks (Meta) before anything runs; the capture on the CPU takes
+    the tiles (test_attention_matches_float64's cases)."""
+    ops = torch.ops.hookcap
+    q, k = torch.randn(1, 2, 4, 16).bfloat16(), torch.randn(1, 2, 6, 16).bfloat16()
+    hist = _ops.hist_args(Histogram.log2())
+    ring, st0 = ring_for(7, Histogram.log2()), new_state("cpu")
+    assert ops.attention_qk_supported(q, k, *hist, ring.shape[2]) is False
+    with pytest.raises(RuntimeError, match="CUDA tensors only"):
+        ops.attention_qk(q, k, True, 0.25, ring, st0, [0, 1], [2, 3], [4, 5], *hist)
+    meta = {name: t.to("meta") for name, t in (("q", q), ("k", k), ("ring", ring), ("state", st0))}
+    ops.attention_qk(meta["q"], meta["k"], True, 0.25, meta["ring"], meta["state"], [0, 1], [2, 3], [4, -1], *hist)
+    with pytest.raises(RuntimeError, match="2 heads but 1 rows"):
+        ops.attention_qk(meta["q"], meta["k"], True, 0.25, meta["ring"], meta["state"], [0, 1], [2], [4, 5], *hist)
+    with pytest.raises(RuntimeError, match=r"\[batch, heads, tokens, head_dim\]"):
+        ops.attention_qk(meta["q"][0], meta["k"][0], True, 0.25, meta["ring"], meta["state"], [0, 1], [2, 3],
+                         [4, 5], *hist)
+    with pytest.raises(RuntimeError, match="row"):
+        ops.attention_qk(meta["q"], meta["k"], True, 0.25, meta["ring"], meta["state"], [0, 99], [2, 3], [4, 5],
+                         *hist)
+    assert ring.abs().sum() == ring_for(7, Histogram.log2()).abs().sum()
+
+
 CASES = {  # q shape, k shape, sdpa kwargs, mask maker
     "causal": ((2, 4, 9, 8), (2, 4, 9, 8), {"is_causal": True}, None),
     "padded": ((2, 4, 7, 8), (2, 4, 7, 8), {}, lambda: torch.tensor([[1] * 7, [1] * 4 + [0] * 3],

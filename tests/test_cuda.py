@@ -1239,6 +1239,68 @@ def test_attention_of_16_bit_queries_matches_float64(dev, dtype, head_dim, mask,
     np.testing.assert_array_equal(got("logit", "count"), ref["count"].numpy())
 
 
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["causal_gqa", "cross", "hf_layout", "more_queries"])
+def test_attention_on_chip_equals_the_tiles_and_float64(dtype, case):
+    """16-bit q and k with no mask or a causal one take hookcap::attention_qk
+    (one call, no tiles, no host sync): on inputs whose logits are exact in
+    float32 every head's logit row equals the tiles' (counts, extrema and
+    bins exactly, sums to rounding) and float64's, and logsumexp and
+    entropy equal float64 within 1e-5."""
+    import torch.nn.functional as F
+
+    import hookcap._capture.attention as att
+    from conftest import CountOps
+
+    b, h, hk, tq, tk, d, causal = {"causal_gqa": (2, 8, 2, 300, 300, 64, True),
+                                   "cross": (2, 4, 4, 33, 517, 128, False),
+                                   "hf_layout": (2, 12, 12, 200, 200, 64, True),
+                                   "more_queries": (1, 2, 1, 150, 70, 32, True)}[case]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-4, 5, (b, tq, h, d), generator=g).float().div(4).to(dtype)
+    q = q.transpose(1, 2) if case == "hf_layout" else q.transpose(1, 2).contiguous()
+    k = torch.randint(-4, 5, (b, hk, tk, d), generator=g).float().div(4).to(dtype)
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hk != h)
+
+    def run(on_chip):
+        att.ON_CHIP = on_chip
+        model = torch.nn.ModuleDict({"0": Attn()})
+        mon = hookcap.Monitor(model, capture=("attention",), histogram=Histogram.log2()).attach()
+        qd, kd = q.cuda(), k.cuda()
+        try:
+            with CountOps() as ops, no_sync("cuda"):
+                model["0"](qd, kd, kd)
+        finally:
+            att.ON_CHIP = True
+        mon.step()
+        mon.detach()
+        return mon.history(), ops.calls
+
+    h_chip, calls = run(True)
+    assert calls["attention_qk"] == 1 and calls["accumulate_attention"] == 0
+    h_tiles, _ = run(False)
+    ref = attention_reference(q, k, None, causal)
+    for i in range(h):
+        name = f"0/attn.logit[{i}]"
+        for stat in ("count", "finite", "neginf", "max", "min", "zeros"):
+            assert h_chip[stat][0, h_chip.column(name)] == h_tiles[stat][0, h_tiles.column(name)], (name, stat)
+        for stat in ("sum", "std"):
+            np.testing.assert_allclose(h_chip[stat][0, h_chip.column(name)], h_tiles[stat][0, h_tiles.column(name)],
+                                       rtol=1e-9, atol=1e-9)
+        np.testing.assert_array_equal(h_chip.histogram(name)[0], h_tiles.histogram(name)[0])
+    got = lambda m, s: h_chip.groups(f"0/attn.{m}", s)[0]  # noqa: E731
+    np.testing.assert_allclose(got("logit", "max"), ref["max"].numpy(), rtol=1e-6)  # scale rounded in float32
+    np.testing.assert_array_equal(got("logit", "count"), ref["count"].numpy())
+    np.testing.assert_allclose(got("lse", "max"), ref["lse_max"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got("lse", "min"), ref["lse_min"].numpy(), rtol=1e-5)
+    np.testing.assert_allclose(got("entropy", "mean"), ref["ent_mean"].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got("entropy", "min"), ref["ent_min"].numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_attention_router_and_channels_record_without_a_sync(dev):
     """A step with capture "attention" and "router", Channels and a bins tap

@@ -26,6 +26,7 @@ from conftest import (abs_sum, assert_moments, assert_stats_match, assert_wide_m
 import hookcap
 from hookcap import Histogram, _layout, _ops
 from hookcap.histogram import NO_HIST_ARGS
+from hookcap.reference import tensor_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 EMU = ROOT / "tests" / "cuda_emu"
@@ -1542,6 +1543,100 @@ def test_attention_rows_kernel_matches_float64_and_the_cpu_op(emu, shape, causal
     for g, c, want in ((lse, lse_c, ref[1]), (ent, ent_c, ref[2])):
         np.testing.assert_allclose(g.double().numpy(), want.numpy(), rtol=1e-5, atol=1e-12)
         np.testing.assert_allclose(g.numpy(), c.numpy(), rtol=1e-6, atol=1e-12)
+
+
+def _qk_inputs(seed, b, h, hk, tq, tk, d, dtype, exact, strided=False):
+    """16-bit q [b, h, tq, d] and k [b, hk, tk, d]. exact: quarters in
+    [-1, 1], whose products and every sum of them are exact in float32 in
+    any order (the logits then equal float64's bit for bit, tensor cores or
+    not); strided: q as the transposed view of [b, tq, h, d] (HF's layout)."""
+    g = torch.Generator().manual_seed(seed)
+    def make(*shape):
+        x = torch.randint(-4, 5, shape, generator=g).float() / 4 if exact else torch.randn(shape, generator=g) * 1.5
+        return x.to(dtype)
+    q = make(b, tq, h, d).transpose(1, 2) if strided else make(b, h, tq, d)
+    return q, make(b, hk, tk, d)
+
+
+def _qk_reference(q, k, causal, scale):
+    """float64 logits [b, h, tq, tk] from the 16-bit q, k, -inf where the
+    causal mask hides a key."""
+    rep = q.shape[1] // k.shape[1]
+    x = q.double() @ k.double().repeat_interleave(rep, 1).transpose(-1, -2) * scale
+    if causal:
+        x = x.masked_fill(torch.ones(x.shape[-2:], dtype=torch.bool).tril().logical_not(), float("-inf"))
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,causal,strided", [
+    ((2, 4, 2, 70, 70, 32), True, False),   # GQA; two row blocks, the last partly empty; a key tile partly past the end
+    ((1, 2, 2, 5, 130, 64), False, True),   # cross attention over three key tiles; q a strided view
+    ((1, 3, 1, 130, 40, 16), True, False),  # more queries than keys: later rows see every key
+])
+@pytest.mark.parametrize("h", [LOG2, None])
+def test_attention_qk_kernel_equals_float64_of_the_logits(emu, dtype, shape, causal, strided, h):
+    """attention_qk_kernel (logits on chip only, two passes over the key
+    tiles) on inputs whose logits are exact in float32: per head the
+    statistics row of the logits (the mask's -inf counted, counts, extrema and
+    bins exactly) equals float64's of the masked logits, a head whose row is
+    -1 is left alone, and each query row's logsumexp and entropy equal
+    float64 within 1e-5."""
+    b, nh, hk, tq, tk, d = shape
+    q, k = _qk_inputs(3, b, nh, hk, tq, tk, d, dtype, exact=True, strided=strided)
+    scale = d ** -0.5 if d != 32 else 0.3  # 0.3: not a power of two, applied to each float32 product sum
+    ref = _qk_reference(q, k, causal, scale)
+    if d == 32:  # the kernel rounds the float32 sum times 0.3 once: so does the reference
+        ref = (_qk_reference(q, k, causal, 1.0).float() * scale).double()
+    rows = [1 + i for i in range(nh)]
+    rows[-1] = -1
+    ring = new_ring(1, nh + 1, h)
+    lse, ent = emu.attention_qk(q, k, causal, scale, ring, torch.tensor([0, 1, 0]), rows, *hist_args(h))
+    for i in range(nh):
+        if rows[i] < 0:
+            assert row_stats(ring[0, nh], h)["count"] == 0
+            continue
+        got = row_stats(ring[0, rows[i]], h)
+        part = ref[:, i]
+        assert ring[0, rows[i], _layout.CALLS] == 1
+        assert_stats_match(got, tensor_stats(part, h), abs_sum=abs_sum(part))
+    want_lse = torch.logsumexp(ref, -1)
+    p = torch.softmax(ref, -1)
+    want_ent = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
+    np.testing.assert_allclose(lse.double().numpy(), want_lse.numpy(), rtol=1e-5, atol=1e-12)
+    np.testing.assert_allclose(ent.double().numpy(), want_ent.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_qk_kernel_on_real_valued_inputs_nan_and_off_steps(emu):
+    """Normal q, k (logits rounded in float32): per head max, min, sum and
+    std within float32 rounding of float64, lse and entropy within 1e-5; a
+    NaN in one query row makes that head's row count it (NaN counts, the
+    others unharmed) and that row's lse and entropy NaN; off-steps write
+    nothing."""
+    q, k = _qk_inputs(5, 2, 2, 1, 50, 90, 64, torch.bfloat16, exact=False)
+    ref = _qk_reference(q, k, True, 0.125)
+    ring = new_ring(1, 2, LOG2)
+    lse, ent = emu.attention_qk(q, k, True, 0.125, ring, torch.tensor([0, 1, 0]), [0, 1], *hist_args(LOG2))
+    for i in range(2):
+        got, want = row_stats(ring[0, i], LOG2), tensor_stats(ref[:, i], LOG2)
+        for key in ("count", "finite", "neginf"):
+            assert got[key] == want[key]
+        for key in ("max", "min", "sum", "std"):
+            np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=1e-4)
+    np.testing.assert_allclose(lse.double().numpy(), torch.logsumexp(ref, -1).numpy(), rtol=1e-5)
+    qn = q.clone()
+    qn[1, 0, 7, 3] = float("nan")
+    ring = new_ring(1, 2, LOG2)
+    lse, ent = emu.attention_qk(qn, k, True, 0.125, ring, torch.tensor([0, 1, 0]), [0, 1], *hist_args(LOG2))
+    got = row_stats(ring[0, 0], LOG2)
+    assert got["nan"] == 8  # query 7 sees keys 0..7
+    assert got["neginf"] == tensor_stats(ref[:, 0], LOG2)["neginf"]
+    assert torch.isnan(lse[1, 0, 7]) and torch.isnan(ent[1, 0, 7])
+    assert torch.isfinite(lse[1, 0, :7]).all() and torch.isfinite(lse[0]).all()
+    assert row_stats(ring[0, 1], LOG2)["nan"] == 0
+    off = new_ring(1, 2, LOG2)
+    emu.attention_qk(q, k, True, 0.125, off, torch.tensor([0, 0, 0]), [0, 1], *hist_args(LOG2))
+    assert (off[0, :, _layout.CALLS] == 0).all() and (off[0, :, _layout.COUNT] == 0).all()
 
 
 # ---------------------------------------------------------------------------

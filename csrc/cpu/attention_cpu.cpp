@@ -200,11 +200,20 @@ void accumulate_attention_cpu(at::Tensor& logits, int64_t causal_row0, at::Tenso
   });
 }
 
+// attention_qk has no CPU kernel: on the CPU the attention capture computes
+// tiles of logits and accumulate_attention reads each few rows from cache.
+void attention_qk_cpu(const at::Tensor&, const at::Tensor&, bool, double, at::Tensor&, const at::Tensor&,
+                      c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, int64_t, double, double, int64_t) {
+  TORCH_CHECK(false, "hookcap.attention_qk runs on CUDA tensors only (attention_qk_supported); on the CPU, "
+              "accumulate_attention takes tiles of logits");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(hookcap, CPU, m) {
   m.impl("attention_rows", &attention_rows_cpu);
   m.impl("accumulate_attention", &accumulate_attention_cpu);
+  m.impl("attention_qk", &attention_qk_cpu);
 }
 
 }  // namespace hookcap

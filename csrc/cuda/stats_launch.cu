@@ -24,6 +24,8 @@
 #include <cuda/ptx>
 
 #include "cuda/attention_kernel.cuh"
+#include "cuda/attention_qk_kernel.cuh"
+#include "cuda/attention_qk_plan.h"
 #include "cuda/bins_kernel.cuh"
 #include "cuda/many_plan.h"
 #include "cuda/stats_kernel.cuh"
@@ -704,11 +706,80 @@ void accumulate_attention_cuda(at::Tensor& logits, int64_t causal_row0, at::Tens
   accumulate_groups_cuda(entropy, ring, state, entropy_rows, 1, 1, hist_kind, hist_lo, hist_hi, hist_bins);
 }
 
+// Whether `device` runs attention_qk_kernel (tensor cores with bfloat16
+// and float16 operands: sm_80 on), cached per device.
+bool qk_device_ok(int device) {
+  static std::atomic<int> ok[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+  if (device < 0 || device >= kMaxDevices) return false;
+  int v = ok[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    v = major >= 8 ? 2 : 1;
+    ok[device].store(v, std::memory_order_relaxed);
+  }
+  return v == 2;
+}
+
+// attention_qk: one launch of attention_qk_kernel (the logits' statistics
+// per head, each row's logsumexp and entropy, no logits in memory), then the
+// rows' logsumexp and entropy as accumulate_groups along the heads: three
+// launches for the whole call, on the current stream.
+void attention_qk_cuda(const at::Tensor& q, const at::Tensor& k, bool causal, double scale, at::Tensor& ring,
+                       const at::Tensor& state, c10::IntArrayRef logit_rows, c10::IntArrayRef lse_rows,
+                       c10::IntArrayRef entropy_rows, int64_t hist_kind, double hist_lo, double hist_hi,
+                       int64_t hist_bins) {
+  check_attention_qk(q, k, ring, state, logit_rows, lse_rows, entropy_rows);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  c10::cuda::CUDAGuard guard(q.device());
+  const int device = q.device().index();
+  const char* why = attention_qk_unsupported(q, k, h, smem_budget(device));
+  TORCH_CHECK(why == nullptr && qk_device_ok(device), "hookcap.attention_qk: not for these inputs (",
+              why ? why : "the GPU needs compute capability 8.0 or later", ")");
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  note_capture(stream, ring.data_ptr());
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  at::Tensor entropy = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  const kernels::QkArgs a = attention_qk_args(q, k, causal, scale, lse, entropy);
+  const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0, ring.size(1),
+                               ring.size(2), ring.size(0), q.size(0) * q.size(2) * k.size(2), 1, 1, nullptr, 0, 0};
+  const dim3 grid(static_cast<unsigned>((q.size(2) + kernels::kQkRows - 1) / kernels::kQkRows),
+                  static_cast<unsigned>(q.size(0) * q.size(1)));
+  const int64_t smem = kernels::qk_smem_bytes(q.size(3));
+  const bool log2 = kernels::hist_plan(h, true, smem_budget(device)).mode == kernels::kModeLog2Exp;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = log2 ? &kernels::attention_qk_kernel<T, kernels::kModeLog2Exp>
+                       : &kernels::attention_qk_kernel<T, kernels::kModeNone>;
+    // Its static shared memory: the exponent tables and the block's partials.
+    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device,
+                       smem + static_cast<int64_t>(sizeof(kernels::Log2ExpSmem)));
+    launch_smem("hookcap.attention_qk", kernel, grid, dim3(kThreads), static_cast<size_t>(smem), stream, a,
+                attention_qk_rows(logit_rows), tgt, h);
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    run(c10::BFloat16{});
+  } else {
+    run(c10::Half{});
+  }
+  seal_ring_write(device, stream);
+  accumulate_groups_cuda(lse, ring, state, lse_rows, 1, 1, hist_kind, hist_lo, hist_hi, hist_bins);
+  accumulate_groups_cuda(entropy, ring, state, entropy_rows, 1, 1, hist_kind, hist_lo, hist_hi, hist_bins);
+}
+
 }  // namespace
 
 void accumulate_row_cuda(const at::Tensor& x, at::Tensor& ring, const at::Tensor& state, int64_t row,
                          const HistSpec& h, bool side) {
   accumulate_one(x, ring, state, row, h, side);
+}
+
+bool attention_qk_supported_cuda(const at::Tensor& q, const at::Tensor& k, int64_t hist_kind, double hist_lo,
+                                 double hist_hi, int64_t hist_bins, int64_t ring_width) {
+  if (!q.is_cuda() || !k.is_cuda()) return false;
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring_width);
+  const int device = q.device().index();
+  return qk_device_ok(device) && attention_qk_unsupported(q, k, h, smem_budget(device)) == nullptr;
 }
 
 TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
@@ -720,6 +791,7 @@ TORCH_LIBRARY_IMPL(hookcap, CUDA, m) {
   m.impl("accumulate_updates", &accumulate_updates_cuda);
   m.impl("attention_rows", &attention_rows_cuda);
   m.impl("accumulate_attention", &accumulate_attention_cuda);
+  m.impl("attention_qk", &attention_qk_cuda);
   m.impl("reset_slot", &reset_slot_cuda);
   m.impl("reset_rows", &reset_rows_cuda);
   m.impl("advance", &advance_cuda);

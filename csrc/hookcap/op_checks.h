@@ -304,6 +304,25 @@ inline void check_attention_record(const at::Tensor& logits, int64_t causal_row0
   }
 }
 
+// attention_qk: q [B, H, Tq, D] and k [B, Hk, Tk, D] on the ring's device,
+// and per head h the rows of its logits, its rows' logsumexp and entropy
+// (-1: not recorded). What its kernel takes beyond that:
+// cuda/attention_qk_plan.h attention_qk_unsupported.
+inline void check_attention_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& ring,
+                               const at::Tensor& state, c10::IntArrayRef logit_rows, c10::IntArrayRef lse_rows,
+                               c10::IntArrayRef entropy_rows) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "hookcap.attention_qk: q and k must be [batch, heads, tokens, "
+              "head_dim], got shapes ", q.sym_sizes(), " and ", k.sym_sizes());
+  check_ring_state(ring, state);
+  TORCH_CHECK(q.device() == ring.device() && k.device() == ring.device(), "hookcap.attention_qk: q and k are on ",
+              q.device(), " and ", k.device(), " but the ring is on ", ring.device());
+  for (const c10::IntArrayRef rows : {logit_rows, lse_rows, entropy_rows}) {
+    TORCH_CHECK(q.sym_size(1) == static_cast<int64_t>(rows.size()), "hookcap.attention_qk: ", q.sym_size(1),
+                " heads but ", rows.size(), " rows");
+    for (const int64_t r : rows) check_row_or_skip("attention_qk", r, ring);
+  }
+}
+
 // attention_rows' checked input's geometry and its outputs (float32
 // [..., rows], uninitialised), as every backend makes them.
 struct AttentionRows {

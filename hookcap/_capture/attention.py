@@ -5,7 +5,10 @@ whose ``max`` is the head's max logit), and over query rows each row's
 logsumexp (``{module}/attn.lse``) and attention entropy in nats
 (``{module}/attn.entropy``). One group per head (``History.groups``).
 
-The logits are recomputed from ``q`` and ``k`` in float32, a tile of query
+On a GPU, a call with 16-bit ``q`` and ``k`` and no mask or a causal one
+is observed by one ``hookcap::attention_qk`` call, whose kernel keeps the
+logits on chip (``attention_qk_supported`` says which calls it takes).
+Otherwise the logits are recomputed from ``q`` and ``k`` in float32, a tile of query
 rows at a time (at most ``TILE_VALUES`` logits in memory, ``CUDA_TILE_VALUES``
 on a GPU), on the tensors' device with no host sync; masked positions are ``-inf`` (counted in
 ``neginf``: every other statistic of ``attn.logit`` is over the allowed
@@ -34,10 +37,13 @@ TILE_VALUES = 1 << 22  # logits per tile on the CPU (16 MiB in float32)
 # GPU's time for them (GPT-2-124M, B 8 x T 1,024: 4 tiles per layer, not 25).
 CUDA_TILE_VALUES = 1 << 25  # 128 MiB in float32
 _BMM_OUT_DTYPE = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm(..., out_dtype=): torch >= 2.8
+ON_CHIP = True  # 16-bit q, k on a GPU, no mask or a causal one: hookcap::attention_qk, no tiles
 CAUSAL_TILES = 4  # a causal call's fewest tiles (of 16 query rows or more): 5/8 of the logits computed
 _PER_HEAD = Groups(dim=1, size=1)
 _PATHS = ("logit", "lse", "entropy")
 _OP_RECORD = torch.ops.hookcap.accumulate_attention.default
+_OP_QK = torch.ops.hookcap.attention_qk.default  # CUDA, 16-bit q and k: no logits in memory
+_OP_QK_SUPPORTED = torch.ops.hookcap.attention_qk_supported.default
 _ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _ORIGINAL = F.scaled_dot_product_attention
 _HF_ORIGINAL: list = [None]  # AttentionInterface.get_interface while wrapped
@@ -231,6 +237,8 @@ class AttentionCapture:
             return
         # Autocast off: the products stay float32 (or 16-bit in, float32 out) in a model run under autocast.
         with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+            if q.is_cuda and self._on_chip(module, q.detach(), k.detach(), attn_mask, is_causal, scale):
+                return
             tile = CUDA_TILE_VALUES if q.is_cuda else TILE_VALUES
             hidden_per_head = 0  # logits the causal tiles left uncomputed, per batch entry and head
             hist = rec.config.hist_args
@@ -248,3 +256,25 @@ class AttentionCapture:
                 ninf = torch.full((), float("-inf"), device=logits.device)
                 rec.write(module, "attn", "logit", ninf.expand(*logits.shape[:2], hidden_per_head), "attention", 0,
                           groups=_PER_HEAD)
+
+    def _on_chip(self, module: str, q, k, attn_mask, is_causal: bool, scale) -> bool:
+        """The whole call by one ``hookcap::attention_qk`` (16-bit ``q`` and
+        ``k`` on a GPU, no mask or a causal one: the logits never leave the
+        chip); False where it does not take the call (the tiles then do)."""
+        if attn_mask is not None or not ON_CHIP:
+            return False
+        if q.dim() == 3:
+            q, k = q.unsqueeze(0), k.unsqueeze(0)
+        rec = self.rec
+        cfg = rec.config
+        if not _OP_QK_SUPPORTED(q, k, *cfg.hist_args, cfg.width):
+            return False
+        b, h, tq, _ = q.shape
+        tk = k.shape[2]
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        # Stand-ins of the captures' shapes (one element, expanded; never read, no kernel).
+        one = torch.empty((), device=q.device)
+        shapes = (one.expand(b, h, tq, tk), one.expand(b, h, tq))
+        return rec.write_joint(module, "attn", _PATHS, (shapes[0], shapes[1], shapes[1]), q.device, "attention",
+                               _PER_HEAD, lambda ring, rows: _OP_QK(q, k, bool(is_causal), scale, ring.ring,
+                                                                     ring.state, *rows, *cfg.hist_args))

@@ -8,6 +8,7 @@
 
 #include "hookcap/op_checks.h"
 #include "emu_runner.h"
+#include "cuda/attention_qk_plan.h"
 #include "cuda/many_plan.h"
 #include "cuda/update_plan.h"
 
@@ -231,6 +232,45 @@ py::tuple attention_rows(at::Tensor& logits, int64_t causal_row0) {
                 a.lse.data_ptr<float>(), a.entropy.data_ptr<float>());
   }
   return py::make_tuple(a.lse, a.entropy);
+}
+
+// attention_qk_kernel as attention_qk_cuda launches it (its grid, block
+// and shared memory), on CPU q and k: the logits' statistics into
+// logit_rows; -> (lse, entropy), float32 [B, H, Tq].
+py::tuple attention_qk(const at::Tensor& q, const at::Tensor& k, bool causal, double scale, at::Tensor& ring,
+                       const at::Tensor& state, std::vector<int64_t> logit_rows, int64_t hist_kind, double hist_lo,
+                       double hist_hi, int64_t hist_bins) {
+  check_cpu(q);
+  check_cpu(k);
+  check_ring_state(ring, state);
+  const HistSpec h = make_hist_spec(hist_kind, hist_lo, hist_hi, hist_bins, ring.size(2));
+  const char* why = attention_qk_unsupported(q, k, h, hookcap_emu::kH100SmemBudget);
+  TORCH_CHECK(why == nullptr, "emu: attention_qk: ", why ? why : "");
+  TORCH_CHECK(static_cast<int64_t>(logit_rows.size()) == q.size(1), "emu: attention_qk: one row per head");
+  for (const int64_t r : logit_rows) check_row_or_skip("attention_qk", r, ring);
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  auto entropy = at::empty_like(lse);
+  const kernels::QkArgs a = attention_qk_args(q, k, causal, scale, lse, entropy);
+  const kernels::QkRows rows = attention_qk_rows(logit_rows);
+  const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0, ring.size(1),
+                               ring.size(2), ring.size(0), q.size(0) * q.size(2) * k.size(2), 1, 1, nullptr, 0, 0};
+  const dim3 grid(static_cast<unsigned>((q.size(2) + kernels::kQkRows - 1) / kernels::kQkRows),
+                  static_cast<unsigned>(q.size(0) * q.size(1)));
+  const size_t smem = static_cast<size_t>(kernels::qk_smem_bytes(q.size(3)));
+  const bool log2 = kernels::hist_plan(h, true, hookcap_emu::kH100SmemBudget).mode == kernels::kModeLog2Exp;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = log2 ? &kernels::attention_qk_kernel<T, kernels::kModeLog2Exp>
+                       : &kernels::attention_qk_kernel<T, kernels::kModeNone>;
+    py::gil_scoped_release nogil;
+    emu::launch(kernel, grid, dim3(kernels::kThreads), smem, a, rows, tgt, h);
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    run(c10::BFloat16{});
+  } else {
+    run(c10::Half{});
+  }
+  return py::make_tuple(lse, entropy);
 }
 
 void accumulate_bins(const at::Tensor& index, const c10::optional<at::Tensor>& weight, at::Tensor& ring,
@@ -604,6 +644,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("accumulate_updates", &accumulate_updates);
   m.def("accumulate_bins", &accumulate_bins);
   m.def("attention_rows", &attention_rows);
+  m.def("attention_qk", &attention_qk);
   m.def("accumulate_groups", &accumulate_groups);
   m.def("accumulate_many", &accumulate_many);
   m.def("set_fault", &set_fault);

@@ -10,6 +10,7 @@
 #include "cuda_emu.h"
 // The kernels, unchanged: what CI runs is what nvcc builds.
 #include "cuda/attention_kernel.cuh"
+#include "cuda/attention_qk_kernel.cuh"
 #include "cuda/bins_kernel.cuh"
 #include "cuda/stats_kernel.cuh"
 #include "cuda/update_kernel.cuh"
