@@ -52,6 +52,6 @@ def test_cuda_launches_go_through_the_checked_launcher():
     # only right after a failed call of ours: a launch, a side stream's event record, the
     # join's wait, the join's records on the previous step's stream and on hookcap's side stream
     assert code.count("cudaGetLastError") == 5
-    # accumulate, accumulate_many, accumulate_update and accumulate_bins (with their dynamic
-    # shared memory), reset_rows, advance (reset, then state), time_mark, attention_rows
-    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 9
+    # accumulate, accumulate_many, accumulate_update, accumulate_bins and attention_qk (with their
+    # dynamic shared memory), reset_rows, advance (reset, then state), time_mark, attention_rows
+    assert code.count("launch(\"hookcap.") + code.count("launch_smem(\"hookcap.") == 10

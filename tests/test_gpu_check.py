@@ -59,8 +59,9 @@ def test_cpu_quick_run_records_every_step(tmp_path):
     groups_op = overhead["groups_op"]  # the grouped op against the ungrouped one, each case
     assert {r["case"] for r in groups_op} == {"heads 12 x 64", "experts 8", "channels 768 x 1"}
     assert all(r["ratio"] > 0 for r in groups_op)
-    tiles = overhead["attention_tiles"]  # one layer's attention observed, by the GPU's tile size
-    assert "error" not in tiles and set(tiles["observe_ms"]) == {str(1 << 22), str(1 << 23), str(1 << 25)}
+    tiles = overhead["attention_tiles"]  # one layer's attention observed: on chip, and by the GPU's tile size
+    assert "error" not in tiles
+    assert set(tiles["observe_ms"]) == {"on chip", str(1 << 22), str(1 << 23), str(1 << 25)}
     assert tiles["attention_ms"] > 0
     many = overhead["many_op"]  # every parameter's statistics: one call against one per parameter
     assert many["tensors"] > 3 and all(v > 0 for v in many["ms"].values()) and many["launches"] is None
