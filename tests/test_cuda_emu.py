@@ -1607,6 +1607,25 @@ def test_attention_qk_kernel_equals_float64_of_the_logits(emu, dtype, shape, cau
     np.testing.assert_allclose(ent.double().numpy(), want_ent.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 2), st.sampled_from([(1, 1), (2, 1), (4, 2)]), st.integers(1, 100), st.integers(1, 140),
+       st.sampled_from([16, 48]), st.booleans(), st.sampled_from([torch.bfloat16, torch.float16]),
+       st.integers(0, 2**16))
+def test_attention_qk_kernel_over_shapes(emu, b, heads, tq, tk, d, causal, dtype, seed):
+    """Any batch, head grouping, query and key count (partial row blocks and
+    key tiles, rows that see one key) and head dim: each head's logit row
+    equals float64's of its masked logits, exact inputs as above."""
+    nh, hk = heads
+    q, k = _qk_inputs(seed, b, nh, hk, tq, tk, d, dtype, exact=True)
+    ref = _qk_reference(q, k, causal, 0.25)
+    ring = new_ring(1, nh, LOG2)
+    lse, _ = emu.attention_qk(q, k, causal, 0.25, ring, torch.tensor([0, 1, 0]), list(range(nh)), *hist_args(LOG2))
+    for i in range(nh):
+        part = ref[:, i]
+        assert_stats_match(row_stats(ring[0, i], LOG2), tensor_stats(part, LOG2), abs_sum=abs_sum(part))
+    np.testing.assert_allclose(lse.double().numpy(), torch.logsumexp(ref, -1).numpy(), rtol=1e-5, atol=1e-12)
+
+
 def test_attention_qk_kernel_on_real_valued_inputs_nan_and_off_steps(emu):
     """Normal q, k (logits rounded in float32): per head max, min, sum and
     std within float32 rounding of float64, lse and entropy within 1e-5; a
