@@ -1626,6 +1626,23 @@ def test_attention_qk_kernel_over_shapes(emu, b, heads, tq, tk, d, causal, dtype
     np.testing.assert_allclose(lse.double().numpy(), torch.logsumexp(ref, -1).numpy(), rtol=1e-5, atol=1e-12)
 
 
+@pytest.mark.parametrize("order,schedule", [(1, 1), (2, 2)])
+def test_attention_qk_kernel_in_any_block_order_and_warp_schedule(emu, order, schedule):
+    """Blocks in reverse or shuffled order, warps one at a time between
+    barriers (warp 0 first or last: a missing barrier between the tiles,
+    the row maxima or the sums gives wrong rows deterministically): each
+    head's row and the rows' logsumexp still equal float64."""
+    emu.configure(order=order, seed=3, schedule=schedule)
+    q, k = _qk_inputs(9, 2, 2, 1, 70, 100, 16, torch.bfloat16, exact=True)
+    ref = _qk_reference(q, k, True, 0.25)
+    ring = new_ring(1, 2, LOG2)
+    lse, _ = emu.attention_qk(q, k, True, 0.25, ring, torch.tensor([0, 1, 0]), [0, 1], *hist_args(LOG2))
+    for i in range(2):
+        part = ref[:, i]
+        assert_stats_match(row_stats(ring[0, i], LOG2), tensor_stats(part, LOG2), abs_sum=abs_sum(part))
+    np.testing.assert_allclose(lse.double().numpy(), torch.logsumexp(ref, -1).numpy(), rtol=1e-5, atol=1e-12)
+
+
 def test_attention_qk_kernel_on_real_valued_inputs_nan_and_off_steps(emu):
     """Normal q, k (logits rounded in float32): per head max, min, sum and
     std within float32 rounding of float64, lse and entropy within 1e-5; a
