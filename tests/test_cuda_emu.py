@@ -1623,7 +1623,8 @@ def test_attention_qk_kernel_over_shapes(emu, b, heads, tq, tk, d, causal, dtype
     for i in range(nh):
         part = ref[:, i]
         assert_stats_match(row_stats(ring[0, i], LOG2), tensor_stats(part, LOG2), abs_sum=abs_sum(part))
-    np.testing.assert_allclose(lse.double().numpy(), torch.logsumexp(ref, -1).numpy(), rtol=1e-5, atol=1e-12)
+    # lse = max + log1p(...) in float32: near 0 its error is a few ulps of the row's max (|logit| <= 12)
+    np.testing.assert_allclose(lse.double().numpy(), torch.logsumexp(ref, -1).numpy(), rtol=1e-5, atol=4e-6)
 
 
 @pytest.mark.parametrize("order,schedule", [(1, 1), (2, 2)])
