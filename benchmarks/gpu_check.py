@@ -1139,7 +1139,7 @@ def target_lines(by_name: dict) -> list[str]:
     if base and every1 and attn:
         extra = attn["overhead_pct"] - every1["overhead_pct"]
         rows.append(("attention internals every step, beyond outputs and gradients (on chip: "
-                     "hookcap::attention_qk, estimated 2.5–3.5 % by its work)", "≤ 2 % of the step",
+                     "hookcap::attention_qk, estimated 2.1–2.8 % by its work)", "≤ 2 % of the step",
                      f"{extra:+.2f} % (with outputs and gradients: {attn['overhead_pct']:+.2f} %)", extra <= 2.0))
     else:
         rows.append(("attention internals every step, beyond outputs and gradients", "≤ 2 % of the step", None,

@@ -1576,7 +1576,7 @@ def _qk_reference(q, k, causal, scale):
 ])
 @pytest.mark.parametrize("h", [LOG2, None])
 def test_attention_qk_kernel_equals_float64_of_the_logits(emu, dtype, shape, causal, strided, h):
-    """attention_qk_kernel (logits on chip only, two passes over the key
+    """attention_qk_kernel (logits on chip only, one walk over the key
     tiles) on inputs whose logits are exact in float32: per head the
     statistics row of the logits (the mask's -inf counted, counts, extrema and
     bins exactly) equals float64's of the masked logits, a head whose row is
@@ -1619,12 +1619,15 @@ def test_attention_qk_kernel_over_shapes(emu, b, heads, tq, tk, d, causal, dtype
     q, k = _qk_inputs(seed, b, nh, hk, tq, tk, d, dtype, exact=True)
     ref = _qk_reference(q, k, causal, 0.25)
     ring = new_ring(1, nh, LOG2)
-    lse, _ = emu.attention_qk(q, k, causal, 0.25, ring, torch.tensor([0, 1, 0]), list(range(nh)), *hist_args(LOG2))
+    lse, ent = emu.attention_qk(q, k, causal, 0.25, ring, torch.tensor([0, 1, 0]), list(range(nh)),
+                                *hist_args(LOG2))
     for i in range(nh):
         part = ref[:, i]
         assert_stats_match(row_stats(ring[0, i], LOG2), tensor_stats(part, LOG2), abs_sum=abs_sum(part))
+    want_lse, want_ent = _softmax_ref(ref)
     # lse = max + log1p(...) in float32: near 0 its error is a few ulps of the row's max (|logit| <= 12)
-    np.testing.assert_allclose(lse.double().numpy(), torch.logsumexp(ref, -1).numpy(), rtol=1e-5, atol=4e-6)
+    np.testing.assert_allclose(lse.double().numpy(), want_lse.numpy(), rtol=1e-5, atol=4e-6)
+    np.testing.assert_allclose(ent.double().numpy(), want_ent.numpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("order,schedule", [(1, 1), (2, 2)])
@@ -1660,7 +1663,9 @@ def test_attention_qk_kernel_on_real_valued_inputs_nan_and_off_steps(emu):
             assert got[key] == want[key]
         for key in ("max", "min", "sum", "std"):
             np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=1e-4)
-    np.testing.assert_allclose(lse.double().numpy(), torch.logsumexp(ref, -1).numpy(), rtol=1e-5)
+    want_lse, want_ent = _softmax_ref(ref)
+    np.testing.assert_allclose(lse.double().numpy(), want_lse.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(ent.double().numpy(), want_ent.numpy(), rtol=1e-5, atol=1e-6)
     qn = q.clone()
     qn[1, 0, 7, 3] = float("nan")
     ring = new_ring(1, 2, LOG2)
@@ -1674,6 +1679,43 @@ def test_attention_qk_kernel_on_real_valued_inputs_nan_and_off_steps(emu):
     off = new_ring(1, 2, LOG2)
     emu.attention_qk(q, k, True, 0.125, off, torch.tensor([0, 0, 0]), [0, 1], *hist_args(LOG2))
     assert (off[0, :, _layout.CALLS] == 0).all() and (off[0, :, _layout.COUNT] == 0).all()
+
+
+def _softmax_ref(ref):
+    """float64 logsumexp and entropy (nats) of each row of masked logits."""
+    p = torch.softmax(ref, -1)
+    return torch.logsumexp(ref, -1), -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
+
+
+@pytest.mark.parametrize("row", ["rising", "falling", "peaked"])
+def test_attention_qk_kernel_online_softmax_of_rising_falling_and_peaked_rows(emu, row):
+    """The kernel sums each row's softmax in one walk about a running max,
+    rebased whenever a key tile raises it. Rows whose logits rise along the
+    keys (a rebase at every tile of every lane), fall (never), or hold one
+    key far above the rest (entropy near 0, the others' terms ~e^-30): lse
+    and entropy equal float64's of the same 16-bit q, k within 1e-5, with
+    entropy near 0 judged within float32 rounding of the terms it sums."""
+    g = torch.Generator().manual_seed(11)
+    b, nh, tq, tk, d = 1, 2, 70, 200, 32
+    u = torch.randn(d, generator=g)
+    u = u / u.norm()
+    q = (u * 4 + torch.randn(b, nh, tq, d, generator=g) * 0.05)
+    ramp = torch.linspace(0, 1, tk)[:, None]
+    k = {
+        "rising": ramp * u * 5,
+        "falling": (1 - ramp) * u * 5,
+        "peaked": torch.randn(tk, d, generator=g) * 0.1 + torch.where(torch.arange(tk)[:, None] == 150, u * 8, 0.0),
+    }[row] + torch.randn(b, nh, tk, d, generator=g) * 0.05
+    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    for causal in (False, True):
+        ref = _qk_reference(q, k, causal, 1.0)
+        ring = new_ring(1, nh, LOG2)
+        lse, ent = emu.attention_qk(q, k, causal, 1.0, ring, torch.tensor([0, 1, 0]), [0, 1], *hist_args(LOG2))
+        want_lse, want_ent = _softmax_ref(ref)
+        np.testing.assert_allclose(lse.double().numpy(), want_lse.numpy(), rtol=1e-5, atol=4e-6)
+        np.testing.assert_allclose(ent.double().numpy(), want_ent.numpy(), rtol=1e-5, atol=1e-6)
+        if row == "peaked" and not causal:
+            assert want_ent.max() < 1e-3  # the case is what it says
 
 
 # ---------------------------------------------------------------------------

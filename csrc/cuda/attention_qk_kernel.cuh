@@ -3,14 +3,11 @@
 // logits in global memory. A block takes kQkRows query rows of one
 // (batch, head) and walks the keys in tiles of kQkKeys: each tile of logits
 // q.k^T (tensor cores, mma_shim.cuh) lives in shared memory only, read by
-// the block's threads for
-//   pass 1: the statistics of the allowed logits (the statistics kernel's
-//           float runs, flushes and histogram, stats_math.h) and each row's
-//           max;
-//   pass 2: the tiles again (the product recomputed: cheaper than keeping
-//           them) for each row's softmax sums about its max
-//           (attention_math.h), hence its logsumexp and entropy, written to
-//           global memory (kQkRows floats each) for the grouped launches.
+// the block's threads, in one walk, for the statistics of the allowed
+// logits (the statistics kernel's float runs, flushes and histogram,
+// stats_math.h) and each row's softmax sums about its running max, rebased
+// as it grows (attention_math.h), hence the row's logsumexp and entropy,
+// written to global memory (kQkRows floats each) for the grouped launches.
 // Keys a top-left causal mask hides are counted as -inf (the tiled path's
 // neginf) and never computed. Plain CUDA C++, compiled by nvcc
 // (stats_launch.cu) and by the CPU emulation harness (tests/cuda_emu).
@@ -26,8 +23,10 @@ namespace kernels {
 
 static_assert(kThreads == 256 && kWarps == 8, "8 warps: 4 row blocks of 16 rows x 2 halves of a key tile");
 
+// Three blocks per SM (at most 85 registers: ptxas picks 80): unbounded,
+// ptxas gives bfloat16 with log2 on sm_90 101, which leaves room for two.
 template <typename T, int kMode>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 3)
     attention_qk_kernel(QkArgs a, QkRows rows, RowTarget tgt, HistSpec hist) {
   static_assert(kMode == kModeNone || kMode == kModeLog2Exp, "the launcher offers these two histograms");
   __shared__ std::conditional_t<kMode == kModeLog2Exp, Log2ExpSmem, char> sh;
@@ -94,14 +93,17 @@ __global__ void __launch_bounds__(kThreads)
   const bool stats = rows.row[h] >= 0;
   int64_t* row = tgt.ring + (slot * tgt.rows + (stats ? rows.row[h] : 0)) * tgt.width;
 
-  // Pass 1: the logits' statistics, as the statistics kernel's runs (a run:
-  // this lane's allowed logits of one tile), and the row's max.
+  // One walk over the tiles: the logits' statistics, as the statistics
+  // kernel's runs (a run: this lane's allowed logits of one tile), and this
+  // lane's softmax sums about its running max, rebased when a tile raises it
+  // (online softmax: the product is computed once).
   ThreadAcc<float> part;
   thread_acc_init(part);
   double shift = 0.0;
   bool has_shift = false;
   float c = 0.f;  // the next run's center
-  float rmax = -__builtin_huge_valf();
+  float lm = -__builtin_huge_valf();  // this lane's max so far
+  SoftmaxSums ss = softmax_sums_zero();
   auto exact = [&](double v) {
     if (!has_shift && (v < 0 ? -v : v) < kInf) {
       shift = v;
@@ -113,6 +115,12 @@ __global__ void __launch_bounds__(kThreads)
     tile(kt0);
     const int64_t mine = allowed - (kt0 + c0);  // this lane's allowed keys in the tile: the first `mine`
     const int m = mine <= 0 ? 0 : mine >= 16 ? 16 : static_cast<int>(mine);
+    float tm = lm;
+    for (int j = 0; j < m; ++j) tm = logit_max(tm, srow[j] * a.scale);
+    softmax_rebase(ss, lm, tm);
+    lm = tm;
+    // About a max of -inf (nothing yet), NaN or +inf (the row is NaN by
+    // softmax_finish) a push adds nothing that matters: no test per logit.
     float s1 = 0.f, s2 = 0.f, mn = kInfF, mx = -kInfF, nz = 0.f;
     for (int j = 0; j < m; ++j) {
       const float v = srow[j] * a.scale;
@@ -122,9 +130,9 @@ __global__ void __launch_bounds__(kThreads)
       mn = wmin(mn, v);
       mx = wmax(mx, v);
       nz += v == 0.f ? 1.f : 0.f;
-      rmax = logit_max(rmax, v);
+      softmax_push(ss, v, lm);
       if constexpr (kMode == kModeLog2Exp) {
-        atomicAdd(smem_ptr<unsigned int>(((vbits(v) >> 21) & 0x3fcu) | warp_tab), 1u);
+        if (stats) atomicAdd(smem_ptr<unsigned int>(((vbits(v) >> 21) & 0x3fcu) | warp_tab), 1u);
       }
     }
     if (m == 0 || !stats) continue;
@@ -145,27 +153,14 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < m; ++j) exact(static_cast<double>(srow[j] * a.scale));  // rare: in double
     }
   }
-  rmax = logit_max(rmax, __shfl_xor_sync(0xffffffffu, rmax, 1));
-  if (lane % 2 == 0) s_max[kh * kQkRows + rl] = rmax;
-  __syncthreads();
-  const float rm = logit_max(s_max[rl], s_max[kQkRows + rl]);
-
-  // Pass 2: the row's softmax sums about its max.
-  SoftmaxSums ss = softmax_sums_zero();
-  const float ninf = -__builtin_huge_valf();
-  for (int64_t kt0 = 0; kt0 < keys_end; kt0 += kQkKeys) {
-    tile(kt0);
-    const int64_t mine = allowed - (kt0 + c0);
-    const int m = mine <= 0 ? 0 : mine >= 16 ? 16 : static_cast<int>(mine);
-    if (rm == ninf) continue;  // no allowed key (or none of this row's): softmax_finish's -inf
-    for (int j = 0; j < m; ++j) softmax_push(ss, srow[j] * a.scale, rm);
-  }
+  // The row's four partials (two lanes x two key halves) about its max.
   {
     const SoftmaxSums o{__shfl_xor_sync(0xffffffffu, ss.others, 1), __shfl_xor_sync(0xffffffffu, ss.ties, 1),
                         __shfl_xor_sync(0xffffffffu, ss.t, 1)};
-    softmax_merge(ss, o);
+    softmax_merge_about(lm, ss, __shfl_xor_sync(0xffffffffu, lm, 1), o);
   }
   if (lane % 2 == 0) {
+    s_max[kh * kQkRows + rl] = lm;
     float* o = s_sums + (kh * kQkRows + rl) * 3;
     o[0] = ss.others;
     o[1] = ss.ties;
@@ -175,10 +170,11 @@ __global__ void __launch_bounds__(kThreads)
   if (tid < kQkRows && q0 + tid < a.tq) {
     const float* lo = s_sums + tid * 3;
     const float* hi = s_sums + (kQkRows + tid) * 3;
+    float rm = s_max[tid];
     SoftmaxSums t{lo[0], lo[1], lo[2]};
-    softmax_merge(t, SoftmaxSums{hi[0], hi[1], hi[2]});
+    softmax_merge_about(rm, t, s_max[kQkRows + tid], SoftmaxSums{hi[0], hi[1], hi[2]});
     const int64_t at = bh * a.tq + q0 + tid;
-    softmax_finish(logit_max(s_max[tid], s_max[kQkRows + tid]), t, a.lse + at, a.entropy + at);
+    softmax_finish(rm, t, a.lse + at, a.entropy + at);
   }
   if (!stats) return;  // uniform
 
@@ -218,6 +214,13 @@ __global__ void __launch_bounds__(kThreads)
   // block_epilogue adds count and calls from blockIdx.x == 0 only: blocks
   // of other batch entries pass none.
   block_epilogue<kMode, false, false>(acc, has_shift, shift, t, hist, row, counts, q4);
+}
+
+// The kernel for 16-bit q, k (bfloat16 or float16) and the histogram.
+using QkKernel = void (*)(QkArgs, QkRows, RowTarget, HistSpec);
+inline QkKernel attention_qk_kernel_for(bool bf16, bool log2) {
+  if (bf16) return log2 ? &attention_qk_kernel<c10::BFloat16, kModeLog2Exp> : &attention_qk_kernel<c10::BFloat16, kModeNone>;
+  return log2 ? &attention_qk_kernel<c10::Half, kModeLog2Exp> : &attention_qk_kernel<c10::Half, kModeNone>;
 }
 
 }  // namespace kernels

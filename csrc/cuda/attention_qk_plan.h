@@ -1,13 +1,14 @@
 // Host side of attention_qk_kernel (attention_qk_kernel.cuh): which calls it
-// takes, and their launch. Shared by the CUDA launcher (stats_launch.cu), the
-// query op (ops.cpp) and the emulation harness (tests/cuda_emu), so all
-// three decide alike.
+// takes, and their launch. Shared by the CUDA launcher and the query op
+// (stats_launch.cu) and the emulation harness (tests/cuda_emu), so all
+// three decide and launch alike.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
 
+#include "cuda/attention_qk_kernel.cuh"
 #include "cuda/launch_plan.cuh"
 #include "hookcap/attention_qk.h"
 #include "hookcap/stats_math.h"
@@ -79,6 +80,27 @@ inline kernels::QkRows attention_qk_rows(c10::IntArrayRef logit_rows) {
     r.row[i] = logit_rows[i];
   }
   return r;
+}
+
+// attention_qk_kernel's launch for q, k into ring (checked by
+// attention_qk_unsupported with the same histogram and budget).
+struct QkLaunch {
+  kernels::QkKernel kernel;  // for the dtype and histogram
+  kernels::RowTarget tgt;    // the head's row comes from QkRows
+  unsigned blocks_x;         // blocks of kQkRows query rows
+  unsigned blocks_y;         // batch x heads
+  int64_t smem;              // dynamic shared memory, bytes
+};
+
+inline QkLaunch attention_qk_launch(const at::Tensor& q, const at::Tensor& k, at::Tensor& ring,
+                                    const at::Tensor& state, const HistSpec& h, int64_t smem_budget) {
+  const bool log2 = kernels::hist_plan(h, true, smem_budget).mode == kernels::kModeLog2Exp;
+  return QkLaunch{kernels::attention_qk_kernel_for(q.scalar_type() == at::kBFloat16, log2),
+                  kernels::RowTarget{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0, ring.size(1),
+                                     ring.size(2), ring.size(0), q.size(0) * q.size(2) * k.size(2), 1, 1, nullptr,
+                                     0, 0},
+                  static_cast<unsigned>((q.size(2) + kernels::kQkRows - 1) / kernels::kQkRows),
+                  static_cast<unsigned>(q.size(0) * q.size(1)), kernels::qk_smem_bytes(q.size(3))};
 }
 
 }  // namespace hookcap

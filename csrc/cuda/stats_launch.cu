@@ -741,27 +741,12 @@ void attention_qk_cuda(const at::Tensor& q, const at::Tensor& k, bool causal, do
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   at::Tensor entropy = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   const kernels::QkArgs a = attention_qk_args(q, k, causal, scale, lse, entropy);
-  const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0, ring.size(1),
-                               ring.size(2), ring.size(0), q.size(0) * q.size(2) * k.size(2), 1, 1, nullptr, 0, 0};
-  const dim3 grid(static_cast<unsigned>((q.size(2) + kernels::kQkRows - 1) / kernels::kQkRows),
-                  static_cast<unsigned>(q.size(0) * q.size(1)));
-  const int64_t smem = kernels::qk_smem_bytes(q.size(3));
-  const bool log2 = kernels::hist_plan(h, true, smem_budget(device)).mode == kernels::kModeLog2Exp;
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    auto kernel = log2 ? &kernels::attention_qk_kernel<T, kernels::kModeLog2Exp>
-                       : &kernels::attention_qk_kernel<T, kernels::kModeNone>;
-    // Its static shared memory: the exponent tables and the block's partials.
-    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device,
-                       smem + static_cast<int64_t>(sizeof(kernels::Log2ExpSmem)));
-    launch_smem("hookcap.attention_qk", kernel, grid, dim3(kThreads), static_cast<size_t>(smem), stream, a,
-                attention_qk_rows(logit_rows), tgt, h);
-  };
-  if (q.scalar_type() == at::kBFloat16) {
-    run(c10::BFloat16{});
-  } else {
-    run(c10::Half{});
-  }
+  const QkLaunch l = attention_qk_launch(q, k, ring, state, h, smem_budget(device));
+  // Its static shared memory: the exponent tables and the block's partials.
+  allow_dynamic_smem(reinterpret_cast<const void*>(l.kernel), device,
+                     l.smem + static_cast<int64_t>(sizeof(kernels::Log2ExpSmem)));
+  launch_smem("hookcap.attention_qk", l.kernel, dim3(l.blocks_x, l.blocks_y), dim3(kThreads),
+              static_cast<size_t>(l.smem), stream, a, attention_qk_rows(logit_rows), l.tgt, h);
   seal_ring_write(device, stream);
   accumulate_groups_cuda(lse, ring, state, lse_rows, 1, 1, hist_kind, hist_lo, hist_hi, hist_bins);
   accumulate_groups_cuda(entropy, ring, state, entropy_rows, 1, 1, hist_kind, hist_lo, hist_hi, hist_bins);

@@ -1,7 +1,8 @@
-// attention_rows' per-row math, shared by the CPU loop, the CUDA kernel and
+// attention_rows' per-row math, shared by the CPU loop, the CUDA kernels and
 // the emulation harness: each row of pre-softmax logits, read twice (its
-// max, then the sums about it), gives the row's logsumexp and its softmax's
-// entropy in nats.
+// max, then the sums about it), or once with the sums rebased whenever the
+// max grows (attention_qk_kernel), gives the row's logsumexp and its
+// softmax's entropy in nats.
 //
 // About the row's max m, with d = m - l >= 0 and e = exp(-d):
 //   lse = m + log1p(S'),  entropy = log1p(S') + T / (1 + S'),
@@ -107,6 +108,33 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void softmax_merge(SoftmaxSums& a, const Softm
   a.others += b.others;
   a.ties += b.ties;
   a.t += b.t;
+}
+
+// Sums `a` about max `m`, re-expressed about a larger max `m2` (online
+// softmax: a part of a row summed before its max was known). About m2 every
+// old term is e * w with w = exp(-(m2 - m)) and d + (m2 - m), the old ties
+// included: others' = w * (others + ties), T' = w * (T + (m2 - m) * (others +
+// ties)), no ties left; still no negative term. Nothing when m2 <= m or
+// either is NaN (a NaN row is NaN by softmax_finish), none from m = -inf
+// (empty sums; +inf - -inf would give inf * 0).
+C10_HOST_DEVICE C10_ALWAYS_INLINE void softmax_rebase(SoftmaxSums& a, float m, float m2) {
+  if (!(m2 > m)) return;
+  const float gap = m2 - m;
+  const float w = exp_neg(gap);
+  const float n = a.others + a.ties;
+  a.t = w * (n > 0.f ? a.t + gap * n : a.t);
+  a.others = w * n;
+  a.ties = 0.f;
+}
+
+// Sums `a` about max `ma` and `b` about `mb` into `a` about the larger of
+// the two, which `ma` becomes.
+C10_HOST_DEVICE C10_ALWAYS_INLINE void softmax_merge_about(float& ma, SoftmaxSums& a, float mb, SoftmaxSums b) {
+  const float m = logit_max(ma, mb);
+  softmax_rebase(a, ma, m);
+  softmax_rebase(b, mb, m);
+  softmax_merge(a, b);
+  ma = m;
 }
 
 // The row's logsumexp and entropy (nats): -inf both for a row with no

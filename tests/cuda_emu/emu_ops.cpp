@@ -252,23 +252,11 @@ py::tuple attention_qk(const at::Tensor& q, const at::Tensor& k, bool causal, do
   auto entropy = at::empty_like(lse);
   const kernels::QkArgs a = attention_qk_args(q, k, causal, scale, lse, entropy);
   const kernels::QkRows rows = attention_qk_rows(logit_rows);
-  const kernels::RowTarget tgt{ring.data_ptr<int64_t>(), state.const_data_ptr<int64_t>(), 0, ring.size(1),
-                               ring.size(2), ring.size(0), q.size(0) * q.size(2) * k.size(2), 1, 1, nullptr, 0, 0};
-  const dim3 grid(static_cast<unsigned>((q.size(2) + kernels::kQkRows - 1) / kernels::kQkRows),
-                  static_cast<unsigned>(q.size(0) * q.size(1)));
-  const size_t smem = static_cast<size_t>(kernels::qk_smem_bytes(q.size(3)));
-  const bool log2 = kernels::hist_plan(h, true, hookcap_emu::kH100SmemBudget).mode == kernels::kModeLog2Exp;
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    auto kernel = log2 ? &kernels::attention_qk_kernel<T, kernels::kModeLog2Exp>
-                       : &kernels::attention_qk_kernel<T, kernels::kModeNone>;
+  const QkLaunch l = attention_qk_launch(q, k, ring, state, h, hookcap_emu::kH100SmemBudget);
+  {
     py::gil_scoped_release nogil;
-    emu::launch(kernel, grid, dim3(kernels::kThreads), smem, a, rows, tgt, h);
-  };
-  if (q.scalar_type() == at::kBFloat16) {
-    run(c10::BFloat16{});
-  } else {
-    run(c10::Half{});
+    emu::launch(l.kernel, dim3(l.blocks_x, l.blocks_y), dim3(kernels::kThreads), static_cast<size_t>(l.smem), a,
+                rows, l.tgt, h);
   }
   return py::make_tuple(lse, entropy);
 }
