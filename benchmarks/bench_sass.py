@@ -31,6 +31,9 @@ instructions per SM per clock), FP64 pipe 64 lanes per SM per clock, HBM3
 the element size; it ignores memory latency, shared-memory atomic conflicts and
 the per-launch start-up, which the GPU benchmark measures.
 
+Then the registers, spill bytes and static shared memory ptxas gives the
+launcher's other kernels (attention, updates, bins, ring upkeep).
+
 Then the fixed cost of a launch's epilogue, which SASS alone cannot count
 (it depends on the grid and the branches taken): the global atomics one
 launch sends, counted by executing the kernels' source in the CPU emulation
@@ -113,7 +116,10 @@ def build_cubin(arch: int, meta: dict, out_dir: str) -> tuple[str, str]:
 
     incs = [os.path.join(ROOT, "csrc")] + cpp_extension.include_paths(device_type="cuda")
     cubin = os.path.join(out_dir, f"stats_sm{arch}.cubin")
-    cmd = [os.path.join(cuda_home, "bin", "nvcc"), "-cubin", f"-arch=sm_{arch}", *meta["nvcc_flags"],
+    # torch's BuildExtension adds COMMON_NVCC_FLAGS (the __CUDA_NO_HALF/BFLOAT16 macros) to every
+    # nvcc command of the build: without them the 16-bit code compiles to other instructions.
+    cmd = [os.path.join(cuda_home, "bin", "nvcc"), "-cubin", f"-arch=sm_{arch}",
+           *cpp_extension.COMMON_NVCC_FLAGS, *meta["nvcc_flags"],
            "-Xptxas", "-v", "-DHOOKCAP_WITH_CUDA=1", f"-D_GLIBCXX_USE_CXX11_ABI={meta['cxx_abi']}",
            "-DTORCH_EXTENSION_NAME=_C", *[f"-I{i}" for i in incs],
            os.path.join(ROOT, "csrc", "cuda", "stats_launch.cu"), "-o", cubin]
@@ -445,7 +451,7 @@ def main() -> None:
     print(f"# toolkit {cuda_home}; bound: H100 SXM {H100['sms']} SMs x {H100['clock_hz'] / 1e9:.3f} GHz, "
           f"{H100['issue_per_sm_clk']} thread-instructions/SM/clk, FP64 {H100['fp64_per_sm_clk']}/SM/clk, "
           f"HBM {H100['hbm_bytes_s'] / 1e12:.2f} TB/s; {THREADS} threads per block")
-    results = []
+    results, others = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in (int(a) for a in args.arch.split(",")):
             cubin, log = build_cubin(arch, meta, tmp)
@@ -472,6 +478,12 @@ def main() -> None:
                     row["avg_in_flight_kb_per_sm"] = loop["avg_in_flight_bytes_per_thread"] * THREADS * bps / 1024
                     row["bound_of_hbm"] = bound_fraction(loop["insns_per_elem"], loop["fp64_per_elem"], elem)
                 results.append(row)
+            for mangled, pi in sorted(info.items(), key=lambda kv: names.get(kv[0], kv[0])):
+                name = names.get(mangled, mangled)
+                if mangled in funcs and parse_name(name) is not None:
+                    continue
+                others.append(dict(arch=arch, kernel=name.split("(")[0].replace("hookcap::kernels::", ""),
+                                   regs=pi["regs"], spill_bytes=pi["spill_st"] + pi["spill_ld"], smem=pi["smem"]))
     print(f"{'sm':>3} {'kernel':<34} {'insn/el':>7} {'fp64/el':>7} {'ld/el':>6} {'br':>3} {'regs':>4} "
           f"{'spill':>5} {'inlp':>4} {'smem':>6} {'dyn':>6} {'blk/SM':>6} {'KB fly/SM':>9} {'KB avg':>6} {'bound':>6}")
     for r in results:
@@ -483,6 +495,9 @@ def main() -> None:
         else:
             print(f"{r['arch']:>3} {r['kernel']:<34} {'(no loop found)':>27} {r['regs']:>4} {r['spill_bytes']:>5} {'':>4} "
                   f"{r['smem']:>6} {r['dyn_smem']:>6} {r['blocks_per_sm']:>6}")
+    print(f"\n# the launcher's other kernels (ptxas): registers, spill bytes, static shared memory")
+    for r in others:
+        print(f"{r['arch']:>3} {r['kernel']:<64} {r['regs']:>4} {r['spill_bytes']:>5} {r['smem']:>6}")
     atomics = None
     if not args.no_atomics:
         atomics = launch_atomics()
@@ -493,8 +508,8 @@ def main() -> None:
         print(f"every block merging into the ring:                      {atomics['direct']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(assumptions=H100, threads=THREADS, results=results, launch_atomics=atomics), f,
-                      indent=1)
+            json.dump(dict(assumptions=H100, threads=THREADS, results=results, other_kernels=others,
+                           launch_atomics=atomics), f, indent=1)
 
 
 if __name__ == "__main__":
