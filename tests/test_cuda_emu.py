@@ -1600,9 +1600,7 @@ def test_attention_qk_kernel_equals_float64_of_the_logits(emu, dtype, shape, cau
         part = ref[:, i]
         assert ring[0, rows[i], _layout.CALLS] == 1
         assert_stats_match(got, tensor_stats(part, h), abs_sum=abs_sum(part))
-    want_lse = torch.logsumexp(ref, -1)
-    p = torch.softmax(ref, -1)
-    want_ent = -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
+    _, want_lse, want_ent = attention_rows_ref(ref)
     np.testing.assert_allclose(lse.double().numpy(), want_lse.numpy(), rtol=1e-5, atol=1e-12)
     np.testing.assert_allclose(ent.double().numpy(), want_ent.numpy(), rtol=1e-5, atol=1e-6)
 
@@ -1624,7 +1622,7 @@ def test_attention_qk_kernel_over_shapes(emu, b, heads, tq, tk, d, causal, dtype
     for i in range(nh):
         part = ref[:, i]
         assert_stats_match(row_stats(ring[0, i], LOG2), tensor_stats(part, LOG2), abs_sum=abs_sum(part))
-    want_lse, want_ent = _softmax_ref(ref)
+    _, want_lse, want_ent = attention_rows_ref(ref)
     # lse = max + log1p(...) in float32: near 0 its error is a few ulps of the row's max (|logit| <= 12)
     np.testing.assert_allclose(lse.double().numpy(), want_lse.numpy(), rtol=1e-5, atol=4e-6)
     np.testing.assert_allclose(ent.double().numpy(), want_ent.numpy(), rtol=1e-5, atol=1e-6)
@@ -1663,7 +1661,7 @@ def test_attention_qk_kernel_on_real_valued_inputs_nan_and_off_steps(emu):
             assert got[key] == want[key]
         for key in ("max", "min", "sum", "std"):
             np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=1e-4)
-    want_lse, want_ent = _softmax_ref(ref)
+    _, want_lse, want_ent = attention_rows_ref(ref)
     np.testing.assert_allclose(lse.double().numpy(), want_lse.numpy(), rtol=1e-5)
     np.testing.assert_allclose(ent.double().numpy(), want_ent.numpy(), rtol=1e-5, atol=1e-6)
     qn = q.clone()
@@ -1679,12 +1677,6 @@ def test_attention_qk_kernel_on_real_valued_inputs_nan_and_off_steps(emu):
     off = new_ring(1, 2, LOG2)
     emu.attention_qk(q, k, True, 0.125, off, torch.tensor([0, 0, 0]), [0, 1], *hist_args(LOG2))
     assert (off[0, :, _layout.CALLS] == 0).all() and (off[0, :, _layout.COUNT] == 0).all()
-
-
-def _softmax_ref(ref):
-    """float64 logsumexp and entropy (nats) of each row of masked logits."""
-    p = torch.softmax(ref, -1)
-    return torch.logsumexp(ref, -1), -torch.where(p > 0, p * p.log(), 0.0).sum(-1)
 
 
 @pytest.mark.parametrize("row", ["rising", "falling", "peaked"])
@@ -1711,7 +1703,7 @@ def test_attention_qk_kernel_online_softmax_of_rising_falling_and_peaked_rows(em
         ref = _qk_reference(q, k, causal, 1.0)
         ring = new_ring(1, nh, LOG2)
         lse, ent = emu.attention_qk(q, k, causal, 1.0, ring, torch.tensor([0, 1, 0]), [0, 1], *hist_args(LOG2))
-        want_lse, want_ent = _softmax_ref(ref)
+        _, want_lse, want_ent = attention_rows_ref(ref)
         np.testing.assert_allclose(lse.double().numpy(), want_lse.numpy(), rtol=1e-5, atol=4e-6)
         np.testing.assert_allclose(ent.double().numpy(), want_ent.numpy(), rtol=1e-5, atol=1e-6)
         if row == "peaked" and not causal:
